@@ -1,0 +1,56 @@
+/* C-linkage wrappers over the functions of llama.cpp's src/llama-ext.h that
+ * speculative decoding needs. llama-ext.h declares them without extern "C", so
+ * their symbols are C++-mangled and cffi cannot bind them directly. */
+#ifndef PYLLAMA_SHIM_H
+#define PYLLAMA_SHIM_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct llama_context;
+struct llama_model;
+struct llama_batch_ext;
+
+/* Layer-input features of the target: what a DFlash draft is conditioned on. */
+void          pyllama_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid, bool value);
+float *       pyllama_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
+
+/* NextN embeddings of the draft (DFlash2 reads its selector lattice from them). */
+void          pyllama_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
+float *       pyllama_get_embeddings_nextn(struct llama_context * ctx);
+float *       pyllama_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
+
+/* The context whose token embeddings and output head a draft borrows. */
+struct llama_context * pyllama_get_ctx_other(struct llama_context * ctx);
+
+/* What a DFlash draft records about its target. */
+const int32_t * pyllama_model_target_layer_ids  (const struct llama_model * model);
+uint32_t        pyllama_model_target_layer_ids_n(const struct llama_model * model);
+int32_t         pyllama_model_dflash_selector_top_k(const struct llama_model * model);
+int32_t         pyllama_model_n_devices(const struct llama_model * model);
+
+/* Bulk fill of a llama_batch_ext, so that Python never loops over rows.
+ * Token rows: tokens[n], pos[n] (one position each), outputs[n] (0/1, may be NULL).
+ * Embedding rows: embd[n * n_embd], pos[n * n_pos] row-major (n_pos positions per
+ * row, as the context expects), outputs[n] (may be NULL).
+ * Return the number of rows added, or a negative llama_batch_ext error code:
+ * -1 batch full, -2 invalid token/embedding, -3 invalid sequence, -4 invalid position. */
+int32_t pyllama_batch_ext_add_tokens(struct llama_batch_ext * batch, int32_t seq_id, int32_t n,
+                                     const int32_t * tokens, const int32_t * pos, const int8_t * outputs);
+int32_t pyllama_batch_ext_add_embds (struct llama_batch_ext * batch, int32_t seq_id, int32_t n,
+                                     const float * embd, size_t n_embd,
+                                     const int32_t * pos, size_t n_pos, const int8_t * outputs);
+
+/* Version of this shim's C API, checked by the Python side at import. */
+int32_t         pyllama_shim_abi_version(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,47 @@
+"""pyllama-spec: vision-language models with DFlash speculative decoding on llama.cpp.
+
+The native part loads on first use of anything that needs it, so that
+``pyllama-spec doctor`` and ``build`` work before it is built.
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    ClosedError,
+    ContextOverflowError,
+    DecodeError,
+    ImageError,
+    IncompatibleModelsError,
+    ModelFileError,
+    NativeCallError,
+    NativeLibraryError,
+    ProjectorError,
+    PyllamaError,
+)
+
+__version__ = "0.1.0"
+
+# mtmd's default media marker (checked against mtmd_default_marker() in the tests).
+MEDIA_MARKER = "<__media__>"
+
+_LAZY = {
+    "Model": "llama", "Context": "llama", "Memory": "llama", "Sampler": "llama",
+    "Batch": "batch",
+    "Projector": "mtmd", "Bitmap": "mtmd", "Chunks": "mtmd", "Chunk": "mtmd",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module 'pyllama_spec' has no attribute {name!r}")
+
+
+__all__ = [
+    "MEDIA_MARKER", "ClosedError", "ContextOverflowError", "DecodeError", "ImageError",
+    "IncompatibleModelsError", "ModelFileError", "NativeCallError", "NativeLibraryError",
+    "ProjectorError", "PyllamaError", *_LAZY,
+]

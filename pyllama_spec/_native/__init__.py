@@ -1,0 +1,90 @@
+"""The compiled cffi module and its shared libraries; nothing else lives here.
+
+``ffi`` and ``lib`` are the only names the wrapper modules import. Native log
+messages (llama, ggml, mtmd) are routed into Python ``logging`` under
+``pyllama_spec.native``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+from pathlib import Path
+
+from ..errors import NativeLibraryError
+
+SHIM_ABI_VERSION = 1
+_HERE = Path(__file__).resolve().parent
+
+try:
+    from ._pyllama_cffi import ffi, lib  # type: ignore[import-not-found]
+except ImportError as e:  # pragma: no cover - exercised only without a build
+    raise NativeLibraryError(
+        "pyllama-spec's native part is not built or cannot be loaded "
+        f"({e}). From a source checkout run `python build.py` (add --cuda/--rocm/--vulkan/--metal for a GPU "
+        "backend), or reinstall with `pip install .`"
+    ) from e
+
+if lib.pyllama_shim_abi_version() != SHIM_ABI_VERSION:  # pragma: no cover
+    raise NativeLibraryError(
+        f"native shim ABI {lib.pyllama_shim_abi_version()} does not match the Python side ({SHIM_ABI_VERSION}): "
+        "rebuild with `python build.py`")
+
+LIB_DIR = _HERE / "lib"
+
+
+def build_record() -> dict:
+    """What build.py recorded about the native part (pin, patches, backend, flags)."""
+    path = _HERE / "build_record.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+# ----------------------------------------------------------------------------- logging
+
+native_logger = logging.getLogger("pyllama_spec.native")
+native_logger.addHandler(logging.NullHandler())  # a library does not print; errors reach the caller
+# The last warnings/errors llama.cpp logged: attached to exceptions, so that a failure
+# says what the native side said about it.
+_recent_problems: collections.deque[str] = collections.deque(maxlen=6)
+_LEVELS = {
+    lib.GGML_LOG_LEVEL_DEBUG: logging.DEBUG,
+    lib.GGML_LOG_LEVEL_INFO: logging.INFO,
+    lib.GGML_LOG_LEVEL_WARN: logging.WARNING,
+    lib.GGML_LOG_LEVEL_ERROR: logging.ERROR,
+}
+_pending = {"level": logging.INFO, "text": ""}  # native logs arrive in pieces; emit whole lines
+
+
+@ffi.def_extern()
+def pyllama_log_callback(level, text, user_data):  # noqa: ARG001 - signature fixed by ggml
+    if text == ffi.NULL:
+        return
+    piece = ffi.string(text).decode("utf-8", errors="replace")
+    if level != lib.GGML_LOG_LEVEL_CONT:
+        _pending["level"] = _LEVELS.get(level, logging.INFO)
+    _pending["text"] += piece
+    while "\n" in _pending["text"]:
+        line, _pending["text"] = _pending["text"].split("\n", 1)
+        if not line:
+            continue
+        if _pending["level"] >= logging.WARNING:
+            _recent_problems.append(line.strip())
+        if native_logger.isEnabledFor(_pending["level"]):
+            native_logger.log(_pending["level"], line)
+
+
+def take_native_problems() -> list[str]:
+    """The native warnings/errors logged since the last call (and forget them)."""
+    out = list(_recent_problems)
+    _recent_problems.clear()
+    return out
+
+
+def _install_logging() -> None:
+    lib.llama_log_set(lib.pyllama_log_callback, ffi.NULL)
+    lib.mtmd_helper_log_set(lib.pyllama_log_callback, ffi.NULL)
+
+
+_install_logging()
+lib.llama_backend_init()

@@ -1,0 +1,23 @@
+/* cffi declarations: the parts of ggml.h / ggml-backend.h we use.
+ * Compiled in API mode against the real headers, so any drift is a build error. */
+enum ggml_log_level {
+    GGML_LOG_LEVEL_NONE, GGML_LOG_LEVEL_DEBUG, GGML_LOG_LEVEL_INFO,
+    GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT, ...
+};
+typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
+
+typedef struct ggml_backend_device * ggml_backend_dev_t;
+typedef struct ggml_backend_reg * ggml_backend_reg_t;
+enum ggml_backend_dev_type {
+    GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU,
+    GGML_BACKEND_DEVICE_TYPE_IGPU, GGML_BACKEND_DEVICE_TYPE_ACCEL, ...
+};
+size_t                     ggml_backend_dev_count(void);
+ggml_backend_dev_t         ggml_backend_dev_get(size_t index);
+const char *               ggml_backend_dev_name(ggml_backend_dev_t device);
+const char *               ggml_backend_dev_description(ggml_backend_dev_t device);
+void                       ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
+enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
+size_t                     ggml_backend_reg_count(void);
+ggml_backend_reg_t         ggml_backend_reg_get(size_t index);
+const char *               ggml_backend_reg_name(ggml_backend_reg_t reg);

@@ -1,0 +1,21 @@
+/* cffi declarations: native/pyllama_shim.h (C linkage over src/llama-ext.h). */
+void     pyllama_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid, bool value);
+float *  pyllama_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
+void     pyllama_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
+float *  pyllama_get_embeddings_nextn(struct llama_context * ctx);
+float *  pyllama_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
+struct llama_context * pyllama_get_ctx_other(struct llama_context * ctx);
+const int32_t * pyllama_model_target_layer_ids(const struct llama_model * model);
+uint32_t pyllama_model_target_layer_ids_n(const struct llama_model * model);
+int32_t  pyllama_model_dflash_selector_top_k(const struct llama_model * model);
+int32_t  pyllama_model_n_devices(const struct llama_model * model);
+int32_t  pyllama_batch_ext_add_tokens(struct llama_batch_ext * batch, int32_t seq_id, int32_t n,
+                                      const int32_t * tokens, const int32_t * pos, const int8_t * outputs);
+int32_t  pyllama_batch_ext_add_embds(struct llama_batch_ext * batch, int32_t seq_id, int32_t n,
+                                     const float * embd, size_t n_embd,
+                                     const int32_t * pos, size_t n_pos, const int8_t * outputs);
+int32_t  pyllama_shim_abi_version(void);
+
+/* Python callbacks (cffi "extern Python"): native logs and mtmd's post-decode hook. */
+extern "Python" void pyllama_log_callback(enum ggml_log_level level, const char * text, void * user_data);
+extern "Python" int32_t pyllama_post_decode_callback(const struct mtmd_helper_embd_batch * batch, void * user_data);

@@ -1,0 +1,105 @@
+"""Batch: a llama_batch_ext, filled from numpy arrays in one native call per kind of row.
+
+Rows are tokens (one position each) or embeddings (``n_pos_per_embd`` positions
+each: 4 sections for M-RoPE contexts). The batch remembers its rows' section-0
+positions so that errors and drafters can say where it was.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from ._native import ffi, lib
+from .errors import NativeCallError
+from .llama import Context, NativeHandle
+
+_ADD_ERRORS = {-1: "batch is full", -2: "invalid token or embedding size", -3: "invalid sequence id",
+               -4: "invalid position"}
+
+
+def _outputs_array(outputs, n: int) -> np.ndarray | None:
+    if outputs is False or outputs is None:
+        return None
+    if outputs is True:
+        return np.ones(n, dtype=np.int8)
+    arr = np.ascontiguousarray(outputs, dtype=np.int8)
+    if arr.shape != (n,):
+        raise ValueError(f"outputs must have {n} entries, got shape {arr.shape}")
+    return arr
+
+
+class Batch(NativeHandle):
+    """Rows to decode into one Context (``llama_batch_ext``)."""
+
+    _what = "batch"
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+        ptr = lib.llama_batch_ext_init(ctx.ptr)
+        if ptr == ffi.NULL:
+            raise NativeCallError("llama_batch_ext_init", None, f"on the {ctx.role} context")
+        self._ptr = ptr
+        self._pos0: list[np.ndarray] = []  # section-0 positions of the rows added, in order
+        self.n_rows = 0
+        self.has_embeddings = False
+
+    def _free(self, ptr) -> None:
+        lib.llama_batch_ext_free(ptr)
+
+    def clear(self) -> None:
+        lib.llama_batch_ext_clear(self.ptr)
+        self._pos0 = []
+        self.n_rows = 0
+        self.has_embeddings = False
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Section-0 position of every row, int32 [n_rows]."""
+        return np.concatenate(self._pos0) if self._pos0 else np.zeros(0, dtype=np.int32)
+
+    @property
+    def first_pos(self) -> int | None:
+        return int(self._pos0[0][0]) if self._pos0 else None
+
+    def add_tokens(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray, *,
+                   outputs: Sequence[bool] | np.ndarray | bool = False, seq_id: int = 0) -> None:
+        tok = np.ascontiguousarray(tokens, dtype=np.int32)
+        pos = np.ascontiguousarray(positions, dtype=np.int32)
+        n = len(tok)
+        if pos.shape != (n,):
+            raise ValueError(f"{n} tokens need {n} positions, got shape {pos.shape}")
+        out = _outputs_array(outputs, n)
+        rc = lib.pyllama_batch_ext_add_tokens(
+            self.ptr, seq_id, n, ffi.from_buffer("int32_t[]", tok), ffi.from_buffer("int32_t[]", pos),
+            ffi.NULL if out is None else ffi.from_buffer("int8_t[]", out))
+        self._check_add(rc, n)
+        self._pos0.append(pos)
+
+    def add_embeddings(self, embd: np.ndarray, positions: np.ndarray, *,
+                       outputs: Sequence[bool] | np.ndarray | bool = False, seq_id: int = 0) -> None:
+        """Embedding rows: embd float32 [n, n_embd]; positions int32 [n, n_pos] (or [n] when n_pos is 1)."""
+        e = np.ascontiguousarray(embd, dtype=np.float32)
+        if e.ndim != 2:
+            raise ValueError(f"embeddings must be 2-D [n_rows, n_embd], got shape {e.shape}")
+        n, n_embd = e.shape
+        p = np.ascontiguousarray(positions, dtype=np.int32)
+        if p.ndim == 1:
+            p = p.reshape(n, 1) if len(p) == n else p
+        if p.ndim != 2 or p.shape[0] != n:
+            raise ValueError(f"{n} embedding rows need positions of shape [{n}, n_pos], got {p.shape}")
+        out = _outputs_array(outputs, n)
+        rc = lib.pyllama_batch_ext_add_embds(
+            self.ptr, seq_id, n, ffi.from_buffer("float[]", e), n_embd, ffi.from_buffer("int32_t[]", p),
+            p.shape[1], ffi.NULL if out is None else ffi.from_buffer("int8_t[]", out))
+        self._check_add(rc, n)
+        self._pos0.append(np.ascontiguousarray(p[:, 0]))
+        self.has_embeddings = True
+
+    def _check_add(self, rc: int, n: int) -> None:
+        if rc < 0:
+            raise NativeCallError("llama_batch_ext_add", rc,
+                                  f"{_ADD_ERRORS.get(rc, 'error')} after {self.n_rows} rows "
+                                  f"({self._ctx.role} context)")
+        self.n_rows += n

@@ -1,0 +1,101 @@
+"""The exceptions pyllama-spec raises.
+
+Each also inherits the builtin a caller would reach for (``FileNotFoundError``,
+``ValueError``, ``RuntimeError``), so ``except ValueError`` keeps working.
+"""
+
+from __future__ import annotations
+
+
+class PyllamaError(Exception):
+    """Base class of every pyllama-spec error."""
+
+
+class NativeLibraryError(PyllamaError, ImportError):
+    """The native part is missing or does not match this Python code."""
+
+
+class ModelFileError(PyllamaError, OSError):
+    """A GGUF file is missing, unreadable, corrupt, or not loadable by this build."""
+
+
+class ProjectorError(PyllamaError, ValueError):
+    """The multimodal projector (mmproj) cannot be used with this target."""
+
+
+class ImageError(PyllamaError, ValueError):
+    """An image could not be read or turned into a bitmap."""
+
+
+class IncompatibleModelsError(PyllamaError, ValueError):
+    """A draft does not fit its target, or a combination would abort natively."""
+
+
+class ContextOverflowError(PyllamaError, ValueError):
+    """The prompt (or prompt + generation) does not fit in the context."""
+
+
+class ClosedError(PyllamaError, ValueError):
+    """An object was used after close()."""
+
+
+class NativeCallError(PyllamaError, RuntimeError):
+    """A native call failed; the message names the call and its arguments."""
+
+    def __init__(self, call: str, rc: int | None = None, detail: str = "") -> None:
+        self.call = call
+        self.rc = rc
+        self.native_log = _native_problems()
+        msg = f"{call} failed" + (f" (rc = {rc})" if rc is not None else "") + (f": {detail}" if detail else "")
+        if self.native_log:
+            msg += "\nllama.cpp said: " + " | ".join(self.native_log[-3:])
+        super().__init__(msg)
+
+
+def _native_problems() -> list[str]:
+    try:
+        from ._native import take_native_problems
+    except ImportError:
+        return []
+    return take_native_problems()
+
+
+# What llama_decode / llama_process return codes mean (include/llama.h).
+_DECODE_RC = {
+    1: "no memory slot for the batch (the KV cache is full or cannot free cells at these positions)",
+    2: "aborted",
+    -1: "invalid input batch",
+}
+
+
+class DecodeError(NativeCallError):
+    """llama_decode/llama_process failed on one context.
+
+    Attributes name the context (``role``: "target" or "draft"), the number of rows
+    in the batch, the offset (first position) and the return code.
+    """
+
+    def __init__(self, call: str, rc: int, *, role: str, n_rows: int, offset: int | None = None,
+                 detail: str = "") -> None:
+        self.role = role
+        self.n_rows = n_rows
+        self.offset = offset
+        meaning = _DECODE_RC.get(rc, "fatal error" if rc < -1 else "warning")
+        where = f"{role} context, batch of {n_rows} rows" + (f" at position {offset}" if offset is not None else "")
+        super().__init__(call, rc, f"{where}: {meaning}" + (f"; {detail}" if detail else ""))
+
+
+class KVMemoryError(NativeCallError):
+    """A KV-cache / recurrent-state operation could not be done (e.g. a partial rollback)."""
+
+
+def with_native_log(message: str) -> str:
+    """Append what llama.cpp logged about the failure just seen, if anything."""
+    said = _native_problems()
+    return message + ("\nllama.cpp said: " + " | ".join(said[-3:]) if said else "")
+
+
+def check_decode(rc: int, call: str, *, role: str, n_rows: int, offset: int | None = None) -> None:
+    """The one gate for decode return codes: 0 passes, anything else raises DecodeError."""
+    if rc != 0:
+        raise DecodeError(call, rc, role=role, n_rows=n_rows, offset=offset)

@@ -1,0 +1,499 @@
+"""Pythonic wrappers over libllama: Model, Context, Memory, Sampler.
+
+Each native handle is owned by exactly one object, freed by ``close()`` (also on
+``with`` exit, and by a guarded finalizer as a last resort). A model closes the
+contexts made from it before it frees itself. Return codes become exceptions from
+``pyllama_spec.errors``; bulk data comes out as numpy arrays.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+import numpy as np
+
+from ._native import ffi, lib
+from .errors import (
+    ClosedError,
+    DecodeError,
+    IncompatibleModelsError,
+    KVMemoryError,
+    ModelFileError,
+    NativeCallError,
+    with_native_log,
+)
+
+if TYPE_CHECKING:
+    from .batch import Batch
+
+GGUF_MAGIC = b"GGUF"
+TOKEN_NULL = -1
+_MROPE_TYPES = {lib.LLAMA_ROPE_TYPE_MROPE, lib.LLAMA_ROPE_TYPE_IMROPE}
+
+
+class NativeHandle:
+    """Owns one native pointer; subclasses say how to free it in ``_free``."""
+
+    _ptr = ffi.NULL
+    _what = "object"
+
+    def _free(self, ptr) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def closed(self) -> bool:
+        return self._ptr == ffi.NULL
+
+    @property
+    def ptr(self):
+        """The native pointer; raises ClosedError after close(). For the wrapper layer only."""
+        if self._ptr == ffi.NULL:
+            raise ClosedError(f"{self._what} is closed")
+        return self._ptr
+
+    def close(self) -> None:
+        ptr, self._ptr = self._ptr, ffi.NULL
+        if ptr != ffi.NULL:
+            self._free(ptr)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # Interpreter shutdown may already have torn down the module globals.
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - a finalizer must never raise
+            pass
+
+
+def check_gguf_file(path: str | os.PathLike, what: str) -> Path:
+    """Refuse, before any native call, a path that is missing or not a GGUF file."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelFileError(f"{what} file not found: {p}")
+    if not p.is_file():
+        raise ModelFileError(f"{what} path is not a file: {p}")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise ModelFileError(f"{what} file cannot be read: {p}: {e}") from e
+    if head[:4] != GGUF_MAGIC:
+        raise ModelFileError(f"{what} file is not a GGUF model (no GGUF magic, found {head[:4]!r}): {p}")
+    if len(head) < 8:
+        raise ModelFileError(f"{what} file is truncated: {p}")
+    return p
+
+
+def _read_str(fn, *args, size: int = 256) -> str | None:
+    """Call a native function that writes a string into a buffer, growing it if needed."""
+    buf = ffi.new("char[]", size)
+    n = fn(*args, buf, size)
+    if n < 0:
+        return None
+    if n >= size:
+        buf = ffi.new("char[]", n + 1)
+        fn(*args, buf, n + 1)
+    return ffi.string(buf).decode("utf-8", errors="replace")
+
+
+class Model(NativeHandle):
+    """A GGUF model loaded by libllama (weights, vocabulary, metadata).
+
+    >>> with Model("target.gguf") as m:          # doctest: +SKIP
+    ...     print(m.arch, m.n_embd, m.tokenize("hello"))
+    """
+
+    _what = "model"
+
+    def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, main_gpu: int = 0,
+                 vocab_only: bool = False, role: str = "target") -> None:
+        self.path = check_gguf_file(path, f"{role} model")
+        self.role = role
+        self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.main_gpu = main_gpu
+        params.vocab_only = vocab_only
+        ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if ptr == ffi.NULL:
+            raise ModelFileError(with_native_log(
+                f"llama_model_load_from_file could not load the {role} model {self.path} "
+                "(corrupt or truncated GGUF, or an architecture this build does not know)"))
+        self._ptr = ptr
+        self._vocab = lib.llama_model_get_vocab(ptr)
+
+    def _free(self, ptr) -> None:
+        for ctx in list(self._contexts):
+            ctx.close()
+        lib.llama_model_free(ptr)
+
+    # --- facts
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as a string, or None when the key is absent."""
+        return _read_str(lib.llama_model_meta_val_str, self.ptr, key.encode())
+
+    def metadata(self) -> dict[str, str]:
+        out = {}
+        for i in range(lib.llama_model_meta_count(self.ptr)):
+            k = _read_str(lib.llama_model_meta_key_by_index, self.ptr, i)
+            v = _read_str(lib.llama_model_meta_val_str_by_index, self.ptr, i, size=1024)
+            if k is not None:
+                out[k] = v
+        return out
+
+    @property
+    def arch(self) -> str:
+        return self.meta("general.architecture") or "unknown"
+
+    @property
+    def description(self) -> str:
+        return _read_str(lib.llama_model_desc, self.ptr) or ""
+
+    @property
+    def n_embd(self) -> int:
+        return lib.llama_model_n_embd(self.ptr)
+
+    @property
+    def n_embd_inp(self) -> int:
+        return lib.llama_model_n_embd_inp(self.ptr)
+
+    @property
+    def n_layer(self) -> int:
+        return lib.llama_model_n_layer(self.ptr)
+
+    @property
+    def n_ctx_train(self) -> int:
+        return lib.llama_model_n_ctx_train(self.ptr)
+
+    @property
+    def n_swa(self) -> int:
+        return lib.llama_model_n_swa(self.ptr)
+
+    @property
+    def n_params(self) -> int:
+        return lib.llama_model_n_params(self.ptr)
+
+    @property
+    def size_bytes(self) -> int:
+        return lib.llama_model_size(self.ptr)
+
+    @property
+    def is_mrope(self) -> bool:
+        return lib.llama_model_rope_type(self.ptr) in _MROPE_TYPES
+
+    @property
+    def n_pos_per_embd(self) -> int:
+        """Positions per embedding row: 4 sections for M-RoPE, else 1."""
+        return 4 if self.is_mrope else 1
+
+    @property
+    def is_recurrent(self) -> bool:
+        return bool(lib.llama_model_is_recurrent(self.ptr) or lib.llama_model_is_hybrid(self.ptr))
+
+    @property
+    def chat_template(self) -> str | None:
+        t = lib.llama_model_chat_template(self.ptr, ffi.NULL)
+        return None if t == ffi.NULL else ffi.string(t).decode("utf-8", errors="replace")
+
+    # --- DFlash facts (what a draft records about its target)
+    @property
+    def target_layer_ids(self) -> list[int]:
+        n = lib.pyllama_model_target_layer_ids_n(self.ptr)
+        ids = lib.pyllama_model_target_layer_ids(self.ptr)
+        return [] if n == 0 or ids == ffi.NULL else [int(ids[i]) for i in range(n)]
+
+    @property
+    def dflash_selector_top_k(self) -> int:
+        return int(lib.pyllama_model_dflash_selector_top_k(self.ptr))
+
+    # --- vocabulary
+    @property
+    def n_vocab(self) -> int:
+        return lib.llama_vocab_n_tokens(self._vocab_ptr())
+
+    def _vocab_ptr(self):
+        self.ptr  # raises when closed
+        return self._vocab
+
+    @property
+    def bos(self) -> int:
+        return lib.llama_vocab_bos(self._vocab_ptr())
+
+    @property
+    def eos(self) -> int:
+        return lib.llama_vocab_eos(self._vocab_ptr())
+
+    @property
+    def mask_token(self) -> int:
+        """The vocabulary's mask token (a DFlash draft needs one), or -1."""
+        return lib.llama_vocab_mask(self._vocab_ptr())
+
+    @property
+    def add_bos(self) -> bool:
+        return bool(lib.llama_vocab_get_add_bos(self._vocab_ptr()))
+
+    def is_eog(self, token: int) -> bool:
+        return bool(lib.llama_vocab_is_eog(self._vocab_ptr(), token))
+
+    def token_text(self, token: int) -> str:
+        return ffi.string(lib.llama_vocab_get_text(self._vocab_ptr(), token)).decode("utf-8", errors="replace")
+
+    def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> np.ndarray:
+        """Text to token ids (int32 array)."""
+        data = text.encode("utf-8")
+        cap = len(data) + 8
+        buf = ffi.new("llama_token[]", cap)
+        n = lib.llama_tokenize(self._vocab_ptr(), data, len(data), buf, cap, add_special, parse_special)
+        if n < 0:
+            cap = -n
+            buf = ffi.new("llama_token[]", cap)
+            n = lib.llama_tokenize(self._vocab_ptr(), data, len(data), buf, cap, add_special, parse_special)
+            if n < 0:
+                raise NativeCallError("llama_tokenize", n)
+        return np.frombuffer(ffi.buffer(buf, n * 4), dtype=np.int32).copy()
+
+    def token_to_bytes(self, token: int, *, special: bool = False) -> bytes:
+        """The bytes of one token's piece (may be part of a UTF-8 character)."""
+        buf = ffi.new("char[]", 64)
+        n = lib.llama_token_to_piece(self._vocab_ptr(), token, buf, 64, 0, special)
+        if n < 0:
+            buf = ffi.new("char[]", -n)
+            n = lib.llama_token_to_piece(self._vocab_ptr(), token, buf, -n, 0, special)
+        return ffi.buffer(buf, max(n, 0))[:]
+
+    def detokenize(self, tokens: Sequence[int] | np.ndarray, *, special: bool = False) -> str:
+        arr = np.ascontiguousarray(tokens, dtype=np.int32)
+        cap = max(64, len(arr) * 8)
+        for _ in range(2):
+            buf = ffi.new("char[]", cap)
+            n = lib.llama_detokenize(self._vocab_ptr(), ffi.from_buffer("llama_token[]", arr), len(arr), buf, cap,
+                                     False, special)
+            if n >= 0:
+                return ffi.buffer(buf, n)[:].decode("utf-8", errors="replace")
+            cap = -n
+        raise NativeCallError("llama_detokenize", n)
+
+
+class Context(NativeHandle):
+    """An inference context (KV cache, compute buffers) on a Model.
+
+    ``role`` ("target" or "draft") is named in every error. ``ctx_other`` lets a
+    DFlash draft borrow the target's token embeddings and output head.
+    """
+
+    _what = "context"
+
+    def __init__(self, model: Model, *, n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512,
+                 n_seq_max: int = 1, n_rs_seq: int = 0, n_threads: int | None = None,
+                 flash_attn: bool | None = False, swa_full: bool = False, embeddings: bool = False,
+                 ctx_other: "Context | None" = None, role: str = "target") -> None:
+        self.model = model
+        self.role = role
+        self._other = ctx_other  # keeps the borrowed context alive as long as this one
+        self._borrowers: weakref.WeakSet[Context] = weakref.WeakSet()  # contexts whose ctx_other is this one
+        self._layer_inputs: set[int] = set()
+        self._nextn = False
+        params = lib.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = min(n_ubatch, n_batch)
+        params.n_seq_max = n_seq_max
+        params.n_rs_seq = n_rs_seq
+        threads = n_threads or max(1, (os.cpu_count() or 2))
+        params.n_threads = threads
+        params.n_threads_batch = threads
+        params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn is None else
+                                  lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else
+                                  lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        params.swa_full = swa_full
+        params.embeddings = embeddings
+        params.no_perf = True
+        if ctx_other is not None:
+            params.ctx_other = ctx_other.ptr
+        ptr = lib.llama_init_from_model(model.ptr, params)
+        if ptr == ffi.NULL:
+            raise NativeCallError("llama_init_from_model", None,
+                                  f"could not create the {role} context (n_ctx={n_ctx}, n_batch={n_batch}, "
+                                  f"n_ubatch={n_ubatch}); see the 'pyllama_spec.native' log")
+        self._ptr = ptr
+        model._contexts.add(self)
+        if ctx_other is not None:
+            ctx_other._borrowers.add(self)
+        self.memory = Memory(self)
+
+    def _free(self, ptr) -> None:
+        for borrower in list(self._borrowers):  # a draft must not outlive the target it reads from
+            borrower.close()
+        lib.llama_free(ptr)
+
+    @property
+    def n_ctx(self) -> int:
+        return lib.llama_n_ctx(self.ptr)
+
+    @property
+    def n_batch(self) -> int:
+        return lib.llama_n_batch(self.ptr)
+
+    @property
+    def n_ubatch(self) -> int:
+        return lib.llama_n_ubatch(self.ptr)
+
+    def set_causal_attn(self, causal: bool) -> None:
+        lib.llama_set_causal_attn(self.ptr, causal)
+
+    def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
+        lib.llama_set_n_threads(self.ptr, n_threads, n_threads_batch or n_threads)
+
+    # --- processing
+    def decode(self, batch: "Batch") -> None:
+        """Decode a batch into this context; raises DecodeError naming this context."""
+        rc = lib.llama_process(self.ptr, lib.LLAMA_PROCESS_TYPE_DECODE, batch.ptr)
+        if rc != 0:
+            raise DecodeError("llama_process(DECODE)", rc, role=self.role, n_rows=batch.n_rows,
+                              offset=batch.first_pos)
+
+    def decode_tokens(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
+                      *, outputs: Sequence[bool] | np.ndarray | bool = False, seq_id: int = 0) -> None:
+        """Decode token rows at explicit positions (one batch, no row loop in Python)."""
+        from .batch import Batch
+
+        with Batch(self) as batch:
+            batch.add_tokens(tokens, positions, outputs=outputs, seq_id=seq_id)
+            self.decode(batch)
+
+    def logits(self, i: int = -1) -> np.ndarray:
+        """Logits of output row i (negative counts from the last output), float32 [n_vocab]."""
+        ptr = lib.llama_get_logits_ith(self.ptr, i)
+        if ptr == ffi.NULL:
+            raise NativeCallError("llama_get_logits_ith", None, f"{self.role} context has no logits for row {i}")
+        n = self.model.n_vocab if self._other is None else self._other.model.n_vocab
+        return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).copy()
+
+    def embeddings(self, i: int = -1) -> np.ndarray:
+        ptr = lib.llama_get_embeddings_ith(self.ptr, i)
+        if ptr == ffi.NULL:
+            raise NativeCallError("llama_get_embeddings_ith", None, f"{self.role} context has no embeddings")
+        n = self.model.n_embd
+        return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).copy()
+
+    # --- DFlash: the target's layer inputs, the draft's nextn embeddings
+    def enable_layer_inputs(self, layer_ids: Iterable[int], enable: bool = True) -> None:
+        """Record the inputs of these layers on every decode (a DFlash target's features)."""
+        for lid in layer_ids:
+            if not 0 <= lid <= self.model.n_layer:
+                raise IncompatibleModelsError(
+                    f"layer {lid} does not exist in the {self.role} model ({self.model.n_layer} layers)")
+            lib.pyllama_set_embeddings_layer_inp(self.ptr, lid, enable)
+            (self._layer_inputs.add if enable else self._layer_inputs.discard)(lid)
+
+    def layer_input(self, lid: int, n_rows: int) -> np.ndarray:
+        """Input of layer ``lid`` for the first n_rows rows of the last decode: float32 [n_rows, n_embd].
+
+        A view into native memory, valid until the next decode on this context.
+        """
+        if lid not in self._layer_inputs:
+            raise ValueError(f"layer {lid} inputs are not recorded on the {self.role} context; "
+                             "call enable_layer_inputs first")
+        if not 0 < n_rows <= self.n_batch:
+            raise ValueError(f"n_rows must be in 1..{self.n_batch}, got {n_rows}")
+        ptr = lib.pyllama_get_embeddings_layer_inp(self.ptr, lid)
+        n_embd = self.model.n_embd
+        return np.frombuffer(ffi.buffer(ptr, n_rows * n_embd * 4), dtype=np.float32).reshape(n_rows, n_embd)
+
+    def enable_nextn(self, enable: bool = True, masked: bool = True) -> None:
+        lib.pyllama_set_embeddings_nextn(self.ptr, enable, masked)
+        self._nextn = enable
+
+    def nextn(self, i: int) -> np.ndarray:
+        """NextN embedding of output row i (DFlash2 reads its selector lattice here)."""
+        if not self._nextn:
+            raise ValueError(f"nextn embeddings are off on the {self.role} context")
+        ptr = lib.pyllama_get_embeddings_nextn_ith(self.ptr, i)
+        if ptr == ffi.NULL:
+            raise NativeCallError("llama_get_embeddings_nextn_ith", None, f"no nextn embedding for row {i}")
+        n = self.model.n_embd
+        return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).copy()
+
+
+class Memory:
+    """The memory (KV cache / recurrent state) of one Context, by sequence and position."""
+
+    def __init__(self, ctx: Context) -> None:
+        self._ctx = ctx
+
+    def _mem(self):
+        return lib.llama_get_memory(self._ctx.ptr)
+
+    def clear(self, data: bool = True) -> None:
+        lib.llama_memory_clear(self._mem(), data)
+
+    def remove(self, seq_id: int = 0, p0: int = -1, p1: int = -1) -> None:
+        """Remove positions [p0, p1) of a sequence (-1: open end). Raises if it cannot be done."""
+        if not lib.llama_memory_seq_rm(self._mem(), seq_id, p0, p1):
+            raise KVMemoryError("llama_memory_seq_rm", None,
+                                f"{self._ctx.role} context cannot remove positions [{p0}, {p1}) of sequence "
+                                f"{seq_id} (a recurrent model needs n_rs_seq > 0 to roll back)")
+
+    def copy(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        lib.llama_memory_seq_cp(self._mem(), src, dst, p0, p1)
+
+    def pos_min(self, seq_id: int = 0) -> int:
+        """Smallest position held for the sequence, -1 when empty."""
+        return lib.llama_memory_seq_pos_min(self._mem(), seq_id)
+
+    def pos_max(self, seq_id: int = 0) -> int:
+        """Largest position held for the sequence, -1 when empty."""
+        return lib.llama_memory_seq_pos_max(self._mem(), seq_id)
+
+
+class Sampler(NativeHandle):
+    """A llama.cpp sampler chain: penalties -> top-k -> top-p -> min-p -> temperature -> dist, or greedy."""
+
+    _what = "sampler"
+
+    def __init__(self, model: Model, *, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,
+                 min_p: float = 0.05, presence_penalty: float = 0.0, repeat_penalty: float = 1.0,
+                 frequency_penalty: float = 0.0, penalty_last_n: int = 64, seed: int = 0) -> None:
+        self.temperature = temperature
+        chain = lib.llama_sampler_chain_init(lib.llama_sampler_chain_default_params())
+        self._ptr = chain
+        if presence_penalty or frequency_penalty or repeat_penalty != 1.0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_penalties(
+                model.n_vocab, penalty_last_n, repeat_penalty, frequency_penalty, presence_penalty))
+        if temperature <= 0.0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
+            return
+        if top_k > 0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_k(top_k))
+        if top_p < 1.0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_top_p(top_p, 1))
+        if min_p > 0.0:
+            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_min_p(min_p, 1))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(temperature))
+        lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(seed & 0xFFFFFFFF))
+
+    def _free(self, ptr) -> None:
+        lib.llama_sampler_free(ptr)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    def sample(self, ctx: Context, i: int = -1) -> int:
+        """Sample from output row i of ctx's last decode (and accept the token)."""
+        return int(lib.llama_sampler_sample(self.ptr, ctx.ptr, i))
+
+    def accept(self, token: int) -> None:
+        lib.llama_sampler_accept(self.ptr, token)
+
+    def reset(self) -> None:
+        lib.llama_sampler_reset(self.ptr)
+

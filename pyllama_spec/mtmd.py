@@ -1,0 +1,308 @@
+"""Pythonic wrappers over libmtmd: Projector, Bitmap, Chunks, Chunk.
+
+A Projector (the mmproj file, bound to a target Model) turns a prompt with media
+markers and bitmaps into Chunks: text chunks (token ids) and media chunks (rows to
+encode). A media chunk costs ``n_tokens`` cache rows but only ``n_pos`` positions;
+for an M-RoPE image every row shares one section-0 position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import os
+from pathlib import Path
+from typing import Callable, Sequence, Union
+
+import numpy as np
+
+from ._native import ffi, lib
+from .errors import DecodeError, ImageError, NativeCallError, ProjectorError, with_native_log
+from .llama import Context, Model, NativeHandle, check_gguf_file
+
+MEDIA_MARKER = ffi.string(lib.mtmd_default_marker()).decode()
+
+ImageInput = Union[str, os.PathLike, bytes, "PIL.Image.Image", np.ndarray]  # noqa: F821
+
+_CHUNK_TYPES = {lib.MTMD_INPUT_CHUNK_TYPE_TEXT: "text", lib.MTMD_INPUT_CHUNK_TYPE_IMAGE: "image",
+                lib.MTMD_INPUT_CHUNK_TYPE_AUDIO: "audio"}
+
+
+class Bitmap(NativeHandle):
+    """An RGB image ready for mtmd. Build it with ``Bitmap.load(path | bytes | PIL image | array)``."""
+
+    _what = "bitmap"
+
+    def __init__(self, rgb: np.ndarray, *, source: str = "array") -> None:
+        arr = np.ascontiguousarray(rgb, dtype=np.uint8)
+        if arr.ndim != 3 or arr.shape[2] != 3 or arr.shape[0] == 0 or arr.shape[1] == 0:
+            raise ImageError(f"an image must be RGB [height, width, 3], got shape {arr.shape} ({source})")
+        self.height, self.width = int(arr.shape[0]), int(arr.shape[1])
+        self.source = source
+        ptr = lib.mtmd_bitmap_init(self.width, self.height, ffi.from_buffer("unsigned char[]", arr))
+        if ptr == ffi.NULL:
+            raise NativeCallError("mtmd_bitmap_init", None, f"{self.width}x{self.height} ({source})")
+        self._ptr = ptr
+        # mtmd uses the id to recognise an image already in the cache.
+        self.id = hashlib.sha256(arr.tobytes()).hexdigest()
+        lib.mtmd_bitmap_set_id(ptr, self.id.encode())
+
+    def _free(self, ptr) -> None:
+        lib.mtmd_bitmap_free(ptr)
+
+    @classmethod
+    def load(cls, image: ImageInput) -> "Bitmap":
+        """From a path, the bytes of an image file, a PIL image or an RGB uint8 array."""
+        if isinstance(image, np.ndarray):
+            return cls(image)
+        from PIL import Image, UnidentifiedImageError
+
+        source = "image"
+        try:
+            if isinstance(image, (str, os.PathLike)):
+                source = str(image)
+                if not Path(image).exists():
+                    raise ImageError(f"image not found: {image}")
+                with Image.open(image) as im:
+                    rgb = np.asarray(im.convert("RGB"))
+            elif isinstance(image, (bytes, bytearray, memoryview)):
+                source = f"{len(image)} bytes"
+                with Image.open(io.BytesIO(bytes(image))) as im:
+                    rgb = np.asarray(im.convert("RGB"))
+            elif isinstance(image, Image.Image):
+                source = f"PIL image {image.size[0]}x{image.size[1]}"
+                rgb = np.asarray(image.convert("RGB"))
+            else:
+                raise ImageError(f"unsupported image input of type {type(image).__name__}: "
+                                 "give a path, bytes, a PIL image or an RGB array")
+        except ImageError:
+            raise
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+            raise ImageError(f"cannot read image {source}: {e}") from e
+        return cls(rgb, source=source)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingBatch:
+    """One slice of media rows just decoded into the target (mtmd's post-decode view).
+
+    ``embd`` float32 [n_rows, n_embd] and ``positions`` int32 [n_pos, n_rows]
+    (section-major, as the context was given them) are views valid during the callback.
+    """
+
+    embd: np.ndarray
+    positions: np.ndarray
+    seq_id: int
+
+    @property
+    def n_rows(self) -> int:
+        return self.embd.shape[0]
+
+
+class Chunk:
+    """One chunk of a tokenized prompt: text tokens, or a media item (image/audio). A view into Chunks."""
+
+    def __init__(self, owner: "Chunks", ptr) -> None:
+        self._owner = owner  # keeps the native list alive
+        self._ptr = ptr
+
+    @property
+    def type(self) -> str:
+        return _CHUNK_TYPES.get(lib.mtmd_input_chunk_get_type(self._ptr), "unknown")
+
+    @property
+    def is_text(self) -> bool:
+        return self.type == "text"
+
+    @property
+    def n_tokens(self) -> int:
+        """Rows this chunk occupies in the KV cache."""
+        return int(lib.mtmd_input_chunk_get_n_tokens(self._ptr))
+
+    @property
+    def n_pos(self) -> int:
+        """Positions this chunk advances the sequence by (< n_tokens for an M-RoPE image)."""
+        return int(lib.mtmd_input_chunk_get_n_pos(self._ptr))
+
+    @property
+    def id(self) -> str | None:
+        p = lib.mtmd_input_chunk_get_id(self._ptr)
+        return None if p == ffi.NULL else ffi.string(p).decode()
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Token ids of a text chunk (int32)."""
+        if not self.is_text:
+            raise ValueError(f"a {self.type} chunk has no token ids")
+        n = ffi.new("size_t *")
+        ptr = lib.mtmd_input_chunk_get_tokens_text(self._ptr, n)
+        return np.frombuffer(ffi.buffer(ptr, n[0] * 4), dtype=np.int32).copy()
+
+    def decoder_positions(self, pos0: int) -> np.ndarray:
+        """M-RoPE decoder positions (t, x, y, z) of an image's rows when it starts at pos0: uint32 [n_tokens, 4]."""
+        img = lib.mtmd_input_chunk_get_tokens_image(self._ptr)
+        if img == ffi.NULL:
+            raise ValueError(f"a {self.type} chunk has no image positions")
+        n = int(lib.mtmd_image_tokens_get_n_tokens(img))
+        out = ffi.new("struct mtmd_decoder_pos[]", n)
+        lib.mtmd_helper_image_get_decoder_pos(img, pos0, out)
+        return np.frombuffer(ffi.buffer(out, n * 16), dtype=np.uint32).reshape(n, 4).copy()
+
+
+class Chunks(NativeHandle):
+    """A tokenized multimodal prompt: a sequence of Chunk."""
+
+    _what = "chunks"
+
+    def __init__(self, ptr) -> None:
+        self._ptr = ptr
+
+    def _free(self, ptr) -> None:
+        lib.mtmd_input_chunks_free(ptr)
+
+    def __len__(self) -> int:
+        return int(lib.mtmd_input_chunks_size(self.ptr))
+
+    def __getitem__(self, i: int) -> Chunk:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(i)
+        return Chunk(self, lib.mtmd_input_chunks_get(self.ptr, i % n))
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    @property
+    def n_tokens(self) -> int:
+        """Cache rows the whole prompt needs."""
+        return int(lib.mtmd_helper_get_n_tokens(self.ptr))
+
+    @property
+    def n_pos(self) -> int:
+        """Positions the whole prompt spans."""
+        return int(lib.mtmd_helper_get_n_pos(self.ptr))
+
+
+class _DecodeCallbackState:
+    def __init__(self, on_batch: Callable[[EmbeddingBatch], None], n_embd: int) -> None:
+        self.on_batch = on_batch
+        self.n_embd = n_embd
+        self.error: BaseException | None = None
+
+
+@ffi.def_extern()
+def pyllama_post_decode_callback(view, user_data):
+    state: _DecodeCallbackState = ffi.from_handle(user_data)
+    try:
+        n, n_embd, n_pos = view.n_tokens, view.n_embd, view.n_pos
+        embd = np.frombuffer(ffi.buffer(view.embd, n * n_embd * 4), dtype=np.float32).reshape(n, n_embd)
+        pos = np.frombuffer(ffi.buffer(view.pos, n * n_pos * 4), dtype=np.int32).reshape(n_pos, n)
+        state.on_batch(EmbeddingBatch(embd, pos, int(view.seq_id)))
+        return 0
+    except BaseException as e:  # noqa: BLE001 - carried back across the native frame
+        state.error = e
+        return 1
+
+
+class Projector(NativeHandle):
+    """A multimodal projector (mmproj GGUF) bound to its target text model.
+
+    >>> with Projector("mmproj.gguf", target) as proj:       # doctest: +SKIP
+    ...     chunks = proj.tokenize(f"look: {MEDIA_MARKER}", [Bitmap.load("cat.png")])
+    """
+
+    _what = "projector"
+
+    def __init__(self, path: str | os.PathLike, model: Model, *, use_gpu: bool = True, n_threads: int | None = None,
+                 flash_attn: bool | None = False, warmup: bool = False) -> None:
+        self.path = check_gguf_file(path, "mmproj")
+        self.model = model
+        params = lib.mtmd_context_params_default()
+        params.use_gpu = use_gpu
+        params.print_timings = False
+        params.n_threads = n_threads or max(1, os.cpu_count() or 2)
+        params.warmup = warmup
+        params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn is None else
+                                  lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else
+                                  lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        ptr = lib.mtmd_init_from_file(str(self.path).encode(), model.ptr, params)
+        if ptr == ffi.NULL:
+            raise ProjectorError(with_native_log(
+                f"mtmd_init_from_file could not load the projector {self.path} for the {model.arch} target "
+                f"{model.path.name} (not an mmproj, corrupt, or its projection size does not match the "
+                f"target's n_embd {model.n_embd})"))
+        self._ptr = ptr
+        self.n_encode_calls = 0  # counted so that callers (and tests) can see cache reuse
+
+    def _free(self, ptr) -> None:
+        lib.mtmd_free(ptr)
+
+    @property
+    def uses_mrope(self) -> bool:
+        return bool(lib.mtmd_decode_use_mrope(self.ptr))
+
+    @property
+    def supports_vision(self) -> bool:
+        return bool(lib.mtmd_support_vision(self.ptr))
+
+    @property
+    def supports_audio(self) -> bool:
+        return bool(lib.mtmd_support_audio(self.ptr))
+
+    def tokenize(self, text: str, bitmaps: Sequence[Bitmap] = (), *, add_special: bool = True,
+                 parse_special: bool = True) -> Chunks:
+        """Split a prompt with one MEDIA_MARKER per bitmap into chunks."""
+        n_markers = text.count(MEDIA_MARKER)
+        if n_markers != len(bitmaps):
+            raise ValueError(f"the prompt has {n_markers} media marker(s) {MEDIA_MARKER!r} "
+                             f"but {len(bitmaps)} image(s) were given")
+        data = text.encode("utf-8")
+        buf = ffi.new("char[]", data)
+        inp = ffi.new("mtmd_input_text *", {"text": buf, "text_len": len(data), "add_special": add_special,
+                                            "parse_special": parse_special})
+        arr = ffi.new("mtmd_bitmap *[]", [b.ptr for b in bitmaps] or [ffi.NULL])
+        chunks = lib.mtmd_input_chunks_init()
+        rc = lib.mtmd_tokenize(self.ptr, chunks, inp, arr, len(bitmaps))
+        if rc != 0:
+            lib.mtmd_input_chunks_free(chunks)
+            meaning = {1: "number of bitmaps does not match the markers", 2: "image preprocessing failed"}
+            raise NativeCallError("mtmd_tokenize", rc, meaning.get(rc, "tokenization failed"))
+        return Chunks(chunks)
+
+    def encode(self, chunk: Chunk) -> np.ndarray:
+        """Run the vision encoder on a media chunk: float32 [n_tokens, n_embd] (a copy)."""
+        if chunk.is_text:
+            raise ValueError("only media chunks are encoded")
+        rc = lib.mtmd_encode_chunk(self.ptr, chunk._ptr)
+        self.n_encode_calls += 1
+        if rc != 0:
+            raise NativeCallError("mtmd_encode_chunk", rc, f"{chunk.type} chunk of {chunk.n_tokens} rows")
+        ptr = lib.mtmd_get_output_embd(self.ptr)
+        n = chunk.n_tokens * self.model.n_embd_inp
+        return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).reshape(chunk.n_tokens, -1).copy()
+
+    def decode_media(self, ctx: Context, chunk: Chunk, embd: np.ndarray, pos0: int, *, n_batch: int,
+                     seq_id: int = 0, on_batch: Callable[[EmbeddingBatch], None] | None = None) -> int:
+        """Decode an encoded media chunk into ctx in slices of n_batch rows, from position pos0.
+
+        ``on_batch`` sees every slice right after the target decoded it (where a drafter
+        injects features). Returns the sequence's next position (pos0 + chunk.n_pos).
+        An exception raised by on_batch stops the chunk and propagates unchanged.
+        """
+        e = np.ascontiguousarray(embd, dtype=np.float32)
+        if e.shape[0] != chunk.n_tokens:
+            raise ValueError(f"embeddings have {e.shape[0]} rows, the chunk {chunk.n_tokens}")
+        state = _DecodeCallbackState(on_batch, e.shape[1]) if on_batch else None
+        handle = ffi.new_handle(state) if state else ffi.NULL
+        new_pos = ffi.new("llama_pos *")
+        rc = lib.mtmd_helper_decode_image_chunk(
+            self.ptr, ctx.ptr, chunk._ptr, ffi.from_buffer("float[]", e), pos0, seq_id, n_batch, new_pos,
+            lib.pyllama_post_decode_callback if state else ffi.NULL, handle)
+        if state is not None and state.error is not None:
+            raise state.error
+        if rc != 0:
+            raise DecodeError("mtmd_helper_decode_image_chunk", rc, role=ctx.role,
+                              n_rows=min(n_batch, chunk.n_tokens), offset=pos0,
+                              detail=f"failed to decode {chunk.type} chunk of {chunk.n_tokens} rows")
+        return int(new_pos[0])

@@ -1,0 +1,590 @@
+"""Build the native part: a pinned llama.cpp + libmtmd, our C shim, and the cffi module.
+
+This module uses the standard library only (rich for progress when it is installed,
+cffi to compile the binding), so that ``build.py`` and the package build can load
+it by path before ``pyllama_spec`` itself is importable.
+
+Steps, each cached:
+1. the llama.cpp source: the pinned ``llama-cpp-python`` sdist from PyPI (verified by
+   sha256, its ``vendor/llama.cpp`` extracted and patched) or the user's own checkout;
+2. CMake configure + build of ``llama``, ``mtmd``, ggml and ``pyllama_shim`` in a build
+   folder keyed by (source, patches, backend, flags), outside the repository;
+3. the cffi module, compiled in API mode against the real headers, and the shared
+   libraries copied beside it, with a ``build_record.json`` that ``doctor`` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIR = Path(__file__).resolve().parent
+NATIVE_DIR = PACKAGE_DIR / "_native"
+PATCHES_DIR = PROJECT_ROOT / "patches"
+
+# The pinned llama.cpp: llama-cpp-python 0.3.36 vendors ggml-org/llama.cpp@0c1e57098
+# (tree of 2026-10-01), which has DFlash, mtmd, llama_batch_ext/llama_process and
+# src/llama-ext.h.
+PIN_PACKAGE = "llama-cpp-python"
+PIN_VERSION = "0.3.36"
+PIN_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+PIN_UPSTREAM_COMMIT = "0c1e57098"
+PIN_UPSTREAM_DATE = "2026-10-01"
+SDIST_NAME = f"llama_cpp_python-{PIN_VERSION}.tar.gz"
+
+BACKENDS = ("cpu", "cuda", "rocm", "vulkan", "metal")
+CFFI_MODULE = "pyllama_spec._native._pyllama_cffi"
+DECL_FILES = ("ggml.h", "llama.h", "mtmd.h", "shim.h")  # order matters: later files use earlier types
+
+
+class BuildError(RuntimeError):
+    """The native build cannot go on; the message says what is missing and how to get it."""
+
+
+def cache_root() -> Path:
+    """Where sources and builds are cached: $PYLLAMA_SPEC_CACHE or ~/.cache/pyllama-spec."""
+    env = os.environ.get("PYLLAMA_SPEC_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pyllama-spec"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _say(msg: str) -> None:
+    print(f"[pyllama-spec build] {msg}", file=sys.stderr, flush=True)
+
+
+# --------------------------------------------------------------------------- source
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """A llama.cpp source tree ready to build."""
+
+    path: Path
+    origin: str  # "pinned" or "user"
+    identity: str  # what the cache key uses: the pin's sha256, or the user's path + git head
+    patches: tuple[str, ...]  # names of the patches applied to it
+
+
+def patch_files() -> list[Path]:
+    return sorted(PATCHES_DIR.glob("*.patch")) if PATCHES_DIR.is_dir() else []
+
+
+def _patch_digest(patches: list[Path]) -> str:
+    digest = hashlib.sha256()
+    for p in patches:
+        digest.update(p.name.encode() + b"\0" + p.read_bytes())
+    return digest.hexdigest()
+
+
+def _pip_command() -> list[str]:
+    import importlib.util
+
+    if importlib.util.find_spec("pip") is not None:
+        return [sys.executable, "-m", "pip"]
+    for name in ("pip3", "pip"):  # inside an isolated build env pip is not importable
+        found = shutil.which(name)
+        if found:
+            return [found]
+    raise BuildError("pip is needed to fetch the pinned llama.cpp source and was not found; "
+                     "install pip, or pass --llama-cpp DIR with a llama.cpp checkout")
+
+
+def fetch_pinned_sdist() -> Path:
+    """The pinned sdist, downloaded once with pip and verified by its sha256."""
+    downloads = cache_root() / "downloads"
+    target = downloads / SDIST_NAME
+    if target.exists() and _sha256(target) == PIN_SHA256:
+        return target
+    downloads.mkdir(parents=True, exist_ok=True)
+    _say(f"downloading {PIN_PACKAGE}=={PIN_VERSION} (llama.cpp {PIN_UPSTREAM_COMMIT}) with pip ...")
+    with tempfile.TemporaryDirectory(dir=downloads) as tmp:
+        cmd = _pip_command() + ["download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
+                                "-d", tmp, f"{PIN_PACKAGE}=={PIN_VERSION}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        got = Path(tmp) / SDIST_NAME
+        if not got.exists():
+            # Some pips prepare metadata even for `download`; retry with isolation on.
+            cmd.remove("--no-build-isolation")
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+        if not got.exists():
+            raise BuildError(f"could not download {PIN_PACKAGE}=={PIN_VERSION} from the package index:\n"
+                             f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        digest = _sha256(got)
+        if digest != PIN_SHA256:
+            raise BuildError(f"{SDIST_NAME} has sha256 {digest}, expected {PIN_SHA256}: refusing to build it")
+        os.replace(got, target)
+    return target
+
+
+def _apply_patches(tree: Path, patches: list[Path]) -> None:
+    """Apply each patch once; a patch already applied is recognised and skipped."""
+    for p in patches:
+        if _run_quiet(["git", "apply", "--reverse", "--check", str(p)], cwd=tree) == 0:
+            continue  # already applied
+        if _run_quiet(["git", "apply", "--check", str(p)], cwd=tree) != 0:
+            raise BuildError(f"patch {p.name} does not apply to {tree}")
+        if _run_quiet(["git", "apply", str(p)], cwd=tree) != 0:
+            raise BuildError(f"patch {p.name} failed to apply to {tree}")
+
+
+def _run_quiet(cmd: list[str], cwd: Path) -> int:
+    try:
+        return subprocess.run(cmd, cwd=cwd, capture_output=True).returncode
+    except FileNotFoundError:
+        raise BuildError(f"'{cmd[0]}' is needed to apply patches/ and was not found") from None
+
+
+def pinned_source() -> Source:
+    """The pinned tree, extracted and patched under the cache (once per patch set)."""
+    patches = patch_files()
+    key = f"{PIN_SHA256[:12]}-p{_patch_digest(patches)[:10]}"
+    tree = cache_root() / "src" / f"llama.cpp-{key}"
+    identity = f"pinned:{PIN_SHA256}:{_patch_digest(patches)}"
+    names = tuple(p.name for p in patches)
+    if (tree / ".pyllama-ready").exists():
+        return Source(tree, "pinned", identity, names)
+    sdist = fetch_pinned_sdist()
+    _say(f"extracting vendor/llama.cpp from {sdist.name} ...")
+    prefix = f"llama_cpp_python-{PIN_VERSION}/vendor/llama.cpp/"
+    tree.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=tree.parent) as tmp:
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            for m in members:
+                m.name = m.name[len(prefix):]
+            kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+            tar.extractall(tmp, members=[m for m in members if m.name], **kwargs)
+        _apply_patches(Path(tmp), patches)
+        (Path(tmp) / ".pyllama-ready").write_text(identity + "\n")
+        if tree.exists():
+            shutil.rmtree(tree)
+        os.replace(tmp, tree)
+        os.makedirs(tmp)  # so that TemporaryDirectory's cleanup finds something to remove
+    return Source(tree, "pinned", identity, names)
+
+
+def user_source(path: str | os.PathLike) -> Source:
+    """A user's own llama.cpp checkout, used as it is (our patches are not applied to it)."""
+    tree = Path(path).expanduser().resolve()
+    for needed in ("include/llama.h", "src/llama-ext.h", "tools/mtmd/mtmd-helper.h"):
+        if not (tree / needed).exists():
+            raise BuildError(f"{tree} is not a usable llama.cpp checkout: {needed} is missing "
+                             "(DFlash needs a tree with src/llama-ext.h and tools/mtmd)")
+    head = ""
+    if (tree / ".git").exists():
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
+    stamp = max((tree / f).stat().st_mtime for f in ("include/llama.h", "src/llama-ext.h"))
+    return Source(tree, "user", f"user:{tree}:{head}:{stamp}", ())
+
+
+# --------------------------------------------------------------------------- backends
+
+
+@dataclasses.dataclass
+class BuildOptions:
+    backend: str = "cpu"
+    cuda_arch: str | None = None  # e.g. "90" or "86;90"
+    cublas_dir: str | None = None  # folder with libcublas(.so) when not inside the CUDA toolkit
+    llama_cpp: str | None = None  # user's checkout instead of the pin
+    cmake_args: tuple[str, ...] = ()  # passed through (also read from $CMAKE_ARGS)
+    build_type: str = "Release"
+    jobs: int | None = None
+    tools: bool = False  # also build llama-server (for benchmarks only)
+
+
+def _find_nvcc() -> Path | None:
+    for cand in (os.environ.get("CUDACXX"), shutil.which("nvcc"),
+                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if cand and Path(cand).exists():
+            return Path(cand)
+    return None
+
+
+def _find_cublas(opts: BuildOptions, nvcc: Path) -> tuple[Path, Path] | None:
+    """(library dir, include dir) of a cuBLAS, in the toolkit or elsewhere."""
+    toolkit = nvcc.resolve().parent.parent
+    candidates: list[Path] = []
+    for explicit in (opts.cublas_dir, os.environ.get("PYLLAMA_CUBLAS_DIR")):
+        if explicit:
+            candidates.append(Path(explicit).expanduser())
+    candidates += [toolkit / "lib64", toolkit / "targets" / f"{platform.machine()}-linux" / "lib"]
+    for site in sys.path:  # the nvidia-cublas wheel: site-packages/nvidia/cu13/lib
+        candidates += [Path(p) for p in glob.glob(os.path.join(site, "nvidia", "*", "lib"))]
+    for cand in candidates:
+        libs = sorted(cand.glob("libcublas.so*"))
+        if libs:
+            include = cand.parent / "include"
+            return cand, include
+    return None
+
+
+def _unversioned_links(lib_dir: Path) -> Path:
+    """A folder with libcublas.so / libcublasLt.so links (wheels only ship .so.N)."""
+    out = cache_root() / "cublas-links" / hashlib.sha256(str(lib_dir).encode()).hexdigest()[:12]
+    out.mkdir(parents=True, exist_ok=True)
+    for stem in ("libcublas", "libcublasLt"):
+        plain = lib_dir / f"{stem}.so"
+        versioned = sorted(lib_dir.glob(f"{stem}.so.*"))
+        src = plain if plain.exists() else (versioned[0] if versioned else None)
+        if src is None:
+            raise BuildError(f"{lib_dir} has no {stem}.so*")
+        link = out / f"{stem}.so"
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        link.symlink_to(src)
+    return out
+
+
+def backend_cmake_args(opts: BuildOptions) -> list[str]:
+    """CMake flags for the backend, after checking that its toolchain is there."""
+    b = opts.backend
+    if b == "cpu":
+        return []
+    if b == "cuda":
+        nvcc = _find_nvcc()
+        if nvcc is None:
+            raise BuildError("--cuda needs the CUDA toolkit's nvcc: not found in $CUDACXX, $PATH or "
+                             "$CUDA_HOME/bin. Install the CUDA toolkit (developer.nvidia.com/cuda-downloads) "
+                             "or point CUDACXX at nvcc.")
+        cublas = _find_cublas(opts, nvcc)
+        if cublas is None:
+            raise BuildError("--cuda needs cuBLAS and none was found in the CUDA toolkit, in --cublas-dir / "
+                             "$PYLLAMA_CUBLAS_DIR, or in an installed nvidia-cublas wheel. "
+                             "Run `pip install nvidia-cublas` (or the toolkit's cuBLAS package) and, "
+                             "if it is not found then, pass --cublas-dir DIR (the folder holding libcublas.so*).")
+        lib_dir, include_dir = cublas
+        links = _unversioned_links(lib_dir)
+        args = [f"-DCMAKE_CUDA_COMPILER={nvcc}", "-DGGML_CUDA=ON",
+                f"-DCUDA_cublas_LIBRARY={links / 'libcublas.so'}",
+                f"-DCUDA_cublasLt_LIBRARY={links / 'libcublasLt.so'}"]
+        if include_dir.is_dir():
+            args += [f"-DCMAKE_CUDA_FLAGS=-I{include_dir}", f"-DCMAKE_CXX_FLAGS=-I{include_dir}"]
+        if not _has_cuda_driver(nvcc):
+            args.append("-DGGML_CUDA_NO_VMM=ON")  # no libcuda to link against here
+        if opts.cuda_arch:
+            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={opts.cuda_arch}")
+        _say(f"CUDA: nvcc {nvcc}, cuBLAS {lib_dir}")
+        return args
+    if b == "rocm":
+        hipcc = shutil.which("hipcc") or ("/opt/rocm/bin/hipcc" if Path("/opt/rocm/bin/hipcc").exists() else None)
+        if hipcc is None:
+            raise BuildError("--rocm needs ROCm's hipcc (and hipBLAS): not found in $PATH or /opt/rocm/bin. "
+                             "Install ROCm (rocm.docs.amd.com), including hipblas-dev.")
+        rocm = Path(hipcc).resolve().parent.parent
+        if not any(rocm.glob("lib*/libhipblas.so*")) and not any(Path("/opt/rocm").glob("lib*/libhipblas.so*")):
+            raise BuildError(f"--rocm found hipcc ({hipcc}) but no hipBLAS (libhipblas.so); install hipblas-dev")
+        return ["-DGGML_HIP=ON", f"-DCMAKE_HIP_COMPILER={hipcc}"]
+    if b == "vulkan":
+        if shutil.which("glslc") is None:
+            raise BuildError("--vulkan needs the glslc shader compiler: install it (Debian: apt-get install glslc) "
+                             "or the Vulkan SDK (vulkan.lunarg.com)")
+        headers = [Path("/usr/include/vulkan/vulkan.h")]
+        if os.environ.get("VULKAN_SDK"):
+            headers.append(Path(os.environ["VULKAN_SDK"]) / "include" / "vulkan" / "vulkan.h")
+        if not any(h.exists() for h in headers):
+            raise BuildError("--vulkan needs the Vulkan headers and loader: apt-get install libvulkan-dev, "
+                             "or set VULKAN_SDK")
+        return ["-DGGML_VULKAN=ON"]
+    if b == "metal":
+        if sys.platform != "darwin":
+            raise BuildError("--metal builds only on macOS (Apple's Metal framework)")
+        return ["-DGGML_METAL=ON"]
+    raise BuildError(f"unknown backend {b!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def _has_cuda_driver(nvcc: Path) -> bool:
+    toolkit = nvcc.resolve().parent.parent
+    stubs = list(toolkit.glob("lib64/stubs/libcuda.so")) + list(toolkit.glob("targets/*/lib/stubs/libcuda.so"))
+    return bool(stubs)
+
+
+# --------------------------------------------------------------------------- cmake
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeBuild:
+    """The result of a build: where the libraries are and how they were made."""
+
+    build_dir: Path
+    lib_dir: Path
+    source: Source
+    backend: str
+    cmake_args: tuple[str, ...]
+    key: str
+
+    def include_dirs(self) -> list[Path]:
+        s = self.source.path
+        return [s / "include", s / "ggml" / "include", s / "tools" / "mtmd", PROJECT_ROOT / "native"]
+
+
+def _extra_cmake_args(opts: BuildOptions) -> list[str]:
+    import shlex
+
+    return list(opts.cmake_args) + shlex.split(os.environ.get("CMAKE_ARGS", ""))
+
+
+def build_key(source: Source, opts: BuildOptions, cmake_args: list[str]) -> str:
+    payload = json.dumps({"source": source.identity, "backend": opts.backend, "type": opts.build_type,
+                          "cmake": cmake_args, "tools": opts.tools, "machine": platform.machine()},
+                         sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def build_native(opts: BuildOptions) -> NativeBuild:
+    """Configure and build llama + mtmd + the shim (incremental inside a cached build dir)."""
+    if shutil.which("cmake") is None:
+        raise BuildError("cmake (>= 3.21) is needed: pip install cmake, or apt-get install cmake")
+    source = user_source(opts.llama_cpp) if opts.llama_cpp else pinned_source()
+    cmake_args = backend_cmake_args(opts) + _extra_cmake_args(opts)
+    key = build_key(source, opts, cmake_args)
+    build_dir = cache_root() / "build" / f"{opts.backend}-{key}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    configure = ["cmake", *generator, "-S", str(PROJECT_ROOT), "-B", str(build_dir),
+                 f"-DCMAKE_BUILD_TYPE={opts.build_type}", f"-DLLAMA_CPP_DIR={source.path}"]
+    if source.origin == "pinned":
+        configure.append(f"-DLLAMA_BUILD_COMMIT={PIN_UPSTREAM_COMMIT}")
+    if opts.tools:
+        configure += ["-DPYLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
+    configure += cmake_args
+    stamp = build_dir / "configure-args.json"
+    if not stamp.exists() or json.loads(stamp.read_text()) != configure or not (build_dir / "CMakeCache.txt").exists():
+        _say(f"configuring ({opts.backend}) in {build_dir}")
+        _run_logged(configure, build_dir / "configure.log", "configure")
+        stamp.write_text(json.dumps(configure))
+    jobs = opts.jobs or os.cpu_count() or 2
+    targets = ["pyllama_native"] + (["llama-server"] if opts.tools else [])
+    for target in targets:
+        _run_logged(["cmake", "--build", str(build_dir), "--target", target, "-j", str(jobs)],
+                    build_dir / "build.log", f"compile {target}", progress=True)
+    return NativeBuild(build_dir, build_dir / "bin", source, opts.backend, tuple(cmake_args), key)
+
+
+_STEP = re.compile(r"^\[(\d+)/(\d+)\]|^\[\s*(\d+)%\]")
+
+
+def _run_logged(cmd: list[str], log_path: Path, what: str, progress: bool = False) -> None:
+    """Run a build step, keep its whole output in a log, show progress, explain failure."""
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        reporter = _Progress(what) if progress else None
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            m = _STEP.match(line)
+            if reporter and m:
+                if m.group(1):
+                    reporter.update(int(m.group(1)), int(m.group(2)), line.strip())
+                else:
+                    reporter.update(int(m.group(3)), 100, line.strip())
+        rc = proc.wait()
+        if reporter:
+            reporter.close()
+    if rc != 0:
+        tail = "".join(Path(log_path).read_text().splitlines(keepends=True)[-40:])
+        raise BuildError(f"{what} failed (exit {rc}); full log: {log_path}\n{tail}")
+    _say(f"{what}: done in {time.monotonic() - started:.0f} s")
+
+
+class _Progress:
+    """A rich progress bar on a terminal; a line every 10% otherwise."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.last_decile = -1
+        self.bar = None
+        if sys.stderr.isatty():
+            try:
+                from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+                self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
+                                    TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                                    TextColumn("[dim]{task.fields[step]}"), transient=False)
+                self.bar.start()
+                self.task = self.bar.add_task(what, total=None, step="")
+            except ImportError:
+                self.bar = None
+
+    def update(self, done: int, total: int, line: str) -> None:
+        if self.bar is not None:
+            step = line.split()[-1][-60:] if line.split() else ""
+            self.bar.update(self.task, completed=done, total=total, step=step)
+            return
+        decile = done * 10 // max(total, 1)
+        if decile != self.last_decile:
+            self.last_decile = decile
+            _say(f"{self.what}: {done}/{total}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+# --------------------------------------------------------------------------- cffi module
+
+
+def read_declarations() -> str:
+    decl_dir = NATIVE_DIR / "decl"
+    return "\n".join((decl_dir / name).read_text() for name in DECL_FILES)
+
+
+def make_ffibuilder(build: NativeBuild, rpath: str):
+    """The cffi builder in API mode: the C compiler sees our declarations and the real headers."""
+    from cffi import FFI
+
+    ffi = FFI()
+    ffi.cdef(read_declarations())
+    ffi.set_source(
+        CFFI_MODULE,
+        '#include "llama.h"\n#include "mtmd.h"\n#include "mtmd-helper.h"\n#include "pyllama_shim.h"\n',
+        include_dirs=[str(p) for p in build.include_dirs()],
+        library_dirs=[str(build.lib_dir)],
+        libraries=["llama", "mtmd", "ggml", "ggml-base", "pyllama_shim"],
+        extra_link_args=[f"-Wl,-rpath,{rpath}"],
+    )
+    return ffi
+
+
+def shared_libraries(lib_dir: Path) -> dict[str, Path]:
+    """{file name to install: real file}: one copy per library, under the name the loader
+    asks for (libfoo.so.N, the SONAME; libfoo.so for unversioned ones)."""
+    pattern = "*.dylib" if sys.platform == "darwin" else "*.so*"
+    by_real: dict[Path, list[str]] = {}
+    for p in sorted(lib_dir.glob(pattern)):
+        by_real.setdefault(p.resolve(), []).append(p.name)
+    chosen: dict[str, Path] = {}
+    for real, names in by_real.items():
+        soname = [n for n in names if re.search(r"\.so\.\d+$", n)]
+        for name in (soname or [min(names, key=len)]):
+            chosen[name] = real
+    return chosen
+
+
+def install_native(build: NativeBuild, package_native_dir: Path) -> Path:
+    """Copy the libraries next to the package and compile the cffi module there."""
+    lib_out = package_native_dir / "lib"
+    if lib_out.exists():
+        shutil.rmtree(lib_out)
+    lib_out.mkdir(parents=True)
+    for name, real in shared_libraries(build.lib_dir).items():
+        shutil.copy2(real, lib_out / name)
+    rpath = "@loader_path/lib" if sys.platform == "darwin" else "$ORIGIN/lib"
+    ffi = make_ffibuilder(build, rpath)
+    with tempfile.TemporaryDirectory() as tmp:
+        built = Path(ffi.compile(tmpdir=tmp, verbose=False))
+        for old in package_native_dir.glob("_pyllama_cffi*"):
+            old.unlink()
+        target = package_native_dir / built.name
+        shutil.copy2(built, target)
+    write_build_record(build, package_native_dir / "build_record.json")
+    return target
+
+
+def dflash_capable_archs(source_dir: Path) -> list[str]:
+    """Target architectures whose graph records layer inputs (a DFlash target must).
+
+    Read from the source that was built: a file under src/models/ records them when it
+    assigns ``t_layer_inp[...]``; the classes it defines (``llama_model_foo::``) map to
+    architectures through the factory switch in src/llama-model.cpp
+    (``case LLM_ARCH_FOO: return new llama_model_foo(...)``) and to GGUF names through
+    src/llama-arch.cpp.
+    """
+    recording_classes: set[str] = set()
+    for path in (source_dir / "src" / "models").glob("*.cpp"):
+        text = path.read_text(errors="replace")
+        if "t_layer_inp[" in text:
+            recording_classes.update(re.findall(r"\bllama_model_([a-z0-9_]+)::", text))
+    factory = (source_dir / "src" / "llama-model.cpp").read_text(errors="replace")
+    arch_names = dict(re.findall(r"\{\s*(LLM_ARCH_[A-Z0-9_]+)\s*,\s*\"([^\"]+)\"\s*\}",
+                                 (source_dir / "src" / "llama-arch.cpp").read_text(errors="replace")))
+    found = {arch_names[arch] for arch, cls in
+             re.findall(r"case\s+(LLM_ARCH_[A-Z0-9_]+)\s*:\s*return\s+new\s+llama_model_([a-z0-9_]+)\s*\(", factory)
+             if cls in recording_classes and arch in arch_names}
+    return sorted(found)
+
+
+def write_build_record(build: NativeBuild, path: Path) -> None:
+    record = {
+        "pin": {"package": PIN_PACKAGE, "version": PIN_VERSION, "sha256": PIN_SHA256,
+                "upstream_commit": PIN_UPSTREAM_COMMIT, "upstream_date": PIN_UPSTREAM_DATE},
+        "source": {"origin": build.source.origin, "path": str(build.source.path),
+                   "identity": build.source.identity},
+        "patches": list(build.source.patches),
+        "backend": build.backend,
+        "cmake_args": list(build.cmake_args),
+        "build_dir": str(build.build_dir),
+        "key": build.key,
+        "dflash_target_archs": dflash_capable_archs(build.source.path),
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def build_in_place(opts: BuildOptions, package_native_dir: Path = NATIVE_DIR) -> Path:
+    started = time.monotonic()
+    build = build_native(opts)
+    module = install_native(build, package_native_dir)
+    _say(f"native part ready: {module.name} ({opts.backend}, {time.monotonic() - started:.0f} s)")
+    return module
+
+
+def parse_args(argv: list[str] | None = None) -> BuildOptions:
+    ap = argparse.ArgumentParser(prog="build.py", description="Build pyllama-spec's native part in place.")
+    group = ap.add_mutually_exclusive_group()
+    for b in BACKENDS[1:]:
+        group.add_argument(f"--{b}", dest="backend", action="store_const", const=b, help=f"build the {b} backend")
+    ap.add_argument("--cuda-arch", help="CMAKE_CUDA_ARCHITECTURES, e.g. 90 or '86;90'")
+    ap.add_argument("--cublas-dir", help="folder with libcublas.so* when it is not inside the CUDA toolkit "
+                                         "(also $PYLLAMA_CUBLAS_DIR)")
+    ap.add_argument("--llama-cpp", default=os.environ.get("LLAMA_CPP_DIR"),
+                    help="use this llama.cpp checkout instead of the pinned source (also $LLAMA_CPP_DIR)")
+    ap.add_argument("--cmake-arg", action="append", default=[], help="extra CMake argument (repeatable; "
+                                                                       "$CMAKE_ARGS is read too)")
+    ap.add_argument("--debug", action="store_true", help="CMAKE_BUILD_TYPE=Debug")
+    ap.add_argument("-j", "--jobs", type=int, help="parallel compile jobs (default: all cores)")
+    ap.add_argument("--tools", action="store_true", help="also build llama-server from the same source and flags")
+    ns = ap.parse_args(argv)
+    return BuildOptions(backend=ns.backend or "cpu", cuda_arch=ns.cuda_arch, cublas_dir=ns.cublas_dir,
+                        llama_cpp=ns.llama_cpp, cmake_args=tuple(ns.cmake_arg),
+                        build_type="Debug" if ns.debug else "Release", jobs=ns.jobs, tools=ns.tools)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        build_in_place(parse_args(argv))
+    except BuildError as e:
+        print(f"build failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""Tiny, real GGUF models for tests: a vision-language target, its mmproj and a DFlash draft.
+
+All three files share one byte-level tokenizer (GPT-2 style BPE over the 256
+byte tokens plus a few merges and ChatML/vision/mask control tokens), are
+built deterministically from a seed with numpy, and load in the pinned
+llama.cpp / libmtmd in a few milliseconds.
+
+* ``write_target``: an M-RoPE text model that records its layer inputs, so it
+  can feed a DFlash draft: dense ``hunyuan_vl`` or hybrid ``qwen35`` (gated
+  delta net layers alternating with attention, ``full_attention_interval`` 2).
+* ``write_mmproj``: a ``clip`` vision tower with the ``qwen2vl_merger``
+  projector; a 672x672 image becomes 576 image tokens over 24 positions.
+* ``write_draft``: a ``dflash`` draft that borrows the target's token
+  embedding and output head (through the draft context's ``ctx_other``).
+* ``make_tiny_set``: all three, cached in a folder by a hash of the parameters.
+
+The ``predictable`` knob (target only; the draft needs nothing extra):
+random weights give a draft that is never accepted.  With ``predictable`` > 0
+every token embedding gets a coefficient along one shared unit direction ``s``
+(which is projected out of all other embedding and output rows), and the output
+row of ``ATTRACTOR_TOKEN_ID`` reads ``s``.  Layer weights are small, so the
+residual stream, and hence the greedy choice, is dominated by the current
+token's embedding:
+
+* a fraction ``predictable`` of the tokens carry ``+s``: after them the target's
+  greedy choice is the attractor token;
+* the attractor itself carries ``-s`` (so the target moves on to another token;
+  that token is forced into the ``+s`` set so the walk comes back), except at
+  ``predictable`` = 1 where it carries ``+s`` and the target repeats it forever;
+* the mask token carries ``+2s``: the draft, whose block rows are mask tokens
+  and whose own weights are small, proposes the attractor at every position.
+
+So at 0 < predictable < 1 a speculative step typically accepts the first draft
+token and rejects the next (exercising both accept and rollback); at 1 every
+draft token is accepted.  Control tokens have zero output rows: the tiny
+targets never choose them (in particular never EOS), they generate until a
+token limit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .gguf_writer import GGUFWriter, ValueType
+
+# Bump when the generated files change, so make_tiny_set caches are invalidated.
+GENERATOR_VERSION = 1
+
+# -- tokenizer ------------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's reversible byte -> printable unicode character map, indexed by byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+BYTE_TOKENS = _bytes_to_unicode()  # token id == byte value
+MERGES = [("Ġ", "t"), ("h", "e"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("Ġt", "he")]
+MERGED_TOKENS = [a + b for a, b in MERGES]
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+VISION_START = "<|vision_start|>"
+VISION_END = "<|vision_end|>"
+IMAGE_PAD = "<|image_pad|>"
+MASK_TOKEN = "<|mask|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD, MASK_TOKEN]
+
+TOKENS = BYTE_TOKENS + MERGED_TOKENS + SPECIAL_TOKENS
+N_VOCAB = len(TOKENS)
+TOKEN_ID = {t: i for i, t in enumerate(TOKENS)}
+BOS_TOKEN_ID = PAD_TOKEN_ID = TOKEN_ID[ENDOFTEXT]
+EOS_TOKEN_ID = TOKEN_ID[IM_END]
+MASK_TOKEN_ID = TOKEN_ID[MASK_TOKEN]
+FIRST_SPECIAL_ID = TOKEN_ID[ENDOFTEXT]
+# the token a `predictable` target tends to choose (a plain byte token: "a")
+ATTRACTOR_TOKEN_ID = ord("a")
+
+_TOKEN_TYPE_NORMAL, _TOKEN_TYPE_CONTROL = 1, 3
+
+# ChatML; content may be a string or a list of parts with "text" (llama-server
+# sends image parts as {"type": "media_marker", "text": "<__media__>"}).
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['text'] is defined -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def _add_tokenizer(w: GGUFWriter, *, with_mask_id: bool = False) -> None:
+    w.add_string("tokenizer.ggml.model", "gpt2")
+    w.add_string("tokenizer.ggml.pre", "qwen2")
+    w.add_array("tokenizer.ggml.tokens", ValueType.STRING, TOKENS)
+    types = [_TOKEN_TYPE_CONTROL if t in SPECIAL_TOKENS else _TOKEN_TYPE_NORMAL for t in TOKENS]
+    w.add_array("tokenizer.ggml.token_type", ValueType.INT32, types)
+    w.add_array("tokenizer.ggml.merges", ValueType.STRING, [f"{a} {b}" for a, b in MERGES])
+    w.add_uint32("tokenizer.ggml.bos_token_id", BOS_TOKEN_ID)
+    w.add_uint32("tokenizer.ggml.eos_token_id", EOS_TOKEN_ID)
+    w.add_uint32("tokenizer.ggml.padding_token_id", PAD_TOKEN_ID)
+    if with_mask_id:
+        w.add_uint32("tokenizer.ggml.mask_token_id", MASK_TOKEN_ID)
+    w.add_bool("tokenizer.ggml.add_bos_token", False)
+    w.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
+
+
+# -- shared shapes -------------------------------------------------------------
+
+N_HEAD, N_HEAD_KV, HEAD_DIM = 4, 2, 16
+TARGET_ARCHS = ("hunyuan_vl", "qwen35")
+# scales of the `predictable` construction (see module docstring)
+_SHARED_COEF, _ATTRACTOR_GAIN, _OUTPUT_STD, _LAYER_STD = 4.0, 3.0, 0.1, 0.02
+
+
+def _rms_norm(x: np.ndarray) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+class _Weights:
+    """Draws float32 tensors in a fixed order from one seeded generator."""
+
+    def __init__(self, seed: int, std: float = _LAYER_STD):
+        self.rng = np.random.default_rng(seed)
+        self.std = std
+
+    def mat(self, n_out: int, n_in: int, std: float | None = None) -> np.ndarray:
+        """A weight with ggml dims [n_in, n_out] (numpy shape (n_out, n_in))."""
+        s = self.std if std is None else std
+        return (self.rng.standard_normal((n_out, n_in)) * s).astype(np.float32)
+
+    def vec(self, n: int, std: float | None = None) -> np.ndarray:
+        s = self.std if std is None else std
+        return (self.rng.standard_normal(n) * s).astype(np.float32)
+
+
+def _ones(n: int) -> np.ndarray:
+    return np.ones(n, dtype=np.float32)
+
+
+def _add_attention_hparams(w: GGUFWriter, arch: str, *, n_embd: int, n_layer: int, n_ff: int,
+                           rope_sections: list[int]) -> None:
+    w.add_string("general.architecture", arch)
+    w.add_uint32(f"{arch}.context_length", 4096)
+    w.add_uint32(f"{arch}.embedding_length", n_embd)
+    w.add_uint32(f"{arch}.block_count", n_layer)
+    w.add_uint32(f"{arch}.feed_forward_length", n_ff)
+    w.add_uint32(f"{arch}.attention.head_count", N_HEAD)
+    w.add_uint32(f"{arch}.attention.head_count_kv", N_HEAD_KV)
+    w.add_uint32(f"{arch}.attention.key_length", HEAD_DIM)
+    w.add_uint32(f"{arch}.attention.value_length", HEAD_DIM)
+    w.add_uint32(f"{arch}.rope.dimension_count", HEAD_DIM)
+    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_array(f"{arch}.rope.dimension_sections", ValueType.INT32, rope_sections)
+
+
+def _add_attention_layer(w: GGUFWriter, r: _Weights, i: int, n_embd: int, *, q_out: int) -> None:
+    p = f"blk.{i}"
+    w.add_tensor(f"{p}.attn_q.weight", r.mat(q_out, n_embd))
+    w.add_tensor(f"{p}.attn_k.weight", r.mat(N_HEAD_KV * HEAD_DIM, n_embd))
+    w.add_tensor(f"{p}.attn_v.weight", r.mat(N_HEAD_KV * HEAD_DIM, n_embd))
+    w.add_tensor(f"{p}.attn_output.weight", r.mat(n_embd, N_HEAD * HEAD_DIM))
+    w.add_tensor(f"{p}.attn_q_norm.weight", _ones(HEAD_DIM))
+    w.add_tensor(f"{p}.attn_k_norm.weight", _ones(HEAD_DIM))
+
+
+def _add_ffn(w: GGUFWriter, r: _Weights, i: int, n_embd: int, n_ff: int) -> None:
+    w.add_tensor(f"blk.{i}.ffn_gate.weight", r.mat(n_ff, n_embd))
+    w.add_tensor(f"blk.{i}.ffn_up.weight", r.mat(n_ff, n_embd))
+    w.add_tensor(f"blk.{i}.ffn_down.weight", r.mat(n_embd, n_ff))
+
+
+# -- target ------------------------------------------------------------------------
+
+
+def _embedding_and_head(r: _Weights, n_embd: int, predictable: float) -> tuple[np.ndarray, np.ndarray]:
+    """Token embedding and output head, with the `predictable` structure (module docstring)."""
+    embd = r.rng.standard_normal((N_VOCAB, n_embd))
+    head = r.rng.standard_normal((N_VOCAB, n_embd)) * _OUTPUT_STD
+    shared = r.rng.standard_normal(n_embd)
+    shared /= np.linalg.norm(shared)
+    member = r.rng.random(N_VOCAB) < predictable  # drawn even at 0: same base weights for any knob
+    if predictable > 0:
+        embd -= np.outer(embd @ shared, shared)
+        head -= np.outer(head @ shared, shared)
+        head[ATTRACTOR_TOKEN_ID] = _ATTRACTOR_GAIN * shared
+        head[FIRST_SPECIAL_ID:] = 0.0
+        if predictable < 1:
+            # make the attractor's successor lead back to the attractor (bigram estimate;
+            # the layers only add small terms)
+            tail = embd[ATTRACTOR_TOKEN_ID] - _SHARED_COEF * shared
+            member[int(np.argmax(head @ _rms_norm(tail)))] = True
+        coef = np.where(member, _SHARED_COEF, 0.0)
+        coef[ATTRACTOR_TOKEN_ID] = _SHARED_COEF if predictable >= 1 else -_SHARED_COEF
+        coef[MASK_TOKEN_ID] = 2 * _SHARED_COEF
+        embd += np.outer(coef, shared)
+    head[FIRST_SPECIAL_ID:] = 0.0  # never choose control tokens (e.g. EOS)
+    return embd.astype(np.float32), head.astype(np.float32)
+
+
+def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n_embd: int = 64,
+                 n_layer: int = 4, n_ff: int = 128, predictable: float = 0.0) -> Path:
+    """Write a tiny M-RoPE target (``hunyuan_vl`` or hybrid ``qwen35``) that can feed a DFlash draft.
+
+    Heads: 4 query heads, 2 KV heads, head dim 16 (so ``n_embd`` must be 64 for the
+    attention shapes to stay square).  ``predictable`` in [0, 1]: see module docstring.
+    """
+    if arch not in TARGET_ARCHS:
+        raise ValueError(f"arch must be one of {TARGET_ARCHS}, got {arch!r}")
+    if n_embd != N_HEAD * HEAD_DIM:
+        raise ValueError(f"n_embd must be {N_HEAD * HEAD_DIM}")
+    if not 0.0 <= predictable <= 1.0:
+        raise ValueError("predictable must be in [0, 1]")
+    if arch == "qwen35" and n_layer % 2:
+        raise ValueError("qwen35 needs an even n_layer (full_attention_interval 2)")
+    r = _Weights(seed)
+    w = GGUFWriter()
+    # [2, 3, 3, 0] sums to head_dim / 2; first two > 0 make it M-RoPE
+    _add_attention_hparams(w, arch, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, rope_sections=[2, 3, 3, 0])
+    w.add_string("general.name", f"tiny-{arch}")
+    if arch == "qwen35":
+        # gated delta net: 2 key heads x 16, 4 value heads x 16
+        w.add_uint32("qwen35.ssm.conv_kernel", 4)
+        w.add_uint32("qwen35.ssm.state_size", 16)
+        w.add_uint32("qwen35.ssm.group_count", 2)
+        w.add_uint32("qwen35.ssm.time_step_rank", 4)
+        w.add_uint32("qwen35.ssm.inner_size", 64)
+        w.add_uint32("qwen35.full_attention_interval", 2)
+    _add_tokenizer(w)
+
+    embd, head = _embedding_and_head(r, n_embd, predictable)
+    w.add_tensor("token_embd.weight", embd)
+    w.add_tensor("output_norm.weight", _ones(n_embd))
+    w.add_tensor("output.weight", head)
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", _ones(n_embd))
+        if arch == "hunyuan_vl":
+            _add_attention_layer(w, r, i, n_embd, q_out=N_HEAD * HEAD_DIM)
+            w.add_tensor(f"blk.{i}.ffn_norm.weight", _ones(n_embd))
+        else:
+            w.add_tensor(f"blk.{i}.post_attention_norm.weight", _ones(n_embd))
+            if (i + 1) % 2 == 0:  # attention layer: query and gate in one projection
+                _add_attention_layer(w, r, i, n_embd, q_out=2 * N_HEAD * HEAD_DIM)
+            else:
+                _add_delta_net_layer(w, r, i, n_embd)
+        _add_ffn(w, r, i, n_embd, n_ff)
+    path = Path(path)
+    w.write(path)
+    return path
+
+
+def _add_delta_net_layer(w: GGUFWriter, r: _Weights, i: int, n_embd: int) -> None:
+    key_dim, value_dim, n_v_heads, conv = 2 * 16, 4 * 16, 4, 4
+    p = f"blk.{i}"
+    w.add_tensor(f"{p}.attn_qkv.weight", r.mat(2 * key_dim + value_dim, n_embd))
+    w.add_tensor(f"{p}.attn_gate.weight", r.mat(value_dim, n_embd))
+    w.add_tensor(f"{p}.ssm_conv1d.weight", r.mat(2 * key_dim + value_dim, conv, std=0.5))
+    w.add_tensor(f"{p}.ssm_dt.bias", r.vec(n_v_heads, std=0.5))
+    # ssm_a = -exp(A_log): must be negative for a decaying state
+    w.add_tensor(f"{p}.ssm_a", -np.exp(r.vec(n_v_heads, std=0.5)))
+    w.add_tensor(f"{p}.ssm_beta.weight", r.mat(n_v_heads, n_embd))
+    w.add_tensor(f"{p}.ssm_alpha.weight", r.mat(n_v_heads, n_embd))
+    w.add_tensor(f"{p}.ssm_norm.weight", _ones(16))
+    w.add_tensor(f"{p}.ssm_out.weight", r.mat(n_embd, value_dim))
+
+
+# -- mmproj ----------------------------------------------------------------------
+
+
+def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0) -> Path:
+    """Write a tiny ``clip`` vision projector (``qwen2vl_merger``) for a target of width ``target_n_embd``."""
+    n_embd, n_ff, patch, merged = 32, 64, 14, 32 * 4
+    r = _Weights(seed + 1_000_003, std=0.05)
+    w = GGUFWriter()
+    w.add_string("general.architecture", "clip")
+    w.add_string("general.name", "tiny-mmproj")
+    w.add_string("clip.projector_type", "qwen2vl_merger")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_uint32("clip.vision.embedding_length", n_embd)
+    w.add_uint32("clip.vision.feed_forward_length", n_ff)
+    w.add_uint32("clip.vision.block_count", 1)
+    w.add_uint32("clip.vision.attention.head_count", 2)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_uint32("clip.vision.projection_dim", target_n_embd)
+    w.add_uint32("clip.vision.image_size", 448)
+    w.add_uint32("clip.vision.patch_size", patch)
+    w.add_uint32("clip.vision.spatial_merge_size", 2)
+    w.add_array("clip.vision.image_mean", ValueType.FLOAT32, [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", ValueType.FLOAT32, [0.5, 0.5, 0.5])
+
+    # two patch embeddings: qwen2-vl's temporal conv split in two frames; ggml [14, 14, 3, 32]
+    w.add_tensor("v.patch_embd.weight", (r.rng.standard_normal((n_embd, 3, patch, patch)) * 0.02).astype(np.float32))
+    w.add_tensor("v.patch_embd.weight.1", (r.rng.standard_normal((n_embd, 3, patch, patch)) * 0.02).astype(np.float32))
+    b = "v.blk.0"
+    for ln in ("ln1", "ln2"):
+        w.add_tensor(f"{b}.{ln}.weight", _ones(n_embd))
+        w.add_tensor(f"{b}.{ln}.bias", np.zeros(n_embd, np.float32))
+    for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+        w.add_tensor(f"{b}.{name}.weight", r.mat(n_embd, n_embd))
+        w.add_tensor(f"{b}.{name}.bias", r.vec(n_embd))
+    # up: ggml [n_embd, n_ff], down: ggml [n_ff, n_embd] (this orientation is not "swapped")
+    w.add_tensor(f"{b}.ffn_up.weight", r.mat(n_ff, n_embd))
+    w.add_tensor(f"{b}.ffn_up.bias", r.vec(n_ff))
+    w.add_tensor(f"{b}.ffn_down.weight", r.mat(n_embd, n_ff))
+    w.add_tensor(f"{b}.ffn_down.bias", r.vec(n_embd))
+    w.add_tensor("mm.0.weight", r.mat(merged, merged))
+    w.add_tensor("mm.0.bias", r.vec(merged))
+    w.add_tensor("mm.2.weight", r.mat(target_n_embd, merged, std=0.5))
+    w.add_tensor("mm.2.bias", r.vec(target_n_embd))
+    path = Path(path)
+    w.write(path)
+    return path
+
+
+# -- draft -------------------------------------------------------------------------
+
+
+def write_draft(path: str | Path, *, target_n_embd: int = 64, target_layers: tuple[int, ...] = (1, 3),
+                target_n_layer: int = 4, block_size: int = 16, sliding_window: int | None = 32,
+                n_layer: int = 1, n_ff: int = 128, seed: int = 0) -> Path:
+    """Write a tiny ``dflash`` draft for a target of width ``target_n_embd``.
+
+    ``target_layers`` are the GGUF values (HF ``target_layer_ids`` + 1): indices of
+    target layer inputs, each < ``target_n_layer`` (larger ones abort natively).
+    ``sliding_window`` None or 0 writes a draft without a window.  The draft has no
+    token embedding or output head: it uses the target's via ``ctx_other``.
+    """
+    if target_n_embd != N_HEAD * HEAD_DIM:
+        raise ValueError(f"target_n_embd must be {N_HEAD * HEAD_DIM}")
+    if not target_layers or any(not 0 <= t < target_n_layer for t in target_layers):
+        raise ValueError(f"target_layers must be non-empty and in [0, {target_n_layer})")
+    n_embd = target_n_embd
+    r = _Weights(seed + 2_000_003)
+    w = GGUFWriter()
+    # temporal-only sections [head_dim / 2, 0, 0, 0]: the draft follows the target's text positions
+    _add_attention_hparams(w, "dflash", n_embd=n_embd, n_layer=n_layer, n_ff=n_ff,
+                           rope_sections=[HEAD_DIM // 2, 0, 0, 0])
+    w.add_string("general.name", "tiny-dflash")
+    w.add_array("dflash.target_layers", ValueType.INT32, list(target_layers))
+    w.add_uint32("dflash.block_size", block_size)
+    if sliding_window:
+        w.add_uint32("dflash.attention.sliding_window", sliding_window)
+        w.add_array("dflash.attention.sliding_window_pattern", ValueType.BOOL, [True] * n_layer)
+    _add_tokenizer(w, with_mask_id=True)
+
+    w.add_tensor("fc.weight", r.mat(n_embd, len(target_layers) * n_embd))
+    w.add_tensor("enc.output_norm.weight", _ones(n_embd))
+    w.add_tensor("output_norm.weight", _ones(n_embd))
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", _ones(n_embd))
+        _add_attention_layer(w, r, i, n_embd, q_out=N_HEAD * HEAD_DIM)
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", _ones(n_embd))
+        _add_ffn(w, r, i, n_embd, n_ff)
+    path = Path(path)
+    w.write(path)
+    return path
+
+
+# -- cached set --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TinyModels:
+    target: Path
+    mmproj: Path
+    draft: Path
+
+
+def _write_atomic(write, path: Path, **kwargs) -> None:
+    # write to a unique temporary name, then rename: concurrent test workers never see half a file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    write(tmp, **kwargs)
+    os.replace(tmp, path)
+
+
+def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, window: int | None = 32,
+                  predictable: float = 0.5, n_layer: int = 4, target_layers: tuple[int, ...] = (1, 3),
+                  block_size: int = 16, draft_n_layer: int = 1) -> TinyModels:
+    """Write (or reuse) a target, mmproj and draft that fit together, in ``folder``.
+
+    Files are named by a short hash of the parameters (and ``GENERATOR_VERSION``),
+    so a second call with the same parameters reuses them.
+    """
+    params = dict(v=GENERATOR_VERSION, arch=arch, seed=seed, window=window or 0, predictable=float(predictable),
+                  n_layer=n_layer, target_layers=list(target_layers), block_size=block_size,
+                  draft_n_layer=draft_n_layer)
+    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    models = TinyModels(target=folder / f"tiny-{arch}-{key}-target.gguf",
+                        mmproj=folder / f"tiny-{arch}-{key}-mmproj.gguf",
+                        draft=folder / f"tiny-{arch}-{key}-draft.gguf")
+    if not models.target.exists():
+        _write_atomic(write_target, models.target, arch=arch, seed=seed, n_layer=n_layer, predictable=predictable)
+    if not models.mmproj.exists():
+        _write_atomic(write_mmproj, models.mmproj, seed=seed)
+    if not models.draft.exists():
+        _write_atomic(write_draft, models.draft, target_layers=tuple(target_layers), target_n_layer=n_layer,
+                      block_size=block_size, sliding_window=window, n_layer=draft_n_layer, seed=seed)
+    return models

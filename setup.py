@@ -1,0 +1,47 @@
+"""Package build: runs the native build (pyllama_spec/native_build.py) inside `pip install .`.
+
+Backend and flags come from the environment, as llama-cpp-python users expect:
+  PYLLAMA_SPEC_BACKEND=cuda|rocm|vulkan|metal   (default cpu)
+  CMAKE_ARGS="..."                               (passed through to CMake)
+  LLAMA_CPP_DIR=/path/to/llama.cpp               (your own checkout instead of the pin)
+"""
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+from setuptools.dist import Distribution
+
+ROOT = Path(__file__).resolve().parent
+
+
+def _native_build():
+    spec = importlib.util.spec_from_file_location("pyllama_spec_native_build", ROOT / "pyllama_spec" / "native_build.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+class BuildPyWithNative(build_py):
+    def run(self):
+        super().run()
+        nb = _native_build()
+        opts = nb.BuildOptions(backend=os.environ.get("PYLLAMA_SPEC_BACKEND", "cpu"),
+                               llama_cpp=os.environ.get("LLAMA_CPP_DIR") or None,
+                               cuda_arch=os.environ.get("PYLLAMA_SPEC_CUDA_ARCH") or None)
+        try:
+            build = nb.build_native(opts)
+            nb.install_native(build, Path(self.build_lib) / "pyllama_spec" / "_native")
+        except nb.BuildError as e:
+            sys.exit(f"pyllama-spec native build failed: {e}")
+
+
+class BinaryDistribution(Distribution):
+    def has_ext_modules(self):  # the wheel carries native libraries: make it platform-specific
+        return True
+
+
+setup(cmdclass={"build_py": BuildPyWithNative}, distclass=BinaryDistribution)
