@@ -32,9 +32,14 @@ class BuildPyWithNative(build_py):
         opts = nb.BuildOptions(backend=os.environ.get("PYLLAMA_SPEC_BACKEND", "cpu"),
                                llama_cpp=os.environ.get("LLAMA_CPP_DIR") or None,
                                cuda_arch=os.environ.get("PYLLAMA_SPEC_CUDA_ARCH") or None)
+        # `pip install -e .` builds in place, like `python build.py`; a normal install into the wheel.
+        if getattr(self, "editable_mode", False):
+            target = ROOT / "pyllama_spec" / "_native"
+        else:
+            target = Path(self.build_lib) / "pyllama_spec" / "_native"
         try:
             build = nb.build_native(opts)
-            nb.install_native(build, Path(self.build_lib) / "pyllama_spec" / "_native")
+            nb.install_native(build, target)
         except nb.BuildError as e:
             sys.exit(f"pyllama-spec native build failed: {e}")
 

@@ -377,6 +377,17 @@ class Context(NativeHandle):
         n = self.model.n_vocab if self._other is None else self._other.model.n_vocab
         return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).copy()
 
+    def output_logits(self, n_outputs: int) -> np.ndarray:
+        """Logits of the first n_outputs output rows of the last decode, float32 [n_outputs, n_vocab].
+
+        A view into native memory, valid until the next decode on this context.
+        """
+        ptr = lib.llama_get_logits(self.ptr)
+        if ptr == ffi.NULL:
+            raise NativeCallError("llama_get_logits", None, f"{self.role} context has no logits")
+        n = self.model.n_vocab if self._other is None else self._other.model.n_vocab
+        return np.frombuffer(ffi.buffer(ptr, n_outputs * n * 4), dtype=np.float32).reshape(n_outputs, n)
+
     def embeddings(self, i: int = -1) -> np.ndarray:
         ptr = lib.llama_get_embeddings_ith(self.ptr, i)
         if ptr == ffi.NULL:
@@ -411,6 +422,16 @@ class Context(NativeHandle):
     def enable_nextn(self, enable: bool = True, masked: bool = True) -> None:
         lib.pyllama_set_embeddings_nextn(self.ptr, enable, masked)
         self._nextn = enable
+
+    def nextn_rows(self, n_rows: int) -> np.ndarray:
+        """NextN embeddings of the first n_rows rows of the last decode, float32 [n_rows, n_embd] (a view)."""
+        if not self._nextn:
+            raise ValueError(f"nextn embeddings are off on the {self.role} context")
+        ptr = lib.pyllama_get_embeddings_nextn(self.ptr)
+        if ptr == ffi.NULL:
+            raise NativeCallError("llama_get_embeddings_nextn", None, f"{self.role} context has none")
+        n = self.model.n_embd
+        return np.frombuffer(ffi.buffer(ptr, n_rows * n * 4), dtype=np.float32).reshape(n_rows, n)
 
     def nextn(self, i: int) -> np.ndarray:
         """NextN embedding of output row i (DFlash2 reads its selector lattice here)."""

@@ -122,16 +122,13 @@ def fetch_pinned_sdist() -> Path:
     downloads.mkdir(parents=True, exist_ok=True)
     _say(f"downloading {PIN_PACKAGE}=={PIN_VERSION} (llama.cpp {PIN_UPSTREAM_COMMIT}) with pip ...")
     with tempfile.TemporaryDirectory(dir=downloads) as tmp:
-        cmd = _pip_command() + ["download", "--no-deps", "--no-binary", ":all:", "--no-build-isolation",
-                                "-d", tmp, f"{PIN_PACKAGE}=={PIN_VERSION}"]
+        cmd = _pip_command() + ["download", "--no-deps", "--no-binary", ":all:", "-d", tmp,
+                                f"{PIN_PACKAGE}=={PIN_VERSION}"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         got = Path(tmp) / SDIST_NAME
         if not got.exists():
-            # Some pips prepare metadata even for `download`; retry with isolation on.
-            cmd.remove("--no-build-isolation")
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-        if not got.exists():
-            raise BuildError(f"could not download {PIN_PACKAGE}=={PIN_VERSION} from the package index:\n"
+            raise BuildError(f"could not download {PIN_PACKAGE}=={PIN_VERSION} from the package index "
+                             f"(or pass --llama-cpp DIR with a llama.cpp checkout):\n"
                              f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
         digest = _sha256(got)
         if digest != PIN_SHA256:

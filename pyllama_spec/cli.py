@@ -1,0 +1,95 @@
+"""The `pyllama-spec` command (click + rich): doctor, build, and the commands built on the engine."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="pyllama-spec")
+def main() -> None:
+    """Vision-language models with DFlash speculative decoding on llama.cpp."""
+
+
+@main.command()
+def doctor() -> None:
+    """Show the native build: libraries, llama.cpp pin, backends, devices, DFlash entry points."""
+    from . import native_build as nb
+
+    table = Table(show_header=False, box=None)
+    table.add_row("pinned source", f"{nb.PIN_PACKAGE} {nb.PIN_VERSION} = llama.cpp {nb.PIN_UPSTREAM_COMMIT} "
+                                   f"({nb.PIN_UPSTREAM_DATE})")
+    table.add_row("build cache", str(nb.cache_root()))
+    try:
+        from . import _native
+    except ImportError as e:
+        table.add_row("native part", f"[red]not loadable[/red]: {e}")
+        console.print(table)
+        sys.exit(1)
+    ffi, lib = _native.ffi, _native.lib
+    record = _native.build_record()
+    table.add_row("native part", str(_native.LIB_DIR.parent))
+    libs = sorted(p.name for p in _native.LIB_DIR.iterdir()) if _native.LIB_DIR.exists() else []
+    table.add_row("libraries", ", ".join(libs))
+    src = record.get("source", {})
+    table.add_row("source used", f"{src.get('origin', '?')}: {src.get('path', '?')}")
+    table.add_row("patches applied", ", ".join(record.get("patches", [])) or "none")
+    table.add_row("backend", record.get("backend", "?") + (f"  (cmake: {' '.join(record['cmake_args'])})"
+                                                          if record.get("cmake_args") else ""))
+    regs = [ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i))).decode()
+            for i in range(lib.ggml_backend_reg_count())]
+    table.add_row("ggml backends", ", ".join(regs))
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ffi.new("size_t *"), ffi.new("size_t *")
+        lib.ggml_backend_dev_memory(dev, free, total)
+        name = ffi.string(lib.ggml_backend_dev_name(dev)).decode()
+        desc = ffi.string(lib.ggml_backend_dev_description(dev)).decode()
+        table.add_row(f"device {i}", f"{name}: {desc} ({total[0] / 2**30:.1f} GiB, {free[0] / 2**30:.1f} free)")
+    table.add_row("GPU offload", "yes" if lib.llama_supports_gpu_offload() else "no")
+    table.add_row("mtmd", f"yes (media marker {ffi.string(lib.mtmd_default_marker()).decode()})")
+    table.add_row("DFlash entry points", "yes (shim ABI "
+                  f"{lib.pyllama_shim_abi_version()}: layer inputs, nextn, target layer ids, bulk batch fill)")
+    table.add_row("DFlash target archs", ", ".join(record.get("dflash_target_archs", [])) or "?")
+    table.add_row("system", ffi.string(lib.llama_print_system_info()).decode().strip())
+    console.print(table)
+
+
+@main.command()
+@click.option("--cuda", "backend", flag_value="cuda", help="CUDA backend (GGML_CUDA)")
+@click.option("--rocm", "backend", flag_value="rocm", help="ROCm/HIP backend (GGML_HIP)")
+@click.option("--vulkan", "backend", flag_value="vulkan", help="Vulkan backend")
+@click.option("--metal", "backend", flag_value="metal", help="Metal backend (macOS)")
+@click.option("--cuda-arch", help="CMAKE_CUDA_ARCHITECTURES, e.g. 90")
+@click.option("--cublas-dir", help="folder with libcublas.so* outside the CUDA toolkit")
+@click.option("--llama-cpp", envvar="LLAMA_CPP_DIR", help="your own llama.cpp checkout instead of the pin")
+@click.option("--cmake-arg", multiple=True, help="extra CMake argument (repeatable; $CMAKE_ARGS is read too)")
+@click.option("--tools", is_flag=True, help="also build llama-server (for benchmarks)")
+@click.option("-j", "--jobs", type=int, help="parallel compile jobs")
+def build(backend, cuda_arch, cublas_dir, llama_cpp, cmake_arg, tools, jobs) -> None:
+    """Build (or rebuild) the native part in place, from a source checkout."""
+    from . import native_build as nb
+
+    if not (nb.PROJECT_ROOT / "CMakeLists.txt").exists():
+        err_console.print("[red]build needs a source checkout[/red] (CMakeLists.txt and native/ are not installed "
+                          "with the package): reinstall with e.g. `PYLLAMA_SPEC_BACKEND=cuda pip install .` "
+                          "from the source tree")
+        sys.exit(2)
+    opts = nb.BuildOptions(backend=backend or "cpu", cuda_arch=cuda_arch, cublas_dir=cublas_dir,
+                           llama_cpp=llama_cpp, cmake_args=tuple(cmake_arg), jobs=jobs, tools=tools)
+    try:
+        nb.build_in_place(opts)
+    except nb.BuildError as e:
+        err_console.print(f"[red]build failed:[/red] {e}")
+        sys.exit(1)
+
+
+if __name__ == "__main__":  # python -m pyllama_spec.cli
+    main()

@@ -1,0 +1,212 @@
+"""DFlash (and DFlash2) drafting: a block-diffusion draft conditioned on target layer inputs.
+
+The draft has no token embedding or output head of its own: its context borrows the
+target's (``ctx_other``). After every target decode, the inputs of the draft's
+``target_layers`` are gathered for the decoded rows and injected into the draft's
+cache at the same positions (``process``). A draft block ``[id_last, mask x n]`` is
+then decoded non-causally at the sequence's next position and read out (``draft``).
+
+Two rules keep this working after images:
+
+* a media batch whose rows are pinned to one position (M-RoPE image) is not injected
+  into a windowed draft cache: it could not free cells and would overflow;
+* every draft block starts at the sequence's ``pos_next`` (or, in "sequential" mode,
+  at the draft's own next position), never at a token count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..batch import Batch
+from ..errors import IncompatibleModelsError
+from ..llama import Context, Model
+from ..positions import SequencePositions, is_pinned
+from . import TargetRows
+
+DEFAULT_BLOCK_SIZE = 16
+DRAFT_TOP_K = 10  # upstream reads the draft's choice through a top-k 10 sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    """Facts read from a DFlash draft file."""
+
+    target_layers: tuple[int, ...]
+    block_size: int
+    mask_token: int
+    sliding_window: int
+    causal: bool
+    selector_top_k: int  # > 0: DFlash2 (drafts read from the selector lattice)
+
+    @property
+    def is_dflash2(self) -> bool:
+        return self.selector_top_k > 0
+
+    @classmethod
+    def read(cls, draft: Model) -> "DFlashConfig":
+        block = draft.meta("dflash.block_size")
+        causal = draft.meta("dflash.attention.causal")
+        return cls(target_layers=tuple(draft.target_layer_ids),
+                   block_size=int(block) if block else DEFAULT_BLOCK_SIZE,
+                   mask_token=draft.mask_token, sliding_window=draft.n_swa,
+                   causal=causal == "true", selector_top_k=draft.dflash_selector_top_k)
+
+
+def check_dflash_pair(target: Model, draft: Model, dflash_target_archs: list[str] | None) -> DFlashConfig:
+    """Refuse, before any context exists, every pairing that would abort natively or cannot work."""
+    if draft.arch != "dflash":
+        raise IncompatibleModelsError(f"the draft {draft.path.name} is a {draft.arch!r} model, not a 'dflash' draft")
+    cfg = DFlashConfig.read(draft)
+    if dflash_target_archs is not None and target.arch not in dflash_target_archs:
+        raise IncompatibleModelsError(
+            f"the target architecture {target.arch!r} does not record its layer inputs in this build, so a "
+            f"DFlash draft cannot read features from it (llama.cpp would abort). Targets that can: "
+            f"{', '.join(dflash_target_archs)}. See patches/README.md.")
+    if not cfg.target_layers:
+        raise IncompatibleModelsError(f"the draft {draft.path.name} records no dflash.target_layers")
+    bad = [lid for lid in cfg.target_layers if not 0 <= lid < target.n_layer]
+    if bad:
+        raise IncompatibleModelsError(
+            f"the draft reads target layers {list(cfg.target_layers)}, but the target {target.path.name} has "
+            f"{target.n_layer} layers (entries {bad} do not exist)")
+    if draft.n_embd != target.n_embd:
+        raise IncompatibleModelsError(f"draft n_embd {draft.n_embd} != target n_embd {target.n_embd}: "
+                                      "this draft was trained for another target")
+    if draft.n_vocab != target.n_vocab:
+        raise IncompatibleModelsError(f"draft vocabulary ({draft.n_vocab} tokens) != target vocabulary "
+                                      f"({target.n_vocab} tokens)")
+    if cfg.mask_token < 0:
+        raise IncompatibleModelsError(f"the draft {draft.path.name} has no mask token "
+                                      "(tokenizer.ggml.mask_token_id): DFlash blocks need one")
+    if cfg.block_size < 2:
+        raise IncompatibleModelsError(f"dflash.block_size {cfg.block_size} is too small")
+    return cfg
+
+
+class DFlashDrafter:
+    """The DFlash method behind the drafter protocol (see drafters/__init__.py)."""
+
+    name = "dflash"
+
+    def __init__(self, target_ctx: Context, draft_model: Model, config: DFlashConfig,
+                 positions: SequencePositions, *, n_max: int, n_min: int = 0, p_min: float = 0.0,
+                 n_ubatch: int = 512, n_threads: int | None = None, flash_attn: bool | None = False,
+                 swa_full: bool = False) -> None:
+        self.config = config
+        self.positions = positions
+        self.target_ctx = target_ctx
+        self.n_embd_target = target_ctx.model.n_embd
+        # A block is [id_last, mask x n]; the trained block size bounds n.
+        self.n_max = max(1, min(n_max, config.block_size - 1))
+        self.n_min = min(n_min, self.n_max)
+        self.p_min = p_min
+        ubatch = max(n_ubatch, config.block_size)  # non-causal blocks must fit in one ubatch
+        self.ctx = Context(draft_model, n_ctx=target_ctx.n_ctx, n_batch=ubatch, n_ubatch=ubatch,
+                           n_threads=n_threads, flash_attn=flash_attn, swa_full=swa_full,
+                           ctx_other=target_ctx, role="draft")
+        self.ctx.enable_nextn(True, masked=not config.is_dflash2)
+        self.ctx.set_causal_attn(config.causal)
+        target_ctx.enable_layer_inputs(config.target_layers)
+        self._batch = Batch(self.ctx)
+        self._n_pos = draft_model.n_pos_per_embd
+        # Test hooks (internal): turn off the pinned-range skip, or place blocks at the
+        # token count as the old upstream code did, to show what each rule prevents.
+        self._skip_pinned_media = True
+        self._block_at_row_count = False
+        self.trace: list[tuple] | None = None  # set to [] to record (call, first position, rows)
+
+    # --- protocol
+    def reset(self) -> None:
+        self.ctx.memory.clear()
+
+    def truncate(self, draft_pos: int) -> None:
+        self.ctx.memory.remove(0, draft_pos, -1)
+
+    def process(self, rows: TargetRows) -> None:
+        """Inject the target's features for rows it just decoded (skipping pinned media)."""
+        mode_target = self.positions.draft_positions == "target"
+        if self._skip_pinned_media and mode_target and is_pinned(rows.section0, rows.has_embeddings):
+            self._log("skip", int(rows.section0[0]), rows.n_rows)
+            return
+        n = rows.n_rows
+        features = np.concatenate([self.target_ctx.layer_input(lid, n) for lid in self.config.target_layers],
+                                  axis=1)
+        pos0 = rows.section0 if mode_target else rows.first_draft_pos + np.arange(n, dtype=np.int32)
+        positions = self._draft_positions(pos0)
+        step = self.ctx.n_ubatch
+        for s in range(0, n, step):
+            self._batch.clear()
+            self._batch.add_embeddings(features[s:s + step], positions[s:s + step])
+            self._log("inject", int(positions[s, 0]), min(step, n - s))
+            self.ctx.decode(self._batch)
+
+    def draft(self, id_last: int, n_max: int | None = None) -> list[int]:
+        """Up to n_max tokens that should follow id_last (which sits at the sequence's next position)."""
+        n = min(n_max or self.n_max, self.n_max)
+        pos0 = self.positions.n_rows if self._block_at_row_count else self.positions.draft_pos_next
+        tokens = np.full(n + 1, self.config.mask_token, dtype=np.int32)
+        tokens[0] = id_last
+        self._batch.clear()
+        self._batch.add_tokens(tokens, np.arange(pos0, pos0 + n + 1, dtype=np.int32),
+                               outputs=not self.config.is_dflash2)
+        self._log("draft", pos0, n + 1)
+        self.ctx.decode(self._batch)
+        result = self._read_lattice(n) if self.config.is_dflash2 else self._read_block(n)
+        # The block's own rows are noise: drop them before the target verifies.
+        self.ctx.memory.remove(0, self.positions.draft_pos_next, -1)
+        return result if len(result) >= self.n_min else []
+
+    def accept(self, n_kept: int) -> None:
+        """The target kept n_kept rows of the last verify batch; forget the draft's rows after them."""
+        self.ctx.memory.remove(0, self.positions.draft_pos_next + n_kept, -1)
+
+    def close(self) -> None:
+        self._batch.close()
+        self.ctx.close()
+
+    # --- reading a block
+    def _read_block(self, n: int) -> list[int]:
+        logits = self.ctx.output_logits(n + 1)[1:]  # row 0 is id_last
+        best = np.argmax(logits, axis=1)
+        if self.p_min <= 0.0:
+            return best.tolist()
+        # Probability of the best token among the top-k candidates, as upstream's top-k sampler reports it.
+        top = np.partition(logits, -DRAFT_TOP_K, axis=1)[:, -DRAFT_TOP_K:]
+        p_best = 1.0 / np.exp(top - logits[np.arange(n), best][:, None]).sum(axis=1)
+        out = []
+        for tok, p in zip(best.tolist(), p_best.tolist()):
+            if p < self.p_min:
+                break
+            out.append(tok)
+        return out
+
+    def _read_lattice(self, n: int) -> list[int]:
+        """DFlash2: walk the selector lattice in the nextn rows (candidates, then k x k transition scores)."""
+        k = self.config.selector_top_k
+        lattice = self.ctx.nextn_rows(n + 1)
+        out: list[int] = []
+        predecessor = 0
+        for i in range(1, n + 1):
+            row = lattice[i]
+            scores = row[k + predecessor * k: k + (predecessor + 1) * k]
+            predecessor = int(np.argmax(scores))
+            if self.p_min > 0.0 and 1.0 / np.exp(scores - scores[predecessor]).sum() < self.p_min:
+                break
+            out.append(int(row[predecessor]))
+        return out
+
+    def _draft_positions(self, pos0: np.ndarray) -> np.ndarray:
+        """Rows' draft positions as the draft context wants them: the draft ropes on the temporal section."""
+        pos0 = np.asarray(pos0, dtype=np.int32)
+        if self._n_pos == 1:
+            return pos0.reshape(-1, 1)
+        out = np.zeros((len(pos0), self._n_pos), dtype=np.int32)
+        out[:, :3] = pos0[:, None]
+        return out
+
+    def _log(self, call: str, pos: int, n_rows: int) -> None:
+        if self.trace is not None:
+            self.trace.append((call, pos, n_rows))

@@ -1,0 +1,390 @@
+"""The speculative engine: multimodal prefill and the draft / verify / accept loop.
+
+>>> import pyllama_spec as ps                                       # doctest: +SKIP
+>>> with ps.load(model="t.gguf", mmproj="m.gguf", draft="d.gguf") as engine:
+...     result = engine.generate(f"Describe this: {ps.MEDIA_MARKER}", images=["photo.png"])
+...     print(result.text, result.stats.acceptance_rate)
+
+One generation, as the loop below reads:
+1. prefill the prompt chunk by chunk (text at consecutive positions from ``pos_next``;
+   images encoded, then decoded in ``n_batch`` slices with their M-RoPE positions),
+   showing every decoded batch to the drafter;
+2. sample the first token; then repeat: draft up to ``draft_max`` tokens at ``pos_next``,
+   verify ``[id_last, d1..dk]`` on the target, accept the longest prefix the target's
+   sampler agrees with plus the target's own next token, show the verify batch to the
+   drafter, remove rejected rows from both memories and advance ``pos_next``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import os
+import time
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+
+from .drafters import SPEC_TYPES, TargetRows
+from .drafters.dflash import DFlashDrafter, check_dflash_pair
+from .errors import ContextOverflowError, ImageError
+from .llama import Context, Model, Sampler
+from .mtmd import MEDIA_MARKER, Bitmap, Chunk, EmbeddingBatch, Projector
+from .positions import SequencePositions
+from .prompt import as_list, render_messages
+from .stats import GenerationStats, Stopwatch
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A piece of streamed output: the text and tokens accepted in one step.
+
+    The last piece of a stream has ``finish_reason`` and ``stats`` set.
+    """
+
+    text: str
+    tokens: tuple[int, ...]
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+@dataclasses.dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    finish_reason: str  # "stop" (end of generation or a stop string) or "length"
+    stats: GenerationStats
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    mmproj: str | None = None
+    draft: str | None = None
+    spec_type: str = "dflash"
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_gpu_layers: int = 0
+    draft_n_gpu_layers: int | None = None
+    draft_max: int = 16
+    draft_min: int = 0
+    draft_p_min: float = 0.0
+    draft_positions: str = "target"
+    flash_attn: bool | None = False
+    n_threads: int | None = None
+    swa_full: bool = False
+
+
+def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
+         draft: str | os.PathLike | None = None, spec_type: str | None = None, **kwargs: Any) -> "Engine":
+    """Load a target (with an optional mmproj and DFlash draft) and return an Engine.
+
+    ``spec_type`` is "dflash" (the default when a draft is given) or "none" (target only).
+    Other keywords are EngineConfig's, named as in llama.cpp: n_ctx, n_batch, n_ubatch,
+    n_gpu_layers, draft_max, draft_min, draft_p_min, flash_attn, n_threads,
+    draft_positions ("target" or "sequential").
+    """
+    if spec_type is None:
+        spec_type = "dflash" if draft is not None else "none"
+    cfg = EngineConfig(model=os.fspath(model), mmproj=os.fspath(mmproj) if mmproj else None,
+                       draft=os.fspath(draft) if draft else None, spec_type=spec_type, **kwargs)
+    return Engine(cfg)
+
+
+class Engine:
+    """Target + optional projector + optional drafter, for one sequence at a time."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.spec_type not in SPEC_TYPES:
+            raise ValueError(f"spec_type must be one of {SPEC_TYPES}, got {config.spec_type!r}")
+        if config.spec_type != "none" and config.draft is None:
+            raise ValueError(f"spec_type={config.spec_type!r} needs a draft model (draft=...)")
+        if config.n_ubatch > config.n_batch:
+            raise ValueError(f"n_ubatch ({config.n_ubatch}) cannot exceed n_batch ({config.n_batch})")
+        self.config = config
+        self.positions = SequencePositions(config.draft_positions)
+        self.projector: Projector | None = None
+        self.drafter: DFlashDrafter | None = None
+        self.draft_model: Model | None = None
+        self.ctx: Context | None = None
+        self.model = Model(config.model, n_gpu_layers=config.n_gpu_layers, role="target")
+        try:
+            self._open()
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self) -> None:
+        c = self.config
+        dflash = None
+        if c.spec_type == "dflash":
+            from ._native import build_record
+
+            self.draft_model = Model(c.draft, role="draft",
+                                     n_gpu_layers=c.n_gpu_layers if c.draft_n_gpu_layers is None
+                                     else c.draft_n_gpu_layers)
+            dflash = check_dflash_pair(self.model, self.draft_model,
+                                       build_record().get("dflash_target_archs"))
+        # A recurrent/hybrid target rolls back rejected drafts through state snapshots.
+        n_rs_seq = (dflash.block_size if dflash else 0) if self.model.is_recurrent else 0
+        self.ctx = Context(self.model, n_ctx=c.n_ctx, n_batch=c.n_batch, n_ubatch=c.n_ubatch, n_rs_seq=n_rs_seq,
+                           n_threads=c.n_threads, flash_attn=c.flash_attn, role="target")
+        if c.mmproj:
+            self.projector = Projector(c.mmproj, self.model, use_gpu=c.n_gpu_layers != 0, n_threads=c.n_threads,
+                                       flash_attn=c.flash_attn)
+        if dflash is not None:
+            self.drafter = DFlashDrafter(self.ctx, self.draft_model, dflash, self.positions, n_max=c.draft_max,
+                                         n_min=c.draft_min, p_min=c.draft_p_min, n_ubatch=c.n_ubatch,
+                                         n_threads=c.n_threads, flash_attn=c.flash_attn, swa_full=c.swa_full)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        for obj in (self.drafter, self.projector, self.ctx, self.draft_model, self.model):
+            if obj is not None:
+                obj.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None, images=(),
+                 max_tokens: int = 128, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,
+                 min_p: float = 0.05, presence_penalty: float = 0.0, seed: int = 0,
+                 stop: Sequence[str] | str = ()) -> Result:
+        """Generate a completion; see ``stream`` for the arguments."""
+        text, tokens, last = [], [], None
+        for piece in self.stream(prompt, messages=messages, images=images, max_tokens=max_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                 presence_penalty=presence_penalty, seed=seed, stop=stop):
+            text.append(piece.text)
+            tokens.extend(piece.tokens)
+            last = piece
+        assert last is not None and last.stats is not None
+        return Result("".join(text), tokens, last.finish_reason or "stop", last.stats)
+
+    def stream(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None, images=(),
+               max_tokens: int = 128, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,
+               min_p: float = 0.05, presence_penalty: float = 0.0, seed: int = 0,
+               stop: Sequence[str] | str = ()) -> Iterator[Piece]:
+        """Yield pieces of text as the target accepts them; the last piece carries the stats.
+
+        ``prompt`` is used as is, with ``MEDIA_MARKER`` where each image goes; ``messages``
+        go through the model's chat template. Images: paths, bytes, PIL images or arrays.
+        """
+        text, image_list = self._prompt_text(prompt, messages, images)
+        bitmaps = [Bitmap.load(im) for im in image_list]
+        try:
+            parts = self._tokenize(text, bitmaps)
+            stats = GenerationStats(images=len(bitmaps))
+            sampler = Sampler(self.model, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              presence_penalty=presence_penalty, seed=seed)
+            with sampler:
+                yield from self._generate(parts, sampler, stats, max_tokens, [stop] if isinstance(stop, str)
+                                          else list(stop))
+        finally:
+            for b in bitmaps:
+                b.close()
+
+    # ------------------------------------------------------------------ prompt
+    def _prompt_text(self, prompt, messages, images) -> tuple[str, list]:
+        image_list = as_list(images) if not isinstance(images, np.ndarray) else [images]
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt= or messages=")
+        if messages is not None:
+            text, message_images = render_messages(self.model, messages)
+            image_list = message_images + image_list
+        else:
+            text = prompt
+        if image_list and self.projector is None:
+            raise ImageError("images were given but the engine has no projector: load(..., mmproj=...)")
+        if image_list and text.count(MEDIA_MARKER) == 0:
+            # Images given without markers go first, as llama.cpp's CLI does.
+            text = MEDIA_MARKER * len(image_list) + "\n" + text
+        return text, image_list
+
+    def _tokenize(self, text: str, bitmaps: list[Bitmap]) -> list:
+        """The prompt as parts: int32 token arrays (text) and Chunk objects (media); checked against n_ctx."""
+        if self.projector is not None:
+            chunks = self.projector.tokenize(text, bitmaps)
+            self._chunks = chunks  # the chunk views below borrow it
+            parts: list = [c.tokens if c.is_text else c for c in chunks]
+        else:
+            if MEDIA_MARKER in text:
+                raise ImageError("the prompt has a media marker but the engine has no projector")
+            parts = [self.model.tokenize(text, add_special=True)]
+        parts = [p for p in parts if not (isinstance(p, np.ndarray) and len(p) == 0)]
+        if not parts:
+            raise ValueError("the prompt is empty")
+        if not isinstance(parts[-1], np.ndarray):
+            raise ValueError("the prompt must end with text after the last image")
+        rows = sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
+        if rows + 1 > self.ctx.n_ctx:
+            raise ContextOverflowError(f"the prompt needs {rows} cache rows (+1 to generate) but n_ctx is "
+                                       f"{self.ctx.n_ctx}; raise n_ctx or shorten the prompt / use smaller images")
+        return parts
+
+    # ------------------------------------------------------------------ the algorithm
+    def _generate(self, parts: list, sampler: Sampler, stats: GenerationStats, max_tokens: int,
+                  stop: list[str]) -> Iterator[Piece]:
+        t0 = time.perf_counter()
+        self._reset_sequence()
+        self._prefill(parts, stats)
+        stats.prompt_tokens, stats.prompt_positions = self.positions.n_rows, self.positions.pos_next
+        with Stopwatch(stats, "target_seconds"):
+            id_last = sampler.sample(self.ctx, -1)
+        t1 = time.perf_counter()
+        stats.prefill_seconds = t1 - t0
+
+        out = _TextAssembler(self.model, stop)
+        generated, new_tokens = 0, [id_last]
+        while True:
+            # Show what the last step produced, then decide whether to go on.
+            emit, finish = self._emittable(new_tokens, generated, max_tokens)
+            generated += len(emit)
+            text, hit_stop = out.push(emit)
+            if hit_stop:
+                finish = "stop"
+            if finish is None and self.positions.n_rows + 1 > self.ctx.n_ctx:
+                finish = "length"  # no cache row left for the next token
+            if finish is not None:
+                break
+            if text or emit:
+                yield Piece(text, tuple(emit))
+            new_tokens = self._speculative_step(new_tokens[-1], sampler, stats, max_tokens - generated)
+
+        stats.decode_seconds = time.perf_counter() - t1
+        stats.generated_tokens = generated
+        yield Piece(text + out.flush(), tuple(emit), finish, stats)
+
+    def _emittable(self, tokens: list[int], generated: int, max_tokens: int) -> tuple[list[int], str | None]:
+        """The tokens to show from one step, cut at end-of-generation or the token limit."""
+        emit = []
+        for tok in tokens:
+            if self.model.is_eog(tok):
+                return emit, "stop"
+            emit.append(tok)
+            if generated + len(emit) >= max_tokens:
+                return emit, "length"
+        return emit, None
+
+    def _reset_sequence(self) -> None:
+        self.ctx.memory.clear()
+        self.positions.reset()
+        if self.drafter is not None:
+            self.drafter.reset()
+
+    def _prefill(self, parts: list, stats: GenerationStats) -> None:
+        n_batch = self.ctx.n_batch
+        for i, part in enumerate(parts):
+            if isinstance(part, np.ndarray):
+                last_part = i == len(parts) - 1
+                for s in range(0, len(part), n_batch):
+                    tokens = part[s:s + n_batch]
+                    outputs = np.zeros(len(tokens), dtype=np.int8)
+                    if last_part and s + n_batch >= len(part):
+                        outputs[-1] = 1
+                    self._decode_text(tokens, outputs, stats)
+            else:
+                self._prefill_media(part, stats)
+
+    def _decode_text(self, tokens: np.ndarray, outputs, stats: GenerationStats) -> None:
+        """Decode token rows at pos_next.. into the target, then show them to the drafter."""
+        p = self.positions
+        pos = np.arange(p.pos_next, p.pos_next + len(tokens), dtype=np.int32)
+        with Stopwatch(stats, "target_seconds"):
+            self.ctx.decode_tokens(tokens, pos, outputs=outputs)
+        if self.drafter is not None:
+            with Stopwatch(stats, "draft_seconds"):
+                self.drafter.process(TargetRows(pos[None, :], False, p.draft_pos_next))
+        p.advance_text(len(tokens))
+
+    def _prefill_media(self, chunk: Chunk, stats: GenerationStats) -> None:
+        p = self.positions
+        with Stopwatch(stats, "target_seconds"):
+            embd = self.projector.encode(chunk)
+        draft_cursor = [p.draft_pos_next]
+
+        def on_batch(b: EmbeddingBatch) -> None:
+            if self.drafter is None:
+                return
+            with Stopwatch(stats, "draft_seconds"):
+                self.drafter.process(TargetRows(b.positions, True, draft_cursor[0]))
+            draft_cursor[0] += b.n_rows
+
+        draft_before = stats.draft_seconds
+        with Stopwatch(stats, "target_seconds"):
+            new_pos = self.projector.decode_media(self.ctx, chunk, embd, p.pos_next, n_batch=self.ctx.n_batch,
+                                                  on_batch=on_batch)
+        stats.target_seconds -= stats.draft_seconds - draft_before  # the drafter ran inside that call
+        p.advance_media(chunk.n_tokens, chunk.n_pos)
+        assert new_pos == p.pos_next, (new_pos, p)
+
+    def _speculative_step(self, id_last: int, sampler: Sampler, stats: GenerationStats, budget: int) -> list[int]:
+        """One draft/verify/accept step; returns the tokens the target accepted (the last is the new id_last)."""
+        p = self.positions
+        draft: list[int] = []
+        room = self.ctx.n_ctx - p.n_rows - 1
+        n_max = min(budget - 1, room, self.ctx.n_batch - 1)
+        if self.drafter is not None and n_max > 0:
+            with Stopwatch(stats, "draft_seconds"):
+                draft = self.drafter.draft(id_last, n_max)
+        tokens = np.array([id_last, *draft], dtype=np.int32)
+        pos = np.arange(p.pos_next, p.pos_next + len(tokens), dtype=np.int32)
+        with Stopwatch(stats, "target_seconds"):
+            self.ctx.decode_tokens(tokens, pos, outputs=True)
+        if self.drafter is not None:
+            with Stopwatch(stats, "draft_seconds"):
+                self.drafter.process(TargetRows(pos[None, :], False, p.draft_pos_next))
+        # Sample at each position; accept while the target agrees with the draft (llama.cpp's rule).
+        accepted: list[int] = []
+        with Stopwatch(stats, "target_seconds"):
+            for i in range(len(tokens)):
+                tok = sampler.sample(self.ctx, i)
+                accepted.append(tok)
+                if i >= len(draft) or tok != draft[i]:
+                    break
+        n_kept = len(accepted)  # id_last + the accepted drafts
+        if n_kept < len(tokens):
+            self.ctx.memory.remove(0, p.pos_next + n_kept, -1)
+        if self.drafter is not None:
+            with Stopwatch(stats, "draft_seconds"):
+                self.drafter.accept(n_kept)
+        p.advance_text(n_kept)
+        stats.record_step(len(draft), n_kept - 1)
+        stats.target_steps += 1
+        return accepted
+
+
+class _TextAssembler:
+    """Token bytes -> text, holding back partial UTF-8 and any tail that may start a stop string."""
+
+    def __init__(self, model: Model, stop: list[str]) -> None:
+        self.model = model
+        self.stop = [s for s in stop if s]
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.held = ""
+        self.stopped = False
+
+    def push(self, tokens: list[int]) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        text = self.held + "".join(self.decoder.decode(self.model.token_to_bytes(t)) for t in tokens)
+        for s in self.stop:
+            at = text.find(s)
+            if at >= 0:
+                self.stopped = True
+                self.held = ""
+                return text[:at], True
+        keep = max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        rest, self.held = self.held + self.decoder.decode(b"", final=True), ""
+        return rest

@@ -1,0 +1,90 @@
+"""Generation statistics: a dataclass, filled by the engine, printed elsewhere."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """What one generate/stream call measured.
+
+    ``acceptance_rate`` = accepted / drafted; ``mean_accepted_length`` = tokens gained per
+    target decode step of the generation phase (accepted drafts + the target's own token; 1.0 without drafting); ``per_position_acceptance[i]``
+    = how often draft token i was accepted when it was drafted.
+    """
+
+    prompt_tokens: int = 0  # cache rows the prompt took
+    prompt_positions: int = 0  # positions the prompt spans (fewer than rows with M-RoPE images)
+    generated_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    spec_steps: int = 0  # target verify steps that had a draft
+    target_steps: int = 0  # all target decode steps in the generation phase
+    per_position_drafted: list[int] = dataclasses.field(default_factory=list)
+    per_position_accepted: list[int] = dataclasses.field(default_factory=list)
+    images: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    target_seconds: float = 0.0  # inside native target calls (decode, media encode/decode)
+    draft_seconds: float = 0.0  # inside native draft calls (feature injection, draft blocks)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.accepted / self.target_steps if self.target_steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.per_position_accepted, self.per_position_drafted)]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    @property
+    def total_seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+    @property
+    def python_seconds(self) -> float:
+        """Time outside native target and draft calls."""
+        return max(0.0, self.total_seconds - self.target_seconds - self.draft_seconds)
+
+    def record_step(self, n_drafted: int, n_accepted: int) -> None:
+        while len(self.per_position_drafted) < n_drafted:
+            self.per_position_drafted.append(0)
+            self.per_position_accepted.append(0)
+        for i in range(n_drafted):
+            self.per_position_drafted[i] += 1
+            if i < n_accepted:
+                self.per_position_accepted[i] += 1
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        self.spec_steps += 1 if n_drafted else 0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        for name in ("acceptance_rate", "mean_accepted_length", "per_position_acceptance", "tokens_per_second",
+                     "python_seconds"):
+            d[name] = getattr(self, name)
+        return d
+
+
+class Stopwatch:
+    """Adds the time spent inside a ``with`` block to one field of a GenerationStats."""
+
+    def __init__(self, stats: GenerationStats, field: str) -> None:
+        self.stats = stats
+        self.field = field
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        setattr(self.stats, self.field, getattr(self.stats, self.field) + time.perf_counter() - self.t0)

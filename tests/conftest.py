@@ -1,0 +1,137 @@
+"""Shared fixtures for the pyllama-spec test suite.
+
+Fixtures (reuse them in new test files rather than writing models yourself):
+
+* ``tiny_dir``      session folder that holds every generated tiny GGUF file.
+* ``tiny_dense``    ``tiny.TinyModels`` (``.target``, ``.mmproj``, ``.draft`` paths): a dense
+                    ``hunyuan_vl`` M-RoPE target (n_embd 64, 4 layers, ``predictable`` 0.5), its
+                    ``clip`` mmproj, and a ``dflash`` draft with a 32-token sliding window that
+                    reads target layer inputs [1, 3] and uses the ``<|mask|>`` token.
+* ``tiny_hybrid``   the same trio around a hybrid ``qwen35`` target (gated delta net + attention;
+                    partial rollback needs ``n_rs_seq`` > 0 on its context).
+* ``big_image``     a deterministic, read-only 672x672 RGB uint8 numpy array (576 image tokens
+                    over 24 positions through the tiny mmproj).
+* ``big_image_png`` the same image written as a PNG file (Pillow), a ``Path``.
+* ``ctx_kwargs``    default keyword arguments for ``Context(model, **ctx_kwargs)`` in tests:
+                    one thread, flash attention off, n_ctx 1024, n_batch = n_ubatch = 64.
+* ``run_python``    runs a Python snippet in a fresh interpreter (the package importable) and
+                    returns the ``CompletedProcess``: the way to prove that a case does not abort
+                    the process, without killing the test runner when it does.
+
+Constants: ``N_THREADS`` (1: the CI machine has 2 cores and OpenMP spinning makes 2 threads
+slow when anything else runs), ``REPO_ROOT``.  Import them with ``from conftest import N_THREADS``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+try:  # run from a source checkout without installing: `python -m pytest tests` from anywhere
+    import pyllama_spec  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from pyllama_spec import tiny  # noqa: E402
+
+#: Threads for every context and projector made in tests.
+N_THREADS = 1
+
+#: Defaults for ``Context(model, **CTX_KWARGS)`` in tests (also the ``ctx_kwargs`` fixture).
+CTX_KWARGS = dict(n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=N_THREADS, flash_attn=False)
+
+#: Size of ``big_image`` and what the tiny mmproj makes of it.
+BIG_IMAGE_SIZE = 672
+BIG_IMAGE_N_TOKENS = 576
+BIG_IMAGE_N_POS = 24
+
+
+@pytest.fixture(scope="session")
+def n_threads() -> int:
+    """Threads for contexts and projectors in tests (1)."""
+    return N_THREADS
+
+
+@pytest.fixture
+def ctx_kwargs() -> dict:
+    """A fresh copy of the default Context keyword arguments for tests."""
+    return dict(CTX_KWARGS)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    """One folder per session for the generated tiny GGUF files."""
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_dense(tiny_dir) -> tiny.TinyModels:
+    """Dense hunyuan_vl target + mmproj + dflash draft (window 32, predictable 0.5, seed 0)."""
+    return tiny.make_tiny_set(tiny_dir, arch="hunyuan_vl", seed=0, window=32, predictable=0.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid(tiny_dir) -> tiny.TinyModels:
+    """Hybrid qwen35 target + mmproj + dflash draft (window 32, predictable 0.5, seed 0)."""
+    return tiny.make_tiny_set(tiny_dir, arch="qwen35", seed=0, window=32, predictable=0.5)
+
+
+def _make_big_image() -> np.ndarray:
+    n = BIG_IMAGE_SIZE
+    y, x = np.mgrid[0:n, 0:n]
+    rng = np.random.default_rng(1234)
+    img = np.stack([(x * 255) // (n - 1), (y * 255) // (n - 1), ((x + y) * 255) // (2 * n - 2)], axis=-1)
+    img = img + rng.integers(-20, 21, size=img.shape)  # texture, so patches differ
+    return np.clip(img, 0, 255).astype(np.uint8)
+
+
+@pytest.fixture(scope="session")
+def big_image() -> np.ndarray:
+    """A deterministic 672x672x3 uint8 RGB array (read-only: copy it before changing it)."""
+    img = _make_big_image()
+    img.setflags(write=False)
+    return img
+
+
+@pytest.fixture(scope="session")
+def big_image_png(tiny_dir, big_image) -> Path:
+    """``big_image`` as a lossless PNG file."""
+    from PIL import Image
+
+    path = tiny_dir / "big_image.png"
+    Image.fromarray(np.array(big_image)).save(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def run_python():
+    """Run ``code`` in a fresh interpreter that can import pyllama_spec; returns CompletedProcess.
+
+    A child killed by SIGABRT has ``returncode`` -6 (an abort in native code).
+    """
+
+    def run(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
+        env.setdefault("OMP_NUM_THREADS", str(N_THREADS))
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO_ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    return run
+
+
+def explain_child(res: subprocess.CompletedProcess) -> str:
+    """A short account of a child run for assertion messages: rc, stdout, and the native
+    assertion / Python error lines of stderr (not the whole gdb backtrace ggml prints)."""
+    key = [ln for ln in res.stderr.splitlines()
+           if "GGML_ASSERT" in ln or "GGML_ABORT" in ln or "Error" in ln or "error:" in ln]
+    return (f"child rc={res.returncode}" + (" (SIGABRT: native abort)" if res.returncode == -6 else "")
+            + ("" if res.returncode < 0 else f"\nstdout: {res.stdout[-800:]}")  # a crash prints a gdb backtrace
+            + "\nstderr: " + "\n".join(key[-10:] or [res.stderr[-800:]]))
