@@ -91,5 +91,72 @@ def build(backend, cuda_arch, cublas_dir, llama_cpp, cmake_arg, tools, jobs) -> 
         sys.exit(1)
 
 
+def draw_demo_image(size: int):
+    """A test card drawn with Pillow: large enough to span many ubatches and draft windows."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (size, size), (30, 60, 110))
+    d = ImageDraw.Draw(img)
+    step = size // 8
+    for i in range(8):
+        d.rectangle([i * step, 0, (i + 1) * step, size // 3], fill=(32 * i, 255 - 32 * i, 128))
+    d.ellipse([size // 4, size // 3, 3 * size // 4, 5 * size // 6], fill=(240, 200, 40), outline=(0, 0, 0), width=6)
+    d.line([0, size - 1, size - 1, size // 2], fill=(255, 255, 255), width=10)
+    return img
+
+
+@main.command()
+@click.option("--image-size", default=672, show_default=True, help="side of the drawn test image, pixels")
+@click.option("-ub", "--ubatch", "n_ubatch", default=64, show_default=True, help="n_batch = n_ubatch of both contexts")
+@click.option("--window", default=32, show_default=True, help="the tiny draft's sliding window")
+@click.option("--draft-max", default=7, show_default=True)
+@click.option("--max-tokens", default=32, show_default=True)
+@click.option("--draft-positions", type=click.Choice(["target", "sequential"]), default="target", show_default=True)
+@click.option("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+def demo(image_size, n_ubatch, window, draft_max, max_tokens, draft_positions, threads) -> None:
+    """One chat turn with a large image through DFlash, on tiny models made locally."""
+    from . import native_build as nb
+    from . import tiny
+    from .engine import load
+
+    models = tiny.make_tiny_set(nb.cache_root() / "tiny-models", window=window, predictable=0.5)
+    image = draw_demo_image(image_size)
+    messages = [{"role": "user", "content": [{"type": "image", "image": image},
+                                             {"type": "text", "text": "What is in this picture?"}]}]
+    common = dict(n_ctx=4096, n_batch=n_ubatch, n_ubatch=n_ubatch, n_threads=threads, flash_attn=False)
+    console.print(f"[bold]tiny models[/bold] {models.target.parent}: target {models.target.name}, "
+                  f"draft window {window}, image {image_size}x{image_size}, ubatch {n_ubatch}")
+    with console.status("target only ..."):
+        with load(models.target, mmproj=models.mmproj, spec_type="none", **common) as plain:
+            expected = plain.generate(messages=messages, max_tokens=max_tokens)
+    with load(models.target, mmproj=models.mmproj, draft=models.draft, draft_max=draft_max,
+              draft_positions=draft_positions, **common) as engine:
+        engine.drafter.trace = []
+        console.print("[bold]answer (DFlash):[/bold] ", end="")
+        text, last = [], None
+        for piece in engine.stream(messages=messages, max_tokens=max_tokens):
+            console.print(piece.text, end="", markup=False, highlight=False)
+            text.append(piece.text)
+            last = piece
+        console.print()
+        trace = engine.drafter.trace
+    s = last.stats
+    blocks = [pos for call, pos, _ in trace if call == "draft"]
+    table = Table(title="DFlash on a vision target", show_header=False)
+    table.add_row("prompt", f"{s.prompt_tokens} cache rows over {s.prompt_positions} positions (one image)")
+    table.add_row("pinned image rows skipped", str(sum(n for call, _, n in trace if call == "skip")))
+    table.add_row("rows injected into the draft", str(sum(n for call, _, n in trace if call == "inject")))
+    table.add_row("first draft block at", f"position {blocks[0] if blocks else '-'} (pos_next "
+                                          f"{s.prompt_positions}, not the row count {s.prompt_tokens})")
+    table.add_row("drafted / accepted", f"{s.drafted} / {s.accepted} (acceptance {s.acceptance_rate:.2f}, "
+                                        f"mean accepted length {s.mean_accepted_length:.2f})")
+    table.add_row("prefill / decode", f"{s.prefill_seconds * 1000:.0f} ms / {s.decode_seconds * 1000:.0f} ms "
+                                      f"({s.tokens_per_second:.0f} tokens/s)")
+    table.add_row("same output as target-only", "yes" if "".join(text) == expected.text else "[red]NO[/red]")
+    console.print(table)
+    if "".join(text) != expected.text:
+        sys.exit(1)
+
+
 if __name__ == "__main__":  # python -m pyllama_spec.cli
     main()

@@ -126,15 +126,22 @@ class Engine:
                                      else c.draft_n_gpu_layers)
             dflash = check_dflash_pair(self.model, self.draft_model,
                                        build_record().get("dflash_target_archs"))
-        # A recurrent/hybrid target rolls back rejected drafts through state snapshots.
-        n_rs_seq = (dflash.block_size if dflash else 0) if self.model.is_recurrent else 0
+        # A recurrent/hybrid target rolls back rejected drafts through state snapshots: one per
+        # position that may be rolled back (llama.cpp also needs n_ubatch > n_rs_seq + 1).
+        draft_max = min(c.draft_max, dflash.block_size - 1) if dflash else 0
+        n_rs_seq = 0
+        if dflash and self.model.is_recurrent:
+            n_rs_seq = min(draft_max, c.n_ubatch - 2)
+            if n_rs_seq < 1:
+                raise ValueError(f"a recurrent target needs n_ubatch >= 3 to roll back drafts, got {c.n_ubatch}")
+            draft_max = n_rs_seq
         self.ctx = Context(self.model, n_ctx=c.n_ctx, n_batch=c.n_batch, n_ubatch=c.n_ubatch, n_rs_seq=n_rs_seq,
                            n_threads=c.n_threads, flash_attn=c.flash_attn, role="target")
         if c.mmproj:
             self.projector = Projector(c.mmproj, self.model, use_gpu=c.n_gpu_layers != 0, n_threads=c.n_threads,
                                        flash_attn=c.flash_attn)
         if dflash is not None:
-            self.drafter = DFlashDrafter(self.ctx, self.draft_model, dflash, self.positions, n_max=c.draft_max,
+            self.drafter = DFlashDrafter(self.ctx, self.draft_model, dflash, self.positions, n_max=draft_max,
                                          n_min=c.draft_min, p_min=c.draft_p_min, n_ubatch=c.n_ubatch,
                                          n_threads=c.n_threads, flash_attn=c.flash_attn, swa_full=c.swa_full)
 

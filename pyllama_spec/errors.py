@@ -89,6 +89,11 @@ class KVMemoryError(NativeCallError):
     """A KV-cache / recurrent-state operation could not be done (e.g. a partial rollback)."""
 
 
+def forget_native_problems() -> None:
+    """Start a native operation with a clean slate, so its error names only its own problems."""
+    _native_problems()
+
+
 def with_native_log(message: str) -> str:
     """Append what llama.cpp logged about the failure just seen, if anything."""
     said = _native_problems()

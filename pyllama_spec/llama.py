@@ -23,6 +23,7 @@ from .errors import (
     KVMemoryError,
     ModelFileError,
     NativeCallError,
+    forget_native_problems,
     with_native_log,
 )
 
@@ -118,10 +119,12 @@ class Model(NativeHandle):
         self.path = check_gguf_file(path, f"{role} model")
         self.role = role
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        self.dependents: weakref.WeakSet = weakref.WeakSet()  # other handles bound to this model (projectors)
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.main_gpu = main_gpu
         params.vocab_only = vocab_only
+        forget_native_problems()
         ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if ptr == ffi.NULL:
             raise ModelFileError(with_native_log(
@@ -131,8 +134,8 @@ class Model(NativeHandle):
         self._vocab = lib.llama_model_get_vocab(ptr)
 
     def _free(self, ptr) -> None:
-        for ctx in list(self._contexts):
-            ctx.close()
+        for dependent in [*self.dependents, *self._contexts]:
+            dependent.close()
         lib.llama_model_free(ptr)
 
     # --- facts
@@ -301,6 +304,7 @@ class Context(NativeHandle):
         self._borrowers: weakref.WeakSet[Context] = weakref.WeakSet()  # contexts whose ctx_other is this one
         self._layer_inputs: set[int] = set()
         self._nextn = False
+        self.last_decode_rows = 0  # rows of the last successful decode: what the output buffers hold
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
         params.n_batch = n_batch
@@ -318,6 +322,10 @@ class Context(NativeHandle):
         params.no_perf = True
         if ctx_other is not None:
             params.ctx_other = ctx_other.ptr
+        if n_rs_seq > 0 and model.is_recurrent and params.n_ubatch <= n_rs_seq + 1:
+            # llama.cpp aborts (split_equal: n_ubatch > n_keep_tail) instead of refusing.
+            raise ValueError(f"a recurrent {role} model with n_rs_seq={n_rs_seq} needs n_ubatch > {n_rs_seq + 1}, "
+                             f"got {params.n_ubatch}")
         ptr = lib.llama_init_from_model(model.ptr, params)
         if ptr == ffi.NULL:
             raise NativeCallError("llama_init_from_model", None,
@@ -355,10 +363,19 @@ class Context(NativeHandle):
     # --- processing
     def decode(self, batch: "Batch") -> None:
         """Decode a batch into this context; raises DecodeError naming this context."""
+        forget_native_problems()
+        self.last_decode_rows = 0
         rc = lib.llama_process(self.ptr, lib.LLAMA_PROCESS_TYPE_DECODE, batch.ptr)
         if rc != 0:
             raise DecodeError("llama_process(DECODE)", rc, role=self.role, n_rows=batch.n_rows,
                               offset=batch.first_pos)
+        self.last_decode_rows = batch.n_rows
+
+    def _check_rows(self, n_rows: int) -> None:
+        """Output buffers hold the rows of the last decode only; reading more would be stale or abort."""
+        if not 0 < n_rows <= self.last_decode_rows:
+            raise ValueError(f"the {self.role} context's last decode produced {self.last_decode_rows} rows; "
+                             f"cannot read {n_rows}")
 
     def decode_tokens(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
                       *, outputs: Sequence[bool] | np.ndarray | bool = False, seq_id: int = 0) -> None:
@@ -382,6 +399,7 @@ class Context(NativeHandle):
 
         A view into native memory, valid until the next decode on this context.
         """
+        self._check_rows(n_outputs)
         ptr = lib.llama_get_logits(self.ptr)
         if ptr == ffi.NULL:
             raise NativeCallError("llama_get_logits", None, f"{self.role} context has no logits")
@@ -399,11 +417,12 @@ class Context(NativeHandle):
     def enable_layer_inputs(self, layer_ids: Iterable[int], enable: bool = True) -> None:
         """Record the inputs of these layers on every decode (a DFlash target's features)."""
         for lid in layer_ids:
-            if not 0 <= lid <= self.model.n_layer:
+            if not 0 <= lid < self.model.n_layer:
                 raise IncompatibleModelsError(
                     f"layer {lid} does not exist in the {self.role} model ({self.model.n_layer} layers)")
             lib.pyllama_set_embeddings_layer_inp(self.ptr, lid, enable)
             (self._layer_inputs.add if enable else self._layer_inputs.discard)(lid)
+        self.last_decode_rows = 0  # nothing recorded for these layers until the next decode
 
     def layer_input(self, lid: int, n_rows: int) -> np.ndarray:
         """Input of layer ``lid`` for the first n_rows rows of the last decode: float32 [n_rows, n_embd].
@@ -413,8 +432,7 @@ class Context(NativeHandle):
         if lid not in self._layer_inputs:
             raise ValueError(f"layer {lid} inputs are not recorded on the {self.role} context; "
                              "call enable_layer_inputs first")
-        if not 0 < n_rows <= self.n_batch:
-            raise ValueError(f"n_rows must be in 1..{self.n_batch}, got {n_rows}")
+        self._check_rows(n_rows)
         ptr = lib.pyllama_get_embeddings_layer_inp(self.ptr, lid)
         n_embd = self.model.n_embd
         return np.frombuffer(ffi.buffer(ptr, n_rows * n_embd * 4), dtype=np.float32).reshape(n_rows, n_embd)
@@ -427,6 +445,7 @@ class Context(NativeHandle):
         """NextN embeddings of the first n_rows rows of the last decode, float32 [n_rows, n_embd] (a view)."""
         if not self._nextn:
             raise ValueError(f"nextn embeddings are off on the {self.role} context")
+        self._check_rows(n_rows)
         ptr = lib.pyllama_get_embeddings_nextn(self.ptr)
         if ptr == ffi.NULL:
             raise NativeCallError("llama_get_embeddings_nextn", None, f"{self.role} context has none")

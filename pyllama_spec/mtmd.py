@@ -18,7 +18,7 @@ from typing import Callable, Sequence, Union
 import numpy as np
 
 from ._native import ffi, lib
-from .errors import DecodeError, ImageError, NativeCallError, ProjectorError, with_native_log
+from .errors import DecodeError, ImageError, NativeCallError, ProjectorError, forget_native_problems, with_native_log
 from .llama import Context, Model, NativeHandle, check_gguf_file
 
 MEDIA_MARKER = ffi.string(lib.mtmd_default_marker()).decode()
@@ -185,7 +185,8 @@ class Chunks(NativeHandle):
 
 
 class _DecodeCallbackState:
-    def __init__(self, on_batch: Callable[[EmbeddingBatch], None], n_embd: int) -> None:
+    def __init__(self, ctx: Context, on_batch: Callable[[EmbeddingBatch], None] | None, n_embd: int) -> None:
+        self.ctx = ctx
         self.on_batch = on_batch
         self.n_embd = n_embd
         self.error: BaseException | None = None
@@ -198,7 +199,9 @@ def pyllama_post_decode_callback(view, user_data):
         n, n_embd, n_pos = view.n_tokens, view.n_embd, view.n_pos
         embd = np.frombuffer(ffi.buffer(view.embd, n * n_embd * 4), dtype=np.float32).reshape(n, n_embd)
         pos = np.frombuffer(ffi.buffer(view.pos, n * n_pos * 4), dtype=np.int32).reshape(n_pos, n)
-        state.on_batch(EmbeddingBatch(embd, pos, int(view.seq_id)))
+        state.ctx.last_decode_rows = n  # the context's output buffers now hold this slice
+        if state.on_batch is not None:
+            state.on_batch(EmbeddingBatch(embd, pos, int(view.seq_id)))
         return 0
     except BaseException as e:  # noqa: BLE001 - carried back across the native frame
         state.error = e
@@ -226,6 +229,7 @@ class Projector(NativeHandle):
         params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn is None else
                                   lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else
                                   lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        forget_native_problems()
         ptr = lib.mtmd_init_from_file(str(self.path).encode(), model.ptr, params)
         if ptr == ffi.NULL:
             raise ProjectorError(with_native_log(
@@ -233,10 +237,16 @@ class Projector(NativeHandle):
                 f"{model.path.name} (not an mmproj, corrupt, or its projection size does not match the "
                 f"target's n_embd {model.n_embd})"))
         self._ptr = ptr
+        model.dependents.add(self)  # freed before the model it reads from
         self.n_encode_calls = 0  # counted so that callers (and tests) can see cache reuse
 
     def _free(self, ptr) -> None:
         lib.mtmd_free(ptr)
+
+    @property
+    def ptr(self):
+        self.model.ptr  # a projector reads its model's vocabulary: refuse once the model is closed
+        return super().ptr
 
     @property
     def uses_mrope(self) -> bool:
@@ -293,13 +303,15 @@ class Projector(NativeHandle):
         e = np.ascontiguousarray(embd, dtype=np.float32)
         if e.shape[0] != chunk.n_tokens:
             raise ValueError(f"embeddings have {e.shape[0]} rows, the chunk {chunk.n_tokens}")
-        state = _DecodeCallbackState(on_batch, e.shape[1]) if on_batch else None
-        handle = ffi.new_handle(state) if state else ffi.NULL
+        state = _DecodeCallbackState(ctx, on_batch, e.shape[1])
+        handle = ffi.new_handle(state)
         new_pos = ffi.new("llama_pos *")
+        forget_native_problems()
+        ctx.last_decode_rows = 0
         rc = lib.mtmd_helper_decode_image_chunk(
             self.ptr, ctx.ptr, chunk._ptr, ffi.from_buffer("float[]", e), pos0, seq_id, n_batch, new_pos,
-            lib.pyllama_post_decode_callback if state else ffi.NULL, handle)
-        if state is not None and state.error is not None:
+            lib.pyllama_post_decode_callback, handle)
+        if state.error is not None:
             raise state.error
         if rc != 0:
             raise DecodeError("mtmd_helper_decode_image_chunk", rc, role=ctx.role,

@@ -344,8 +344,41 @@ def _extra_cmake_args(opts: BuildOptions) -> list[str]:
     return list(opts.cmake_args) + shlex.split(os.environ.get("CMAKE_ARGS", ""))
 
 
-def build_key(source: Source, opts: BuildOptions, cmake_args: list[str]) -> str:
-    payload = json.dumps({"source": source.identity, "backend": opts.backend, "type": opts.build_type,
+def project_snapshot() -> Path:
+    """A copy of our CMake project (CMakeLists.txt + native/) in the cache, keyed by its content.
+
+    CMake ties a build folder to one source folder; building from a stable copy lets every
+    checkout of the same code (CI clones in new folders, worktrees) share one cached build.
+    """
+    files = [PROJECT_ROOT / "CMakeLists.txt", *sorted((PROJECT_ROOT / "native").rglob("*"))]
+    digest = hashlib.sha256()
+    for f in files:
+        if f.is_file():
+            digest.update(str(f.relative_to(PROJECT_ROOT)).encode() + b"\0" + f.read_bytes())
+    snap = cache_root() / "project" / digest.hexdigest()[:12]
+    if not (snap / ".complete").exists():
+        tmp = Path(tempfile.mkdtemp(dir=snap.parent if snap.parent.exists() else _mkdir(snap.parent)))
+        for f in files:
+            if f.is_file():
+                dest = tmp / f.relative_to(PROJECT_ROOT)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(f, dest)
+        (tmp / ".complete").write_text("")
+        if snap.exists():
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, snap)
+    return snap
+
+
+def _mkdir(p: Path) -> Path:
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def build_key(source: Source, opts: BuildOptions, cmake_args: list[str], project: Path) -> str:
+    payload = json.dumps({"source": source.identity, "project": project.name, "backend": opts.backend,
+                          "type": opts.build_type,
                           "cmake": cmake_args, "tools": opts.tools, "machine": platform.machine()},
                          sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
@@ -357,11 +390,12 @@ def build_native(opts: BuildOptions) -> NativeBuild:
         raise BuildError("cmake (>= 3.21) is needed: pip install cmake, or apt-get install cmake")
     source = user_source(opts.llama_cpp) if opts.llama_cpp else pinned_source()
     cmake_args = backend_cmake_args(opts) + _extra_cmake_args(opts)
-    key = build_key(source, opts, cmake_args)
+    project = project_snapshot()
+    key = build_key(source, opts, cmake_args, project)
     build_dir = cache_root() / "build" / f"{opts.backend}-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    configure = ["cmake", *generator, "-S", str(PROJECT_ROOT), "-B", str(build_dir),
+    configure = ["cmake", *generator, "-S", str(project), "-B", str(build_dir),
                  f"-DCMAKE_BUILD_TYPE={opts.build_type}", f"-DLLAMA_CPP_DIR={source.path}"]
     if source.origin == "pinned":
         configure.append(f"-DLLAMA_BUILD_COMMIT={PIN_UPSTREAM_COMMIT}")

@@ -261,9 +261,6 @@ def test_layer_beyond_the_target_is_refused(tiny_dense, ctx_kwargs):
                 ctx.enable_layer_inputs([lid])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Context.enable_layer_inputs accepts lid == n_layer "
-                                       "(`0 <= lid <= n_layer`, llama.py); the next decode aborts the process "
-                                       "with GGML_ASSERT(t_layer_inp[il] != nullptr)")
 def test_layer_id_equal_to_n_layer_is_refused_without_abort(tiny_dense, run_python):
     res = run_python("""
         import sys, numpy as np
@@ -290,3 +287,28 @@ def test_closed_objects_refuse_use(tiny_dense, ctx_kwargs):
         Context(m, **ctx_kwargs)
     with pytest.raises(ClosedError):
         Projector(tiny_dense.mmproj, m, n_threads=N_THREADS)
+
+
+@pytest.mark.parametrize("when", ["before_any_decode", "enabled_after_a_decode"])
+def test_layer_input_before_a_decode_is_refused_without_abort(when, tiny_dense, run_python):
+    res = run_python("""
+        import sys, numpy as np
+        from pyllama_spec.llama import Model, Context
+        m = Model(sys.argv[1])
+        ctx = Context(m, n_ctx=128, n_batch=64, n_ubatch=64, n_threads=1)
+        ctx.enable_layer_inputs([1])
+        if sys.argv[2] == "enabled_after_a_decode":
+            toks = m.tokenize("hi")
+            ctx.decode_tokens(toks, np.arange(len(toks)))
+            ctx.enable_layer_inputs([3])
+            lid = 3
+        else:
+            lid = 1
+        try:
+            ctx.layer_input(lid, 2)      # no decode has recorded this layer yet
+        except ValueError:
+            sys.exit(0)
+        print("returned rows that no decode wrote")
+        sys.exit(5)
+    """, str(tiny_dense.target), when)
+    assert res.returncode == 0, explain(res)

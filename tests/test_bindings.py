@@ -469,8 +469,6 @@ def test_context_managers_close_on_exit(tiny_dense, ctx_kwargs, big_image):
         Context(m, **ctx_kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Model.close() does not close the Projectors bound to it; "
-                                       "the projector then reads the freed vocabulary (use after free)")
 def test_projector_is_unusable_after_its_model_closes(tiny_dense, run_python):
     # in a child process: today this is undefined behaviour in native code
     res = run_python("""

@@ -1,0 +1,341 @@
+"""The speculative engine: the two failures it exists to avoid, and lossless verification.
+
+Every test here runs the real library on tiny real GGUF files (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import N_THREADS
+
+import pyllama_spec as ps
+from pyllama_spec import tiny
+from pyllama_spec.drafters import TargetRows
+from pyllama_spec.engine import load
+from pyllama_spec.positions import SequencePositions, is_pinned
+
+PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
+
+
+def make_engine(models, *, spec_type="dflash", ubatch=64, batch=None, draft_max=7, mode="target", n_ctx=2048):
+    return load(models.target, mmproj=models.mmproj, draft=models.draft if spec_type != "none" else None,
+                spec_type=spec_type, n_ctx=n_ctx, n_batch=batch or ubatch, n_ubatch=ubatch, n_threads=N_THREADS,
+                draft_max=draft_max, draft_positions=mode, flash_attn=False)
+
+
+@pytest.fixture(scope="module")
+def dense_seed1(tiny_dir):
+    return tiny.make_tiny_set(tiny_dir, arch="hunyuan_vl", seed=1, window=32, predictable=0.5)
+
+
+# --------------------------------------------------------------------------- 1. the overflow
+
+
+@pytest.mark.parametrize("which,batch", [("dense", 64), ("hybrid", 64), ("dense", 128)])
+def test_pinned_image_overflows_the_draft_without_the_skip_and_completes_with_it(
+        which, batch, tiny_dense, tiny_hybrid, big_image):
+    models = tiny_dense if which == "dense" else tiny_hybrid
+    with make_engine(models, ubatch=64, batch=batch) as engine:
+        engine.drafter._skip_pinned_media = False
+        with pytest.raises(ps.DecodeError) as info:
+            engine.generate(PROMPT, images=[big_image], max_tokens=4)
+        err = info.value
+        assert err.role == "draft" and err.rc == 1 and err.n_rows == 64
+        assert "draft context" in str(err) and "64 rows" in str(err) and "rc = 1" in str(err)
+
+        engine.drafter._skip_pinned_media = True  # the same engine is still usable
+        result = engine.generate(PROMPT, images=[big_image], max_tokens=8)
+        assert len(result.tokens) == 8
+        assert result.stats.prompt_tokens > result.stats.prompt_positions  # rows != positions
+
+
+# --------------------------------------------------------------------------- 2. lossless
+
+
+def _pairs(models, image, ubatch, draft_max, mode, temperature=0.0, prompt=PROMPT, max_tokens=24):
+    images = [image] if ps.MEDIA_MARKER in prompt else []
+    with make_engine(models, spec_type="none", ubatch=ubatch) as plain:
+        expected = plain.generate(prompt, images=images, max_tokens=max_tokens, temperature=temperature, seed=3)
+    with make_engine(models, ubatch=ubatch, draft_max=draft_max, mode=mode) as spec:
+        got = spec.generate(prompt, images=images, max_tokens=max_tokens, temperature=temperature, seed=3)
+    return expected, got
+
+
+@pytest.mark.parametrize("mode", ["target", "sequential"])
+@pytest.mark.parametrize("which,draft_max,ubatch", [
+    ("dense", 1, 16), ("dense", 3, 64), ("dense", 7, 512), ("dense", 15, 64),
+    ("hybrid", 1, 64), ("hybrid", 3, 512), ("hybrid", 7, 16), ("hybrid", 15, 64),
+    ("seed1", 3, 16), ("seed1", 15, 512),
+])
+def test_greedy_speculative_output_equals_target_only_with_an_image(
+        mode, which, draft_max, ubatch, tiny_dense, tiny_hybrid, dense_seed1, big_image):
+    models = {"dense": tiny_dense, "hybrid": tiny_hybrid, "seed1": dense_seed1}[which]
+    expected, got = _pairs(models, big_image, ubatch, draft_max, mode)
+    assert got.tokens == expected.tokens
+    assert got.text == expected.text
+    assert got.stats.drafted > 0
+    assert got.stats.accepted > 0, "the predictable target should accept some drafts (accept path)"
+    assert got.stats.accepted < got.stats.drafted or draft_max == 1, "rollback path should run"
+
+
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+def test_greedy_speculative_output_equals_target_only_for_text(which, tiny_dense, tiny_hybrid):
+    models = tiny_dense if which == "dense" else tiny_hybrid
+    expected, got = _pairs(models, None, 64, 7, "target", prompt="The quick brown fox jumps over", max_tokens=40)
+    assert got.tokens == expected.tokens and got.stats.accepted > 0
+
+
+def test_sampled_speculative_output_follows_the_target_sampler(tiny_dense, big_image):
+    # Sampling at each verify position consumes the sampler's random stream exactly as
+    # target-only decoding does, so with the same seed the outputs match.
+    expected, got = _pairs(tiny_dense, big_image, 64, 7, "target", temperature=0.8)
+    assert got.tokens == expected.tokens
+
+
+# --------------------------------------------------------------------------- 3. positions after an image
+
+
+@pytest.mark.parametrize("mode", ["target", "sequential"])
+def test_every_draft_block_starts_at_the_sequence_next_position(mode, tiny_dense, big_image):
+    with make_engine(tiny_dense, mode=mode) as engine:
+        engine.drafter.trace = []
+        starts = []
+        original = engine.drafter.draft
+
+        def traced_draft(id_last, n_max=None):
+            p = engine.positions
+            starts.append((p.pos_next, p.draft_pos_next, p.n_rows))
+            return original(id_last, n_max)
+
+        engine.drafter.draft = traced_draft
+        result = engine.generate(PROMPT, images=[big_image], max_tokens=20)
+    blocks = [pos for call, pos, _ in engine.drafter.trace if call == "draft"]
+    assert len(blocks) == len(starts) > 0
+    first_pos_next, first_draft_pos, first_rows = starts[0]
+    assert first_pos_next == result.stats.prompt_positions  # pos_next, not the row count
+    assert first_rows == result.stats.prompt_tokens and first_rows > first_pos_next
+    expected = [d for _, d, _ in starts]
+    assert blocks == expected
+    if mode == "target":
+        assert blocks == [p for p, _, _ in starts]
+    else:
+        assert first_draft_pos == first_rows  # every row got a draft position
+
+
+def test_draft_logits_depend_on_the_injected_context(tiny_dense, big_image):
+    with make_engine(tiny_dense) as engine:
+        d = engine.drafter
+        engine._reset_sequence()
+        bitmap = ps.Bitmap.load(big_image)
+        parts = engine._tokenize(PROMPT, [bitmap])
+        engine._prefill(parts, ps_stats())
+        id_last = int(parts[-1][-1])
+        d.draft(id_last, 7)
+        with_context = d.ctx.output_logits(8).copy()
+        d.reset()  # empty draft cache, same block at the same position
+        d.draft(id_last, 7)
+        without = d.ctx.output_logits(8).copy()
+        bitmap.close()
+    assert np.isfinite(with_context).all()
+    assert not np.allclose(with_context, without)
+
+
+def test_old_token_count_placement_loses_the_context(tiny_dense, big_image):
+    # The bug upstream had: a block placed at the row count sits past the draft's window
+    # after an image, so its logits equal an empty-cache draft's.
+    with make_engine(tiny_dense) as engine:
+        d = engine.drafter
+        engine._reset_sequence()
+        bitmap = ps.Bitmap.load(big_image)
+        parts = engine._tokenize(PROMPT, [bitmap])
+        engine._prefill(parts, ps_stats())
+        id_last = int(parts[-1][-1])
+        d._block_at_row_count = True
+        d.draft(id_last, 7)
+        misplaced = d.ctx.output_logits(8).copy()
+        d.reset()
+        d.draft(id_last, 7)
+        empty = d.ctx.output_logits(8).copy()
+        bitmap.close()
+    np.testing.assert_allclose(misplaced, empty, rtol=1e-5, atol=1e-5)
+
+
+def ps_stats():
+    from pyllama_spec.stats import GenerationStats
+
+    return GenerationStats()
+
+
+# --------------------------------------------------------------------------- 4. what the draft holds
+
+
+def _prefill_trace(models, mode, image):
+    with make_engine(models, mode=mode) as engine:
+        engine.drafter.trace = []
+        bitmap = ps.Bitmap.load(image)
+        engine._reset_sequence()
+        parts = engine._tokenize(PROMPT, [bitmap])
+        engine._prefill(parts, ps_stats())
+        bitmap.close()
+        return engine.drafter.trace, parts, engine.positions.n_rows, engine.positions.pos_next, \
+            engine.drafter.ctx.memory.pos_max()
+
+
+def test_target_mode_prefill_injects_text_rows_and_skips_pinned_image_rows(tiny_dense, big_image):
+    trace, parts, rows, pos_next, draft_pos_max = _prefill_trace(tiny_dense, "target", big_image)
+    text_rows = sum(len(p) for p in parts if isinstance(p, np.ndarray))
+    image = next(p for p in parts if not isinstance(p, np.ndarray))
+    injected = sum(n for call, _, n in trace if call == "inject")
+    skipped = sum(n for call, _, n in trace if call == "skip")
+    assert injected == text_rows
+    assert skipped == image.n_tokens
+    assert draft_pos_max == pos_next - 1  # the draft ends where the target does: at a position
+    assert rows == text_rows + image.n_tokens
+
+
+def test_sequential_mode_prefill_injects_every_row_at_consecutive_positions(tiny_dense, big_image):
+    trace, parts, rows, pos_next, draft_pos_max = _prefill_trace(tiny_dense, "sequential", big_image)
+    injects = [(pos, n) for call, pos, n in trace if call == "inject"]
+    assert not [c for c in trace if c[0] == "skip"]
+    assert sum(n for _, n in injects) == rows
+    expected_pos = 0
+    for pos, n in injects:
+        assert pos == expected_pos
+        expected_pos += n
+    assert draft_pos_max == rows - 1
+
+
+# --------------------------------------------------------------------------- 5. advancing media
+
+
+def test_media_rows_whose_positions_advance_are_injected(tiny_dense):
+    with make_engine(tiny_dense) as engine:
+        d = engine.drafter
+        d.trace = []
+        engine._reset_sequence()
+        n = 8
+        engine.ctx.decode_tokens(np.arange(97, 97 + n), np.arange(n))  # gives the target's layer inputs
+        positions = np.tile(np.arange(n, dtype=np.int32), (4, 1))  # audio-like: every section advances
+        d.process(TargetRows(positions, True, 0))
+        assert d.trace == [("inject", 0, n)]
+        assert d.ctx.memory.pos_max() == n - 1
+        pinned = np.full((4, n), n, dtype=np.int32)
+        d.process(TargetRows(pinned, True, n))
+        assert d.trace[-1] == ("skip", n, n)
+
+
+def test_pinned_rule():
+    assert is_pinned(np.array([5, 5, 5]), True)
+    assert not is_pinned(np.array([5, 5, 5]), False)  # text is never pinned
+    assert not is_pinned(np.array([5]), True)  # one row is not pinned
+    assert not is_pinned(np.array([5, 6, 7]), True)  # advancing media
+
+
+def test_sequence_positions_keep_the_two_spaces_mapped():
+    p = SequencePositions("sequential")
+    p.advance_text(6)
+    p.advance_media(576, 24)
+    p.advance_text(10)
+    assert (p.pos_next, p.n_rows, p.draft_pos_next) == (40, 592, 592)
+    assert p.draft_pos(35) == 587 and p.rows_at(35) == 587
+    p.truncate(32)
+    assert (p.pos_next, p.n_rows, p.draft_pos_next) == (32, 584, 584)
+    p.truncate(3)
+    assert (p.pos_next, p.n_rows, p.draft_pos_next) == (3, 3, 3)
+    t = SequencePositions("target")
+    t.advance_text(6)
+    t.advance_media(576, 24)
+    assert (t.pos_next, t.n_rows, t.draft_pos_next) == (30, 582, 30)
+
+
+# --------------------------------------------------------------------------- 6. refusals at load
+
+
+def test_refuses_a_target_that_does_not_record_layer_inputs(tiny_dense):
+    from pyllama_spec.drafters.dflash import check_dflash_pair
+
+    with ps.Model(tiny_dense.target) as target, ps.Model(tiny_dense.draft, role="draft") as draft:
+        with pytest.raises(ps.IncompatibleModelsError, match="does not record its layer inputs"):
+            check_dflash_pair(target, draft, ["qwen3", "qwen35"])
+        check_dflash_pair(target, draft, ["hunyuan_vl"])  # the same pair passes when the build can
+
+
+def test_refuses_target_layers_the_target_does_not_have(tiny_dense, tmp_path):
+    bad = tiny.write_draft(tmp_path / "d.gguf", target_layers=(1, 6), target_n_layer=8)
+    with pytest.raises(ps.IncompatibleModelsError, match="target layers"):
+        load(tiny_dense.target, draft=bad, n_threads=N_THREADS)
+
+
+class _TargetFacts:
+    """The facts check_dflash_pair reads from a target, for widths the tiny writer cannot make (it writes 64)."""
+
+    def __init__(self, model, **override):
+        self.arch, self.n_layer, self.n_embd, self.n_vocab = model.arch, model.n_layer, model.n_embd, model.n_vocab
+        self.path = model.path
+        self.__dict__.update(override)
+
+
+@pytest.mark.parametrize("override,match", [({"n_embd": 128}, "n_embd"), ({"n_vocab": 300}, "vocabulary")])
+def test_refuses_a_draft_of_another_width_or_vocabulary(tiny_dense, override, match):
+    from pyllama_spec.drafters.dflash import check_dflash_pair
+
+    with ps.Model(tiny_dense.target) as target, ps.Model(tiny_dense.draft, role="draft") as draft:
+        with pytest.raises(ps.IncompatibleModelsError, match=match):
+            check_dflash_pair(_TargetFacts(target, **override), draft, None)
+
+
+def test_refuses_a_draft_without_a_mask_token(tiny_dense, tmp_path):
+    from pyllama_spec.gguf_writer import read_gguf_metadata  # noqa: F401  (the writer is ours)
+
+    path = tmp_path / "nomask.gguf"
+    tiny.write_draft(path)
+    data = bytearray(path.read_bytes())
+    key = b"tokenizer.ggml.mask_token_id"
+    at = data.find(key)
+    assert at > 0
+    data[at:at + len(key)] = b"tokenizer.ggml.mask_token_xx"  # the key is gone, the file stays valid
+    path.write_bytes(bytes(data))
+    with pytest.raises(ps.IncompatibleModelsError, match="mask token"):
+        load(tiny_dense.target, draft=path, n_threads=N_THREADS)
+
+
+def test_refuses_a_prompt_over_the_context_before_decoding(tiny_dense, big_image):
+    with make_engine(tiny_dense, n_ctx=256) as engine:
+        with pytest.raises(ps.ContextOverflowError, match="576|cache rows"):
+            engine.generate(PROMPT, images=[big_image], max_tokens=4)
+        assert engine.ctx.memory.pos_max() == -1  # nothing was decoded
+        assert engine.generate("hi", max_tokens=3).tokens  # and the engine still works
+
+
+def test_spec_none_and_dflash_need_the_right_arguments(tiny_dense):
+    with pytest.raises(ValueError, match="needs a draft"):
+        load(tiny_dense.target, spec_type="dflash", n_threads=N_THREADS)
+    with pytest.raises(ValueError, match="spec_type"):
+        load(tiny_dense.target, draft=tiny_dense.draft, spec_type="eagle", n_threads=N_THREADS)
+
+
+# --------------------------------------------------------------------------- API surface
+
+
+def test_stream_yields_pieces_and_ends_with_stats(tiny_dense):
+    with make_engine(tiny_dense) as engine:
+        pieces = list(engine.stream(messages=[{"role": "user", "content": "Hi"}], max_tokens=12))
+        whole = engine.generate(messages=[{"role": "user", "content": "Hi"}], max_tokens=12)
+    assert pieces[-1].stats is not None and pieces[-1].finish_reason == "length"
+    assert all(p.stats is None for p in pieces[:-1])
+    assert "".join(p.text for p in pieces) == whole.text
+    assert [t for p in pieces for t in p.tokens] == whole.tokens and len(whole.tokens) == 12
+    s = whole.stats
+    assert s.generated_tokens == 12 and s.prefill_seconds > 0 and s.decode_seconds > 0
+    assert 0 <= s.acceptance_rate <= 1 and s.mean_accepted_length >= 1
+    assert len(s.per_position_acceptance) > 0 and s.python_seconds >= 0
+
+
+def test_stop_strings_cut_the_output(tiny_dense):
+    with make_engine(tiny_dense, spec_type="none") as engine:
+        full = engine.generate("The", max_tokens=30).text
+        stop = full[5:7]
+        cut = engine.generate("The", max_tokens=30, stop=[stop])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full[:full.find(stop)]
