@@ -295,11 +295,15 @@ class Engine:
                     if last_part and s + n_batch >= len(part):
                         outputs[-1] = 1
                     self._decode_text(tokens, outputs, stats)
+                    self.positions.advance_text(len(tokens))
             else:
                 self._prefill_media(part, stats)
 
     def _decode_text(self, tokens: np.ndarray, outputs, stats: GenerationStats) -> None:
-        """Decode token rows at pos_next.. into the target, then show them to the drafter."""
+        """Decode token rows at pos_next.. into the target, then show them to the drafter.
+
+        The caller advances the positions once it knows how many rows stay.
+        """
         p = self.positions
         pos = np.arange(p.pos_next, p.pos_next + len(tokens), dtype=np.int32)
         with Stopwatch(stats, "target_seconds"):
@@ -307,7 +311,6 @@ class Engine:
         if self.drafter is not None:
             with Stopwatch(stats, "draft_seconds"):
                 self.drafter.process(TargetRows(pos[None, :], False, p.draft_pos_next))
-        p.advance_text(len(tokens))
 
     def _prefill_media(self, chunk: Chunk, stats: GenerationStats) -> None:
         p = self.positions
@@ -340,12 +343,7 @@ class Engine:
             with Stopwatch(stats, "draft_seconds"):
                 draft = self.drafter.draft(id_last, n_max)
         tokens = np.array([id_last, *draft], dtype=np.int32)
-        pos = np.arange(p.pos_next, p.pos_next + len(tokens), dtype=np.int32)
-        with Stopwatch(stats, "target_seconds"):
-            self.ctx.decode_tokens(tokens, pos, outputs=True)
-        if self.drafter is not None:
-            with Stopwatch(stats, "draft_seconds"):
-                self.drafter.process(TargetRows(pos[None, :], False, p.draft_pos_next))
+        self._decode_text(tokens, True, stats)  # verify: logits on every row
         # Sample at each position; accept while the target agrees with the draft (llama.cpp's rule).
         accepted: list[int] = []
         with Stopwatch(stats, "target_seconds"):

