@@ -1,8 +1,8 @@
 """Package build: runs the native build (pyllama_spec/native_build.py) inside `pip install .`.
 
 Backend and flags come from the environment, as llama-cpp-python users expect:
-  PYLLAMA_SPEC_BACKEND=cuda|rocm|vulkan|metal   (default cpu)
-  CMAKE_ARGS="..."                               (passed through to CMake)
+  PYLLAMA_SPEC_BACKEND=cuda|rocm|vulkan|metal   (default: what CMAKE_ARGS asks for, else cpu)
+  CMAKE_ARGS="..."                               (passed through to CMake; "-DGGML_CUDA=on" selects cuda)
   LLAMA_CPP_DIR=/path/to/llama.cpp               (your own checkout instead of the pin)
 """
 import importlib.util
@@ -29,7 +29,8 @@ class BuildPyWithNative(build_py):
     def run(self):
         super().run()
         nb = _native_build()
-        opts = nb.BuildOptions(backend=os.environ.get("PYLLAMA_SPEC_BACKEND", "cpu"),
+        backend = os.environ.get("PYLLAMA_SPEC_BACKEND") or nb.backend_from_cmake_args(os.environ.get("CMAKE_ARGS", ""))
+        opts = nb.BuildOptions(backend=backend,
                                llama_cpp=os.environ.get("LLAMA_CPP_DIR") or None,
                                cuda_arch=os.environ.get("PYLLAMA_SPEC_CUDA_ARCH") or None)
         # `pip install -e .` builds in place, like `python build.py`; a normal install into the wheel.

@@ -221,6 +221,15 @@ class BuildOptions:
     tools: bool = False  # also build llama-server (for benchmarks only)
 
 
+def backend_from_cmake_args(cmake_args: str) -> str:
+    """The backend a llama-cpp-python style CMAKE_ARGS asks for (e.g. "-DGGML_CUDA=on"), else "cpu"."""
+    for backend, flag in (("cuda", "GGML_CUDA"), ("rocm", "GGML_HIP"), ("vulkan", "GGML_VULKAN"),
+                          ("metal", "GGML_METAL")):
+        if re.search(rf"-D{flag}=(on|1|true|yes)\b", cmake_args, re.IGNORECASE):
+            return backend
+    return "cpu"
+
+
 def _find_nvcc() -> Path | None:
     for cand in (os.environ.get("CUDACXX"), shutil.which("nvcc"),
                  os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):

@@ -1,0 +1,133 @@
+"""The build logic that needs no compiler run: backends' toolchain checks, cache keys, patches, records."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import importlib.util
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+# build.py by path: `import build` could find PyPA's `build` package instead.
+_spec = importlib.util.spec_from_file_location("pyllama_build_script", REPO / "build.py")
+build_script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(build_script)
+nb = build_script.load_native_build()
+
+
+@pytest.fixture
+def no_tools(monkeypatch, tmp_path):
+    """A PATH with nothing on it, so every toolchain lookup misses."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDACXX", raising=False)
+    monkeypatch.delenv("VULKAN_SDK", raising=False)
+    monkeypatch.delenv("PYLLAMA_CUBLAS_DIR", raising=False)
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "no-cuda"))
+
+
+@pytest.mark.parametrize("backend,needle", [
+    ("cuda", "nvcc"), ("rocm", "hipcc"), ("vulkan", "glslc"), ("metal", "macOS"),
+])
+def test_a_backend_without_its_toolchain_fails_naming_what_is_missing(no_tools, backend, needle):
+    with pytest.raises(nb.BuildError, match=needle):
+        nb.backend_cmake_args(nb.BuildOptions(backend=backend))
+
+
+def test_cuda_without_cublas_says_where_to_get_it(monkeypatch, tmp_path):
+    toolkit = tmp_path / "cuda"
+    (toolkit / "bin").mkdir(parents=True)
+    nvcc = toolkit / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    monkeypatch.setenv("CUDACXX", str(nvcc))
+    monkeypatch.setattr(nb.sys, "path", [])  # no nvidia-cublas wheel either
+    with pytest.raises(nb.BuildError, match="nvidia-cublas.*--cublas-dir"):
+        nb.backend_cmake_args(nb.BuildOptions(backend="cuda", cublas_dir=str(tmp_path / "empty")))
+
+
+def test_cuda_finds_a_cublas_outside_the_toolkit_and_links_unversioned_names(monkeypatch, tmp_path):
+    toolkit = tmp_path / "cuda"
+    (toolkit / "bin").mkdir(parents=True)
+    nvcc = toolkit / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    wheel_lib = tmp_path / "site" / "nvidia" / "cu13" / "lib"
+    wheel_lib.mkdir(parents=True)
+    (wheel_lib / "libcublas.so.13").write_bytes(b"")
+    (wheel_lib / "libcublasLt.so.13").write_bytes(b"")
+    monkeypatch.setenv("CUDACXX", str(nvcc))
+    monkeypatch.setenv("PYLLAMA_SPEC_CACHE", str(tmp_path / "cache"))
+    args = nb.backend_cmake_args(nb.BuildOptions(backend="cuda", cublas_dir=str(wheel_lib), cuda_arch="90"))
+    assert "-DGGML_CUDA=ON" in args and "-DCMAKE_CUDA_ARCHITECTURES=90" in args
+    assert "-DGGML_CUDA_NO_VMM=ON" in args  # no driver stub in this toolkit
+    lib = Path(next(a for a in args if a.startswith("-DCUDA_cublas_LIBRARY=")).split("=", 1)[1])
+    assert lib.name == "libcublas.so" and lib.resolve() == (wheel_lib / "libcublas.so.13").resolve()
+
+
+def test_cmake_args_select_the_backend_as_llama_cpp_python_users_type_them():
+    assert nb.backend_from_cmake_args("-DGGML_CUDA=on") == "cuda"
+    assert nb.backend_from_cmake_args("-DGGML_VULKAN=ON -DFOO=1") == "vulkan"
+    assert nb.backend_from_cmake_args("-DGGML_CUDA=off") == "cpu"
+    assert nb.backend_from_cmake_args("") == "cpu"
+
+
+def test_the_build_key_changes_with_backend_flags_and_source():
+    src = nb.Source(Path("/x"), "pinned", "pinned:abc", ())
+    project = Path("/cache/project/0123")
+    base = nb.build_key(src, nb.BuildOptions(), [], project)
+    assert base == nb.build_key(src, nb.BuildOptions(), [], project)
+    assert base != nb.build_key(src, nb.BuildOptions(backend="cuda"), [], project)
+    assert base != nb.build_key(src, nb.BuildOptions(), ["-DGGML_NATIVE=OFF"], project)
+    assert base != nb.build_key(nb.Source(Path("/x"), "pinned", "pinned:abd", ()), nb.BuildOptions(), [], project)
+
+
+def test_patches_apply_once_and_are_recognised_when_already_applied(tmp_path):
+    tree = tmp_path / "tree"
+    (tree / "src").mkdir(parents=True)
+    (tree / "src" / "a.cpp").write_text("int main() {\n    return 0;\n}\n")
+    patch = tmp_path / "0001-example.patch"
+    patch.write_text("example: why this patch exists\n"
+                     "--- a/src/a.cpp\n+++ b/src/a.cpp\n@@ -1,3 +1,4 @@\n int main() {\n+    int x = 1;\n"
+                     "     return 0;\n }\n")
+    nb._apply_patches(tree, [patch])
+    nb._apply_patches(tree, [patch])  # idempotent
+    assert (tree / "src" / "a.cpp").read_text().count("int x = 1;") == 1
+    (tree / "src" / "a.cpp").write_text("something else\n")
+    with pytest.raises(nb.BuildError, match="does not apply"):
+        nb._apply_patches(tree, [patch])
+
+
+def test_user_checkout_must_have_the_dflash_headers(tmp_path):
+    with pytest.raises(nb.BuildError, match="llama-ext.h"):
+        nb.user_source(tmp_path)
+
+
+def test_installed_libraries_are_one_copy_each_under_their_soname(tmp_path):
+    real = tmp_path / "libllama.so.0.5.0"
+    real.write_bytes(b"x")
+    (tmp_path / "libllama.so.0").symlink_to(real.name)
+    (tmp_path / "libllama.so").symlink_to("libllama.so.0")
+    (tmp_path / "libpyllama_shim.so").write_bytes(b"y")
+    chosen = nb.shared_libraries(tmp_path)
+    assert sorted(chosen) == ["libllama.so.0", "libpyllama_shim.so"]
+
+
+def test_dflash_capable_archs_are_read_from_the_built_source():
+    from pyllama_spec._native import build_record
+
+    record = build_record()
+    source = Path(record["source"]["path"])
+    if not source.exists():
+        pytest.skip(f"the source this build was made from is gone ({source})")
+    archs = nb.dflash_capable_archs(source)
+    assert {"hunyuan_vl", "qwen35", "qwen3"} <= set(archs)
+    assert not {"qwen2vl", "qwen3vl", "qwen3vlmoe"} & set(archs)
+
+
+def test_build_script_help_lists_the_backends():
+    out = subprocess.run(["python3", str(nb.PROJECT_ROOT / "build.py"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for flag in ("--cuda", "--rocm", "--vulkan", "--metal", "--llama-cpp", "--cublas-dir", "--tools"):
+        assert flag in out.stdout
