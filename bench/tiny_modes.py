@@ -46,7 +46,8 @@ def main() -> None:
             runs: dict[str, list] = {k: [] for k in engines}
             for _ in range(args.repeats):
                 for name, engine in engines.items():
-                    runs[name].append(engine.generate(prompt, images=imgs, max_tokens=args.max_tokens).stats)
+                    runs[name].append(engine.generate(prompt, images=imgs, max_tokens=args.max_tokens,
+                                                       cache_prompt=False).stats)
             for name, stats in runs.items():
                 med = lambda f: statistics.median(f(s) for s in stats)  # noqa: E731
                 print(f"| {arch} | {pname} | {name} | {stats[0].acceptance_rate:.3f} | "

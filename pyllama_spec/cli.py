@@ -91,6 +91,239 @@ def build(backend, cuda_arch, cublas_dir, llama_cpp, cmake_arg, tools, jobs) -> 
         sys.exit(1)
 
 
+# --------------------------------------------------------------------------- chat and generate
+
+
+def model_options(f):
+    """The model and sampling flags shared by chat and generate, named as in llama.cpp."""
+    options = [
+        click.option("-m", "--model", "model", required=True, type=click.Path(), help="target GGUF"),
+        click.option("--mmproj", type=click.Path(), help="multimodal projector GGUF (images)"),
+        click.option("-md", "--model-draft", "draft", type=click.Path(), help="DFlash draft GGUF"),
+        click.option("--spec-type", type=click.Choice(["dflash", "none"]), default=None,
+                     help="speculative method (default: dflash when a draft is given)"),
+        click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True),
+        click.option("-b", "--batch-size", "n_batch", default=512, show_default=True),
+        click.option("-ub", "--ubatch-size", "n_ubatch", default=512, show_default=True),
+        click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", default=0, show_default=True),
+        click.option("--draft-max", default=16, show_default=True),
+        click.option("--draft-positions", type=click.Choice(["target", "sequential"]), default="target",
+                     show_default=True),
+        click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="off",
+                     show_default=True),
+        click.option("-t", "--threads", "n_threads", type=int, default=None, help="CPU threads"),
+        click.option("-n", "--max-tokens", default=512, show_default=True, help="tokens per reply"),
+        click.option("--temp", "temperature", default=0.0, show_default=True),
+        click.option("--top-k", default=40, show_default=True),
+        click.option("--top-p", default=0.95, show_default=True),
+        click.option("--min-p", default=0.05, show_default=True),
+        click.option("--seed", default=0, show_default=True),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _load_engine(o: dict):
+    from .engine import load
+
+    flash = {"on": True, "off": False, "auto": None}[o["flash_attn"]]
+    kwargs = dict(n_ctx=o["n_ctx"], n_batch=o["n_batch"], n_ubatch=min(o["n_ubatch"], o["n_batch"]),
+                  n_gpu_layers=o["n_gpu_layers"], draft_max=o["draft_max"], draft_positions=o["draft_positions"],
+                  flash_attn=flash, n_threads=o["n_threads"])
+    return load(o["model"], mmproj=o["mmproj"], draft=o["draft"], spec_type=o["spec_type"], **kwargs)
+
+
+def _sampling(o: dict) -> dict:
+    return {k: o[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed")}
+
+
+class _PrefillProgress:
+    """A rich progress bar for image encoding and long prefills, on a terminal only."""
+
+    def __init__(self, con: Console, min_rows: int = 256) -> None:
+        self.console = con
+        self.min_rows = min_rows
+        self.bar = None
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if not self.console.is_terminal or total < self.min_rows:
+            return
+        if self.bar is None:
+            from rich.progress import BarColumn, Progress, TextColumn
+
+            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} rows"),
+                                console=self.console, transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("prefill", total=total)
+        self.bar.update(self.task, completed=done, description="encoding image" if stage == "encode" else "prefill")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+            self.bar = None
+
+
+def footer(s) -> str:
+    return (f"{s.tokens_per_second:.1f} tok/s · acceptance {s.acceptance_rate:.2f} · mean accepted length "
+            f"{s.mean_accepted_length:.2f} · drafted/accepted {s.drafted}/{s.accepted} · prefill "
+            f"{s.prefill_seconds * 1000:.0f} ms ({s.prompt_tokens - s.prompt_reused} rows decoded, "
+            f"{s.prompt_reused} reused)")
+
+
+CHAT_HELP = """[bold]commands[/bold]
+  /image PATH   attach an image to the next message (or write @path/to/img.png in a message)
+  /stats        this session's numbers
+  /reset        clear the conversation and both caches
+  /save FILE    write the transcript (JSON, images by path)
+  /help         this help
+  /quit         leave (Ctrl-D too); Ctrl-C stops a reply and keeps what was said"""
+
+
+@main.command()
+@model_options
+@click.option("--system", default=None, help="system message")
+def chat(system, **o) -> None:
+    """Interactive multi-turn chat with images; the answer streams as it is accepted."""
+    from .chat import Conversation
+    from .errors import PyllamaError
+
+    try:
+        with console.status("loading models ..."):
+            engine = _load_engine(o)
+    except (PyllamaError, ValueError, OSError) as e:
+        err_console.print(f"[red]cannot load: {e}[/red]")
+        sys.exit(1)
+    conv = Conversation(engine, system=system, max_tokens=o["max_tokens"], **_sampling(o))
+    mode = engine.config.spec_type + (f" (draft_max {engine.drafter.n_max})" if engine.drafter else "")
+    console.print(f"[bold]pyllama-spec chat[/bold] · {engine.model.path.name} · speculative: {mode} · "
+                  f"/help for commands")
+    progress = _PrefillProgress(console)
+    with engine:
+        while True:
+            try:
+                line = console.input("[bold green]> [/bold green]")
+            except EOFError:
+                console.print()
+                break
+            except KeyboardInterrupt:
+                console.print("\n[dim](Ctrl-D or /quit to leave)[/dim]")
+                continue
+            line = line.strip()
+            if not line:
+                continue
+            if line.startswith("/"):
+                if _chat_command(line, conv):
+                    break
+                continue
+            try:
+                for _ in _stream_reply(conv, line, progress):
+                    pass
+            except KeyboardInterrupt:
+                progress.close()
+                console.print("\n[yellow](reply interrupted: what was said is kept)[/yellow]")
+            except (PyllamaError, ValueError, OSError) as e:
+                progress.close()
+                console.print(f"\n[red]{e}[/red]")
+
+
+def _stream_reply(conv, line: str, progress: "_PrefillProgress"):
+    first = True
+    conv.sampling["progress"] = progress
+    for piece in conv.send(line):
+        if first:
+            progress.close()
+            first = False
+        console.print(piece.text, end="", markup=False, highlight=False, soft_wrap=True)
+        if piece.stats is not None:
+            console.print()
+            console.print(f"[dim]{footer(piece.stats)}[/dim]")
+        yield piece
+
+
+def _chat_command(line: str, conv) -> bool:
+    """Run a /command; True means leave."""
+    from .errors import PyllamaError
+
+    cmd, _, arg = line.partition(" ")
+    arg = arg.strip()
+    if cmd in ("/quit", "/exit"):
+        return True
+    if cmd == "/help":
+        console.print(CHAT_HELP)
+    elif cmd == "/image":
+        if not arg:
+            console.print("[red]usage: /image PATH[/red]")
+        else:
+            try:
+                p = conv.attach(arg)
+                console.print(f"[dim]attached {p} (goes with your next message)[/dim]")
+            except PyllamaError as e:
+                console.print(f"[red]{e}[/red]")
+    elif cmd == "/stats":
+        s = conv.session
+        console.print(f"turns {s.turns} · generated {s.generated_tokens} tokens · {s.tokens_per_second:.1f} tok/s "
+                      f"· drafted/accepted {s.drafted}/{s.accepted} (acceptance {s.acceptance_rate:.2f}) · prompt "
+                      f"rows decoded {s.prompt_rows_decoded}, reused {s.prompt_rows_reused}")
+    elif cmd == "/reset":
+        conv.reset()
+        console.print("[dim]conversation and caches cleared[/dim]")
+    elif cmd == "/save":
+        if not arg:
+            console.print("[red]usage: /save FILE[/red]")
+        else:
+            try:
+                console.print(f"[dim]saved {conv.save(arg)}[/dim]")
+            except OSError as e:
+                console.print(f"[red]cannot save: {e}[/red]")
+    else:
+        console.print(f"[red]unknown command {cmd}[/red] (/help lists them)")
+    return False
+
+
+@main.command()
+@model_options
+@click.option("-p", "--prompt", required=True, help="the prompt (a chat message; --raw to use it as is)")
+@click.option("--image", "images", multiple=True, type=click.Path(), help="image to attach (repeatable)")
+@click.option("--raw", is_flag=True, help="send the prompt as is, without the chat template")
+@click.option("--json", "as_json", is_flag=True, help="print text and stats as one JSON object")
+def generate(prompt, images, raw, as_json, **o) -> None:
+    """One-shot generation, scriptable."""
+    import json
+
+    from .errors import PyllamaError
+
+    try:
+        with _load_engine(o) as engine:
+            kwargs = dict(images=list(images), max_tokens=o["max_tokens"], **_sampling(o))
+            if raw:
+                stream = engine.stream(prompt, **kwargs)
+            else:
+                content = ([{"type": "image", "image": p} for p in images] + [{"type": "text", "text": prompt}]
+                           if images else prompt)
+                kwargs["images"] = []
+                stream = engine.stream(messages=[{"role": "user", "content": content}], **kwargs)
+            text, tokens, last = [], [], None
+            for piece in stream:
+                text.append(piece.text)
+                tokens.extend(piece.tokens)
+                last = piece
+                if not as_json:
+                    click.echo(piece.text, nl=False)
+    except (PyllamaError, ValueError, OSError) as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps({"text": "".join(text), "tokens": tokens, "finish_reason": last.finish_reason,
+                               "stats": last.stats.as_dict()}))
+    else:
+        click.echo()
+        err_console.print(f"[dim]{footer(last.stats)}[/dim]")
+
+
+# --------------------------------------------------------------------------- demo
+
+
 def draw_demo_image(size: int):
     """A test card drawn with Pillow: large enough to span many ubatches and draft windows."""
     from PIL import Image, ImageDraw

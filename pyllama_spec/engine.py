@@ -21,18 +21,20 @@ import codecs
 import dataclasses
 import os
 import time
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
 from .drafters import SPEC_TYPES, TargetRows
 from .drafters.dflash import DFlashDrafter, check_dflash_pair
-from .errors import ContextOverflowError, ImageError
+from .errors import ContextOverflowError, ImageError, KVMemoryError
 from .llama import Context, Model, Sampler
 from .mtmd import MEDIA_MARKER, Bitmap, Chunk, EmbeddingBatch, Projector
 from .positions import SequencePositions
 from .prompt import as_list, render_messages
 from .stats import GenerationStats, Stopwatch
+
+ProgressCallback = Callable[[str, int, int], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +106,7 @@ class Engine:
             raise ValueError(f"n_ubatch ({config.n_ubatch}) cannot exceed n_batch ({config.n_batch})")
         self.config = config
         self.positions = SequencePositions(config.draft_positions)
+        self._cached: list = []  # what the cache holds: int32 token arrays (text) and _CachedMedia, in order
         self.projector: Projector | None = None
         self.drafter: DFlashDrafter | None = None
         self.draft_model: Model | None = None
@@ -161,12 +164,14 @@ class Engine:
     def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None, images=(),
                  max_tokens: int = 128, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,
                  min_p: float = 0.05, presence_penalty: float = 0.0, seed: int = 0,
-                 stop: Sequence[str] | str = ()) -> Result:
+                 stop: Sequence[str] | str = (), cache_prompt: bool = True,
+                 progress: ProgressCallback | None = None) -> Result:
         """Generate a completion; see ``stream`` for the arguments."""
         text, tokens, last = [], [], None
         for piece in self.stream(prompt, messages=messages, images=images, max_tokens=max_tokens,
                                  temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                 presence_penalty=presence_penalty, seed=seed, stop=stop):
+                                 presence_penalty=presence_penalty, seed=seed, stop=stop,
+                                 cache_prompt=cache_prompt, progress=progress):
             text.append(piece.text)
             tokens.extend(piece.tokens)
             last = piece
@@ -176,11 +181,15 @@ class Engine:
     def stream(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None, images=(),
                max_tokens: int = 128, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,
                min_p: float = 0.05, presence_penalty: float = 0.0, seed: int = 0,
-               stop: Sequence[str] | str = ()) -> Iterator[Piece]:
+               stop: Sequence[str] | str = (), cache_prompt: bool = True,
+               progress: ProgressCallback | None = None) -> Iterator[Piece]:
         """Yield pieces of text as the target accepts them; the last piece carries the stats.
 
         ``prompt`` is used as is, with ``MEDIA_MARKER`` where each image goes; ``messages``
         go through the model's chat template. Images: paths, bytes, PIL images or arrays.
+        With ``cache_prompt`` (the default) the longest prefix already in the cache (earlier
+        turns' text and images) is kept and only the rest is decoded. ``progress(stage, done,
+        total)`` is called during prefill ("encode" per image, "prefill" per decoded batch).
         """
         text, image_list = self._prompt_text(prompt, messages, images)
         bitmaps = [Bitmap.load(im) for im in image_list]
@@ -190,8 +199,8 @@ class Engine:
             sampler = Sampler(self.model, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                               presence_penalty=presence_penalty, seed=seed)
             with sampler:
-                yield from self._generate(parts, sampler, stats, max_tokens, [stop] if isinstance(stop, str)
-                                          else list(stop))
+                yield from self._generate(parts, sampler, stats, max_tokens,
+                                          [stop] if isinstance(stop, str) else list(stop), cache_prompt, progress)
         finally:
             for b in bitmaps:
                 b.close()
@@ -236,10 +245,21 @@ class Engine:
 
     # ------------------------------------------------------------------ the algorithm
     def _generate(self, parts: list, sampler: Sampler, stats: GenerationStats, max_tokens: int,
-                  stop: list[str]) -> Iterator[Piece]:
+                  stop: list[str], cache_prompt: bool, progress: ProgressCallback | None) -> Iterator[Piece]:
         t0 = time.perf_counter()
-        self._reset_sequence()
-        self._prefill(parts, stats)
+        try:
+            yield from self._generate_steps(parts, sampler, stats, max_tokens, stop, cache_prompt, progress, t0)
+        except GeneratorExit:
+            raise  # the consumer stopped between two steps: the cache is consistent, keep it
+        except BaseException:
+            self._cached = []  # a step stopped halfway: forget the cache, the next call starts clean
+            self._reset_sequence()
+            raise
+
+    def _generate_steps(self, parts, sampler, stats, max_tokens, stop, cache_prompt, progress, t0):
+        todo = self._reuse_cached_prefix(parts) if cache_prompt else self._start_over(parts)
+        stats.prompt_reused = self.positions.n_rows
+        self._prefill(todo, stats, progress)
         stats.prompt_tokens, stats.prompt_positions = self.positions.n_rows, self.positions.pos_next
         with Stopwatch(stats, "target_seconds"):
             id_last = sampler.sample(self.ctx, -1)
@@ -278,14 +298,55 @@ class Engine:
                 return emit, "length"
         return emit, None
 
+    # ------------------------------------------------------------------ the prompt cache
+    def _start_over(self, parts: list) -> list:
+        self._reset_sequence()
+        return parts
+
+    def _reuse_cached_prefix(self, parts: list) -> list:
+        """Keep the longest prefix of ``parts`` already in both caches; return what is left to decode."""
+        i, j = _common_prefix(self._cached, parts)
+        if i == len(parts) or (i == len(parts) - 1 and j == len(parts[-1])):
+            # All of it is cached: decode the last token again for fresh logits.
+            i, j = len(parts) - 1, len(parts[-1]) - 1
+        if i == 0 and j == 0:
+            return self._start_over(parts)
+        keep = self._cached[:i] + ([self._cached[i][:j]] if j else [])
+        pos = sum(len(c) if isinstance(c, np.ndarray) else c.n_pos for c in keep)
+        try:
+            self.ctx.memory.remove(0, pos, -1)
+            if self.drafter is not None:
+                self.drafter.truncate(self.positions.draft_pos(pos))
+        except KVMemoryError:
+            return self._start_over(parts)  # e.g. a recurrent target cannot roll back that far
+        self.positions.truncate(pos)
+        self._cached = keep
+        rest = list(parts[i:])
+        if j:
+            rest[0] = rest[0][j:]
+        return rest
+
+    def _remember_text(self, tokens: np.ndarray) -> None:
+        if self._cached and isinstance(self._cached[-1], np.ndarray):
+            self._cached[-1] = np.concatenate([self._cached[-1], tokens])
+        else:
+            self._cached.append(np.asarray(tokens, dtype=np.int32).copy())
+
+    def reset_cache(self) -> None:
+        """Forget the cached prompt: the next generation decodes everything again."""
+        self._reset_sequence()
+
     def _reset_sequence(self) -> None:
+        self._cached = []
         self.ctx.memory.clear()
         self.positions.reset()
         if self.drafter is not None:
             self.drafter.reset()
 
-    def _prefill(self, parts: list, stats: GenerationStats) -> None:
+    def _prefill(self, parts: list, stats: GenerationStats, progress: ProgressCallback | None = None) -> None:
         n_batch = self.ctx.n_batch
+        total = sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
+        done = 0
         for i, part in enumerate(parts):
             if isinstance(part, np.ndarray):
                 last_part = i == len(parts) - 1
@@ -296,8 +357,18 @@ class Engine:
                         outputs[-1] = 1
                     self._decode_text(tokens, outputs, stats)
                     self.positions.advance_text(len(tokens))
+                    self._remember_text(tokens)
+                    done += len(tokens)
+                    if progress:
+                        progress("prefill", done, total)
             else:
+                if progress:
+                    progress("encode", done, total)
                 self._prefill_media(part, stats)
+                self._cached.append(_CachedMedia(part.id, part.n_tokens, part.n_pos))
+                done += part.n_tokens
+                if progress:
+                    progress("prefill", done, total)
 
     def _decode_text(self, tokens: np.ndarray, outputs, stats: GenerationStats) -> None:
         """Decode token rows at pos_next.. into the target, then show them to the drafter.
@@ -359,9 +430,34 @@ class Engine:
             with Stopwatch(stats, "draft_seconds"):
                 self.drafter.accept(n_kept)
         p.advance_text(n_kept)
+        self._remember_text(tokens[:n_kept])
         stats.record_step(len(draft), n_kept - 1)
         stats.target_steps += 1
         return accepted
+
+
+@dataclasses.dataclass(frozen=True)
+class _CachedMedia:
+    id: str | None
+    n_tokens: int
+    n_pos: int
+
+
+def _common_prefix(cached: list, parts: list) -> tuple[int, int]:
+    """(i, j): the first i parts match whole, and the first j tokens of part i (text) too."""
+    for i, (c, p) in enumerate(zip(cached, parts)):
+        if isinstance(c, np.ndarray) and isinstance(p, np.ndarray):
+            m = min(len(c), len(p))
+            same = c[:m] == p[:m]
+            j = m if same.all() else int(np.argmin(same))
+            if j == len(c) == len(p):
+                continue
+            return i, j
+        if isinstance(c, _CachedMedia) and not isinstance(p, np.ndarray) and c.id and c.id == p.id \
+                and c.n_tokens == p.n_tokens:
+            continue
+        return i, 0
+    return min(len(cached), len(parts)), 0
 
 
 class _TextAssembler:

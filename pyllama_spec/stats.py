@@ -17,6 +17,7 @@ class GenerationStats:
 
     prompt_tokens: int = 0  # cache rows the prompt took
     prompt_positions: int = 0  # positions the prompt spans (fewer than rows with M-RoPE images)
+    prompt_reused: int = 0  # cache rows kept from an earlier call (not decoded again)
     generated_tokens: int = 0
     drafted: int = 0
     accepted: int = 0

@@ -1,0 +1,140 @@
+"""A multi-turn conversation on an Engine: messages, attached images, session numbers, transcript.
+
+Each turn sends the whole conversation through the chat template; the engine keeps the
+longest prefix already in its caches, so earlier text is not decoded again and earlier
+images are not encoded again.
+
+>>> conv = Conversation(engine, system="You are terse.")            # doctest: +SKIP
+>>> conv.attach("cat.png")
+>>> for piece in conv.send("What is this?"):
+...     print(piece.text, end="")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Any, Iterator
+
+from .engine import Engine, Piece
+from .errors import ImageError
+from .stats import GenerationStats
+
+# "@path/to/image.png" inside a message attaches that image.
+_INLINE_IMAGE = re.compile(r"(?<!\S)@(\S+\.(?:png|jpe?g|gif|bmp|webp|tiff?))\b", re.IGNORECASE)
+
+
+@dataclasses.dataclass
+class SessionStats:
+    """Totals over the turns of a conversation."""
+
+    turns: int = 0
+    generated_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    prompt_rows_decoded: int = 0
+    prompt_rows_reused: int = 0
+    decode_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+
+    def add(self, s: GenerationStats) -> None:
+        self.turns += 1
+        self.generated_tokens += s.generated_tokens
+        self.drafted += s.drafted
+        self.accepted += s.accepted
+        self.prompt_rows_decoded += s.prompt_tokens - s.prompt_reused
+        self.prompt_rows_reused += s.prompt_reused
+        self.decode_seconds += s.decode_seconds
+        self.prefill_seconds += s.prefill_seconds
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
+class Conversation:
+    """Messages so far, images waiting for the next message, and the sampling settings."""
+
+    def __init__(self, engine: Engine, *, system: str | None = None, max_tokens: int = 512,
+                 **sampling: Any) -> None:
+        self.engine = engine
+        self.system = system
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.pending_images: list[str] = []
+        self.session = SessionStats()
+        self.last_stats: GenerationStats | None = None
+        self.messages: list[dict] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Clear the conversation and both caches."""
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.pending_images = []
+        self.engine.reset_cache()
+
+    def attach(self, path: str | Path) -> Path:
+        """Attach an image to the next message; checked now, so a bad path fails before sending."""
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise ImageError(f"image not found: {p}")
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            with Image.open(p) as im:
+                im.verify()
+        except (UnidentifiedImageError, OSError, SyntaxError) as e:
+            raise ImageError(f"cannot read image {p}: {e}") from e
+        if self.engine.projector is None:
+            raise ImageError("this model has no projector (--mmproj): it cannot see images")
+        self.pending_images.append(str(p))
+        return p
+
+    def take_inline_images(self, text: str) -> str:
+        """Attach every ``@path.png`` in text and return the text without them."""
+        for m in _INLINE_IMAGE.finditer(text):
+            self.attach(m.group(1))
+        return _INLINE_IMAGE.sub("", text).strip()
+
+    def send(self, text: str) -> Iterator[Piece]:
+        """Add a user message (with the attached images) and stream the reply.
+
+        Whatever was streamed stays in the conversation, also when the reply is interrupted.
+        """
+        text = self.take_inline_images(text)
+        images, self.pending_images = self.pending_images, []
+        content: Any = text if not images else (
+            [{"type": "image", "image": path} for path in images] + [{"type": "text", "text": text}])
+        self.messages.append({"role": "user", "content": content})
+        reply: list[str] = []
+        try:
+            for piece in self.engine.stream(messages=self.messages, max_tokens=self.max_tokens, **self.sampling):
+                reply.append(piece.text)
+                if piece.stats is not None:
+                    self.last_stats = piece.stats
+                    self.session.add(piece.stats)
+                yield piece
+        except BaseException:
+            if not reply:  # nothing was said: the turn did not happen
+                self.messages.pop()
+                self.pending_images = images + self.pending_images
+                raise
+            self.messages.append({"role": "assistant", "content": "".join(reply)})
+            raise
+        self.messages.append({"role": "assistant", "content": "".join(reply)})
+
+    def transcript(self) -> dict:
+        return {"system": self.system, "messages": self.messages,
+                "session": dataclasses.asdict(self.session)}
+
+    def save(self, path: str | Path) -> Path:
+        """Write the transcript as JSON (images by path)."""
+        p = Path(path).expanduser()
+        p.write_text(json.dumps(self.transcript(), indent=2, ensure_ascii=False) + "\n")
+        return p

@@ -1,0 +1,182 @@
+"""Multi-turn chat: cached-prefix reuse, the generate command, and the interactive chat on a real terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+from conftest import N_THREADS
+
+from pyllama_spec.chat import Conversation
+from pyllama_spec.cli import main
+from pyllama_spec.engine import load
+
+
+def _engine(models, **kw):
+    return load(models.target, mmproj=models.mmproj, draft=models.draft, n_ctx=4096, n_batch=64, n_ubatch=64,
+                n_threads=N_THREADS, draft_max=7, **kw)
+
+
+def _reply(conv, text):
+    return "".join(p.text for p in conv.send(text))
+
+
+def test_second_turn_reuses_the_cached_prefix_and_still_drafts(tiny_dense, big_image_png):
+    with _engine(tiny_dense) as engine:
+        conv = Conversation(engine, max_tokens=24)
+        conv.attach(big_image_png)
+        _reply(conv, "What is in this picture?")
+        first = conv.last_stats
+        assert engine.projector.n_encode_calls == 1 and first.prompt_reused == 0
+        second_text = _reply(conv, "And the colours?")
+        second = conv.last_stats
+        # The image was not encoded again and the earlier turn's rows were not decoded again.
+        assert engine.projector.n_encode_calls == 1
+        # (Everything up to the first reply is reused; the tiny model's reply, re-tokenized from
+        # its text, may differ from the generated tokens, and is decoded again from there.)
+        assert second.prompt_reused >= first.prompt_tokens > 576
+        assert second.prompt_tokens - second.prompt_reused < second.prompt_tokens - first.prompt_tokens + 1
+        # The draft stayed aligned: it still drafts, and accepts, on the second turn.
+        assert second.drafted > 0 and second.accepted > 0
+        messages = list(conv.messages)
+    # Lossless with reuse: a fresh engine given the whole conversation answers the same.
+    with _engine(tiny_dense) as fresh:
+        expected = fresh.generate(messages=messages[:-1], max_tokens=24)
+    assert second_text == expected.text
+
+
+def test_reuse_on_the_hybrid_target_stays_lossless(tiny_hybrid):
+    with _engine(tiny_hybrid) as engine:
+        conv = Conversation(engine, max_tokens=16)
+        _reply(conv, "Hello there")
+        second = _reply(conv, "Tell me more")
+        messages = list(conv.messages)
+    with _engine(tiny_hybrid) as fresh:
+        assert fresh.generate(messages=messages[:-1], max_tokens=16).text == second
+
+
+def test_reset_clears_the_conversation_and_the_caches(tiny_dense):
+    with _engine(tiny_dense) as engine:
+        conv = Conversation(engine, system="Be brief.", max_tokens=8)
+        _reply(conv, "Hi")
+        conv.reset()
+        assert conv.messages == [{"role": "system", "content": "Be brief."}]
+        assert engine.ctx.memory.pos_max() == -1
+        _reply(conv, "Hi")
+        assert conv.last_stats.prompt_reused == 0
+
+
+def test_a_bad_image_path_fails_at_attach_and_the_conversation_goes_on(tiny_dense, tmp_path):
+    from pyllama_spec.errors import ImageError
+
+    (tmp_path / "notes.png").write_text("not an image")
+    with _engine(tiny_dense) as engine:
+        conv = Conversation(engine, max_tokens=4)
+        with pytest.raises(ImageError, match="not found"):
+            conv.attach(tmp_path / "missing.png")
+        with pytest.raises(ImageError, match="cannot read"):
+            conv.send(f"look @{tmp_path / 'notes.png'}").__next__()
+        assert _reply(conv, "still here?")
+
+
+def test_inline_image_reference_attaches_it(tiny_dense, big_image_png):
+    with _engine(tiny_dense) as engine:
+        conv = Conversation(engine, max_tokens=4)
+        _reply(conv, f"what is @{big_image_png} showing")
+        assert engine.projector.n_encode_calls == 1
+        content = conv.messages[0]["content"]
+        assert content[0] == {"type": "image", "image": str(big_image_png)}
+        assert "@" not in content[1]["text"]
+
+
+def test_save_writes_a_json_transcript_with_images_by_path(tiny_dense, big_image_png, tmp_path):
+    with _engine(tiny_dense) as engine:
+        conv = Conversation(engine, max_tokens=4)
+        conv.attach(big_image_png)
+        _reply(conv, "describe")
+        data = json.loads(conv.save(tmp_path / "t.json").read_text())
+    assert data["messages"][0]["content"][0]["image"] == str(big_image_png)
+    assert data["messages"][1]["role"] == "assistant" and data["session"]["turns"] == 1
+
+
+# --------------------------------------------------------------------------- generate (CliRunner)
+
+
+def _model_args(models):
+    return ["-m", str(models.target), "--mmproj", str(models.mmproj), "-md", str(models.draft), "-t", "1",
+            "-b", "64", "-ub", "64", "--draft-max", "7"]
+
+
+def test_generate_json_prints_text_and_stats(tiny_dense, big_image_png):
+    result = CliRunner().invoke(main, ["generate", *_model_args(tiny_dense), "-p", "Describe",
+                                       "--image", str(big_image_png), "-n", "12", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert len(data["tokens"]) == 12 and data["finish_reason"] == "length"
+    assert data["stats"]["prompt_tokens"] > data["stats"]["prompt_positions"]  # the image's rows
+    assert data["stats"]["drafted"] > 0
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--image", "/nonexistent/x.png"], "image not found"),
+    (["-c", "256", "--image", "BIG"], "cache rows"),
+])
+def test_generate_errors_exit_non_zero_with_a_message(tiny_dense, big_image_png, extra, needle):
+    extra = [str(big_image_png) if e == "BIG" else e for e in extra]
+    result = CliRunner().invoke(main, ["generate", *_model_args(tiny_dense), "-p", "x", *extra])
+    assert result.exit_code == 1
+    assert needle in result.output  # CliRunner mixes stderr into output
+
+
+def test_generate_with_a_missing_model_says_which_file(tmp_path):
+    result = CliRunner().invoke(main, ["generate", "-m", str(tmp_path / "none.gguf"), "-p", "x"])
+    assert result.exit_code == 1 and "none.gguf" in result.output
+
+
+def test_chat_commands_through_cli_runner(tiny_dense, big_image_png, tmp_path):
+    lines = [f"/image {big_image_png}", "describe it", "/stats", f"/save {tmp_path / 'c.json'}", "/reset",
+             "/image /nope.png", "/bogus", "/help", "/quit"]
+    result = CliRunner().invoke(main, ["chat", *_model_args(tiny_dense), "-n", "8"], input="\n".join(lines) + "\n")
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "attached" in out and "tok/s" in out and "turns 1" in out
+    assert "conversation and caches cleared" in out and "image not found" in out and "unknown command" in out
+    assert json.loads((tmp_path / "c.json").read_text())["session"]["turns"] == 1
+
+
+# --------------------------------------------------------------------------- chat on a real terminal
+
+
+def test_interactive_chat_in_a_pseudo_terminal(tiny_dense, big_image_png):
+    pexpect = pytest.importorskip("pexpect", reason="pexpect (the test extra) drives the pseudo-terminal")
+    env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
+    args = [*_model_args(tiny_dense), "-n", "100000", "-c", "131072"]
+    child = pexpect.spawn(sys.executable, ["-m", "pyllama_spec", "chat", *args], env=env, encoding="utf-8",
+                          timeout=60, dimensions=(50, 200))
+    try:
+        child.expect("> ")
+        child.sendline(f"/image {big_image_png}")
+        child.expect("attached")
+        child.expect("> ")
+        child.sendline("/image /no/such/file.png")
+        child.expect("image not found")
+        child.expect("> ")
+        # A very long reply, interrupted with Ctrl-C in the middle.
+        child.sendline("describe the picture at length")
+        child.expect("a")  # the answer is streaming
+        time.sleep(0.5)
+        child.sendintr()
+        child.expect("reply interrupted")
+        child.expect("> ")
+        child.sendline("/reset")
+        child.expect("conversation and caches cleared")
+        child.expect("> ")
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
