@@ -157,8 +157,10 @@ def _apply_patches(tree: Path, patches: list[Path]) -> None:
 
 
 def _run_quiet(cmd: list[str], cwd: Path) -> int:
+    # GIT_CEILING_DIRECTORIES: never let git look above the tree for a repository.
+    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(Path(cwd).resolve().parent))
     try:
-        return subprocess.run(cmd, cwd=cwd, capture_output=True).returncode
+        return subprocess.run(cmd, cwd=cwd, capture_output=True, env=env).returncode
     except FileNotFoundError:
         raise BuildError(f"'{cmd[0]}' is needed to apply patches/ and was not found") from None
 
@@ -183,6 +185,11 @@ def pinned_source() -> Source:
                 m.name = m.name[len(prefix):]
             kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
             tar.extractall(tmp, members=[m for m in members if m.name], **kwargs)
+        # The sdist keeps vendor/llama.cpp's submodule pointer (a .git file naming a folder
+        # that is not there); it would make git (patches, build-info) fail in this tree.
+        stray = Path(tmp) / ".git"
+        if stray.is_file():
+            stray.unlink()
         _apply_patches(Path(tmp), patches)
         (Path(tmp) / ".pyllama-ready").write_text(identity + "\n")
         if tree.exists():
