@@ -226,8 +226,7 @@ class Engine:
         """The prompt as parts: int32 token arrays (text) and Chunk objects (media); checked against n_ctx."""
         if self.projector is not None:
             chunks = self.projector.tokenize(text, bitmaps)
-            self._chunks = chunks  # the chunk views below borrow it
-            parts: list = [c.tokens if c.is_text else c for c in chunks]
+            parts: list = [c.tokens if c.is_text else c for c in chunks]  # media chunks keep `chunks` alive
         else:
             if MEDIA_MARKER in text:
                 raise ImageError("the prompt has a media marker but the engine has no projector")
@@ -265,6 +264,7 @@ class Engine:
             id_last = sampler.sample(self.ctx, -1)
         t1 = time.perf_counter()
         stats.prefill_seconds = t1 - t0
+        prefill_target, prefill_draft = stats.target_seconds, stats.draft_seconds
 
         out = _TextAssembler(self.model, stop)
         generated, new_tokens = 0, [id_last]
@@ -284,6 +284,8 @@ class Engine:
             new_tokens = self._speculative_step(new_tokens[-1], sampler, stats, max_tokens - generated)
 
         stats.decode_seconds = time.perf_counter() - t1
+        stats.decode_target_seconds = stats.target_seconds - prefill_target
+        stats.decode_draft_seconds = stats.draft_seconds - prefill_draft
         stats.generated_tokens = generated
         yield Piece(text + out.flush(), tuple(emit), finish, stats)
 

@@ -30,6 +30,8 @@ class GenerationStats:
     decode_seconds: float = 0.0
     target_seconds: float = 0.0  # inside native target calls (decode, media encode/decode)
     draft_seconds: float = 0.0  # inside native draft calls (feature injection, draft blocks)
+    decode_target_seconds: float = 0.0  # the same two, for the generation phase only
+    decode_draft_seconds: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -52,6 +54,14 @@ class GenerationStats:
         return self.prefill_seconds + self.decode_seconds
 
     @property
+    def decode_python_share(self) -> float:
+        """Share of the generation phase spent outside native target and draft calls."""
+        if self.decode_seconds <= 0:
+            return 0.0
+        return max(0.0, self.decode_seconds - self.decode_target_seconds - self.decode_draft_seconds) / \
+            self.decode_seconds
+
+    @property
     def python_seconds(self) -> float:
         """Time outside native target and draft calls."""
         return max(0.0, self.total_seconds - self.target_seconds - self.draft_seconds)
@@ -71,7 +81,7 @@ class GenerationStats:
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         for name in ("acceptance_rate", "mean_accepted_length", "per_position_acceptance", "tokens_per_second",
-                     "python_seconds"):
+                     "python_seconds", "decode_python_share"):
             d[name] = getattr(self, name)
         return d
 

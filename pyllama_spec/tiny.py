@@ -6,10 +6,18 @@ built deterministically from a seed with numpy, and load in the pinned
 llama.cpp / libmtmd in a few milliseconds.
 
 * ``write_target``: an M-RoPE text model that records its layer inputs, so it
-  can feed a DFlash draft: dense ``hunyuan_vl`` or hybrid ``qwen35`` (gated
-  delta net layers alternating with attention, ``full_attention_interval`` 2).
+  can feed a DFlash draft: dense ``hunyuan_vl``, hybrid ``qwen35`` (gated
+  delta net layers alternating with attention, ``full_attention_interval`` 2),
+  ``qwen2vl`` (q/k/v biases, no q/k norms) or ``qwen3vl`` (q/k norms plus
+  deepstack: ``n_deepstack`` extra input slices of width n_embd, added to the
+  outputs of the first ``n_deepstack`` layers, so ``n_embd_inp`` =
+  n_embd x (1 + n_deepstack)).  ``qwen2vl`` / ``qwen3vl`` record their layer
+  inputs only in a build with ``patches/0001-record-layer-inputs-qwen-vl.patch``.
 * ``write_mmproj``: a ``clip`` vision tower with the ``qwen2vl_merger``
-  projector; a 672x672 image becomes 576 image tokens over 24 positions.
+  projector, or the ``qwen3vl_merger`` projector with deepstack layers (its
+  output rows are n_embd x (1 + len(deepstack_layers)) wide, matching a
+  ``qwen3vl`` target); a 672x672 image becomes 576 image tokens over 24
+  positions.
 * ``write_draft``: a ``dflash`` draft that borrows the target's token
   embedding and output head (through the draft context's ``ctx_other``).
 * ``make_tiny_set``: all three, cached in a folder by a hash of the parameters.
@@ -128,7 +136,10 @@ def _add_tokenizer(w: GGUFWriter, *, with_mask_id: bool = False) -> None:
 # -- shared shapes -------------------------------------------------------------
 
 N_HEAD, N_HEAD_KV, HEAD_DIM = 4, 2, 16
-TARGET_ARCHS = ("hunyuan_vl", "qwen35")
+TARGET_ARCHS = ("hunyuan_vl", "qwen35", "qwen2vl", "qwen3vl")
+PROJECTORS = ("qwen2vl_merger", "qwen3vl_merger")
+# deepstack of the tiny qwen3vl set: vision blocks 0 and 1 feed target layers 0 and 1
+QWEN3VL_DEEPSTACK_LAYERS = (0, 1)
 # scales of the `predictable` construction (see module docstring)
 _SHARED_COEF, _ATTRACTOR_GAIN, _OUTPUT_STD, _LAYER_STD = 4.0, 3.0, 0.1, 0.02
 
@@ -220,14 +231,24 @@ def _embedding_and_head(r: _Weights, n_embd: int, predictable: float) -> tuple[n
 
 
 def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n_embd: int = 64,
-                 n_layer: int = 4, n_ff: int = 128, predictable: float = 0.0) -> Path:
-    """Write a tiny M-RoPE target (``hunyuan_vl`` or hybrid ``qwen35``) that can feed a DFlash draft.
+                 n_layer: int = 4, n_ff: int = 128, predictable: float = 0.0,
+                 n_deepstack: int | None = None) -> Path:
+    """Write a tiny M-RoPE target (one of ``TARGET_ARCHS``) that can feed a DFlash draft.
 
     Heads: 4 query heads, 2 KV heads, head dim 16 (so ``n_embd`` must be 64 for the
     attention shapes to stay square).  ``predictable`` in [0, 1]: see module docstring.
+    ``n_deepstack`` (``qwen3vl`` only; default ``len(QWEN3VL_DEEPSTACK_LAYERS)``, at most
+    ``n_layer``): the ``qwen3vl.n_deepstack_layers`` key; the matching mmproj is
+    ``write_mmproj(projector="qwen3vl_merger", deepstack_layers=...)`` with as many layers.
     """
     if arch not in TARGET_ARCHS:
         raise ValueError(f"arch must be one of {TARGET_ARCHS}, got {arch!r}")
+    if arch != "qwen3vl" and n_deepstack:
+        raise ValueError("n_deepstack is a qwen3vl setting")
+    if arch == "qwen3vl":
+        n_deepstack = len(QWEN3VL_DEEPSTACK_LAYERS) if n_deepstack is None else n_deepstack
+        if not 0 <= n_deepstack <= n_layer:
+            raise ValueError(f"n_deepstack must be in [0, n_layer={n_layer}]")
     if n_embd != N_HEAD * HEAD_DIM:
         raise ValueError(f"n_embd must be {N_HEAD * HEAD_DIM}")
     if not 0.0 <= predictable <= 1.0:
@@ -236,9 +257,12 @@ def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n
         raise ValueError("qwen35 needs an even n_layer (full_attention_interval 2)")
     r = _Weights(seed)
     w = GGUFWriter()
-    # [2, 3, 3, 0] sums to head_dim / 2; first two > 0 make it M-RoPE
+    # [2, 3, 3, 0] sums to head_dim / 2; first two > 0 make it M-RoPE (Qwen2-VL's [16, 24, 24, 0]
+    # scaled to head_dim 16; the interleaved M-RoPE of qwen35 / qwen3vl takes the same sections)
     _add_attention_hparams(w, arch, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, rope_sections=[2, 3, 3, 0])
     w.add_string("general.name", f"tiny-{arch}")
+    if arch == "qwen3vl":
+        w.add_uint32("qwen3vl.n_deepstack_layers", n_deepstack)
     if arch == "qwen35":
         # gated delta net: 2 key heads x 16, 4 value heads x 16
         w.add_uint32("qwen35.ssm.conv_kernel", 4)
@@ -255,8 +279,11 @@ def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n
     w.add_tensor("output.weight", head)
     for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", _ones(n_embd))
-        if arch == "hunyuan_vl":
+        if arch in ("hunyuan_vl", "qwen3vl"):  # q/k norms
             _add_attention_layer(w, r, i, n_embd, q_out=N_HEAD * HEAD_DIM)
+            w.add_tensor(f"blk.{i}.ffn_norm.weight", _ones(n_embd))
+        elif arch == "qwen2vl":  # q/k/v biases, no q/k norms
+            _add_biased_attention_layer(w, r, i, n_embd)
             w.add_tensor(f"blk.{i}.ffn_norm.weight", _ones(n_embd))
         else:
             w.add_tensor(f"blk.{i}.post_attention_norm.weight", _ones(n_embd))
@@ -268,6 +295,15 @@ def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n
     path = Path(path)
     w.write(path)
     return path
+
+
+def _add_biased_attention_layer(w: GGUFWriter, r: _Weights, i: int, n_embd: int) -> None:
+    p = f"blk.{i}"
+    for name, n_out in (("attn_q", N_HEAD * HEAD_DIM), ("attn_k", N_HEAD_KV * HEAD_DIM),
+                        ("attn_v", N_HEAD_KV * HEAD_DIM)):
+        w.add_tensor(f"{p}.{name}.weight", r.mat(n_out, n_embd))
+        w.add_tensor(f"{p}.{name}.bias", r.vec(n_out))
+    w.add_tensor(f"{p}.attn_output.weight", r.mat(n_embd, N_HEAD * HEAD_DIM))
 
 
 def _add_delta_net_layer(w: GGUFWriter, r: _Weights, i: int, n_embd: int) -> None:
@@ -288,8 +324,24 @@ def _add_delta_net_layer(w: GGUFWriter, r: _Weights, i: int, n_embd: int) -> Non
 # -- mmproj ----------------------------------------------------------------------
 
 
-def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0) -> Path:
-    """Write a tiny ``clip`` vision projector (``qwen2vl_merger``) for a target of width ``target_n_embd``."""
+def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0,
+                 projector: str = "qwen2vl_merger", deepstack_layers: tuple[int, ...] = ()) -> Path:
+    """Write a tiny ``clip`` vision projector for a target of width ``target_n_embd``.
+
+    ``projector``: ``qwen2vl_merger`` (one vision block, separate q/k/v) or
+    ``qwen3vl_merger`` (Qwen3-VL: fused qkv, patch bias, learned position embeddings,
+    gelu, a post norm, and deepstack mergers on the vision blocks in
+    ``deepstack_layers``; it has max(deepstack_layers) + 1 vision blocks, at least one).
+    A ``qwen3vl_merger`` output row is ``target_n_embd * (1 + len(deepstack_layers))``
+    wide: it fits a ``qwen3vl`` target written with ``n_deepstack=len(deepstack_layers)``.
+    """
+    if projector not in PROJECTORS:
+        raise ValueError(f"projector must be one of {PROJECTORS}, got {projector!r}")
+    if projector == "qwen3vl_merger":
+        return _write_qwen3vl_mmproj(Path(path), target_n_embd=target_n_embd, seed=seed,
+                                     deepstack_layers=tuple(deepstack_layers))
+    if deepstack_layers:
+        raise ValueError("deepstack_layers needs projector='qwen3vl_merger'")
     n_embd, n_ff, patch, merged = 32, 64, 14, 32 * 4
     r = _Weights(seed + 1_000_003, std=0.05)
     w = GGUFWriter()
@@ -329,6 +381,71 @@ def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0) ->
     w.add_tensor("mm.2.weight", r.mat(target_n_embd, merged, std=0.5))
     w.add_tensor("mm.2.bias", r.vec(target_n_embd))
     path = Path(path)
+    w.write(path)
+    return path
+
+
+def _write_qwen3vl_mmproj(path: Path, *, target_n_embd: int, seed: int,
+                          deepstack_layers: tuple[int, ...]) -> Path:
+    n_embd, n_ff, patch, merged, image_size = 32, 64, 14, 32 * 4, 448
+    if any(d < 0 for d in deepstack_layers) or len(set(deepstack_layers)) != len(deepstack_layers):
+        raise ValueError(f"deepstack_layers must be distinct vision block indices >= 0, got {deepstack_layers}")
+    n_block = max(deepstack_layers, default=0) + 1
+    r = _Weights(seed + 3_000_017, std=0.05)
+    w = GGUFWriter()
+    w.add_string("general.architecture", "clip")
+    w.add_string("general.name", "tiny-mmproj-qwen3vl")
+    w.add_string("clip.projector_type", "qwen3vl_merger")
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_bool("clip.use_gelu", True)
+    w.add_uint32("clip.vision.embedding_length", n_embd)
+    w.add_uint32("clip.vision.feed_forward_length", n_ff)
+    w.add_uint32("clip.vision.block_count", n_block)
+    w.add_uint32("clip.vision.attention.head_count", 2)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_uint32("clip.vision.projection_dim", target_n_embd)
+    w.add_uint32("clip.vision.image_size", image_size)
+    w.add_uint32("clip.vision.patch_size", patch)
+    w.add_uint32("clip.vision.spatial_merge_size", 2)
+    w.add_array("clip.vision.image_mean", ValueType.FLOAT32, [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", ValueType.FLOAT32, [0.5, 0.5, 0.5])
+    # as the converter writes it; libmtmd finds the deepstack layers by their tensors
+    w.add_array("clip.vision.is_deepstack_layers", ValueType.BOOL, [i in deepstack_layers for i in range(n_block)])
+
+    # the temporal conv split in two frames, ggml [14, 14, 3, 32], plus its bias (required here)
+    w.add_tensor("v.patch_embd.weight", (r.rng.standard_normal((n_embd, 3, patch, patch)) * 0.02).astype(np.float32))
+    w.add_tensor("v.patch_embd.weight.1", (r.rng.standard_normal((n_embd, 3, patch, patch)) * 0.02).astype(np.float32))
+    w.add_tensor("v.patch_embd.bias", r.vec(n_embd))
+    # learned absolute positions for a (448 / 14)^2 grid, interpolated to other sizes: ggml [32, 1024]
+    w.add_tensor("v.position_embd.weight", r.mat((image_size // patch) ** 2, n_embd, std=0.02))
+    for il in range(n_block):
+        b = f"v.blk.{il}"
+        for ln in ("ln1", "ln2"):
+            w.add_tensor(f"{b}.{ln}.weight", _ones(n_embd))
+            w.add_tensor(f"{b}.{ln}.bias", np.zeros(n_embd, np.float32))
+        w.add_tensor(f"{b}.attn_qkv.weight", r.mat(3 * n_embd, n_embd))
+        w.add_tensor(f"{b}.attn_qkv.bias", r.vec(3 * n_embd))
+        w.add_tensor(f"{b}.attn_out.weight", r.mat(n_embd, n_embd))
+        w.add_tensor(f"{b}.attn_out.bias", r.vec(n_embd))
+        w.add_tensor(f"{b}.ffn_up.weight", r.mat(n_ff, n_embd))
+        w.add_tensor(f"{b}.ffn_up.bias", r.vec(n_ff))
+        w.add_tensor(f"{b}.ffn_down.weight", r.mat(n_embd, n_ff))
+        w.add_tensor(f"{b}.ffn_down.bias", r.vec(n_embd))
+        if il in deepstack_layers:
+            # a merger of its own over the 2x2-merged block output: norm [128], fc1 [128, 128], fc2 [128, n]
+            d = f"v.deepstack.{il}"
+            w.add_tensor(f"{d}.norm.weight", _ones(merged))
+            w.add_tensor(f"{d}.norm.bias", np.zeros(merged, np.float32))
+            w.add_tensor(f"{d}.fc1.weight", r.mat(merged, merged))
+            w.add_tensor(f"{d}.fc1.bias", r.vec(merged))
+            w.add_tensor(f"{d}.fc2.weight", r.mat(target_n_embd, merged, std=0.5))
+            w.add_tensor(f"{d}.fc2.bias", r.vec(target_n_embd))
+    w.add_tensor("v.post_ln.weight", _ones(n_embd))
+    w.add_tensor("v.post_ln.bias", np.zeros(n_embd, np.float32))
+    w.add_tensor("mm.0.weight", r.mat(merged, merged))
+    w.add_tensor("mm.0.bias", r.vec(merged))
+    w.add_tensor("mm.2.weight", r.mat(target_n_embd, merged, std=0.5))
+    w.add_tensor("mm.2.bias", r.vec(target_n_embd))
     w.write(path)
     return path
 
@@ -399,8 +516,11 @@ def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0
                   block_size: int = 16, draft_n_layer: int = 1) -> TinyModels:
     """Write (or reuse) a target, mmproj and draft that fit together, in ``folder``.
 
-    Files are named by a short hash of the parameters (and ``GENERATOR_VERSION``),
-    so a second call with the same parameters reuses them.
+    ``arch`` is one of ``TARGET_ARCHS``; a ``qwen3vl`` set gets a ``qwen3vl_merger`` mmproj
+    with ``QWEN3VL_DEEPSTACK_LAYERS`` and a target with as many deepstack layers, the
+    others the ``qwen2vl_merger`` mmproj.  Files are named by a short hash of the
+    parameters (and ``GENERATOR_VERSION``), so a second call with the same parameters
+    reuses them.
     """
     params = dict(v=GENERATOR_VERSION, arch=arch, seed=seed, window=window or 0, predictable=float(predictable),
                   n_layer=n_layer, target_layers=list(target_layers), block_size=block_size,
@@ -411,10 +531,15 @@ def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0
     models = TinyModels(target=folder / f"tiny-{arch}-{key}-target.gguf",
                         mmproj=folder / f"tiny-{arch}-{key}-mmproj.gguf",
                         draft=folder / f"tiny-{arch}-{key}-draft.gguf")
+    # a qwen3vl target takes the qwen3vl_merger projector, with as many deepstack layers as it has
+    deep = dict(n_deepstack=len(QWEN3VL_DEEPSTACK_LAYERS)) if arch == "qwen3vl" else {}
+    proj = (dict(projector="qwen3vl_merger", deepstack_layers=QWEN3VL_DEEPSTACK_LAYERS) if arch == "qwen3vl"
+            else {})
     if not models.target.exists():
-        _write_atomic(write_target, models.target, arch=arch, seed=seed, n_layer=n_layer, predictable=predictable)
+        _write_atomic(write_target, models.target, arch=arch, seed=seed, n_layer=n_layer, predictable=predictable,
+                      **deep)
     if not models.mmproj.exists():
-        _write_atomic(write_mmproj, models.mmproj, seed=seed)
+        _write_atomic(write_mmproj, models.mmproj, seed=seed, **proj)
     if not models.draft.exists():
         _write_atomic(write_draft, models.draft, target_layers=tuple(target_layers), target_n_layer=n_layer,
                       block_size=block_size, sliding_window=window, n_layer=draft_n_layer, seed=seed)

@@ -99,7 +99,10 @@ def test_build_record_names_the_pin_and_dflash_archs():
     assert len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)
     archs = set(rec["dflash_target_archs"])
     assert {"hunyuan_vl", "qwen35"} <= archs
-    assert not archs & {"qwen2vl", "qwen3vl"}  # these graphs record no layer inputs: they would abort
+    # qwen2vl/qwen3vl record their layer inputs only with patches/0001 (unpatched, they would abort).
+    patched = "0001-record-layer-inputs-qwen-vl.patch" in rec["patches"]
+    assert ({"qwen2vl", "qwen3vl", "qwen3vlmoe"} <= archs) == patched
+    assert not patched or rec["source"]["origin"] == "pinned"
 
 
 # ----------------------------------------------------------------------------- vocabulary

@@ -123,7 +123,30 @@ def test_dflash_capable_archs_are_read_from_the_built_source():
         pytest.skip(f"the source this build was made from is gone ({source})")
     archs = nb.dflash_capable_archs(source)
     assert {"hunyuan_vl", "qwen35", "qwen3"} <= set(archs)
-    assert not {"qwen2vl", "qwen3vl", "qwen3vlmoe"} & set(archs)
+    assert ({"qwen2vl", "qwen3vl", "qwen3vlmoe"} <= set(archs)) == bool(record["patches"])
+
+
+def test_an_unpatched_tree_is_recorded_as_unable_to_feed_dflash_from_qwen_vl(tmp_path):
+    """What the engine's load check reads for a user's own (unpatched) checkout."""
+    from pyllama_spec._native import build_record
+
+    source = Path(build_record()["source"]["path"])
+    if not source.exists():
+        pytest.skip(f"the source this build was made from is gone ({source})")
+    tree = tmp_path / "tree"
+    (tree / "src" / "models").mkdir(parents=True)
+    for name in ("llama-model.cpp", "llama-arch.cpp"):
+        (tree / "src" / name).write_bytes((source / "src" / name).read_bytes())
+    for f in (source / "src" / "models").glob("*.cpp"):
+        (tree / "src" / "models" / f.name).write_bytes(f.read_bytes())
+    patch = nb.PATCHES_DIR / "0001-record-layer-inputs-qwen-vl.patch"
+    if "0001-record-layer-inputs-qwen-vl.patch" in build_record()["patches"]:
+        subprocess.run(["git", "apply", "--reverse", str(patch)], cwd=tree, check=True,
+                       env={"GIT_CEILING_DIRECTORIES": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    unpatched = set(nb.dflash_capable_archs(tree))
+    assert "hunyuan_vl" in unpatched and not {"qwen2vl", "qwen3vl", "qwen3vlmoe"} & unpatched
+    nb._apply_patches(tree, [patch])
+    assert {"qwen2vl", "qwen3vl", "qwen3vlmoe"} <= set(nb.dflash_capable_archs(tree))
 
 
 def test_build_script_help_lists_the_backends():
