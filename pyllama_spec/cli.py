@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -319,6 +320,52 @@ def generate(prompt, images, raw, as_json, **o) -> None:
     else:
         click.echo()
         err_console.print(f"[dim]{footer(last.stats)}[/dim]")
+
+
+# --------------------------------------------------------------------------- bench
+
+
+@main.command()
+@click.option("-m", "--model", "model", type=click.Path(), help="target GGUF (default: the tiny models)")
+@click.option("--mmproj", type=click.Path())
+@click.option("-md", "--model-draft", "draft", type=click.Path())
+@click.option("--server", type=click.Path(), help="llama-server binary (default: the one `build.py --tools` built)")
+@click.option("-b", "--batch-size", "n_batch", default=64, show_default=True)
+@click.option("-ub", "--ubatch-size", "n_ubatch", default=64, show_default=True)
+@click.option("--draft-max", default=7, show_default=True)
+@click.option("-t", "--threads", default=2, show_default=True)
+@click.option("-n", "--max-tokens", default=64, show_default=True)
+@click.option("--repeats", default=3, show_default=True)
+@click.option("--json-out", type=click.Path(), help="write every sample and the summary as JSON")
+def bench(model, mmproj, draft, server, n_batch, n_ubatch, draft_max, threads, max_tokens, repeats, json_out):
+    """pyllama-spec vs llama-server on the same files and settings, alternating, medians and ratios."""
+    import json
+
+    from . import native_build as nb
+    from . import tiny
+    from .benchmark import BenchSettings, run, to_markdown
+
+    server = server or nb.find_llama_server()
+    if server is None:
+        err_console.print("[red]no llama-server found[/red]: build it with `python build.py --tools` "
+                          "(or pass --server PATH)")
+        sys.exit(2)
+    if model is None:
+        models = tiny.make_tiny_set(nb.cache_root() / "tiny-models", predictable=0.5)
+        model, mmproj, draft = str(models.target), str(models.mmproj), str(models.draft)
+    if mmproj is None:
+        err_console.print("[red]--mmproj is needed (the benchmark has an image prompt)[/red]")
+        sys.exit(2)
+    settings = BenchSettings(model=model, mmproj=mmproj, draft=draft, n_batch=n_batch, n_ubatch=n_ubatch,
+                             draft_max=draft_max, threads=threads, max_tokens=max_tokens, repeats=repeats)
+    try:
+        result = run(settings, server, log=lambda m: err_console.print(f"[dim]{m}[/dim]"))
+    except (RuntimeError, OSError) as e:
+        err_console.print(f"[red]benchmark failed:[/red] {e}")
+        sys.exit(1)
+    click.echo(to_markdown(result))
+    if json_out:
+        Path(json_out).write_text(json.dumps(result, indent=2))
 
 
 # --------------------------------------------------------------------------- demo

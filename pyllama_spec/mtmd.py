@@ -235,7 +235,7 @@ class Projector(NativeHandle):
             raise ProjectorError(with_native_log(
                 f"mtmd_init_from_file could not load the projector {self.path} for the {model.arch} target "
                 f"{model.path.name} (not an mmproj, corrupt, or its projection size does not match the "
-                f"target's n_embd {model.n_embd})"))
+                f"target's input width n_embd_inp {model.n_embd_inp})"))
         self._ptr = ptr
         model.dependents.add(self)  # freed before the model it reads from
         self.n_encode_calls = 0  # counted so that callers (and tests) can see cache reuse

@@ -402,8 +402,7 @@ def _mkdir(p: Path) -> Path:
 
 def build_key(source: Source, opts: BuildOptions, cmake_args: list[str], project: Path) -> str:
     payload = json.dumps({"source": source.identity, "project": project.name, "backend": opts.backend,
-                          "type": opts.build_type,
-                          "cmake": cmake_args, "tools": opts.tools, "machine": platform.machine()},
+                          "type": opts.build_type, "cmake": cmake_args, "machine": platform.machine()},
                          sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -423,8 +422,9 @@ def build_native(opts: BuildOptions) -> NativeBuild:
                  f"-DCMAKE_BUILD_TYPE={opts.build_type}", f"-DLLAMA_CPP_DIR={source.path}"]
     if source.origin == "pinned":
         configure.append(f"-DLLAMA_BUILD_COMMIT={PIN_UPSTREAM_COMMIT}")
-    if opts.tools:
-        configure += ["-DPYLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
+    # llama-server's targets are always configured (not built unless asked for), so that
+    # `--tools` reuses the same build folder and compiled libraries.
+    configure += ["-DPYLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
     configure += cmake_args
     stamp = build_dir / "configure-args.json"
     if not stamp.exists() or json.loads(stamp.read_text()) != configure or not (build_dir / "CMakeCache.txt").exists():
@@ -437,6 +437,12 @@ def build_native(opts: BuildOptions) -> NativeBuild:
         _run_logged(["cmake", "--build", str(build_dir), "--target", target, "-j", str(jobs)],
                     build_dir / "build.log", f"compile {target}", progress=True)
     return NativeBuild(build_dir, build_dir / "bin", source, opts.backend, tuple(cmake_args), key)
+
+
+def find_llama_server() -> Path | None:
+    """The most recently built llama-server in the build cache (``build.py --tools`` makes one)."""
+    found = sorted((cache_root() / "build").glob("*/bin/llama-server"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
 
 
 _STEP = re.compile(r"^\[(\d+)/(\d+)\]|^\[\s*(\d+)%\]")

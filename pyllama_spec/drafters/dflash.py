@@ -72,6 +72,11 @@ def check_dflash_pair(target: Model, draft: Model, dflash_target_archs: list[str
         raise IncompatibleModelsError(
             f"the draft reads target layers {list(cfg.target_layers)}, but the target {target.path.name} has "
             f"{target.n_layer} layers (entries {bad} do not exist)")
+    if 0 in cfg.target_layers and getattr(target, "n_embd_inp", target.n_embd) != target.n_embd:
+        # Layer 0's input is a strided view of a wider input (Qwen3-VL deepstack); reading it aborts.
+        raise IncompatibleModelsError(
+            f"the draft reads target layer 0, whose input on this {target.arch} target is wider than n_embd "
+            f"({target.n_embd_inp} vs {target.n_embd}, deepstack): llama.cpp cannot extract it")
     if draft.n_embd != target.n_embd:
         raise IncompatibleModelsError(f"draft n_embd {draft.n_embd} != target n_embd {target.n_embd}: "
                                       "this draft was trained for another target")
