@@ -18,6 +18,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -89,16 +90,22 @@ class LlamaServer:
                 "-ub", str(s.n_ubatch), "-t", str(s.threads), "-fa", "off", "--host", "127.0.0.1",
                 "--port", str(self.port), "-np", "1", "--no-warmup"]
         if speculative and s.draft:
-            args += ["-md", s.draft, "--spec-type", "draft-dflash", "--draft-max", str(s.draft_max),
-                     "--draft-min", "0", "-td", str(s.threads)]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            args += ["-md", s.draft, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(s.draft_max),
+                     "--spec-draft-n-min", "0", "-td", str(s.threads)]
+        # Its log goes to a file: an unread pipe would fill up and stall the server.
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
         self._wait_healthy()
+        # The server draws a random media marker per run; prompts must use it.
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/props", timeout=10) as r:
+            self.media_marker = json.loads(r.read()).get("media_marker", MEDIA_MARKER)
 
     def _wait_healthy(self, timeout: float = 120.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: {self.proc.stderr.read()[-2000:]}")
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: "
+                                   f"{Path(self.log.name).read_text()[-2000:]}")
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
                     if r.status == 200:
@@ -115,7 +122,8 @@ class LlamaServer:
         if image is None:
             body["prompt"] = prompt
         else:
-            body["prompt"] = {"prompt_string": prompt, "multimodal_data": [base64.b64encode(image).decode()]}
+            body["prompt"] = {"prompt_string": prompt.replace(MEDIA_MARKER, self.media_marker),
+                              "multimodal_data": [base64.b64encode(image).decode()]}
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
@@ -135,6 +143,8 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
 
 
 class PyllamaWorker:
@@ -144,8 +154,11 @@ class PyllamaWorker:
         cfg = dict(model=s.model, mmproj=s.mmproj, draft=s.draft if speculative else None,
                    spec_type="dflash" if speculative and s.draft else "none", n_ctx=s.n_ctx, n_batch=s.n_batch,
                    n_ubatch=s.n_ubatch, draft_max=s.draft_max, n_threads=s.threads, flash_attn=False)
+        # The worker imports this very copy of the package, wherever the harness runs from.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                           os.environ.get("PYTHONPATH", "")]))
         self.proc = subprocess.Popen([sys.executable, "-m", "pyllama_spec.benchmark", "worker", json.dumps(cfg)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
         assert json.loads(self.proc.stdout.readline())["ready"]
 
     def sample(self, name: str, kind: str, prompt: str, image: bytes | None, max_tokens: int) -> Sample:

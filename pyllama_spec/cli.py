@@ -336,8 +336,9 @@ def generate(prompt, images, raw, as_json, **o) -> None:
 @click.option("-t", "--threads", default=2, show_default=True)
 @click.option("-n", "--max-tokens", default=64, show_default=True)
 @click.option("--repeats", default=3, show_default=True)
+@click.option("--large", is_flag=True, help="use the ~142M-parameter f16 random bench models (made once, cached)")
 @click.option("--json-out", type=click.Path(), help="write every sample and the summary as JSON")
-def bench(model, mmproj, draft, server, n_batch, n_ubatch, draft_max, threads, max_tokens, repeats, json_out):
+def bench(model, mmproj, draft, server, n_batch, n_ubatch, draft_max, threads, max_tokens, repeats, large, json_out):
     """pyllama-spec vs llama-server on the same files and settings, alternating, medians and ratios."""
     import json
 
@@ -351,7 +352,8 @@ def bench(model, mmproj, draft, server, n_batch, n_ubatch, draft_max, threads, m
                           "(or pass --server PATH)")
         sys.exit(2)
     if model is None:
-        models = tiny.make_tiny_set(nb.cache_root() / "tiny-models", predictable=0.5)
+        folder = nb.cache_root() / "tiny-models"
+        models = tiny.make_bench_set(folder) if large else tiny.make_tiny_set(folder, predictable=0.5)
         model, mmproj, draft = str(models.target), str(models.mmproj), str(models.draft)
     if mmproj is None:
         err_console.print("[red]--mmproj is needed (the benchmark has an image prompt)[/red]")

@@ -531,6 +531,9 @@ def make_ffibuilder(build: NativeBuild, rpath: str):
     return ffi
 
 
+PACKAGED_LIBS = ("libllama.", "libmtmd.", "libggml", "libpyllama_shim.")
+
+
 def shared_libraries(lib_dir: Path) -> dict[str, Path]:
     """{file name to install: real file}: one copy per library, under the name the loader
     asks for (libfoo.so.N, the SONAME; libfoo.so for unversioned ones)."""
@@ -540,6 +543,8 @@ def shared_libraries(lib_dir: Path) -> dict[str, Path]:
         by_real.setdefault(p.resolve(), []).append(p.name)
     chosen: dict[str, Path] = {}
     for real, names in by_real.items():
+        if not any(n.startswith(PACKAGED_LIBS) for n in names):
+            continue  # e.g. llama-server's own libraries, built for benchmarks only
         soname = [n for n in names if re.search(r"\.so\.\d+$", n)]
         for name in (soname or [min(names, key=len)]):
             chosen[name] = real

@@ -21,6 +21,12 @@ llama.cpp / libmtmd in a few milliseconds.
 * ``write_draft``: a ``dflash`` draft that borrows the target's token
   embedding and output head (through the draft context's ``ctx_other``).
 * ``make_tiny_set``: all three, cached in a folder by a hash of the parameters.
+* ``make_bench_set``: the same three, wider (n_embd 1024, 12 layers: a 142M-parameter
+  f16 target) for benchmarks, cached the same way.
+
+Widths: n_embd 64 (4 query heads, 2 KV heads of 16) gives the original tiny files; any
+multiple of 128 gives heads of 64 (``n_embd // 64`` query heads, half as many KV heads).
+``dtype`` ("f32" or "f16") sets how the matrices are stored.
 
 The ``predictable`` knob (target only; the draft needs nothing extra):
 random weights give a draft that is never accepted.  With ``predictable`` > 0
@@ -135,7 +141,12 @@ def _add_tokenizer(w: GGUFWriter, *, with_mask_id: bool = False) -> None:
 
 # -- shared shapes -------------------------------------------------------------
 
+# head geometry of the original width (n_embd 64); wider models use _geometry(n_embd)
 N_HEAD, N_HEAD_KV, HEAD_DIM = 4, 2, 16
+TINY_N_EMBD = N_HEAD * HEAD_DIM
+# wider models: head dim 64, n_embd // 64 query heads, half as many KV heads
+WIDE_HEAD_DIM = 64
+DTYPES = {"f32": np.float32, "f16": np.float16}
 TARGET_ARCHS = ("hunyuan_vl", "qwen35", "qwen2vl", "qwen3vl")
 PROJECTORS = ("qwen2vl_merger", "qwen3vl_merger")
 # deepstack of the tiny qwen3vl set: vision blocks 0 and 1 feed target layers 0 and 1
@@ -144,21 +155,83 @@ QWEN3VL_DEEPSTACK_LAYERS = (0, 1)
 _SHARED_COEF, _ATTRACTOR_GAIN, _OUTPUT_STD, _LAYER_STD = 4.0, 3.0, 0.1, 0.02
 
 
+@dataclass(frozen=True)
+class _Geometry:
+    """Attention shapes for one width (also the qwen35 gated-delta-net shapes: heads of
+    ``head_dim``, ``n_head_kv`` key heads, ``n_head`` value heads)."""
+
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+
+    @property
+    def tiny(self) -> bool:
+        """The original width: weights are drawn in float64 (the original stream, byte-identical files)."""
+        return self.n_embd == TINY_N_EMBD
+
+    @property
+    def rope_sections(self) -> list[int]:
+        # M-RoPE sections summing to head_dim / 2, the first two > 0: Qwen2-VL's [16, 24, 24, 0]
+        # scaled, i.e. [2, 3, 3, 0] at head dim 16 and [8, 12, 12, 0] at 64
+        return [self.head_dim // 8, 3 * self.head_dim // 16, 3 * self.head_dim // 16, 0]
+
+    @property
+    def layer_std(self) -> float:
+        # keep the per-element size of each layer's contribution independent of the width
+        # (exactly _LAYER_STD at n_embd 64), so `predictable` works the same at any width
+        return _LAYER_STD * float(np.sqrt(TINY_N_EMBD / self.n_embd))
+
+    @property
+    def output_std(self) -> float:
+        return _OUTPUT_STD * float(np.sqrt(TINY_N_EMBD / self.n_embd))
+
+
+def _geometry(n_embd: int, what: str = "n_embd") -> _Geometry:
+    """Head geometry for a width: 4 / 2 heads of 16 at 64, else heads of 64 (``n_embd // 64``
+    query heads, half as many KV heads); ``n_embd`` must then be a multiple of 128."""
+    if n_embd == TINY_N_EMBD:
+        return _Geometry(n_embd, N_HEAD, N_HEAD_KV, HEAD_DIM)
+    if n_embd <= 0 or n_embd % (2 * WIDE_HEAD_DIM):
+        raise ValueError(f"{what} must be {TINY_N_EMBD} or a multiple of {2 * WIDE_HEAD_DIM}, got {n_embd}")
+    n_head = n_embd // WIDE_HEAD_DIM
+    return _Geometry(n_embd, n_head, n_head // 2, WIDE_HEAD_DIM)
+
+
+def _np_dtype(dtype: str):
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
 def _rms_norm(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
 class _Weights:
-    """Draws float32 tensors in a fixed order from one seeded generator."""
+    """Draws tensors in a fixed order from one seeded generator.
 
-    def __init__(self, seed: int, std: float = _LAYER_STD):
+    ``fast=False`` draws float64 and rounds to float32 (the original stream of the
+    n_embd 64 models); ``fast=True`` draws float32 directly (about twice as fast, for
+    wide models).  Matrices (``mat``) are stored as ``dtype``; ``mat(..., keep_f32=True)``
+    and ``vec`` stay float32 (norms, biases, convolutions, additive embeddings).
+    """
+
+    def __init__(self, seed: int, std: float = _LAYER_STD, *, fast: bool = False, dtype=np.float32):
         self.rng = np.random.default_rng(seed)
         self.std = std
+        self.fast = fast
+        self.dtype = dtype
 
-    def mat(self, n_out: int, n_in: int, std: float | None = None) -> np.ndarray:
+    def mat(self, n_out: int, n_in: int, std: float | None = None, *, keep_f32: bool = False) -> np.ndarray:
         """A weight with ggml dims [n_in, n_out] (numpy shape (n_out, n_in))."""
         s = self.std if std is None else std
-        return (self.rng.standard_normal((n_out, n_in)) * s).astype(np.float32)
+        if self.fast:
+            x = self.rng.standard_normal((n_out, n_in), dtype=np.float32)
+            x *= np.float32(s)
+        else:
+            x = (self.rng.standard_normal((n_out, n_in)) * s).astype(np.float32)
+        return x if keep_f32 else x.astype(self.dtype, copy=False)
 
     def vec(self, n: int, std: float | None = None) -> np.ndarray:
         s = self.std if std is None else std
@@ -169,31 +242,32 @@ def _ones(n: int) -> np.ndarray:
     return np.ones(n, dtype=np.float32)
 
 
-def _add_attention_hparams(w: GGUFWriter, arch: str, *, n_embd: int, n_layer: int, n_ff: int,
+def _add_attention_hparams(w: GGUFWriter, arch: str, *, g: _Geometry, n_layer: int, n_ff: int,
                            rope_sections: list[int]) -> None:
+    n_embd = g.n_embd
     w.add_string("general.architecture", arch)
     w.add_uint32(f"{arch}.context_length", 4096)
     w.add_uint32(f"{arch}.embedding_length", n_embd)
     w.add_uint32(f"{arch}.block_count", n_layer)
     w.add_uint32(f"{arch}.feed_forward_length", n_ff)
-    w.add_uint32(f"{arch}.attention.head_count", N_HEAD)
-    w.add_uint32(f"{arch}.attention.head_count_kv", N_HEAD_KV)
-    w.add_uint32(f"{arch}.attention.key_length", HEAD_DIM)
-    w.add_uint32(f"{arch}.attention.value_length", HEAD_DIM)
-    w.add_uint32(f"{arch}.rope.dimension_count", HEAD_DIM)
+    w.add_uint32(f"{arch}.attention.head_count", g.n_head)
+    w.add_uint32(f"{arch}.attention.head_count_kv", g.n_head_kv)
+    w.add_uint32(f"{arch}.attention.key_length", g.head_dim)
+    w.add_uint32(f"{arch}.attention.value_length", g.head_dim)
+    w.add_uint32(f"{arch}.rope.dimension_count", g.head_dim)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
     w.add_array(f"{arch}.rope.dimension_sections", ValueType.INT32, rope_sections)
 
 
-def _add_attention_layer(w: GGUFWriter, r: _Weights, i: int, n_embd: int, *, q_out: int) -> None:
-    p = f"blk.{i}"
+def _add_attention_layer(w: GGUFWriter, r: _Weights, i: int, g: _Geometry, *, q_out: int) -> None:
+    p, n_embd = f"blk.{i}", g.n_embd
     w.add_tensor(f"{p}.attn_q.weight", r.mat(q_out, n_embd))
-    w.add_tensor(f"{p}.attn_k.weight", r.mat(N_HEAD_KV * HEAD_DIM, n_embd))
-    w.add_tensor(f"{p}.attn_v.weight", r.mat(N_HEAD_KV * HEAD_DIM, n_embd))
-    w.add_tensor(f"{p}.attn_output.weight", r.mat(n_embd, N_HEAD * HEAD_DIM))
-    w.add_tensor(f"{p}.attn_q_norm.weight", _ones(HEAD_DIM))
-    w.add_tensor(f"{p}.attn_k_norm.weight", _ones(HEAD_DIM))
+    w.add_tensor(f"{p}.attn_k.weight", r.mat(g.n_head_kv * g.head_dim, n_embd))
+    w.add_tensor(f"{p}.attn_v.weight", r.mat(g.n_head_kv * g.head_dim, n_embd))
+    w.add_tensor(f"{p}.attn_output.weight", r.mat(n_embd, g.n_head * g.head_dim))
+    w.add_tensor(f"{p}.attn_q_norm.weight", _ones(g.head_dim))
+    w.add_tensor(f"{p}.attn_k_norm.weight", _ones(g.head_dim))
 
 
 def _add_ffn(w: GGUFWriter, r: _Weights, i: int, n_embd: int, n_ff: int) -> None:
@@ -205,10 +279,13 @@ def _add_ffn(w: GGUFWriter, r: _Weights, i: int, n_embd: int, n_ff: int) -> None
 # -- target ------------------------------------------------------------------------
 
 
-def _embedding_and_head(r: _Weights, n_embd: int, predictable: float) -> tuple[np.ndarray, np.ndarray]:
-    """Token embedding and output head, with the `predictable` structure (module docstring)."""
+def _embedding_and_head(r: _Weights, g: _Geometry, predictable: float) -> tuple[np.ndarray, np.ndarray]:
+    """Token embedding and output head, with the `predictable` structure (module docstring).
+
+    Drawn in float64 at every width (N_VOCAB rows only), stored as ``r.dtype``."""
+    n_embd = g.n_embd
     embd = r.rng.standard_normal((N_VOCAB, n_embd))
-    head = r.rng.standard_normal((N_VOCAB, n_embd)) * _OUTPUT_STD
+    head = r.rng.standard_normal((N_VOCAB, n_embd)) * g.output_std
     shared = r.rng.standard_normal(n_embd)
     shared /= np.linalg.norm(shared)
     member = r.rng.random(N_VOCAB) < predictable  # drawn even at 0: same base weights for any knob
@@ -227,16 +304,23 @@ def _embedding_and_head(r: _Weights, n_embd: int, predictable: float) -> tuple[n
         coef[MASK_TOKEN_ID] = 2 * _SHARED_COEF
         embd += np.outer(coef, shared)
     head[FIRST_SPECIAL_ID:] = 0.0  # never choose control tokens (e.g. EOS)
-    return embd.astype(np.float32), head.astype(np.float32)
+    return embd.astype(np.float32).astype(r.dtype), head.astype(np.float32).astype(r.dtype)
 
 
 def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n_embd: int = 64,
                  n_layer: int = 4, n_ff: int = 128, predictable: float = 0.0,
-                 n_deepstack: int | None = None) -> Path:
+                 n_deepstack: int | None = None, dtype: str = "f32") -> Path:
     """Write a tiny M-RoPE target (one of ``TARGET_ARCHS``) that can feed a DFlash draft.
 
-    Heads: 4 query heads, 2 KV heads, head dim 16 (so ``n_embd`` must be 64 for the
-    attention shapes to stay square).  ``predictable`` in [0, 1]: see module docstring.
+    Heads: at ``n_embd`` 64, 4 query heads, 2 KV heads, head dim 16 (M-RoPE sections
+    [2, 3, 3, 0]); at a wider ``n_embd`` (a multiple of 128), heads of 64, ``n_embd // 64``
+    query heads and half as many KV heads (sections [8, 12, 12, 0]); a ``qwen35`` delta net
+    then has ``n_head_kv`` key heads and ``n_head`` value heads of ``head_dim``.  Layer and
+    output-head weights are scaled by sqrt(64 / n_embd), so ``predictable`` behaves alike
+    at any width.  ``dtype`` ("f32" or "f16") is the storage type of the matrices (token
+    embedding, output head, projections); norms, biases and convolutions stay f32.  Wide
+    models draw their layer weights in float32 (fast); the n_embd 64 ones keep the
+    original float64 stream.  ``predictable`` in [0, 1]: see module docstring.
     ``n_deepstack`` (``qwen3vl`` only; default ``len(QWEN3VL_DEEPSTACK_LAYERS)``, at most
     ``n_layer``): the ``qwen3vl.n_deepstack_layers`` key; the matching mmproj is
     ``write_mmproj(projector="qwen3vl_merger", deepstack_layers=...)`` with as many layers.
@@ -249,75 +333,76 @@ def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n
         n_deepstack = len(QWEN3VL_DEEPSTACK_LAYERS) if n_deepstack is None else n_deepstack
         if not 0 <= n_deepstack <= n_layer:
             raise ValueError(f"n_deepstack must be in [0, n_layer={n_layer}]")
-    if n_embd != N_HEAD * HEAD_DIM:
-        raise ValueError(f"n_embd must be {N_HEAD * HEAD_DIM}")
+    g = _geometry(n_embd)
+    np_dtype = _np_dtype(dtype)
     if not 0.0 <= predictable <= 1.0:
         raise ValueError("predictable must be in [0, 1]")
     if arch == "qwen35" and n_layer % 2:
         raise ValueError("qwen35 needs an even n_layer (full_attention_interval 2)")
-    r = _Weights(seed)
+    r = _Weights(seed, g.layer_std, fast=not g.tiny, dtype=np_dtype)
     w = GGUFWriter()
     # [2, 3, 3, 0] sums to head_dim / 2; first two > 0 make it M-RoPE (Qwen2-VL's [16, 24, 24, 0]
     # scaled to head_dim 16; the interleaved M-RoPE of qwen35 / qwen3vl takes the same sections)
-    _add_attention_hparams(w, arch, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, rope_sections=[2, 3, 3, 0])
+    _add_attention_hparams(w, arch, g=g, n_layer=n_layer, n_ff=n_ff, rope_sections=g.rope_sections)
     w.add_string("general.name", f"tiny-{arch}")
     if arch == "qwen3vl":
         w.add_uint32("qwen3vl.n_deepstack_layers", n_deepstack)
     if arch == "qwen35":
-        # gated delta net: 2 key heads x 16, 4 value heads x 16
+        # gated delta net: n_head_kv key heads, n_head value heads, of head_dim (2 x 16, 4 x 16 at 64)
         w.add_uint32("qwen35.ssm.conv_kernel", 4)
-        w.add_uint32("qwen35.ssm.state_size", 16)
-        w.add_uint32("qwen35.ssm.group_count", 2)
-        w.add_uint32("qwen35.ssm.time_step_rank", 4)
-        w.add_uint32("qwen35.ssm.inner_size", 64)
+        w.add_uint32("qwen35.ssm.state_size", g.head_dim)
+        w.add_uint32("qwen35.ssm.group_count", g.n_head_kv)
+        w.add_uint32("qwen35.ssm.time_step_rank", g.n_head)
+        w.add_uint32("qwen35.ssm.inner_size", g.n_head * g.head_dim)
         w.add_uint32("qwen35.full_attention_interval", 2)
     _add_tokenizer(w)
 
-    embd, head = _embedding_and_head(r, n_embd, predictable)
+    embd, head = _embedding_and_head(r, g, predictable)
     w.add_tensor("token_embd.weight", embd)
     w.add_tensor("output_norm.weight", _ones(n_embd))
     w.add_tensor("output.weight", head)
     for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", _ones(n_embd))
         if arch in ("hunyuan_vl", "qwen3vl"):  # q/k norms
-            _add_attention_layer(w, r, i, n_embd, q_out=N_HEAD * HEAD_DIM)
+            _add_attention_layer(w, r, i, g, q_out=g.n_head * g.head_dim)
             w.add_tensor(f"blk.{i}.ffn_norm.weight", _ones(n_embd))
         elif arch == "qwen2vl":  # q/k/v biases, no q/k norms
-            _add_biased_attention_layer(w, r, i, n_embd)
+            _add_biased_attention_layer(w, r, i, g)
             w.add_tensor(f"blk.{i}.ffn_norm.weight", _ones(n_embd))
         else:
             w.add_tensor(f"blk.{i}.post_attention_norm.weight", _ones(n_embd))
             if (i + 1) % 2 == 0:  # attention layer: query and gate in one projection
-                _add_attention_layer(w, r, i, n_embd, q_out=2 * N_HEAD * HEAD_DIM)
+                _add_attention_layer(w, r, i, g, q_out=2 * g.n_head * g.head_dim)
             else:
-                _add_delta_net_layer(w, r, i, n_embd)
+                _add_delta_net_layer(w, r, i, g)
         _add_ffn(w, r, i, n_embd, n_ff)
     path = Path(path)
     w.write(path)
     return path
 
 
-def _add_biased_attention_layer(w: GGUFWriter, r: _Weights, i: int, n_embd: int) -> None:
-    p = f"blk.{i}"
-    for name, n_out in (("attn_q", N_HEAD * HEAD_DIM), ("attn_k", N_HEAD_KV * HEAD_DIM),
-                        ("attn_v", N_HEAD_KV * HEAD_DIM)):
+def _add_biased_attention_layer(w: GGUFWriter, r: _Weights, i: int, g: _Geometry) -> None:
+    p, n_embd = f"blk.{i}", g.n_embd
+    for name, n_out in (("attn_q", g.n_head * g.head_dim), ("attn_k", g.n_head_kv * g.head_dim),
+                        ("attn_v", g.n_head_kv * g.head_dim)):
         w.add_tensor(f"{p}.{name}.weight", r.mat(n_out, n_embd))
         w.add_tensor(f"{p}.{name}.bias", r.vec(n_out))
-    w.add_tensor(f"{p}.attn_output.weight", r.mat(n_embd, N_HEAD * HEAD_DIM))
+    w.add_tensor(f"{p}.attn_output.weight", r.mat(n_embd, g.n_head * g.head_dim))
 
 
-def _add_delta_net_layer(w: GGUFWriter, r: _Weights, i: int, n_embd: int) -> None:
-    key_dim, value_dim, n_v_heads, conv = 2 * 16, 4 * 16, 4, 4
-    p = f"blk.{i}"
+def _add_delta_net_layer(w: GGUFWriter, r: _Weights, i: int, g: _Geometry) -> None:
+    # n_head_kv key heads and n_head value heads of head_dim (2 x 16 and 4 x 16 at n_embd 64)
+    key_dim, value_dim, n_v_heads, conv = g.n_head_kv * g.head_dim, g.n_head * g.head_dim, g.n_head, 4
+    p, n_embd = f"blk.{i}", g.n_embd
     w.add_tensor(f"{p}.attn_qkv.weight", r.mat(2 * key_dim + value_dim, n_embd))
     w.add_tensor(f"{p}.attn_gate.weight", r.mat(value_dim, n_embd))
-    w.add_tensor(f"{p}.ssm_conv1d.weight", r.mat(2 * key_dim + value_dim, conv, std=0.5))
+    w.add_tensor(f"{p}.ssm_conv1d.weight", r.mat(2 * key_dim + value_dim, conv, std=0.5, keep_f32=True))
     w.add_tensor(f"{p}.ssm_dt.bias", r.vec(n_v_heads, std=0.5))
     # ssm_a = -exp(A_log): must be negative for a decaying state
     w.add_tensor(f"{p}.ssm_a", -np.exp(r.vec(n_v_heads, std=0.5)))
     w.add_tensor(f"{p}.ssm_beta.weight", r.mat(n_v_heads, n_embd))
     w.add_tensor(f"{p}.ssm_alpha.weight", r.mat(n_v_heads, n_embd))
-    w.add_tensor(f"{p}.ssm_norm.weight", _ones(16))
+    w.add_tensor(f"{p}.ssm_norm.weight", _ones(g.head_dim))
     w.add_tensor(f"{p}.ssm_out.weight", r.mat(n_embd, value_dim))
 
 
@@ -325,7 +410,8 @@ def _add_delta_net_layer(w: GGUFWriter, r: _Weights, i: int, n_embd: int) -> Non
 
 
 def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0,
-                 projector: str = "qwen2vl_merger", deepstack_layers: tuple[int, ...] = ()) -> Path:
+                 projector: str = "qwen2vl_merger", deepstack_layers: tuple[int, ...] = (),
+                 dtype: str = "f32") -> Path:
     """Write a tiny ``clip`` vision projector for a target of width ``target_n_embd``.
 
     ``projector``: ``qwen2vl_merger`` (one vision block, separate q/k/v) or
@@ -334,16 +420,22 @@ def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0,
     ``deepstack_layers``; it has max(deepstack_layers) + 1 vision blocks, at least one).
     A ``qwen3vl_merger`` output row is ``target_n_embd * (1 + len(deepstack_layers))``
     wide: it fits a ``qwen3vl`` target written with ``n_deepstack=len(deepstack_layers)``.
+    The vision tower is 32 wide at any ``target_n_embd`` (which may be any positive width);
+    ``dtype`` ("f32" or "f16") is the storage type of its matrices (the patch and position
+    embeddings, norms and biases stay f32).
     """
+    np_dtype = _np_dtype(dtype)
+    if target_n_embd <= 0:
+        raise ValueError(f"target_n_embd must be positive, got {target_n_embd}")
     if projector not in PROJECTORS:
         raise ValueError(f"projector must be one of {PROJECTORS}, got {projector!r}")
     if projector == "qwen3vl_merger":
         return _write_qwen3vl_mmproj(Path(path), target_n_embd=target_n_embd, seed=seed,
-                                     deepstack_layers=tuple(deepstack_layers))
+                                     deepstack_layers=tuple(deepstack_layers), np_dtype=np_dtype)
     if deepstack_layers:
         raise ValueError("deepstack_layers needs projector='qwen3vl_merger'")
     n_embd, n_ff, patch, merged = 32, 64, 14, 32 * 4
-    r = _Weights(seed + 1_000_003, std=0.05)
+    r = _Weights(seed + 1_000_003, std=0.05, fast=target_n_embd != TINY_N_EMBD, dtype=np_dtype)
     w = GGUFWriter()
     w.add_string("general.architecture", "clip")
     w.add_string("general.name", "tiny-mmproj")
@@ -386,12 +478,12 @@ def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0,
 
 
 def _write_qwen3vl_mmproj(path: Path, *, target_n_embd: int, seed: int,
-                          deepstack_layers: tuple[int, ...]) -> Path:
+                          deepstack_layers: tuple[int, ...], np_dtype=np.float32) -> Path:
     n_embd, n_ff, patch, merged, image_size = 32, 64, 14, 32 * 4, 448
     if any(d < 0 for d in deepstack_layers) or len(set(deepstack_layers)) != len(deepstack_layers):
         raise ValueError(f"deepstack_layers must be distinct vision block indices >= 0, got {deepstack_layers}")
     n_block = max(deepstack_layers, default=0) + 1
-    r = _Weights(seed + 3_000_017, std=0.05)
+    r = _Weights(seed + 3_000_017, std=0.05, fast=target_n_embd != TINY_N_EMBD, dtype=np_dtype)
     w = GGUFWriter()
     w.add_string("general.architecture", "clip")
     w.add_string("general.name", "tiny-mmproj-qwen3vl")
@@ -417,7 +509,7 @@ def _write_qwen3vl_mmproj(path: Path, *, target_n_embd: int, seed: int,
     w.add_tensor("v.patch_embd.weight.1", (r.rng.standard_normal((n_embd, 3, patch, patch)) * 0.02).astype(np.float32))
     w.add_tensor("v.patch_embd.bias", r.vec(n_embd))
     # learned absolute positions for a (448 / 14)^2 grid, interpolated to other sizes: ggml [32, 1024]
-    w.add_tensor("v.position_embd.weight", r.mat((image_size // patch) ** 2, n_embd, std=0.02))
+    w.add_tensor("v.position_embd.weight", r.mat((image_size // patch) ** 2, n_embd, std=0.02, keep_f32=True))
     for il in range(n_block):
         b = f"v.blk.{il}"
         for ln in ("ln1", "ln2"):
@@ -455,24 +547,26 @@ def _write_qwen3vl_mmproj(path: Path, *, target_n_embd: int, seed: int,
 
 def write_draft(path: str | Path, *, target_n_embd: int = 64, target_layers: tuple[int, ...] = (1, 3),
                 target_n_layer: int = 4, block_size: int = 16, sliding_window: int | None = 32,
-                n_layer: int = 1, n_ff: int = 128, seed: int = 0) -> Path:
+                n_layer: int = 1, n_ff: int = 128, seed: int = 0, dtype: str = "f32") -> Path:
     """Write a tiny ``dflash`` draft for a target of width ``target_n_embd``.
 
+    Head geometry as in ``write_target`` (64 or a multiple of 128), but temporal-only
+    rope sections [head_dim / 2, 0, 0, 0]; ``dtype`` as in ``write_target``.
     ``target_layers`` are the GGUF values (HF ``target_layer_ids`` + 1): indices of
     target layer inputs, each < ``target_n_layer`` (larger ones abort natively).
     ``sliding_window`` None or 0 writes a draft without a window.  The draft has no
     token embedding or output head: it uses the target's via ``ctx_other``.
     """
-    if target_n_embd != N_HEAD * HEAD_DIM:
-        raise ValueError(f"target_n_embd must be {N_HEAD * HEAD_DIM}")
+    g = _geometry(target_n_embd, "target_n_embd")
+    np_dtype = _np_dtype(dtype)
     if not target_layers or any(not 0 <= t < target_n_layer for t in target_layers):
         raise ValueError(f"target_layers must be non-empty and in [0, {target_n_layer})")
     n_embd = target_n_embd
-    r = _Weights(seed + 2_000_003)
+    r = _Weights(seed + 2_000_003, g.layer_std, fast=not g.tiny, dtype=np_dtype)
     w = GGUFWriter()
     # temporal-only sections [head_dim / 2, 0, 0, 0]: the draft follows the target's text positions
-    _add_attention_hparams(w, "dflash", n_embd=n_embd, n_layer=n_layer, n_ff=n_ff,
-                           rope_sections=[HEAD_DIM // 2, 0, 0, 0])
+    _add_attention_hparams(w, "dflash", g=g, n_layer=n_layer, n_ff=n_ff,
+                           rope_sections=[g.head_dim // 2, 0, 0, 0])
     w.add_string("general.name", "tiny-dflash")
     w.add_array("dflash.target_layers", ValueType.INT32, list(target_layers))
     w.add_uint32("dflash.block_size", block_size)
@@ -486,7 +580,7 @@ def write_draft(path: str | Path, *, target_n_embd: int = 64, target_layers: tup
     w.add_tensor("output_norm.weight", _ones(n_embd))
     for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", _ones(n_embd))
-        _add_attention_layer(w, r, i, n_embd, q_out=N_HEAD * HEAD_DIM)
+        _add_attention_layer(w, r, i, g, q_out=g.n_head * g.head_dim)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", _ones(n_embd))
         _add_ffn(w, r, i, n_embd, n_ff)
     path = Path(path)
@@ -543,4 +637,72 @@ def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0
     if not models.draft.exists():
         _write_atomic(write_draft, models.draft, target_layers=tuple(target_layers), target_n_layer=n_layer,
                       block_size=block_size, sliding_window=window, n_layer=draft_n_layer, seed=seed)
+    return models
+
+
+def bench_n_params(*, n_embd: int = 1024, n_layer: int = 12, n_ff: int = 2816, arch: str = "hunyuan_vl",
+                   draft_n_layer: int = 2, n_target_layers: int = 3) -> dict[str, int]:
+    """Parameter counts of the target and draft ``make_bench_set`` writes (as llama.cpp counts them)."""
+    g = _geometry(n_embd)
+    attn = 2 * n_embd * g.n_head * g.head_dim + 2 * n_embd * g.n_head_kv * g.head_dim + 2 * g.head_dim
+    ffn = 3 * n_embd * n_ff
+    norms = 2 * n_embd
+    if arch in ("hunyuan_vl", "qwen3vl"):
+        layers = n_layer * (attn + ffn + norms)
+    elif arch == "qwen2vl":
+        layers = n_layer * (attn - 2 * g.head_dim + (g.n_head + 2 * g.n_head_kv) * g.head_dim + ffn + norms)
+    else:  # qwen35: attention (with a query gate) on odd layers, gated delta net on even ones
+        kd, vd, nv = g.n_head_kv * g.head_dim, g.n_head * g.head_dim, g.n_head
+        delta = (2 * kd + vd) * n_embd + vd * n_embd + (2 * kd + vd) * 4 + 2 * nv + 2 * nv * n_embd \
+            + g.head_dim + n_embd * vd
+        n_attn = n_layer // 2
+        layers = n_attn * (attn + n_embd * g.n_head * g.head_dim) + (n_layer - n_attn) * delta \
+            + n_layer * (ffn + norms)
+    target = 2 * N_VOCAB * n_embd + n_embd + layers
+    draft = n_target_layers * n_embd * n_embd + 2 * n_embd + draft_n_layer * (attn + ffn + norms)
+    return {"target": target, "draft": draft}
+
+
+def make_bench_set(folder: str | Path, *, n_embd: int = 1024, n_layer: int = 12, n_ff: int = 2816,
+                   dtype: str = "f16", predictable: float = 0.5, window: int | None = 32,
+                   target_layers: tuple[int, ...] = (1, 6, 11), seed: int = 0, arch: str = "hunyuan_vl",
+                   block_size: int = 16, draft_n_layer: int = 2) -> TinyModels:
+    """Write (or reuse) a larger random target, mmproj and draft for benchmarks, in ``folder``.
+
+    Same construction as ``make_tiny_set`` (same tokenizer, ``predictable`` knob, tiny
+    vision tower), but wide: with the defaults (``hunyuan_vl``, n_embd 1024 = 16 heads
+    of 64 with 8 KV heads, 12 layers, n_ff 2816, f16) the target has 142,135,808
+    parameters (a 284 MB file) and the 2-layer draft 26,745,088 (54 MB), as
+    ``pyllama_spec.Model(...).n_params`` reports them; see ``bench_n_params``.  Writing the
+    set takes about 4 s (peak memory about 0.9 GB).  Files are named ``bench-{arch}-{hash}-*.gguf``
+    by a hash of the parameters (and ``GENERATOR_VERSION``) and written atomically, so a
+    second call reuses them.
+    """
+    if arch not in TARGET_ARCHS:
+        raise ValueError(f"arch must be one of {TARGET_ARCHS}, got {arch!r}")
+    _geometry(n_embd)
+    _np_dtype(dtype)
+    if not target_layers or any(not 0 <= t < n_layer for t in target_layers):
+        raise ValueError(f"target_layers must be non-empty and in [0, {n_layer})")
+    params = dict(v=GENERATOR_VERSION, kind="bench", arch=arch, seed=seed, window=window or 0,
+                  predictable=float(predictable), n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, dtype=dtype,
+                  target_layers=list(target_layers), block_size=block_size, draft_n_layer=draft_n_layer)
+    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    models = TinyModels(target=folder / f"bench-{arch}-{key}-target.gguf",
+                        mmproj=folder / f"bench-{arch}-{key}-mmproj.gguf",
+                        draft=folder / f"bench-{arch}-{key}-draft.gguf")
+    deep = dict(n_deepstack=len(QWEN3VL_DEEPSTACK_LAYERS)) if arch == "qwen3vl" else {}
+    proj = (dict(projector="qwen3vl_merger", deepstack_layers=QWEN3VL_DEEPSTACK_LAYERS) if arch == "qwen3vl"
+            else {})
+    if not models.target.exists():
+        _write_atomic(write_target, models.target, arch=arch, seed=seed, n_embd=n_embd, n_layer=n_layer,
+                      n_ff=n_ff, predictable=predictable, dtype=dtype, **deep)
+    if not models.mmproj.exists():
+        _write_atomic(write_mmproj, models.mmproj, target_n_embd=n_embd, seed=seed, dtype=dtype, **proj)
+    if not models.draft.exists():
+        _write_atomic(write_draft, models.draft, target_n_embd=n_embd, target_layers=tuple(target_layers),
+                      target_n_layer=n_layer, block_size=block_size, sliding_window=window,
+                      n_layer=draft_n_layer, n_ff=n_ff, seed=seed, dtype=dtype)
     return models

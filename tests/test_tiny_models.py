@@ -120,3 +120,106 @@ def test_chat_template_accepts_strings_and_parts():
         "<|im_start|>user\n<__media__>what is this?<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+
+
+def _n_elements(tensors) -> int:
+    return sum(int(np.prod(dims)) for dims, _type in tensors.values())
+
+
+@pytest.mark.parametrize("arch", tiny.TARGET_ARCHS)
+def test_wider_target_shapes_are_consistent(tmp_path, arch):
+    # n_embd 128: heads of 64, 2 query heads, 1 KV head; f16 matrices, f32 norms and biases
+    path = tiny.write_target(tmp_path / "t.gguf", arch=arch, n_embd=128, n_layer=2, n_ff=256,
+                             predictable=0.5, dtype="f16")
+    meta = read_gguf_metadata(path, with_tensors=True)
+    assert meta[f"{arch}.embedding_length"] == 128 and meta[f"{arch}.block_count"] == 2
+    assert meta[f"{arch}.feed_forward_length"] == 256
+    assert meta[f"{arch}.attention.head_count"] == 2 and meta[f"{arch}.attention.head_count_kv"] == 1
+    assert meta[f"{arch}.attention.key_length"] == meta[f"{arch}.attention.value_length"] == 64
+    assert meta[f"{arch}.rope.dimension_count"] == 64
+    sections = meta[f"{arch}.rope.dimension_sections"]
+    assert sections == [8, 12, 12, 0] and sum(sections) == 64 // 2
+    t = meta["__tensors__"]
+    F32, F16 = 0, 1
+    assert t["token_embd.weight"] == ((128, tiny.N_VOCAB), F16)
+    assert t["output.weight"] == ((128, tiny.N_VOCAB), F16)
+    assert t["output_norm.weight"] == ((128,), F32)
+    for i in range(2):
+        assert t[f"blk.{i}.attn_norm.weight"] == ((128,), F32)
+        assert t[f"blk.{i}.ffn_gate.weight"] == ((128, 256), F16)
+        assert t[f"blk.{i}.ffn_up.weight"] == ((128, 256), F16)
+        assert t[f"blk.{i}.ffn_down.weight"] == ((256, 128), F16)
+    attn = 1 if arch == "qwen35" else 0  # qwen35: layer 0 is a delta net, layer 1 attention
+    q_out = 2 * 128 if arch == "qwen35" else 128
+    assert t[f"blk.{attn}.attn_q.weight"] == ((128, q_out), F16)
+    assert t[f"blk.{attn}.attn_k.weight"] == ((128, 64), F16)
+    assert t[f"blk.{attn}.attn_v.weight"] == ((128, 64), F16)
+    assert t[f"blk.{attn}.attn_output.weight"] == ((128, 128), F16)
+    if arch == "qwen2vl":
+        assert t["blk.0.attn_q.bias"] == ((128,), F32) and t["blk.0.attn_k.bias"] == ((64,), F32)
+    else:
+        assert t[f"blk.{attn}.attn_q_norm.weight"] == ((64,), F32)
+    if arch == "qwen35":
+        # delta net: 1 key head and 2 value heads of 64
+        assert meta["qwen35.ssm.state_size"] == 64 and meta["qwen35.ssm.group_count"] == 1
+        assert meta["qwen35.ssm.time_step_rank"] == 2 and meta["qwen35.ssm.inner_size"] == 128
+        assert t["blk.0.attn_qkv.weight"] == ((128, 2 * 64 + 128), F16)
+        assert t["blk.0.attn_gate.weight"] == ((128, 128), F16)
+        assert t["blk.0.ssm_conv1d.weight"] == ((4, 2 * 64 + 128), F32)
+        assert t["blk.0.ssm_a"] == ((2,), F32) and t["blk.0.ssm_norm.weight"] == ((64,), F32)
+        assert t["blk.0.ssm_out.weight"] == ((128, 128), F16)
+    # the parameter count make_bench_set documents
+    assert _n_elements(t) == tiny.bench_n_params(n_embd=128, n_layer=2, n_ff=256, arch=arch)["target"]
+    # deterministic, and f32 differs from f16 only in storage
+    again = tiny.write_target(tmp_path / "again.gguf", arch=arch, n_embd=128, n_layer=2, n_ff=256,
+                              predictable=0.5, dtype="f16")
+    assert again.read_bytes() == path.read_bytes()
+    f32 = read_gguf_metadata(tiny.write_target(tmp_path / "f32.gguf", arch=arch, n_embd=128, n_layer=2,
+                                               n_ff=256, predictable=0.5), with_tensors=True)["__tensors__"]
+    assert {k: d for k, (d, _) in f32.items()} == {k: d for k, (d, _) in t.items()}
+    assert {ty for _, ty in f32.values()} == {F32}
+
+
+def test_wider_draft_and_mmproj_fit_the_target(tmp_path):
+    draft = tiny.write_draft(tmp_path / "d.gguf", target_n_embd=256, target_layers=(0, 2), target_n_layer=3,
+                             n_layer=2, n_ff=512, dtype="f16")
+    meta = read_gguf_metadata(draft, with_tensors=True)
+    assert meta["dflash.embedding_length"] == 256
+    assert meta["dflash.attention.head_count"] == 4 and meta["dflash.attention.head_count_kv"] == 2
+    assert meta["dflash.attention.key_length"] == 64
+    assert meta["dflash.rope.dimension_sections"] == [32, 0, 0, 0]
+    t = meta["__tensors__"]
+    assert t["fc.weight"] == ((2 * 256, 256), 1)
+    assert t["enc.output_norm.weight"] == ((256,), 0)
+    assert t["blk.1.attn_k.weight"] == ((256, 128), 1) and t["blk.1.ffn_down.weight"] == ((512, 256), 1)
+    assert _n_elements(t) == tiny.bench_n_params(n_embd=256, n_ff=512, draft_n_layer=2,
+                                                 n_target_layers=2)["draft"]
+
+    mmproj = read_gguf_metadata(tiny.write_mmproj(tmp_path / "m.gguf", target_n_embd=256, dtype="f16"),
+                                with_tensors=True)
+    assert mmproj["clip.vision.projection_dim"] == 256
+    t = mmproj["__tensors__"]
+    assert t["mm.2.weight"] == ((128, 256), 1) and t["mm.2.bias"] == ((256,), 0)
+    assert t["v.patch_embd.weight"][1] == 0
+    q3 = read_gguf_metadata(tiny.write_mmproj(tmp_path / "m3.gguf", target_n_embd=256, dtype="f16",
+                                              projector="qwen3vl_merger", deepstack_layers=(0,)),
+                            with_tensors=True)["__tensors__"]
+    assert q3["v.deepstack.0.fc2.weight"] == ((128, 256), 1) and q3["v.position_embd.weight"][1] == 0
+
+
+def test_wider_widths_are_checked(tmp_path):
+    for bad in (96, 192, 0):  # neither 64 nor a multiple of 128
+        with pytest.raises(ValueError):
+            tiny.write_target(tmp_path / "t.gguf", n_embd=bad)
+        with pytest.raises(ValueError):
+            tiny.write_draft(tmp_path / "d.gguf", target_n_embd=bad)
+    with pytest.raises(ValueError):
+        tiny.write_target(tmp_path / "t.gguf", dtype="bf16")
+    with pytest.raises(ValueError):
+        tiny.make_bench_set(tmp_path, n_layer=4, target_layers=(1, 6))  # checked before writing anything
+    assert not list(tmp_path.iterdir())
+
+
+def test_bench_parameter_count():
+    # documented in make_bench_set; checked natively against llama.cpp's count
+    assert tiny.bench_n_params() == {"target": 142_135_808, "draft": 26_745_088}
