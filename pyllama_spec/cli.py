@@ -399,6 +399,19 @@ def demo(image_size, n_ubatch, window, draft_max, max_tokens, draft_positions, t
     """One chat turn with a large image through DFlash, on tiny models made locally."""
     from . import native_build as nb
     from . import tiny
+    from .errors import NativeLibraryError
+
+    try:
+        from . import _native  # noqa: F401
+    except NativeLibraryError:
+        if not (nb.PROJECT_ROOT / "CMakeLists.txt").exists():
+            raise
+        console.print("[bold]building the native part first[/bold] (cached for next time) ...")
+        try:
+            nb.build_in_place(nb.BuildOptions())
+        except nb.BuildError as e:
+            err_console.print(f"[red]build failed:[/red] {e}")
+            sys.exit(1)
     from .engine import load
 
     models = tiny.make_tiny_set(nb.cache_root() / "tiny-models", window=window, predictable=0.5)

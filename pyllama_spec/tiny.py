@@ -21,6 +21,8 @@ llama.cpp / libmtmd in a few milliseconds.
 * ``write_draft``: a ``dflash`` draft that borrows the target's token
   embedding and output head (through the draft context's ``ctx_other``).
 * ``make_tiny_set``: all three, cached in a folder by a hash of the parameters.
+* ``write_draft(dflash2=True)`` / ``make_tiny_set(dflash2=True)``: a DFlash2 draft (conv
+  layers plus a candidate selector whose lattice the engine walks).
 * ``make_bench_set``: the same three, wider (n_embd 1024, 12 layers: a 142M-parameter
   f16 target) for benchmarks, cached the same way.
 
@@ -545,9 +547,17 @@ def _write_qwen3vl_mmproj(path: Path, *, target_n_embd: int, seed: int,
 # -- draft -------------------------------------------------------------------------
 
 
+# DFlash2 defaults for the tiny drafts: 4 candidates per position (a lattice row of
+# 4 + 4 x 4 = 20 <= 64 floats), a rank-8 selector, kernel-4 convolutions in groups of 16
+DFLASH2_SELECTOR_TOP_K, DFLASH2_SELECTOR_RANK, DFLASH2_CONV_KERNEL_SIZE, DFLASH2_CONV_GROUP_SIZE = 4, 8, 4, 16
+
+
 def write_draft(path: str | Path, *, target_n_embd: int = 64, target_layers: tuple[int, ...] = (1, 3),
                 target_n_layer: int = 4, block_size: int = 16, sliding_window: int | None = 32,
-                n_layer: int = 1, n_ff: int = 128, seed: int = 0, dtype: str = "f32") -> Path:
+                n_layer: int = 1, n_ff: int = 128, seed: int = 0, dtype: str = "f32",
+                dflash2: bool = False, selector_top_k: int = DFLASH2_SELECTOR_TOP_K,
+                selector_rank: int = DFLASH2_SELECTOR_RANK, conv_kernel_size: int = DFLASH2_CONV_KERNEL_SIZE,
+                conv_group_size: int = DFLASH2_CONV_GROUP_SIZE) -> Path:
     """Write a tiny ``dflash`` draft for a target of width ``target_n_embd``.
 
     Head geometry as in ``write_target`` (64 or a multiple of 128), but temporal-only
@@ -556,11 +566,27 @@ def write_draft(path: str | Path, *, target_n_embd: int = 64, target_layers: tup
     target layer inputs, each < ``target_n_layer`` (larger ones abort natively).
     ``sliding_window`` None or 0 writes a draft without a window.  The draft has no
     token embedding or output head: it uses the target's via ``ctx_other``.
+
+    ``dflash2=True`` writes a DFlash2 draft (upstream ``DFlash2DraftModel``): the same
+    weights (same stream, so the same base draft) plus the keys ``dflash.conv_kernel_size``,
+    ``dflash.conv_group_size``, ``dflash.selector_rank``, ``dflash.selector_top_k`` and the
+    tensors ``selector_predecessor`` / ``selector_successor`` [rank, n_vocab],
+    ``selector_hidden`` [n_embd, rank] and, per layer, ``blk.N.{attn,ffn}_conv_base``
+    [n_embd, kernel, 2] and ``blk.N.{attn,ffn}_conv_proj.weight``
+    [n_embd, 2 * kernel * (n_embd / group)] (ggml order), drawn from a second generator.
+    The convolutions start near the identity (tap 0 of each base is 1), so a DFlash2
+    draft still proposes what the plain draft would, up to the small selector term.
+    llama.cpp needs ``n_embd`` divisible by ``conv_group_size`` and
+    ``n_embd >= selector_top_k * (selector_top_k + 1)`` (the lattice row).
     """
     g = _geometry(target_n_embd, "target_n_embd")
     np_dtype = _np_dtype(dtype)
     if not target_layers or any(not 0 <= t < target_n_layer for t in target_layers):
         raise ValueError(f"target_layers must be non-empty and in [0, {target_n_layer})")
+    if dflash2:
+        _check_dflash2(target_n_embd, block_size=block_size, selector_top_k=selector_top_k,
+                       selector_rank=selector_rank, conv_kernel_size=conv_kernel_size,
+                       conv_group_size=conv_group_size)
     n_embd = target_n_embd
     r = _Weights(seed + 2_000_003, g.layer_std, fast=not g.tiny, dtype=np_dtype)
     w = GGUFWriter()
@@ -583,9 +609,52 @@ def write_draft(path: str | Path, *, target_n_embd: int = 64, target_layers: tup
         _add_attention_layer(w, r, i, g, q_out=g.n_head * g.head_dim)
         w.add_tensor(f"blk.{i}.ffn_norm.weight", _ones(n_embd))
         _add_ffn(w, r, i, n_embd, n_ff)
+    if dflash2:
+        _add_dflash2(w, seed=seed, g=g, n_layer=n_layer, selector_top_k=selector_top_k,
+                     selector_rank=selector_rank, conv_kernel_size=conv_kernel_size,
+                     conv_group_size=conv_group_size, np_dtype=np_dtype)
     path = Path(path)
     w.write(path)
     return path
+
+
+def _check_dflash2(n_embd: int, *, block_size: int, selector_top_k: int, selector_rank: int,
+                   conv_kernel_size: int, conv_group_size: int) -> None:
+    """Refuse what llama.cpp's DFlash2 loader refuses (src/models/dflash.cpp, load_arch_tensors)."""
+    for name, v in (("selector_top_k", selector_top_k), ("selector_rank", selector_rank),
+                    ("conv_kernel_size", conv_kernel_size), ("conv_group_size", conv_group_size),
+                    ("block_size", block_size)):
+        if int(v) <= 0:
+            raise ValueError(f"DFlash2 needs {name} > 0, got {v}")
+    if n_embd % conv_group_size:
+        raise ValueError(f"DFlash2 needs n_embd ({n_embd}) divisible by conv_group_size ({conv_group_size})")
+    if n_embd < selector_top_k * (selector_top_k + 1):
+        raise ValueError(f"DFlash2 needs n_embd ({n_embd}) >= selector_top_k * (selector_top_k + 1) "
+                         f"= {selector_top_k * (selector_top_k + 1)} (one lattice row per embedding row)")
+
+
+def _add_dflash2(w: GGUFWriter, *, seed: int, g: _Geometry, n_layer: int, selector_top_k: int,
+                 selector_rank: int, conv_kernel_size: int, conv_group_size: int, np_dtype) -> None:
+    """The DFlash2 keys and tensors (see ``write_draft``), from their own generator."""
+    n_embd, kernel, rank = g.n_embd, conv_kernel_size, selector_rank
+    w.add_uint32("dflash.conv_kernel_size", kernel)
+    w.add_uint32("dflash.conv_group_size", conv_group_size)
+    w.add_uint32("dflash.selector_rank", rank)
+    w.add_uint32("dflash.selector_top_k", selector_top_k)
+    r = _Weights(seed + 4_000_037, g.layer_std, fast=not g.tiny, dtype=np_dtype)
+    projected = 2 * kernel * (n_embd // conv_group_size)
+    for i in range(n_layer):
+        for side in ("attn", "ffn"):
+            # base taps [2 sides, kernel, n_embd] (ggml [n_embd, kernel, 2]): tap 0 = 1 (identity), others small
+            base = r.rng.standard_normal((2, kernel, n_embd)).astype(np.float32) * np.float32(0.02)
+            base[:, 0, :] += 1.0
+            w.add_tensor(f"blk.{i}.{side}_conv_base", base)
+            # dynamic taps: ggml [n_embd, 2 * kernel * groups]
+            w.add_tensor(f"blk.{i}.{side}_conv_proj.weight", r.mat(projected, n_embd))
+    # codebooks: ggml [rank, n_vocab]; gate: ggml [n_embd, rank]
+    w.add_tensor("selector_predecessor.weight", r.mat(N_VOCAB, rank, std=0.3))
+    w.add_tensor("selector_successor.weight", r.mat(N_VOCAB, rank, std=0.3))
+    w.add_tensor("selector_hidden.weight", r.mat(rank, n_embd, std=0.1))
 
 
 # -- cached set --------------------------------------------------------------------
@@ -607,18 +676,22 @@ def _write_atomic(write, path: Path, **kwargs) -> None:
 
 def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, window: int | None = 32,
                   predictable: float = 0.5, n_layer: int = 4, target_layers: tuple[int, ...] = (1, 3),
-                  block_size: int = 16, draft_n_layer: int = 1) -> TinyModels:
+                  block_size: int = 16, draft_n_layer: int = 1, dflash2: bool = False) -> TinyModels:
     """Write (or reuse) a target, mmproj and draft that fit together, in ``folder``.
 
     ``arch`` is one of ``TARGET_ARCHS``; a ``qwen3vl`` set gets a ``qwen3vl_merger`` mmproj
     with ``QWEN3VL_DEEPSTACK_LAYERS`` and a target with as many deepstack layers, the
     others the ``qwen2vl_merger`` mmproj.  Files are named by a short hash of the
     parameters (and ``GENERATOR_VERSION``), so a second call with the same parameters
-    reuses them.
+    reuses them.  ``dflash2=True`` makes the draft a DFlash2 draft (``write_draft(dflash2=True)``,
+    default selector / convolution sizes); it enters the hash only when set, so the
+    names of the plain sets do not change.
     """
     params = dict(v=GENERATOR_VERSION, arch=arch, seed=seed, window=window or 0, predictable=float(predictable),
                   n_layer=n_layer, target_layers=list(target_layers), block_size=block_size,
                   draft_n_layer=draft_n_layer)
+    if dflash2:
+        params["dflash2"] = True
     key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -636,7 +709,8 @@ def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0
         _write_atomic(write_mmproj, models.mmproj, seed=seed, **proj)
     if not models.draft.exists():
         _write_atomic(write_draft, models.draft, target_layers=tuple(target_layers), target_n_layer=n_layer,
-                      block_size=block_size, sliding_window=window, n_layer=draft_n_layer, seed=seed)
+                      block_size=block_size, sliding_window=window, n_layer=draft_n_layer, seed=seed,
+                      dflash2=dflash2)
     return models
 
 

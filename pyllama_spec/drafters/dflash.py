@@ -60,6 +60,12 @@ def check_dflash_pair(target: Model, draft: Model, dflash_target_archs: list[str
     if draft.arch != "dflash":
         raise IncompatibleModelsError(f"the draft {draft.path.name} is a {draft.arch!r} model, not a 'dflash' draft")
     cfg = DFlashConfig.read(draft)
+    if cfg.is_dflash2:
+        from ..gguf_writer import read_gguf_metadata
+
+        if "selector_hidden.weight" not in read_gguf_metadata(draft.path, with_tensors=True)["__tensors__"]:
+            raise IncompatibleModelsError(f"the draft {draft.path.name} has dflash.selector_top_k but no "
+                                          "selector_hidden.weight: not a DFlash2 draft")
     if dflash_target_archs is not None and target.arch not in dflash_target_archs:
         raise IncompatibleModelsError(
             f"the target architecture {target.arch!r} does not record its layer inputs in this build, so a "
@@ -117,6 +123,7 @@ class DFlashDrafter:
         target_ctx.enable_layer_inputs(config.target_layers)
         self._batch = Batch(self.ctx)
         self._n_pos = draft_model.n_pos_per_embd
+        self._n_vocab = target_ctx.model.n_vocab
         # Test hooks (internal): turn off the pinned-range skip, or place blocks at the
         # token count as the old upstream code did, to show what each rule prevents.
         self._skip_pinned_media = True
@@ -200,7 +207,10 @@ class DFlashDrafter:
             predecessor = int(np.argmax(scores))
             if self.p_min > 0.0 and 1.0 / np.exp(scores - scores[predecessor]).sum() < self.p_min:
                 break
-            out.append(int(row[predecessor]))
+            tok = row[predecessor]
+            if not (np.isfinite(tok) and tok == int(tok) and 0 <= tok < self._n_vocab):
+                break  # not a token id: never hand the target garbage
+            out.append(int(tok))
         return out
 
     def _draft_positions(self, pos0: np.ndarray) -> np.ndarray:
