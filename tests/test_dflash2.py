@@ -189,6 +189,7 @@ def _lattice_drafter(lattice: np.ndarray, *, p_min: float = 0.0):
                             causal=False, selector_top_k=K)
     d.ctx = _FakeDraftContext(lattice)
     d.p_min = p_min
+    d._n_vocab = tiny.N_VOCAB
     return d
 
 
