@@ -35,29 +35,29 @@ def test_a_backend_without_its_toolchain_fails_naming_what_is_missing(no_tools, 
         nb.backend_cmake_args(nb.BuildOptions(backend=backend))
 
 
-def test_cuda_without_cublas_says_where_to_get_it(monkeypatch, tmp_path):
+@pytest.fixture
+def fake_nvcc(monkeypatch, tmp_path) -> Path:
+    """A CUDA 'toolkit' holding only an nvcc (no cuBLAS, no driver stub), found through CUDACXX."""
     toolkit = tmp_path / "cuda"
     (toolkit / "bin").mkdir(parents=True)
     nvcc = toolkit / "bin" / "nvcc"
     nvcc.write_text("#!/bin/sh\n")
     nvcc.chmod(0o755)
     monkeypatch.setenv("CUDACXX", str(nvcc))
+    return nvcc
+
+
+def test_cuda_without_cublas_says_where_to_get_it(fake_nvcc, monkeypatch, tmp_path):
     monkeypatch.setattr(nb.sys, "path", [])  # no nvidia-cublas wheel either
     with pytest.raises(nb.BuildError, match="nvidia-cublas.*--cublas-dir"):
         nb.backend_cmake_args(nb.BuildOptions(backend="cuda", cublas_dir=str(tmp_path / "empty")))
 
 
-def test_cuda_finds_a_cublas_outside_the_toolkit_and_links_unversioned_names(monkeypatch, tmp_path):
-    toolkit = tmp_path / "cuda"
-    (toolkit / "bin").mkdir(parents=True)
-    nvcc = toolkit / "bin" / "nvcc"
-    nvcc.write_text("#!/bin/sh\n")
-    nvcc.chmod(0o755)
+def test_cuda_finds_a_cublas_outside_the_toolkit_and_links_unversioned_names(fake_nvcc, monkeypatch, tmp_path):
     wheel_lib = tmp_path / "site" / "nvidia" / "cu13" / "lib"
     wheel_lib.mkdir(parents=True)
     (wheel_lib / "libcublas.so.13").write_bytes(b"")
     (wheel_lib / "libcublasLt.so.13").write_bytes(b"")
-    monkeypatch.setenv("CUDACXX", str(nvcc))
     monkeypatch.setenv("PYLLAMA_SPEC_CACHE", str(tmp_path / "cache"))
     args = nb.backend_cmake_args(nb.BuildOptions(backend="cuda", cublas_dir=str(wheel_lib), cuda_arch="90"))
     assert "-DGGML_CUDA=ON" in args and "-DCMAKE_CUDA_ARCHITECTURES=90" in args
