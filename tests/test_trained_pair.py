@@ -1,0 +1,197 @@
+"""The trained tiny pair (tests/models, made by tools/train_tiny_pair.py).
+
+* parity: the PyTorch modules the pair was trained as give the same logits as llama.cpp
+  (target; draft block given the same injected target features), so acceptance numbers
+  measured with llama.cpp are those of the trained draft (skipped without torch);
+* speculative greedy output with the trained draft equals target-only output, and the draft is
+  accepted, for a text prompt and after an image, in both ``draft_positions`` modes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import CTX_KWARGS, N_THREADS, REPO_ROOT
+from pyllama_spec import engine as engine_mod
+from pyllama_spec.batch import Batch
+from pyllama_spec.llama import Context, Model
+
+MODELS = Path(os.environ.get("PYLLAMA_SPEC_TRAINED_MODELS", REPO_ROOT / "tests" / "models"))
+TARGET = MODELS / "trained-target.gguf"
+DRAFT = MODELS / "trained-draft.gguf"
+MMPROJ = MODELS / "trained-mmproj.gguf"
+
+# held-out text style (Python source); the corpus never saw this exact snippet
+PROMPT = ('def read_config(path):\n    """Read a configuration file and return a dict."""\n'
+          '    result = {}\n    with open(path) as f:\n        for line in f:\n            line = line.strip()\n'
+          '            if not line or line.startswith("#"):\n                continue\n')
+IMAGE_PROMPT = "<__media__>\n" + PROMPT
+# a held-out snippet (argparse.py) whose continuation the draft predicts partly: shows the context's effect
+GAP_PROMPT = ("<__media__>\n        return ' | '.join(self.option_strings)\n\n\nclass _StoreAction(Action):\n\n"
+              "    def __init__(self,\n                 option_strings,\n                 dest,\n"
+              "                 nargs=None,\n                 const=None,\n                 default=None,\n"
+              "                 type=None,\n                 choices=None,\n                 required=False,\n"
+              "                 help=None,\n                 metavar=None):\n  ")
+
+BIG_BATCH = dict(CTX_KWARGS, n_batch=256, n_ubatch=256)  # the whole prompt in one batch
+
+pytestmark = pytest.mark.skipif(not (TARGET.exists() and DRAFT.exists() and MMPROJ.exists()),
+                                reason=f"trained pair not found in {MODELS} (run tools/train_tiny_pair.py)")
+
+
+def _trainer():
+    """tools/train_tiny_pair.py as a module (it is not part of the package)."""
+    pytest.importorskip("torch", reason="parity tests need PyTorch (pip install torch): training-only dependency")
+    spec = importlib.util.spec_from_file_location("train_tiny_pair", REPO_ROOT / "tools" / "train_tiny_pair.py")
+    mod = sys.modules.get("train_tiny_pair")
+    if mod is None:
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["train_tiny_pair"] = mod  # dataclasses look their module up there
+        spec.loader.exec_module(mod)
+    mod._torch().set_num_threads(1)
+    mod.EMULATE_F16_KV = True  # the contexts below use llama.cpp's default F16 KV cache
+    return mod
+
+
+def _close(a: np.ndarray, b: np.ndarray, rel: float = 1e-3, rel_typical: float = 1e-4) -> float:
+    """Rows [n, width] agree: max |diff| <= rel x scale, and the median row's max |diff| <=
+    rel_typical x scale (scale = the largest |value|, at least 1).
+
+    With llama.cpp's F16 KV cache (emulated on the PyTorch side) most rows agree to about 1e-6
+    of the scale; a few rows differ more where an F16 rounding falls the other way.
+    """
+    scale = max(1.0, float(np.abs(b).max()))
+    rows = np.abs(a - b).reshape(len(a), -1).max(axis=1)
+    err, typical = float(rows.max()), float(np.median(rows))
+    print(f"parity: max |diff| {err:.3g}, median row {typical:.3g}, scale {scale:.3g}")
+    assert err <= rel * scale, f"max |diff| {err:.3g} > {rel} x scale {scale:.3g}"
+    assert typical <= rel_typical * scale, f"median row |diff| {typical:.3g} > {rel_typical} x scale {scale:.3g}"
+    return err
+
+
+# ----------------------------------------------------------------------------- parity
+
+
+def test_target_parity_with_pytorch():
+    T = _trainer()
+    torch = T._torch()
+    target, _, cfg = T.load_pair(TARGET)
+    with Model(TARGET) as m, Context(m, **BIG_BATCH) as ctx:
+        toks = m.tokenize(PROMPT)
+        n = len(toks)
+        assert 100 < n <= BIG_BATCH["n_batch"]  # byte-level: about one token per character
+        lids = list(range(1, cfg.target_n_layer))
+        ctx.enable_layer_inputs(lids)
+        ctx.decode_tokens(toks, np.arange(n), outputs=True)
+        ours = ctx.output_logits(n).copy()
+        feats_cpp = {lid: ctx.layer_input(lid, n).copy() for lid in lids}
+    with torch.no_grad():
+        logits, feats = target(torch.from_numpy(toks.astype(np.int64))[None], layer_ids=lids)
+    _close(ours, logits[0].numpy())
+    for lid in lids:
+        _close(feats_cpp[lid], feats[lid][0].numpy())
+    # the trained target predicts this text far better than chance (ln 269 = 5.6 nats)
+    logp = torch.log_softmax(torch.from_numpy(ours[:-1]), -1)
+    nll = -logp[torch.arange(n - 1), torch.from_numpy(toks[1:].astype(np.int64))].mean()
+    assert float(nll) < 3.0
+
+
+# 50 context rows > the draft's 32-position window; 4 rows: a draft_max 3 block
+@pytest.mark.parametrize("n_ctx_rows,block_rows", [(20, 16), (50, 16), (50, 4)])
+def test_draft_block_parity_with_pytorch(n_ctx_rows, block_rows):
+    T = _trainer()
+    torch = T._torch()
+    target, draft, cfg = T.load_pair(TARGET, DRAFT)
+    with Model(TARGET) as m, Model(DRAFT, role="draft") as d, Context(m, **CTX_KWARGS) as ctx:
+        toks = m.tokenize(PROMPT)[:n_ctx_rows]
+        n = len(toks)
+        ids = d.target_layer_ids
+        assert tuple(ids) == tuple(cfg.target_layers)
+        ctx.enable_layer_inputs(ids)
+        ctx.decode_tokens(toks, np.arange(n), outputs=True)
+        id_last = int(np.argmax(ctx.logits(-1)))
+        features = np.concatenate([ctx.layer_input(lid, n) for lid in ids], axis=1).copy()
+
+        bs = cfg.block_size
+        assert block_rows <= bs
+        with Context(d, ctx_other=ctx, role="draft", **CTX_KWARGS) as dctx:
+            dctx.enable_nextn(True, True)
+            dctx.set_causal_attn(False)
+            p = np.arange(n, dtype=np.int32)
+            with Batch(dctx) as batch:
+                batch.add_embeddings(features, np.stack([p, p, p, np.zeros_like(p)], axis=1))
+                dctx.decode(batch)
+            block = [id_last] + [d.mask_token] * (block_rows - 1)
+            dctx.decode_tokens(block, np.arange(n, n + block_rows), outputs=True)
+            ours = dctx.output_logits(block_rows).copy()
+
+    with torch.no_grad():
+        feats = torch.from_numpy(np.concatenate([features, np.zeros_like(features[:1])]))[None]
+        tokens = torch.from_numpy(np.append(toks, id_last).astype(np.int64))[None]
+        lengths = torch.tensor([[block_rows]])
+        theirs, _ = T.draft_block_logits(draft, target, feats, tokens, torch.tensor([[n]]), cfg, lengths)
+    _close(ours, theirs[0, :block_rows].numpy())
+    # the context matters: without it (a block at position 0) the logits differ
+    with torch.no_grad():
+        blind, _ = T.draft_block_logits(draft, target, feats, tokens, torch.tensor([[0]]), cfg, lengths)
+    assert not np.allclose(blind[0, 1:block_rows].numpy(), ours[1:], atol=1e-2)
+
+
+# ----------------------------------------------------------------------------- lossless + accepted
+
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    """Target-only greedy tokens for the text and the image prompt."""
+    with engine_mod.load(TARGET, mmproj=MMPROJ, n_threads=N_THREADS) as eng:
+        text = eng.generate(PROMPT, max_tokens=MAX_TOKENS).tokens
+        image = eng.generate(IMAGE_PROMPT, images=[np.zeros((672, 672, 3), np.uint8)], max_tokens=MAX_TOKENS,
+                             cache_prompt=False).tokens
+    assert len(text) >= MAX_TOKENS // 2 and len(image) >= MAX_TOKENS // 2  # no early end of generation
+    return {"text": text, "image": image}
+
+
+@pytest.mark.parametrize("draft_positions", ["target", "sequential"])
+@pytest.mark.parametrize("kind", ["text", "image"])
+def test_trained_draft_is_lossless_and_accepted(baseline, kind, draft_positions):
+    with engine_mod.load(TARGET, mmproj=MMPROJ, draft=DRAFT, n_threads=N_THREADS, draft_max=7,
+                         draft_positions=draft_positions) as eng:
+        if kind == "text":
+            res = eng.generate(PROMPT, max_tokens=MAX_TOKENS)
+        else:
+            res = eng.generate(IMAGE_PROMPT, images=[np.zeros((672, 672, 3), np.uint8)], max_tokens=MAX_TOKENS)
+    assert res.tokens == baseline[kind]
+    s = res.stats
+    assert s.drafted > 0 and s.accepted > 0, s.as_dict()
+    assert s.mean_accepted_length > 1.2, s.as_dict()
+
+
+def test_committed_files_are_small_and_documented():
+    for f in (TARGET, DRAFT, MMPROJ):
+        assert f.stat().st_size < 2_000_000, f
+    readme = (MODELS / "README.md").read_text()
+    assert "tools/train_tiny_pair.py" in readme and "--seed" in readme
+
+
+def test_blocks_at_the_token_count_lose_the_context_after_an_image():
+    """The old placement (draft block at the row count, 552 rows past the image's 24 positions, so
+    outside the draft's window) stays lossless but accepts less than blocks at the target's position."""
+    image = [np.zeros((672, 672, 3), np.uint8)]
+    with engine_mod.load(TARGET, mmproj=MMPROJ, n_threads=N_THREADS) as eng:
+        reference = eng.generate(GAP_PROMPT, images=image, max_tokens=MAX_TOKENS).tokens
+    accepted = {}
+    for old in (False, True):
+        with engine_mod.load(TARGET, mmproj=MMPROJ, draft=DRAFT, n_threads=N_THREADS, draft_max=7) as eng:
+            eng.drafter._block_at_row_count = old
+            res = eng.generate(GAP_PROMPT, images=image, max_tokens=MAX_TOKENS)
+        assert res.tokens == reference
+        accepted[old] = res.stats.mean_accepted_length
+    assert accepted[False] > accepted[True], accepted

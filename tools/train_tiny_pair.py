@@ -1,0 +1,775 @@
+#!/usr/bin/env python3
+"""Train a tiny M-RoPE target (``hunyuan_vl``) and a DFlash draft for it, and export both to GGUF.
+
+Not part of the installed package: PyTorch (CPU) is used here for training only.
+
+    pip install torch==2.13.0
+    python tools/train_tiny_pair.py --seed 0 --out tests/models
+
+Corpus: the Python standard library's own top-level sources (``<stdlib>/*.py``, sorted by
+name; every 10th file is held out for evaluation), tokenized with the package's tiny
+byte-level tokenizer *through llama.cpp* (so training sees exactly the tokens inference sees).
+
+The PyTorch modules below mirror, operation for operation, the graphs the pinned llama.cpp
+builds (``src/models/hunyuan-vl.cpp`` and ``src/models/dflash.cpp``):
+
+target (hunyuan_vl, text positions (p, p, p, 0): M-RoPE with sections [2, 3, 3, 0] equals NeoX rope)
+    x = tok_embd[t]; per layer: layer_inp[l] = x;
+    h = rms(x) * attn_norm; q, k, v = h Wq, h Wk, h Wv (per head);
+    q = rms(rope(q)) * q_norm; k = rms(rope(k)) * k_norm   (rope BEFORE the q/k norms here)
+    x = x + Wo attn_causal(q, k, v);  x = x + Wdown(silu(Wgate h') * Wup h'), h' = rms(x) * ffn_norm
+    logits = output(rms(x) * output_norm)
+
+draft (dflash, non-causal, sliding window W, temporal-only rope sections [8, 0, 0, 0] == NeoX)
+    context rows (injected features f = concat(layer_inp[l] for l in target_layers)):
+        g = rms(fc f) * enc.output_norm; per layer K = rope(rms(g Wk) * k_norm), V = g Wv  -> cache
+    block rows [id_last, mask x (B - 1)] at positions a .. a + B - 1:
+        x = target tok_embd[t]; per layer: h = rms(x) * attn_norm;
+        q = rope(rms(h Wq) * q_norm), k = rope(rms(h Wk) * k_norm), v = h Wv   (rope AFTER the norms)
+        attention over (cache context rows at positions < a) + (all block rows), key at position c
+        visible to a query at position p iff p - c < W;  then FFN as the target; logits through the
+        target's output head on rms(x) * output_norm.  Row i >= 1 predicts the token at a + i.
+
+Training objective of the draft (DFlash): anchors a in a sequence; context = target features
+at positions < a; labels of block row i = the target's greedy choice at position a + i
+(teacher-forced on the corpus text), i.e. distillation from the target.  Block lengths are drawn
+from ``BLOCK_LENGTHS`` (the engine decodes [id_last, mask x draft_max], so a shorter block has
+fewer non-causal neighbours); the rows of a block and its context are masked exactly as
+llama.cpp masks them (``draft_mask``).  Many anchors share one pass over a sequence.
+
+``load_pair`` reads the GGUF files back into these modules (tests/test_trained_pair.py checks
+parity with llama.cpp; set ``EMULATE_F16_KV`` there to mimic llama.cpp's F16 KV cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import struct
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from pyllama_spec import tiny  # noqa: E402
+from pyllama_spec.gguf_writer import GGUFWriter, ValueType  # noqa: E402
+
+CORPUS_GLOB = "/root/.pyenv/versions/3.11.7/lib/python3.11/*.py"
+HELD_OUT_EVERY = 10  # sorted file index % 10 == 0 -> held out
+
+# geometry fixed by the package's tiny writer: 4 query heads x 16, 2 KV heads
+N_EMBD, N_HEAD, N_HEAD_KV, HEAD_DIM = 64, 4, 2, 16
+N_VOCAB = tiny.N_VOCAB
+EPS = 1e-6
+ROPE_BASE = 10000.0
+TARGET_ROPE_SECTIONS = [2, 3, 3, 0]
+DRAFT_ROPE_SECTIONS = [HEAD_DIM // 2, 0, 0, 0]
+
+
+@dataclass
+class PairConfig:
+    target_n_layer: int = 4
+    target_n_ff: int = 256
+    draft_n_layer: int = 2
+    draft_n_ff: int = 256
+    target_layers: tuple = (1, 2, 3)  # GGUF values: indices of target layer inputs
+    block_size: int = 16
+    sliding_window: int = 32
+
+
+# ----------------------------------------------------------------------------- torch modules
+# (imported lazily so that the GGUF reader / writers work without torch)
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def rms_norm(x, w=None):
+    torch = _torch()
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS)
+    return y if w is None else y * w
+
+
+def rope_neox(x, pos):
+    """ggml NeoX rope (== M-RoPE for text positions): x [..., T, H, D], pos [T] (int)."""
+    torch = _torch()
+    d = x.shape[-1]
+    half = d // 2
+    if EMULATE_F16_KV:  # ggml: theta = p, then theta *= base^(-2/d) per pair, in float32
+        scale = np.float32(ROPE_BASE) ** np.float32(-2.0 / d)
+        th = [pos.detach().cpu().numpy().astype(np.float32)]
+        for _ in range(half - 1):
+            th.append((th[-1] * scale).astype(np.float32))
+        ang = torch.from_numpy(np.stack(th, axis=1))
+    else:
+        inv = ROPE_BASE ** (-2.0 * torch.arange(half, dtype=torch.float64) / d)
+        ang = pos.to(torch.float64)[:, None] * inv[None, :]  # [T, half]
+    cos = torch.cos(ang).to(x.dtype)[:, None, :]  # [T, 1, half]
+    sin = torch.sin(ang).to(x.dtype)[:, None, :]
+    x0, x1 = x[..., :half], x[..., half:]
+    return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+
+
+# Parity tests set this: emulate llama.cpp's CPU attention numerics without flash attention
+# (an F16 KV cache; ggml converts q and the softmax probabilities to F16 for the two mat-muls).
+EMULATE_F16_KV = False
+
+
+def _f16(x):
+    return x.half().float() if EMULATE_F16_KV else x
+
+
+def attention(q, k, v, mask):
+    """q [B, Tq, H, D], k/v [B, Tk, Hkv, D], mask [B or 1, Tq, Tk] bool (True = visible)."""
+    torch = _torch()
+    q, k, v = _f16(q), _f16(k), _f16(v)
+    rep = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(rep, dim=2)
+    v = v.repeat_interleave(rep, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~mask[:, None], float("-inf"))
+    p = _f16(torch.softmax(s, dim=-1))
+    return torch.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def _layer_params(n_ff: int):
+    torch = _torch()
+    nn = torch.nn
+    return nn.ParameterDict(dict(
+        attn_norm=nn.Parameter(torch.ones(N_EMBD)),
+        wq=nn.Parameter(torch.randn(N_HEAD * HEAD_DIM, N_EMBD) / math.sqrt(N_EMBD)),
+        wk=nn.Parameter(torch.randn(N_HEAD_KV * HEAD_DIM, N_EMBD) / math.sqrt(N_EMBD)),
+        wv=nn.Parameter(torch.randn(N_HEAD_KV * HEAD_DIM, N_EMBD) / math.sqrt(N_EMBD)),
+        wo=nn.Parameter(torch.randn(N_EMBD, N_HEAD * HEAD_DIM) / math.sqrt(N_EMBD) * 0.5),
+        q_norm=nn.Parameter(torch.ones(HEAD_DIM)),
+        k_norm=nn.Parameter(torch.ones(HEAD_DIM)),
+        ffn_norm=nn.Parameter(torch.ones(N_EMBD)),
+        gate=nn.Parameter(torch.randn(n_ff, N_EMBD) / math.sqrt(N_EMBD)),
+        up=nn.Parameter(torch.randn(n_ff, N_EMBD) / math.sqrt(N_EMBD)),
+        down=nn.Parameter(torch.randn(N_EMBD, n_ff) / math.sqrt(n_ff) * 0.5),
+    ))
+
+
+def _ffn(L, x):
+    torch = _torch()
+    h = rms_norm(x, L["ffn_norm"])
+    return torch.nn.functional.linear(
+        torch.nn.functional.silu(torch.nn.functional.linear(h, L["gate"])) * torch.nn.functional.linear(h, L["up"]),
+        L["down"])
+
+
+def make_target(cfg: PairConfig):
+    torch = _torch()
+    nn = torch.nn
+    F = torch.nn.functional
+
+    class TinyTarget(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cfg = cfg
+            self.tok_embd = nn.Parameter(torch.randn(N_VOCAB, N_EMBD))
+            self.output = nn.Parameter(torch.randn(N_VOCAB, N_EMBD) / math.sqrt(N_EMBD))
+            self.output_norm = nn.Parameter(torch.ones(N_EMBD))
+            self.layers = nn.ModuleList([_layer_params(cfg.target_n_ff) for _ in range(cfg.target_n_layer)])
+
+        def forward(self, tokens, pos=None, *, layer_ids=()):
+            """tokens [B, T] -> logits [B, T, V], {lid: layer input [B, T, n_embd]}."""
+            B, T = tokens.shape
+            pos = torch.arange(T) if pos is None else pos
+            x = self.tok_embd[tokens]
+            causal = torch.ones(T, T, dtype=torch.bool).tril()[None]
+            feats = {}
+            for il, L in enumerate(self.layers):
+                if il in layer_ids:
+                    feats[il] = x
+                h = rms_norm(x, L["attn_norm"])
+                q = F.linear(h, L["wq"]).view(B, T, N_HEAD, HEAD_DIM)
+                k = F.linear(h, L["wk"]).view(B, T, N_HEAD_KV, HEAD_DIM)
+                v = F.linear(h, L["wv"]).view(B, T, N_HEAD_KV, HEAD_DIM)
+                q = rms_norm(rope_neox(q, pos), L["q_norm"])
+                k = rms_norm(rope_neox(k, pos), L["k_norm"])
+                a = attention(q, k, v, causal).reshape(B, T, N_HEAD * HEAD_DIM)
+                x = x + F.linear(a, L["wo"])
+                x = x + _ffn(L, x)
+            logits = F.linear(rms_norm(x, self.output_norm), self.output)
+            return logits, feats
+
+    return TinyTarget()
+
+
+def make_draft(cfg: PairConfig):
+    torch = _torch()
+    nn = torch.nn
+    F = torch.nn.functional
+
+    class TinyDraft(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cfg = cfg
+            n_in = len(cfg.target_layers) * N_EMBD
+            self.fc = nn.Parameter(torch.randn(N_EMBD, n_in) / math.sqrt(n_in))
+            self.enc_norm = nn.Parameter(torch.ones(N_EMBD))
+            self.output_norm = nn.Parameter(torch.ones(N_EMBD))
+            self.layers = nn.ModuleList([_layer_params(cfg.draft_n_ff) for _ in range(cfg.draft_n_layer)])
+
+        def context_kv(self, feats, ctx_pos):
+            """feats [B, Tc, n_in] at positions ctx_pos [Tc] -> per layer (K, V) as the draft cache holds them."""
+            B, Tc, _ = feats.shape
+            g = rms_norm(F.linear(feats, self.fc), self.enc_norm)
+            out = []
+            for L in self.layers:
+                k = F.linear(g, L["wk"]).view(B, Tc, N_HEAD_KV, HEAD_DIM)
+                k = rope_neox(rms_norm(k, L["k_norm"]), ctx_pos)
+                v = F.linear(g, L["wv"]).view(B, Tc, N_HEAD_KV, HEAD_DIM)
+                out.append((k, v))
+            return out
+
+        def forward(self, block_tokens, block_pos, ctx_kv, mask, tok_embd, output):
+            """block_tokens [B, Tq] at positions block_pos [Tq]; mask [B, Tq, Tc + Tq] (True = visible)."""
+            B, Tq = block_tokens.shape
+            x = tok_embd[block_tokens]
+            for L, (kc, vc) in zip(self.layers, ctx_kv):
+                h = rms_norm(x, L["attn_norm"])
+                q = rope_neox(rms_norm(F.linear(h, L["wq"]).view(B, Tq, N_HEAD, HEAD_DIM), L["q_norm"]), block_pos)
+                k = rope_neox(rms_norm(F.linear(h, L["wk"]).view(B, Tq, N_HEAD_KV, HEAD_DIM), L["k_norm"]), block_pos)
+                v = F.linear(h, L["wv"]).view(B, Tq, N_HEAD_KV, HEAD_DIM)
+                a = attention(q, torch.cat([kc, k], 1), torch.cat([vc, v], 1), mask)
+                x = x + F.linear(a.reshape(B, Tq, N_HEAD * HEAD_DIM), L["wo"])
+                x = x + _ffn(L, x)
+            return F.linear(rms_norm(x, self.output_norm), output)
+
+    return TinyDraft()
+
+
+def draft_mask(anchors, block_size: int, n_ctx: int, window: int, lengths=None):
+    """Visibility [B, nb*block, n_ctx + nb*block] for blocks at anchors [B, nb] over a context of
+    n_ctx rows at positions 0..n_ctx-1, exactly as llama.cpp masks a non-causal SWA draft.
+    ``lengths`` [B, nb] (optional): a block of length L has only its first L rows (the engine
+    decodes [id_last, mask x draft_max]); the rows after them are hidden as keys."""
+    torch = _torch()
+    B, nb = anchors.shape
+    i = torch.arange(block_size)
+    qpos = (anchors[:, :, None] + i).reshape(B, nb * block_size)  # [B, Q]
+    qanc = anchors[:, :, None].expand(B, nb, block_size).reshape(B, nb * block_size)
+    c = torch.arange(n_ctx)
+    ctx_vis = (c[None, None, :] < qanc[:, :, None]) & (qpos[:, :, None] - c[None, None, :] < window)
+    blk = torch.arange(nb).repeat_interleave(block_size)
+    kpos = qpos  # block keys
+    blk_vis = (blk[:, None] == blk[None, :])[None] & (qpos[:, :, None] - kpos[:, None, :] < window)
+    if lengths is not None:
+        blk_vis = blk_vis & (i.repeat(nb)[None, :] < lengths.repeat_interleave(block_size, dim=1))[:, None, :]
+    return torch.cat([ctx_vis, blk_vis], dim=2), qpos
+
+
+def draft_block_logits(draft, target, feats_all, tokens, anchors, cfg: PairConfig, lengths=None):
+    """Draft logits [B, nb*block, V] for blocks [tokens[a], mask...] at each anchor a (context: feats < a)."""
+    torch = _torch()
+    B, T = tokens.shape
+    nb, bs = anchors.shape[1], cfg.block_size
+    mask, qpos = draft_mask(anchors, bs, T, cfg.sliding_window, lengths)
+    ctx_kv = draft.context_kv(feats_all, torch.arange(T))
+    blk = torch.full((B, nb, bs), tiny.MASK_TOKEN_ID, dtype=torch.long)
+    blk[:, :, 0] = torch.gather(tokens, 1, anchors)
+    # positions differ per batch row: rope per row (loop over B keeps the modules simple)
+    outs = []
+    for b in range(B):
+        kv_b = [(k[b:b + 1], v[b:b + 1]) for k, v in ctx_kv]
+        outs.append(draft(blk[b:b + 1].reshape(1, nb * bs), qpos[b], kv_b, mask[b:b + 1],
+                          target.tok_embd, target.output))
+    return torch.cat(outs, 0), qpos
+
+
+# ----------------------------------------------------------------------------- GGUF export / import
+
+def _np(p) -> np.ndarray:
+    return p.detach().cpu().numpy().astype(np.float32)
+
+
+def _add_hparams(w: GGUFWriter, arch: str, n_layer: int, n_ff: int, sections: list[int]) -> None:
+    w.add_string("general.architecture", arch)
+    w.add_uint32(f"{arch}.context_length", 4096)
+    w.add_uint32(f"{arch}.embedding_length", N_EMBD)
+    w.add_uint32(f"{arch}.block_count", n_layer)
+    w.add_uint32(f"{arch}.feed_forward_length", n_ff)
+    w.add_uint32(f"{arch}.attention.head_count", N_HEAD)
+    w.add_uint32(f"{arch}.attention.head_count_kv", N_HEAD_KV)
+    w.add_uint32(f"{arch}.attention.key_length", HEAD_DIM)
+    w.add_uint32(f"{arch}.attention.value_length", HEAD_DIM)
+    w.add_uint32(f"{arch}.rope.dimension_count", HEAD_DIM)
+    w.add_float32(f"{arch}.rope.freq_base", ROPE_BASE)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", EPS)
+    w.add_array(f"{arch}.rope.dimension_sections", ValueType.INT32, sections)
+
+
+_LAYER_TENSORS = [("attn_norm", "attn_norm"), ("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"),
+                  ("wo", "attn_output"), ("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm"),
+                  ("ffn_norm", "ffn_norm"), ("gate", "ffn_gate"), ("up", "ffn_up"), ("down", "ffn_down")]
+
+
+def write_target_gguf(path, params: dict, cfg: PairConfig, name: str = "trained-tiny-hunyuan_vl") -> Path:
+    """params: numpy arrays keyed as the torch module's state_dict."""
+    w = GGUFWriter()
+    _add_hparams(w, "hunyuan_vl", cfg.target_n_layer, cfg.target_n_ff, TARGET_ROPE_SECTIONS)
+    w.add_string("general.name", name)
+    tiny._add_tokenizer(w)
+    w.add_tensor("token_embd.weight", params["tok_embd"])
+    w.add_tensor("output_norm.weight", params["output_norm"])
+    w.add_tensor("output.weight", params["output"])
+    for i in range(cfg.target_n_layer):
+        for k, t in _LAYER_TENSORS:
+            w.add_tensor(f"blk.{i}.{t}.weight", params[f"layers.{i}.{k}"])
+    path = Path(path)
+    w.write(path)
+    return path
+
+
+def write_draft_gguf(path, params: dict, cfg: PairConfig, name: str = "trained-tiny-dflash") -> Path:
+    w = GGUFWriter()
+    _add_hparams(w, "dflash", cfg.draft_n_layer, cfg.draft_n_ff, DRAFT_ROPE_SECTIONS)
+    w.add_string("general.name", name)
+    w.add_array("dflash.target_layers", ValueType.INT32, list(cfg.target_layers))
+    w.add_uint32("dflash.block_size", cfg.block_size)
+    w.add_uint32("dflash.attention.sliding_window", cfg.sliding_window)
+    w.add_array("dflash.attention.sliding_window_pattern", ValueType.BOOL, [True] * cfg.draft_n_layer)
+    tiny._add_tokenizer(w, with_mask_id=True)
+    w.add_tensor("fc.weight", params["fc"])
+    w.add_tensor("enc.output_norm.weight", params["enc_norm"])
+    w.add_tensor("output_norm.weight", params["output_norm"])
+    for i in range(cfg.draft_n_layer):
+        for k, t in _LAYER_TENSORS:
+            w.add_tensor(f"blk.{i}.{t}.weight", params[f"layers.{i}.{k}"])
+    path = Path(path)
+    w.write(path)
+    return path
+
+
+def read_gguf_tensors(path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(metadata, {name: float32 array in numpy shape}) of an F32/F16 GGUF file."""
+    from pyllama_spec.gguf_writer import read_gguf_metadata
+
+    meta = read_gguf_metadata(path, with_tensors=True)
+    infos = meta.pop("__tensors__")
+    align = int(meta.get("general.alignment", 32))
+    raw = Path(path).read_bytes()
+    # re-walk the header to find where the tensor infos end
+    with open(path, "rb") as f:
+        from pyllama_spec.gguf_writer import _read_value
+
+        f.read(4)
+        _, n_tensors, n_kv = struct.unpack("<IQQ", f.read(20))
+        for _ in range(n_kv):
+            _read_value(f, ValueType.STRING)
+            (vt,) = struct.unpack("<I", f.read(4))
+            _read_value(f, vt)
+        offsets = {}
+        for _ in range(n_tensors):
+            name = _read_value(f, ValueType.STRING)
+            (nd,) = struct.unpack("<I", f.read(4))
+            f.read(8 * nd)
+            _, off = struct.unpack("<IQ", f.read(12))
+            offsets[name] = off
+        start = f.tell()
+    start = (start + align - 1) // align * align
+    out = {}
+    for name, (dims, gtype) in infos.items():
+        dt = {0: np.float32, 1: np.float16}[gtype]
+        n = int(np.prod(dims))
+        a = np.frombuffer(raw, dtype=dt, count=n, offset=start + offsets[name])
+        out[name] = a.reshape(tuple(reversed(dims))).astype(np.float32)
+    return meta, out
+
+
+def _params_from_gguf(tensors: dict, n_layer: int, top: dict) -> dict:
+    p = {k: tensors[v] for k, v in top.items()}
+    for i in range(n_layer):
+        for k, t in _LAYER_TENSORS:
+            p[f"layers.{i}.{k}"] = tensors[f"blk.{i}.{t}.weight"]
+    return p
+
+
+def load_pair(target_path, draft_path=None):
+    """Torch modules (target, draft or None, cfg) holding the weights of GGUF files written here."""
+    torch = _torch()
+    tmeta, tt = read_gguf_tensors(target_path)
+    cfg = PairConfig(target_n_layer=int(tmeta["hunyuan_vl.block_count"]),
+                     target_n_ff=int(tmeta["hunyuan_vl.feed_forward_length"]))
+    dt = None
+    if draft_path is not None:
+        dmeta, dt = read_gguf_tensors(draft_path)
+        cfg.draft_n_layer = int(dmeta["dflash.block_count"])
+        cfg.draft_n_ff = int(dmeta["dflash.feed_forward_length"])
+        cfg.target_layers = tuple(int(x) for x in dmeta["dflash.target_layers"])
+        cfg.block_size = int(dmeta["dflash.block_size"])
+        cfg.sliding_window = int(dmeta["dflash.attention.sliding_window"])
+    target = make_target(cfg)
+    p = _params_from_gguf(tt, cfg.target_n_layer, dict(tok_embd="token_embd.weight", output="output.weight",
+                                                     output_norm="output_norm.weight"))
+    target.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in p.items()})
+    draft = None
+    if dt is not None:
+        draft = make_draft(cfg)
+        p = _params_from_gguf(dt, cfg.draft_n_layer, dict(fc="fc.weight", enc_norm="enc.output_norm.weight",
+                                                        output_norm="output_norm.weight"))
+        draft.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in p.items()})
+    return target.eval(), (draft.eval() if draft is not None else None), cfg
+
+
+# ----------------------------------------------------------------------------- corpus
+
+def corpus_files() -> tuple[list[str], list[str]]:
+    files = sorted(glob.glob(CORPUS_GLOB))
+    train = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY != 0]
+    held = [f for i, f in enumerate(files) if i % HELD_OUT_EVERY == 0]
+    return train, held
+
+
+def tokenize_files(files: list[str], tokenizer_gguf: Path) -> np.ndarray:
+    """Tokens of the files (each followed by a blank line), with llama.cpp's tokenizer."""
+    from pyllama_spec.llama import Model
+
+    out = []
+    with Model(tokenizer_gguf) as m:
+        for f in files:
+            text = Path(f).read_text(encoding="utf-8", errors="replace")
+            out.append(m.tokenize(text + "\n\n", add_special=False, parse_special=False).astype(np.int32))
+    return np.concatenate(out)
+
+
+def _tokenizer_only_gguf(folder: Path, cfg: PairConfig) -> Path:
+    torch = _torch()
+    torch.manual_seed(0)
+    t = make_target(cfg)
+    return write_target_gguf(folder / "tokenizer-probe.gguf", {k: _np(v) for k, v in t.state_dict().items()}, cfg)
+
+
+# ----------------------------------------------------------------------------- training
+
+def _batch(rng: np.random.Generator, toks: np.ndarray, batch: int, seq: int):
+    torch = _torch()
+    starts = rng.integers(0, len(toks) - seq - 1, size=batch)
+    return torch.from_numpy(np.stack([toks[s:s + seq] for s in starts]).astype(np.int64))
+
+
+def _lr(step: int, n: int, peak: float, warm: int = 50) -> float:
+    if step < warm:
+        return peak * (step + 1) / warm
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, n - warm)))))
+
+
+def train_target(target, toks, held, *, steps, seconds, batch, seq, seed, log):
+    torch = _torch()
+    F = torch.nn.functional
+    rng = np.random.default_rng(seed + 11)
+    opt = torch.optim.AdamW(target.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    t0, step, losses = time.time(), 0, []
+    for step in range(steps):
+        if time.time() - t0 > seconds:
+            log(f"target: time budget reached at step {step}")
+            break
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, steps, 3e-3)
+        x = _batch(rng, toks, batch, seq + 1)
+        logits, _ = target(x[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, N_VOCAB), x[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 100 == 0:
+            log(f"target step {step} loss {np.mean(losses[-100:]):.3f} ({time.time() - t0:.0f}s)")
+    return dict(steps=step + 1, seconds=round(time.time() - t0, 1), train_loss=float(np.mean(losses[-100:])),
+                held_out_loss=eval_target(target, held, seq, seed))
+
+
+def eval_target(target, toks, seq, seed, n=16):
+    torch = _torch()
+    F = torch.nn.functional
+    rng = np.random.default_rng(seed + 99)
+    with torch.no_grad():
+        x = _batch(rng, toks, n, seq + 1)
+        logits, _ = target(x[:, :-1])
+        return float(F.cross_entropy(logits.reshape(-1, N_VOCAB), x[:, 1:].reshape(-1)))
+
+
+BLOCK_LENGTHS = (4, 8, 16)  # rows of a drafted block: draft_max 3, 7 and 15 (+ id_last)
+
+
+def generate_greedy(target_gguf, toks: np.ndarray, n_seqs: int, prompt_len: int, gen_len: int, seed: int,
+                    log=print) -> np.ndarray:
+    """[n_seqs, prompt_len + gen_len] tokens: corpus prompts, each continued greedily by the target
+    (llama.cpp, the same model as the PyTorch one): the text the draft has to predict at run time."""
+    from pyllama_spec.llama import Context, Model
+
+    rng = np.random.default_rng(seed + 31)
+    out = np.zeros((n_seqs, prompt_len + gen_len), np.int32)
+    t0 = time.time()
+    with Model(target_gguf) as m, Context(m, n_ctx=prompt_len + gen_len + 16, n_batch=prompt_len,
+                                          n_ubatch=prompt_len, n_threads=1, flash_attn=False) as ctx:
+        last = np.zeros(prompt_len, bool)
+        last[-1] = True
+        for i in range(n_seqs):
+            s = int(rng.integers(0, len(toks) - prompt_len))
+            out[i, :prompt_len] = toks[s:s + prompt_len]
+            ctx.memory.clear()
+            ctx.decode_tokens(out[i, :prompt_len], np.arange(prompt_len), outputs=last)
+            for j in range(gen_len):
+                out[i, prompt_len + j] = t = int(np.argmax(ctx.logits(-1)))
+                if j + 1 < gen_len:
+                    ctx.decode_tokens([t], [prompt_len + j], outputs=True)
+            if i % 256 == 0:
+                log(f"greedy generations: {i}/{n_seqs} ({time.time() - t0:.0f}s)")
+    return out
+
+
+@dataclass
+class DraftData:
+    """Draft training sequences: corpus windows, and windows of the target's own greedy text."""
+
+    toks: np.ndarray
+    gen: np.ndarray | None = None
+    gen_share: float = 0.0
+
+    def sample(self, rng, batch: int, seq: int):
+        torch = _torch()
+        rows = []
+        for _ in range(batch):
+            if self.gen is not None and rng.random() < self.gen_share:
+                r = self.gen[int(rng.integers(0, len(self.gen)))]
+                o = int(rng.integers(0, len(r) - seq + 1))
+                rows.append(r[o:o + seq])
+            else:
+                s = int(rng.integers(0, len(self.toks) - seq - 1))
+                rows.append(self.toks[s:s + seq])
+        return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+def _draft_step_data(target, rng, data: DraftData, cfg, batch, seq, n_blocks, variable_length=False):
+    """Tokens, target features, anchors and labels (target greedy) for one draft batch."""
+    torch = _torch()
+    x = data.sample(rng, batch, seq)
+    with torch.no_grad():
+        logits, feats = target(x, layer_ids=cfg.target_layers)
+        greedy = logits.argmax(-1)  # greedy[t] = target's choice for position t + 1
+        f = torch.cat([feats[lid] for lid in cfg.target_layers], dim=-1)
+    bs = cfg.block_size
+    anchors = torch.from_numpy(np.sort(np.stack([rng.choice(np.arange(1, seq - bs + 1), n_blocks, replace=False)
+                                                 for _ in range(batch)]), axis=1)).long()
+    qpos = (anchors[:, :, None] + torch.arange(bs)).reshape(batch, -1)
+    labels = torch.gather(greedy, 1, (qpos - 1).clamp(min=0))  # label of row at position p: greedy[p - 1]
+    row = torch.arange(bs).repeat(n_blocks)[None].expand(batch, -1)
+    labels = labels.masked_fill(row == 0, -100)  # row 0 is the anchor itself
+    lengths = None
+    if variable_length:
+        lengths = torch.from_numpy(rng.choice([n for n in BLOCK_LENGTHS if n <= bs], (batch, n_blocks))).long()
+        labels = labels.masked_fill(row >= lengths.repeat_interleave(bs, dim=1), -100)
+    return x, f, anchors, labels, lengths
+
+
+def train_draft(draft, target, data: DraftData, held: dict, cfg, *, steps, seconds, batch, seq, n_blocks, seed,
+                log):
+    torch = _torch()
+    F = torch.nn.functional
+    rng = np.random.default_rng(seed + 23)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    t0, step, losses = time.time(), 0, []
+    for step in range(steps):
+        if time.time() - t0 > seconds:
+            log(f"draft: time budget reached at step {step}")
+            break
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, steps, 3e-3)
+        x, f, anchors, labels, lengths = _draft_step_data(target, rng, data, cfg, batch, seq, n_blocks,
+                                                          variable_length=True)
+        logits, _ = draft_block_logits(draft, target, f, x, anchors, cfg, lengths)
+        loss = F.cross_entropy(logits.reshape(-1, N_VOCAB), labels.reshape(-1), ignore_index=-100)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 50 == 0:
+            log(f"draft step {step} loss {np.mean(losses[-50:]):.3f} ({time.time() - t0:.0f}s)")
+    info = dict(steps=step + 1, seconds=round(time.time() - t0, 1), train_loss=float(np.mean(losses[-50:])))
+    for name, d in held.items():
+        info[name] = eval_draft(draft, target, d, cfg, seq, n_blocks, seed)
+    return info
+
+
+def eval_draft(draft, target, data: DraftData, cfg, seq, n_blocks, seed, batch=16):
+    """Held-out: draft loss, per-row agreement with the target's greedy choice, and the expected
+    accepted length of a full block (leading rows that all agree)."""
+    torch = _torch()
+    F = torch.nn.functional
+    rng = np.random.default_rng(seed + 77)
+    with torch.no_grad():
+        x, f, anchors, labels, _ = _draft_step_data(target, rng, data, cfg, batch, seq, n_blocks)
+        logits, _ = draft_block_logits(draft, target, f, x, anchors, cfg)
+        loss = F.cross_entropy(logits.reshape(-1, N_VOCAB), labels.reshape(-1), ignore_index=-100)
+        ok = (logits.argmax(-1) == labels).reshape(batch, n_blocks, cfg.block_size)[:, :, 1:].float()
+        run = ok.cumprod(-1).sum(-1)
+    return dict(loss=round(float(loss), 3), row_agreement=[round(float(a), 2) for a in ok.mean((0, 1))],
+                mean_accepted_full_block=round(float(run.mean()), 2))
+
+
+# ----------------------------------------------------------------------------- main
+
+README = """# Trained tiny target + DFlash draft
+
+Small GGUF files trained on CPU by `tools/train_tiny_pair.py` (PyTorch, training only), so that
+tests can show real draft acceptance (random weights accept nothing).
+
+* `trained-target.gguf`: `hunyuan_vl` (M-RoPE sections [2, 3, 3, 0]), {target_n_layer} layers, n_embd 64,
+  4 heads x 16 (2 KV heads), n_ff {target_n_ff}, the package's tiny byte-level tokenizer (`pyllama_spec.tiny`).
+* `trained-draft.gguf`: `dflash`, {draft_n_layer} layers, n_ff {draft_n_ff}, target_layers {target_layers},
+  block_size {block_size}, sliding window {sliding_window}, non-causal; borrows the target's token embedding
+  and output head.
+* `trained-mmproj.gguf`: `pyllama_spec.tiny.write_mmproj(seed={seed})` (random `qwen2vl_merger`
+  projector, untrained), so image prompts run.
+
+## Command
+
+```
+pip install torch==2.13.0
+python tools/train_tiny_pair.py {argv}
+```
+
+Seed {seed}; torch {torch_version}, {threads} thread(s). {capped}
+
+## Corpus
+
+`{corpus}` (Python {py}), sorted by name; every {every}th file (index % {every} == 0) held out:
+{n_train} training files ({n_train_tok} tokens), {n_held} held-out files ({n_held_tok} tokens).
+Tokens come from llama.cpp's tokenizer on these files (no special tokens).
+
+## Training
+
+* target: {t_steps} steps of batch {batch} x {seq} tokens, AdamW, {t_sec} s;
+  train loss {t_loss:.3f}, held-out loss {t_held:.3f} nats/token.
+* draft data: {gen_seqs} random {gen_prompt}-token corpus prompts, each continued greedily for {gen_len} tokens
+  by the trained target (llama.cpp); {gen_share} of the draft's training rows are windows of these,
+  the rest corpus windows.
+* draft (DFlash objective: blocks [anchor, mask x (L - 1)], L drawn from {lengths} (the engine's
+  draft_max + 1), at {n_blocks} anchors per sequence; context = target layer inputs {target_layers}
+  before the anchor through `fc` + `enc.output_norm`, SWA window {sliding_window}; labels = the target's
+  greedy choices): {d_steps} steps of batch {d_batch} x {d_seq}, {d_sec} s; train loss {d_loss:.3f}.
+  Held out, full blocks of {block_size}, teacher-forced (loss; agreement with the target per block row
+  1..{bm1}; mean leading rows all agreeing):
+  * corpus text: {ht[loss]}; {ht[row_agreement]}; {ht[mean_accepted_full_block]}
+  * the target's greedy continuations of held-out prompts: {hg[loss]}; {hg[row_agreement]};
+    {hg[mean_accepted_full_block]}
+
+Total wall time {total} s. Parity with llama.cpp: `tests/test_trained_pair.py`.
+"""
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--minutes", type=float, default=30.0,
+                    help="wall-clock cap for both trainings (a run stopped by it is not reproducible by --seed alone)")
+    ap.add_argument("--out", default="tests/models")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (1 or 2; 2 is much slower when anything else runs)")
+    ap.add_argument("--target-steps", type=int, default=2200)
+    ap.add_argument("--draft-steps", type=int, default=1500)
+    ap.add_argument("--batch", type=int, default=4, help="target batch (sequences)")
+    ap.add_argument("--seq", type=int, default=512, help="target sequence length (longest in-distribution context)")
+    ap.add_argument("--draft-batch", type=int, default=8)
+    ap.add_argument("--draft-seq", type=int, default=384, help="= --gen-prompt + --gen-len")
+    ap.add_argument("--draft-blocks", type=int, default=16, help="anchors per sequence in a draft batch")
+    ap.add_argument("--gen-prompt", type=int, default=256, help="corpus tokens before each greedy continuation")
+    ap.add_argument("--target-share", type=float, default=0.55, help="share of --minutes for the target")
+    ap.add_argument("--gen-seqs", type=int, default=1024,
+                    help="corpus prompts the target continues greedily (draft training data)")
+    ap.add_argument("--gen-len", type=int, default=128, help="greedy tokens per generated sequence")
+    ap.add_argument("--gen-share", type=float, default=0.75, help="share of draft training rows from them")
+    ap.add_argument("--target-from", default=None,
+                    help="development: load this trained target GGUF instead of training one")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(max(1, min(2, args.threads)))
+    torch.manual_seed(args.seed)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = PairConfig()
+    t_all = time.time()
+
+    def log(msg):
+        print(f"[{time.time() - t_all:6.0f}s] {msg}", flush=True)
+
+    train_files, held_files = corpus_files()
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = _tokenizer_only_gguf(Path(tmp), cfg)
+        toks = tokenize_files(train_files, probe)
+        held = tokenize_files(held_files, probe)
+    log(f"corpus: {len(train_files)} files / {len(toks)} tokens, held out {len(held_files)} / {len(held)}")
+
+    torch.manual_seed(args.seed)
+    budget = args.minutes * 60
+    if args.target_from:
+        target, _, _ = load_pair(args.target_from)
+        t_info = dict(steps=0, seconds=0.0, train_loss=float("nan"),
+                      held_out_loss=eval_target(target, held, args.seq, args.seed), loaded_from=args.target_from)
+    else:
+        target = make_target(cfg)
+        t_info = train_target(target, toks, held, steps=args.target_steps, seconds=budget * args.target_share,
+                              batch=args.batch, seq=args.seq, seed=args.seed, log=log)
+    log(f"target: {t_info}")
+    target.eval()
+    target_path = write_target_gguf(out / "trained-target.gguf",
+                                    {k: _np(v) for k, v in target.state_dict().items()}, cfg)
+
+    gen_prompt = args.gen_prompt
+    gen = generate_greedy(target_path, toks, args.gen_seqs, gen_prompt, args.gen_len, args.seed, log)
+    gen_held = generate_greedy(target_path, held, 64, gen_prompt, args.gen_len, args.seed + 1, log)
+    log(f"greedy data: {gen.shape} training, {gen_held.shape} held out")
+    data = DraftData(toks, gen, args.gen_share)
+    held_sets = {"held_out_text": DraftData(held), "held_out_greedy": DraftData(held, gen_held, 1.0)}
+
+    torch.manual_seed(args.seed + 1)
+    draft = make_draft(cfg)
+    d_info = train_draft(draft, target, data, held_sets, cfg, steps=args.draft_steps,
+                         seconds=max(60.0, budget - (time.time() - t_all)), batch=args.draft_batch,
+                         seq=args.draft_seq,
+                         n_blocks=args.draft_blocks, seed=args.seed, log=log)
+    log(f"draft: {d_info}")
+    write_draft_gguf(out / "trained-draft.gguf", {k: _np(v) for k, v in draft.state_dict().items()}, cfg)
+    tiny.write_mmproj(out / "trained-mmproj.gguf", target_n_embd=N_EMBD, seed=args.seed)
+
+    shown = " ".join(sys.argv[1:]) if argv is None else " ".join(argv)
+    log(json.dumps(dict(config=asdict(cfg), target=t_info, draft=d_info, seed=args.seed, args=vars(args))))
+    (out / "README.md").write_text(README.format(
+        **asdict(cfg), seed=args.seed, argv=shown, torch_version=torch.__version__, threads=torch.get_num_threads(),
+        corpus=CORPUS_GLOB, py=sys.version.split()[0], every=HELD_OUT_EVERY, n_train=len(train_files),
+        n_train_tok=len(toks), n_held=len(held_files), n_held_tok=len(held), t_steps=t_info["steps"],
+        batch=args.batch, seq=args.seq, t_sec=t_info["seconds"], t_loss=t_info["train_loss"],
+        t_held=t_info["held_out_loss"], bm1=cfg.block_size - 1, n_blocks=args.draft_blocks,
+        d_steps=d_info["steps"], d_sec=d_info["seconds"], d_loss=d_info["train_loss"],
+        gen_seqs=args.gen_seqs, gen_len=args.gen_len, gen_prompt=args.gen_prompt, d_batch=args.draft_batch,
+        d_seq=args.draft_seq, gen_share=args.gen_share,
+        ht=d_info["held_out_text"], hg=d_info["held_out_greedy"], total=round(time.time() - t_all),
+        lengths=list(BLOCK_LENGTHS), capped=("All steps ran (not stopped by --minutes). Training is deterministic for a seed, thread "
+                "count and machine (two runs of the target gave byte-identical files)." if t_info["steps"] == args.target_steps and d_info["steps"] == args.draft_steps
+                else "**Stopped by the --minutes cap**: step counts above are what ran.")))
+    log(f"wrote {out}/trained-target.gguf, trained-draft.gguf, trained-mmproj.gguf, README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
