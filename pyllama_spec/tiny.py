@@ -674,6 +674,14 @@ def _write_atomic(write, path: Path, **kwargs) -> None:
     os.replace(tmp, path)
 
 
+def _set_paths(folder: str | Path, prefix: str, arch: str, params: dict) -> "TinyModels":
+    """Where a cached set lives: file names carry a short hash of every parameter that made them."""
+    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    return TinyModels(*(folder / f"{prefix}-{arch}-{key}-{part}.gguf" for part in ("target", "mmproj", "draft")))
+
+
 def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, window: int | None = 32,
                   predictable: float = 0.5, n_layer: int = 4, target_layers: tuple[int, ...] = (1, 3),
                   block_size: int = 16, draft_n_layer: int = 1, dflash2: bool = False) -> TinyModels:
@@ -692,12 +700,7 @@ def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0
                   draft_n_layer=draft_n_layer)
     if dflash2:
         params["dflash2"] = True
-    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    models = TinyModels(target=folder / f"tiny-{arch}-{key}-target.gguf",
-                        mmproj=folder / f"tiny-{arch}-{key}-mmproj.gguf",
-                        draft=folder / f"tiny-{arch}-{key}-draft.gguf")
+    models = _set_paths(folder, "tiny", arch, params)
     # a qwen3vl target takes the qwen3vl_merger projector, with as many deepstack layers as it has
     deep = dict(n_deepstack=len(QWEN3VL_DEEPSTACK_LAYERS)) if arch == "qwen3vl" else {}
     proj = (dict(projector="qwen3vl_merger", deepstack_layers=QWEN3VL_DEEPSTACK_LAYERS) if arch == "qwen3vl"
@@ -761,12 +764,7 @@ def make_bench_set(folder: str | Path, *, n_embd: int = 1024, n_layer: int = 12,
     params = dict(v=GENERATOR_VERSION, kind="bench", arch=arch, seed=seed, window=window or 0,
                   predictable=float(predictable), n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, dtype=dtype,
                   target_layers=list(target_layers), block_size=block_size, draft_n_layer=draft_n_layer)
-    key = hashlib.sha256(json.dumps(params, sort_keys=True).encode()).hexdigest()[:10]
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    models = TinyModels(target=folder / f"bench-{arch}-{key}-target.gguf",
-                        mmproj=folder / f"bench-{arch}-{key}-mmproj.gguf",
-                        draft=folder / f"bench-{arch}-{key}-draft.gguf")
+    models = _set_paths(folder, "bench", arch, params)
     deep = dict(n_deepstack=len(QWEN3VL_DEEPSTACK_LAYERS)) if arch == "qwen3vl" else {}
     proj = (dict(projector="qwen3vl_merger", deepstack_layers=QWEN3VL_DEEPSTACK_LAYERS) if arch == "qwen3vl"
             else {})
