@@ -207,7 +207,7 @@ class Engine:
 
     # ------------------------------------------------------------------ prompt
     def _prompt_text(self, prompt, messages, images) -> tuple[str, list]:
-        image_list = as_list(images) if not isinstance(images, np.ndarray) else [images]
+        image_list = as_list(images)
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt= or messages=")
         if messages is not None:
@@ -251,8 +251,7 @@ class Engine:
         except GeneratorExit:
             raise  # the consumer stopped between two steps: the cache is consistent, keep it
         except BaseException:
-            self._cached = []  # a step stopped halfway: forget the cache, the next call starts clean
-            self._reset_sequence()
+            self._reset_sequence()  # a step stopped halfway: forget the cache, the next call starts clean
             raise
 
     def _generate_steps(self, parts, sampler, stats, max_tokens, stop, cache_prompt, progress, t0):

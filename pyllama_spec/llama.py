@@ -302,6 +302,7 @@ class Context(NativeHandle):
         self.role = role
         self._other = ctx_other  # keeps the borrowed context alive as long as this one
         self._borrowers: weakref.WeakSet[Context] = weakref.WeakSet()  # contexts whose ctx_other is this one
+        self._token_batch: Batch | None = None
         self._layer_inputs: set[int] = set()
         self._nextn = False
         self.last_decode_rows = 0  # rows of the last successful decode: what the output buffers hold
@@ -340,6 +341,8 @@ class Context(NativeHandle):
     def _free(self, ptr) -> None:
         for borrower in list(self._borrowers):  # a draft must not outlive the target it reads from
             borrower.close()
+        if self._token_batch is not None:
+            self._token_batch.close()
         lib.llama_free(ptr)
 
     @property
@@ -380,19 +383,21 @@ class Context(NativeHandle):
     def decode_tokens(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
                       *, outputs: Sequence[bool] | np.ndarray | bool = False, seq_id: int = 0) -> None:
         """Decode token rows at explicit positions (one batch, no row loop in Python)."""
-        from .batch import Batch
+        if self._token_batch is None:  # made once: this runs on every speculative step
+            from .batch import Batch
 
-        with Batch(self) as batch:
-            batch.add_tokens(tokens, positions, outputs=outputs, seq_id=seq_id)
-            self.decode(batch)
+            self._token_batch = Batch(self)
+        batch = self._token_batch
+        batch.clear()
+        batch.add_tokens(tokens, positions, outputs=outputs, seq_id=seq_id)
+        self.decode(batch)
 
     def logits(self, i: int = -1) -> np.ndarray:
         """Logits of output row i (negative counts from the last output), float32 [n_vocab]."""
         ptr = lib.llama_get_logits_ith(self.ptr, i)
         if ptr == ffi.NULL:
             raise NativeCallError("llama_get_logits_ith", None, f"{self.role} context has no logits for row {i}")
-        n = self.model.n_vocab if self._other is None else self._other.model.n_vocab
-        return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).copy()
+        return np.frombuffer(ffi.buffer(ptr, self._n_vocab_out * 4), dtype=np.float32).copy()
 
     def output_logits(self, n_outputs: int) -> np.ndarray:
         """Logits of the first n_outputs output rows of the last decode, float32 [n_outputs, n_vocab].
@@ -403,8 +408,13 @@ class Context(NativeHandle):
         ptr = lib.llama_get_logits(self.ptr)
         if ptr == ffi.NULL:
             raise NativeCallError("llama_get_logits", None, f"{self.role} context has no logits")
-        n = self.model.n_vocab if self._other is None else self._other.model.n_vocab
+        n = self._n_vocab_out
         return np.frombuffer(ffi.buffer(ptr, n_outputs * n * 4), dtype=np.float32).reshape(n_outputs, n)
+
+    @property
+    def _n_vocab_out(self) -> int:
+        """Width of a logits row: a draft borrows its output head (and vocabulary) from ctx_other."""
+        return (self._other or self).model.n_vocab
 
     def embeddings(self, i: int = -1) -> np.ndarray:
         ptr = lib.llama_get_embeddings_ith(self.ptr, i)

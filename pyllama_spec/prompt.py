@@ -76,8 +76,11 @@ def count_markers(text: str) -> int:
 
 
 def as_list(images: Iterable[Any] | None) -> list[Any]:
+    """One image (a path, bytes, a PIL image or an array) or several, as a list."""
+    import numpy as np
+
     if images is None:
         return []
-    if isinstance(images, (str, bytes)) or not hasattr(images, "__iter__"):
+    if isinstance(images, (str, bytes, np.ndarray)) or not hasattr(images, "__iter__"):
         return [images]
     return list(images)
