@@ -1,7 +1,8 @@
 """The trained tiny pair (tests/models, made by tools/train_tiny_pair.py).
 
 * parity: the PyTorch modules the pair was trained as give the same logits as llama.cpp
-  (target; draft block given the same injected target features), so acceptance numbers
+  (target, on text and after an image's M-RoPE rows; draft block given the same injected
+  target features, also at positions that jump as after a skipped image), so acceptance numbers
   measured with llama.cpp are those of the trained draft (skipped without torch);
 * speculative greedy output with the trained draft equals target-only output, and the draft is
   accepted, for a text prompt and after an image, in both ``draft_positions`` modes.
@@ -32,12 +33,12 @@ PROMPT = ('def read_config(path):\n    """Read a configuration file and return a
           '    result = {}\n    with open(path) as f:\n        for line in f:\n            line = line.strip()\n'
           '            if not line or line.startswith("#"):\n                continue\n')
 IMAGE_PROMPT = "<__media__>\n" + PROMPT
-# a held-out snippet (argparse.py) whose continuation the draft predicts partly: shows the context's effect
-GAP_PROMPT = ("<__media__>\n        return ' | '.join(self.option_strings)\n\n\nclass _StoreAction(Action):\n\n"
-              "    def __init__(self,\n                 option_strings,\n                 dest,\n"
-              "                 nargs=None,\n                 const=None,\n                 default=None,\n"
-              "                 type=None,\n                 choices=None,\n                 required=False,\n"
-              "                 help=None,\n                 metavar=None):\n  ")
+# a held-out snippet (optparse.py) whose continuation the draft predicts partly, not a run of
+# whitespace that any draft predicts: shows the context's effect
+GAP_PROMPT = ("<__media__>\n        # one short option and one long option, either of which\n"
+              "        # could be None.\n        opts = [opt for opt in opts if opt]\n        if not opts:\n"
+              "            raise TypeError(\"at least one option string must be supplied\")\n        return opts\n\n"
+              "    def _set_opt_strings(self, opts):\n        for ")
 
 BIG_BATCH = dict(CTX_KWARGS, n_batch=256, n_ubatch=256)  # the whole prompt in one batch
 
@@ -102,9 +103,61 @@ def test_target_parity_with_pytorch():
     assert float(nll) < 3.0
 
 
-# 50 context rows > the draft's 32-position window; 4 rows: a draft_max 3 block
-@pytest.mark.parametrize("n_ctx_rows,block_rows", [(20, 16), (50, 16), (50, 4)])
-def test_draft_block_parity_with_pytorch(n_ctx_rows, block_rows):
+def _image_prompt_through_llama_cpp(image: np.ndarray, text: str):
+    """Decode [<image>, text] with the trained target in llama.cpp: the rows as PyTorch's target
+    takes them (tokens, -1 on image rows; projector embeddings; M-RoPE positions [T, 4]) and
+    llama.cpp's logits and layer inputs for the text rows after the image."""
+    from pyllama_spec.mtmd import MEDIA_MARKER, Bitmap, Projector
+
+    with Model(TARGET) as m, Projector(MMPROJ, m, n_threads=N_THREADS) as proj, Context(m, **BIG_BATCH) as ctx:
+        ctx.enable_layer_inputs(range(1, m.n_layer))
+        chunks = proj.tokenize(MEDIA_MARKER + text, [Bitmap(image)])
+        assert [c.type for c in chunks] == ["text", "image", "text"]
+        pre, media, post = chunks[0].tokens, chunks[1], chunks[2].tokens
+        ctx.decode_tokens(pre, np.arange(len(pre)))
+        embd = proj.encode(media)
+        seen = []
+        pos = proj.decode_media(ctx, media, embd, len(pre), n_batch=BIG_BATCH["n_batch"],
+                                on_batch=lambda b: seen.append(b.positions.T.copy()))
+        # (t, h, w, e) as the helper decoded them: decoder_positions() (t, x, y, z), middle columns swapped
+        image_pos = media.decoder_positions(len(pre))[:, [0, 2, 1, 3]].astype(np.int64)
+        assert np.array_equal(np.concatenate(seen), image_pos)
+        n = len(post)
+        ctx.decode_tokens(post, pos + np.arange(n), outputs=True)
+        logits = ctx.output_logits(n).copy()
+        feats = {lid: ctx.layer_input(lid, n).copy() for lid in range(1, m.n_layer)}
+    n_img = len(image_pos)
+    text_pos = lambda p0, k: np.stack([p0 + np.arange(k)] * 3 + [np.zeros(k, np.int64)], axis=1)  # noqa: E731
+    rows = dict(tokens=np.concatenate([pre, np.full(n_img, -1), post]),
+                embd=np.concatenate([np.zeros((len(pre), embd.shape[1])), embd, np.zeros((n, embd.shape[1]))]),
+                pos=np.concatenate([text_pos(0, len(pre)), image_pos, text_pos(pos, n)]))
+    return rows, logits, feats, n
+
+
+@pytest.mark.parametrize("picture", ["black", "noise"])
+def test_target_parity_after_an_image(picture):
+    """M-RoPE image rows: PyTorch's target (as the training script feeds it images) gives
+    llama.cpp's logits and layer inputs for the text after a picture."""
+    T = _trainer()
+    torch = T._torch()
+    target, _, cfg = T.load_pair(TARGET)
+    image = (np.zeros((336, 448, 3), np.uint8) if picture == "black"
+             else np.random.default_rng(0).integers(0, 256, (336, 448, 3), dtype=np.uint8))
+    rows, ours, feats_cpp, n = _image_prompt_through_llama_cpp(image, PROMPT[:120])
+    with torch.no_grad():
+        logits, feats = target(torch.from_numpy(rows["tokens"].astype(np.int64))[None],
+                               torch.from_numpy(rows["pos"])[None], layer_ids=list(feats_cpp),
+                               embd=torch.from_numpy(rows["embd"].astype(np.float32))[None])
+    _close(ours, logits[0, -n:].numpy())
+    for lid, f in feats_cpp.items():
+        _close(f, feats[lid][0, -n:].numpy())
+
+
+# 50 context rows > the draft's 32-position window; 4 rows: a draft_max 3 block; gap: the
+# positions jump by that much halfway (text after a skipped image in "target" mode), so the
+# window holds fewer rows than positions, as the training script's image sequences assume
+@pytest.mark.parametrize("n_ctx_rows,block_rows,gap", [(20, 16, 0), (50, 16, 0), (50, 4, 0), (40, 16, 12)])
+def test_draft_block_parity_with_pytorch(n_ctx_rows, block_rows, gap):
     T = _trainer()
     torch = T._torch()
     target, draft, cfg = T.load_pair(TARGET, DRAFT)
@@ -124,23 +177,31 @@ def test_draft_block_parity_with_pytorch(n_ctx_rows, block_rows):
             dctx.enable_nextn(True, True)
             dctx.set_causal_attn(False)
             p = np.arange(n, dtype=np.int32)
+            p[n // 2:] += gap
             with Batch(dctx) as batch:
                 batch.add_embeddings(features, np.stack([p, p, p, np.zeros_like(p)], axis=1))
                 dctx.decode(batch)
             block = [id_last] + [d.mask_token] * (block_rows - 1)
-            dctx.decode_tokens(block, np.arange(n, n + block_rows), outputs=True)
+            a = int(p[-1]) + 1
+            dctx.decode_tokens(block, np.arange(a, a + block_rows), outputs=True)
             ours = dctx.output_logits(block_rows).copy()
 
     with torch.no_grad():
         feats = torch.from_numpy(np.concatenate([features, np.zeros_like(features[:1])]))[None]
         tokens = torch.from_numpy(np.append(toks, id_last).astype(np.int64))[None]
         lengths = torch.tensor([[block_rows]])
-        theirs, _ = T.draft_block_logits(draft, target, feats, tokens, torch.tensor([[n]]), cfg, lengths)
+        ctx_pos = torch.from_numpy(np.append(p, a).astype(np.int64))[None]
+        theirs, _ = T.draft_block_logits(draft, target, feats, tokens, torch.tensor([[n]]), cfg, lengths,
+                                         ctx_pos=ctx_pos)
     _close(ours, theirs[0, :block_rows].numpy())
     # the context matters: without it (a block at position 0) the logits differ
     with torch.no_grad():
         blind, _ = T.draft_block_logits(draft, target, feats, tokens, torch.tensor([[0]]), cfg, lengths)
     assert not np.allclose(blind[0, 1:block_rows].numpy(), ours[1:], atol=1e-2)
+    if gap:  # and the positions matter: the same rows at consecutive positions give other logits
+        with torch.no_grad():
+            packed, _ = T.draft_block_logits(draft, target, feats, tokens, torch.tensor([[n]]), cfg, lengths)
+        assert not np.allclose(packed[0, :block_rows].numpy(), ours, atol=1e-2)
 
 
 # ----------------------------------------------------------------------------- lossless + accepted

@@ -23,6 +23,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from pyllama_spec import engine as engine_mod  # noqa: E402
+from pyllama_spec.cli import draw_demo_image  # noqa: E402
 
 CORPUS_GLOB = "/root/.pyenv/versions/3.11.7/lib/python3.11/*.py"
 
@@ -41,13 +42,16 @@ def held_out_prompts(n: int, chars: int = 400) -> list[str]:
     return out
 
 
+TEMPERATURE = 0.0  # --temp: 0 is greedy; above it, prompt i samples with seed i (same in every run)
+
+
 def run(eng, prompts, max_tokens, image=None):
     agg = dict(drafted=0, accepted=0, target_steps=0, generated=0, decode_s=0.0)
     tokens = []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         kw = dict(images=[image]) if image is not None else {}
         r = eng.generate(("<__media__>\n" + p) if image is not None else p, max_tokens=max_tokens,
-                         cache_prompt=False, **kw)
+                         cache_prompt=False, temperature=TEMPERATURE, seed=i, **kw)
         s = r.stats
         agg["drafted"] += s.drafted
         agg["accepted"] += s.accepted
@@ -62,20 +66,34 @@ def run(eng, prompts, max_tokens, image=None):
     return res, tokens
 
 
+def run_checked(eng, prompts, max_tokens, refs: dict, key: str, image=None):
+    """run(), and whether its tokens equal the first run's under the same key (target-only goes first)."""
+    res, tokens = run(eng, prompts, max_tokens, image)
+    same = refs.setdefault(key, tokens) == tokens
+    return res, same
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=str(REPO / "tests" / "models"))
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--temp", type=float, default=0.0,
+                    help="sampling temperature (0: greedy); a tiny model's greedy text often settles into "
+                         "repeating whitespace, which any draft predicts")
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--readme", default=None,
                     help="replace the '## Measured' section of this README with a table of the results")
     args = ap.parse_args(argv)
+    global TEMPERATURE
+    TEMPERATURE = args.temp
     m = Path(args.models)
     target, draft, mmproj = m / "trained-target.gguf", m / "trained-draft.gguf", m / "trained-mmproj.gguf"
     prompts = held_out_prompts(args.prompts)
-    image = np.zeros((672, 672, 3), np.uint8)
+    # neither picture is in the training pool (tools/train_tiny_pair.py: image_pool): a flat one
+    # (576 identical image rows) and a drawn one (varied rows)
+    pictures = {"black": np.zeros((672, 672, 3), np.uint8), "test card": np.asarray(draw_demo_image(672))}
     rows = []
 
     def report(label, res, same):
@@ -84,39 +102,54 @@ def main(argv=None) -> int:
         rows.append(res)
         print(json.dumps(res), flush=True)
 
+    refs = {}
     with engine_mod.load(target, mmproj=mmproj, n_threads=args.threads) as eng:
-        base_text, ref_text = run(eng, prompts, args.max_tokens)
-        base_img, ref_img = run(eng, prompts, args.max_tokens, image)
-    report("text, target only", base_text, True)
-    report("image, target only", base_img, True)
+        report("text, target only", *run_checked(eng, prompts, args.max_tokens, refs, "text"))
+        for name, image in pictures.items():
+            report(f"image ({name}), target only", *run_checked(eng, prompts, args.max_tokens, refs, name, image))
     for dmax in (3, 7, 15):
         with engine_mod.load(target, mmproj=mmproj, draft=draft, n_threads=args.threads, draft_max=dmax) as eng:
-            res, toks = run(eng, prompts, args.max_tokens)
-        report(f"text, draft_max {dmax}", res, toks == ref_text)
-    for mode in ("target", "sequential"):
-        for old in (False, True):
-            with engine_mod.load(target, mmproj=mmproj, draft=draft, n_threads=args.threads, draft_max=7,
-                                 draft_positions=mode) as eng:
-                eng.drafter._block_at_row_count = old
-                res, toks = run(eng, prompts, args.max_tokens, image)
-            report(f"image, draft_max 7, draft_positions {mode}" + (", _block_at_row_count" if old else ""),
-                   res, toks == ref_img)
+            report(f"text, draft_max {dmax}", *run_checked(eng, prompts, args.max_tokens, refs, "text"))
+    for name, image in pictures.items():
+        for mode in ("target", "sequential"):
+            for old in (False, True):
+                with engine_mod.load(target, mmproj=mmproj, draft=draft, n_threads=args.threads, draft_max=7,
+                                     draft_positions=mode) as eng:
+                    eng.drafter._block_at_row_count = old
+                    res = run_checked(eng, prompts, args.max_tokens, refs, name, image)
+                report(f"image ({name}), draft_max 7, draft_positions {mode}"
+                       + (", _block_at_row_count" if old else ""), *res)
+    text7 = next(r for r in rows if r["case"] == "text, draft_max 7")["acceptance_rate"]
+    summary = []
+    for name in pictures:
+        best = max(r["acceptance_rate"] for r in rows
+                   if r["case"].startswith(f"image ({name}), draft_max 7") and "_block_at_row_count" not in r["case"])
+        summary.append(f"After an image ({name}), draft_max 7, better mode: acceptance {best:.3f} = "
+                       f"{best / text7 if text7 else 0.0:.2f}x text-only ({text7:.3f}).")
+        print(summary[-1], flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
     if args.readme:
+        # one "## Measured, <decoding>" section per decoding; a rerun replaces its own section
         readme = Path(args.readme)
-        head = readme.read_text().split("\n## Measured")[0].rstrip("\n")
+        decoding = "greedy" if not args.temp else f"temperature {args.temp}"
+        title = f"## Measured, {decoding}"
+        sections = readme.read_text().rstrip("\n").split("\n\n## ")
+        sections = [sections[0]] + ["## " + x for x in sections[1:] if not ("## " + x).startswith(title + "\n")]
         cmd = "python tools/measure_trained_pair.py " + " ".join(sys.argv[1:] if argv is None else argv)
-        lines = ["", "", "## Measured", "",
-                 f"`{cmd}` ({len(prompts)} held-out prompts x {args.max_tokens} greedy tokens, "
-                 f"{args.threads} thread(s), CPU; an image = a black 672x672 picture, 576 image tokens, "
-                 "before the same prompt; `lossless`: tokens equal the target-only run).", "",
+        lines = [title, "",
+                 f"`{cmd}` ({len(prompts)} held-out prompts x {args.max_tokens} tokens, "
+                 f"{'greedy' if not args.temp else f'temperature {args.temp}, seed = prompt index'}, "
+                 f"{args.threads} thread(s), CPU; an image = a 672x672 picture, 576 image rows over 24 positions, "
+                 "before the same prompt: black, or the demo's test card (`pyllama_spec.cli.draw_demo_image`), "
+                 "neither in the training pool; `lossless`: tokens equal the target-only run).", "",
                  "| case | acceptance rate | mean accepted length | tokens/s | lossless |",
                  "|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['case']} | {r['acceptance_rate']:.3f} | {r['mean_accepted_length']:.2f} | "
                          f"{r['tokens_per_s']:.0f} | {r['lossless']} |")
-        readme.write_text(head + "\n".join(lines) + "\n")
+        lines += [""] + summary
+        readme.write_text("\n\n".join(sections + ["\n".join(lines)]) + "\n")
     return 0
 
 

@@ -13,8 +13,8 @@ byte-level tokenizer *through llama.cpp* (so training sees exactly the tokens in
 The PyTorch modules below mirror, operation for operation, the graphs the pinned llama.cpp
 builds (``src/models/hunyuan-vl.cpp`` and ``src/models/dflash.cpp``):
 
-target (hunyuan_vl, text positions (p, p, p, 0): M-RoPE with sections [2, 3, 3, 0] equals NeoX rope)
-    x = tok_embd[t]; per layer: layer_inp[l] = x;
+target (hunyuan_vl, M-RoPE sections [2, 3, 3, 0]; text positions (p, p, p, 0) turn as NeoX rope)
+    x = tok_embd[t] (an image row: the projector's embedding); per layer: layer_inp[l] = x;
     h = rms(x) * attn_norm; q, k, v = h Wq, h Wk, h Wv (per head);
     q = rms(rope(q)) * q_norm; k = rms(rope(k)) * k_norm   (rope BEFORE the q/k norms here)
     x = x + Wo attn_causal(q, k, v);  x = x + Wdown(silu(Wgate h') * Wup h'), h' = rms(x) * ffn_norm
@@ -30,9 +30,17 @@ draft (dflash, non-causal, sliding window W, temporal-only rope sections [8, 0, 
         visible to a query at position p iff p - c < W;  then FFN as the target; logits through the
         target's output head on rms(x) * output_norm.  Row i >= 1 predicts the token at a + i.
 
+Pictures: the target is trained, like a vision-language model, with a share of its batches
+starting with a picture (the tiny random projector's rows at their M-RoPE positions, computed by
+llama.cpp's mtmd), so that it reads text after an image as well as without one.
+
 Training objective of the draft (DFlash): anchors a in a sequence; context = target features
 at positions < a; labels of block row i = the target's greedy choice at position a + i
-(teacher-forced on the corpus text), i.e. distillation from the target.  Block lengths are drawn
+(teacher-forced on the corpus text), i.e. distillation from the target.  Half of its sequences
+follow a picture; their features come from llama.cpp's target (``generate_image_sequences``) and
+the draft holds them as the engine's ``draft_positions`` modes do: "target" (image rows skipped,
+positions jump by the image's n_pos) or "sequential" (image rows injected, consecutive
+positions).  Block lengths are drawn
 from ``BLOCK_LENGTHS`` (the engine decodes [id_last, mask x draft_max], so a shorter block has
 fewer non-causal neighbours); the rows of a block and its context are masked exactly as
 llama.cpp masks them (``draft_mask``).  Many anchors share one pass over a sequence.
@@ -101,22 +109,37 @@ def rms_norm(x, w=None):
     return y if w is None else y * w
 
 
-def rope_neox(x, pos):
-    """ggml NeoX rope (== M-RoPE for text positions): x [..., T, H, D], pos [T] (int)."""
+def _section_of_pair(half: int, sections) -> list[int]:
+    """ggml M-RoPE (not interleaved): rotation pair j turns by the position of section
+    0 (t), 1 (h), 2 (w) or 3 (e) by where j % sum(sections) falls among the sections."""
+    bounds = np.cumsum(sections)
+    return [int(np.searchsorted(bounds, j % int(bounds[-1]), side="right")) for j in range(half)]
+
+
+def rope_neox(x, pos, sections=None):
+    """ggml NeoX rope: x [..., T, H, D], pos [T] or [B, T] (int).  With ``sections``, ggml's
+    M-RoPE (``ggml_rope_multi``): pos [(B,) T, 4] holds each row's (t, h, w, e) positions; a
+    text row's (p, p, p, 0) turns exactly as NeoX rope at p."""
     torch = _torch()
     d = x.shape[-1]
     half = d // 2
-    if EMULATE_F16_KV:  # ggml: theta = p, then theta *= base^(-2/d) per pair, in float32
+    if sections is None:
+        pos = pos[..., None].expand(*pos.shape, 4)
+        sections = [half, 0, 0, 0]
+    sec = _section_of_pair(half, sections)
+    if EMULATE_F16_KV:  # ggml: theta = p per section, then theta *= base^(-2/d) per pair, in float32
         scale = np.float32(ROPE_BASE) ** np.float32(-2.0 / d)
-        th = [pos.detach().cpu().numpy().astype(np.float32)]
-        for _ in range(half - 1):
-            th.append((th[-1] * scale).astype(np.float32))
-        ang = torch.from_numpy(np.stack(th, axis=1))
+        th = pos.detach().cpu().numpy().astype(np.float32)  # [..., 4]
+        ang = []
+        for j in range(half):
+            ang.append(th[..., sec[j]])
+            th = (th * scale).astype(np.float32)
+        ang = torch.from_numpy(np.stack(ang, axis=-1))
     else:
         inv = ROPE_BASE ** (-2.0 * torch.arange(half, dtype=torch.float64) / d)
-        ang = pos.to(torch.float64)[:, None] * inv[None, :]  # [T, half]
-    cos = torch.cos(ang).to(x.dtype)[:, None, :]  # [T, 1, half]
-    sin = torch.sin(ang).to(x.dtype)[:, None, :]
+        ang = pos.to(torch.float64)[..., sec] * inv  # [(B,) T, half]
+    cos = torch.cos(ang).to(x.dtype)[..., None, :]  # [(B,) T, 1, half]
+    sin = torch.sin(ang).to(x.dtype)[..., None, :]
     x0, x1 = x[..., :half], x[..., half:]
     return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
 
@@ -183,11 +206,17 @@ def make_target(cfg: PairConfig):
             self.output_norm = nn.Parameter(torch.ones(N_EMBD))
             self.layers = nn.ModuleList([_layer_params(cfg.target_n_ff) for _ in range(cfg.target_n_layer)])
 
-        def forward(self, tokens, pos=None, *, layer_ids=()):
-            """tokens [B, T] -> logits [B, T, V], {lid: layer input [B, T, n_embd]}."""
+        def forward(self, tokens, pos=None, *, layer_ids=(), embd=None):
+            """tokens [B, T] -> logits [B, T, V], {lid: layer input [B, T, n_embd]}.
+
+            With an image: ``embd`` [B, T, n_embd] holds the projector's rows where tokens < 0,
+            and ``pos`` [B, T, 4] every row's M-RoPE positions (text rows (p, p, p, 0))."""
             B, T = tokens.shape
             pos = torch.arange(T) if pos is None else pos
-            x = self.tok_embd[tokens]
+            sections = TARGET_ROPE_SECTIONS if pos.shape[-1] == 4 and pos.ndim == 3 else None
+            x = self.tok_embd[tokens.clamp(min=0)]
+            if embd is not None:
+                x = torch.where((tokens < 0)[..., None], embd, x)
             causal = torch.ones(T, T, dtype=torch.bool).tril()[None]
             feats = {}
             for il, L in enumerate(self.layers):
@@ -197,8 +226,8 @@ def make_target(cfg: PairConfig):
                 q = F.linear(h, L["wq"]).view(B, T, N_HEAD, HEAD_DIM)
                 k = F.linear(h, L["wk"]).view(B, T, N_HEAD_KV, HEAD_DIM)
                 v = F.linear(h, L["wv"]).view(B, T, N_HEAD_KV, HEAD_DIM)
-                q = rms_norm(rope_neox(q, pos), L["q_norm"])
-                k = rms_norm(rope_neox(k, pos), L["k_norm"])
+                q = rms_norm(rope_neox(q, pos, sections), L["q_norm"])
+                k = rms_norm(rope_neox(k, pos, sections), L["k_norm"])
                 a = attention(q, k, v, causal).reshape(B, T, N_HEAD * HEAD_DIM)
                 x = x + F.linear(a, L["wo"])
                 x = x + _ffn(L, x)
@@ -224,7 +253,8 @@ def make_draft(cfg: PairConfig):
             self.layers = nn.ModuleList([_layer_params(cfg.draft_n_ff) for _ in range(cfg.draft_n_layer)])
 
         def context_kv(self, feats, ctx_pos):
-            """feats [B, Tc, n_in] at positions ctx_pos [Tc] -> per layer (K, V) as the draft cache holds them."""
+            """feats [B, Tc, n_in] at positions ctx_pos [Tc] or [B, Tc] -> per layer (K, V) as the
+            draft cache holds them."""
             B, Tc, _ = feats.shape
             g = rms_norm(F.linear(feats, self.fc), self.enc_norm)
             out = []
@@ -252,18 +282,22 @@ def make_draft(cfg: PairConfig):
     return TinyDraft()
 
 
-def draft_mask(anchors, block_size: int, n_ctx: int, window: int, lengths=None):
-    """Visibility [B, nb*block, n_ctx + nb*block] for blocks at anchors [B, nb] over a context of
-    n_ctx rows at positions 0..n_ctx-1, exactly as llama.cpp masks a non-causal SWA draft.
-    ``lengths`` [B, nb] (optional): a block of length L has only its first L rows (the engine
-    decodes [id_last, mask x draft_max]); the rows after them are hidden as keys."""
+def draft_mask(anchors, block_size: int, ctx_pos, window: int, lengths=None):
+    """Visibility [B, nb*block, Tc + nb*block] and block positions [B, nb*block] for blocks at
+    anchors [B, nb] (row indices into the context) over context rows at positions ctx_pos [B, Tc],
+    exactly as llama.cpp masks a non-causal SWA draft: a block at anchor row a starts at position
+    ctx_pos[a] and sees the context rows before a (the rows its draft cache holds) whose position
+    is within the window.  ``lengths`` [B, nb] (optional): a block of length L has only its first
+    L rows (the engine decodes [id_last, mask x draft_max]); the rows after them are hidden as keys."""
     torch = _torch()
     B, nb = anchors.shape
+    Tc = ctx_pos.shape[1]
     i = torch.arange(block_size)
-    qpos = (anchors[:, :, None] + i).reshape(B, nb * block_size)  # [B, Q]
+    apos = torch.gather(ctx_pos, 1, anchors)  # [B, nb]
+    qpos = (apos[:, :, None] + i).reshape(B, nb * block_size)  # [B, Q]
     qanc = anchors[:, :, None].expand(B, nb, block_size).reshape(B, nb * block_size)
-    c = torch.arange(n_ctx)
-    ctx_vis = (c[None, None, :] < qanc[:, :, None]) & (qpos[:, :, None] - c[None, None, :] < window)
+    c = torch.arange(Tc)
+    ctx_vis = (c[None, None, :] < qanc[:, :, None]) & (qpos[:, :, None] - ctx_pos[:, None, :] < window)
     blk = torch.arange(nb).repeat_interleave(block_size)
     kpos = qpos  # block keys
     blk_vis = (blk[:, None] == blk[None, :])[None] & (qpos[:, :, None] - kpos[:, None, :] < window)
@@ -272,15 +306,19 @@ def draft_mask(anchors, block_size: int, n_ctx: int, window: int, lengths=None):
     return torch.cat([ctx_vis, blk_vis], dim=2), qpos
 
 
-def draft_block_logits(draft, target, feats_all, tokens, anchors, cfg: PairConfig, lengths=None):
-    """Draft logits [B, nb*block, V] for blocks [tokens[a], mask...] at each anchor a (context: feats < a)."""
+def draft_block_logits(draft, target, feats_all, tokens, anchors, cfg: PairConfig, lengths=None, ctx_pos=None):
+    """Draft logits [B, nb*block, V] for blocks [tokens[a], mask...] at each anchor row a
+    (context: the feature rows before a).  ctx_pos [B, T]: the rows' draft positions
+    (default 0..T-1; after an image they jump, see ImageSequences)."""
     torch = _torch()
     B, T = tokens.shape
     nb, bs = anchors.shape[1], cfg.block_size
-    mask, qpos = draft_mask(anchors, bs, T, cfg.sliding_window, lengths)
-    ctx_kv = draft.context_kv(feats_all, torch.arange(T))
+    if ctx_pos is None:
+        ctx_pos = torch.arange(T)[None].expand(B, T)
+    mask, qpos = draft_mask(anchors, bs, ctx_pos, cfg.sliding_window, lengths)
+    ctx_kv = draft.context_kv(feats_all, ctx_pos)
     blk = torch.full((B, nb, bs), tiny.MASK_TOKEN_ID, dtype=torch.long)
-    blk[:, :, 0] = torch.gather(tokens, 1, anchors)
+    blk[:, :, 0] = torch.gather(tokens.clamp(min=0), 1, anchors)
     # positions differ per batch row: rope per row (loop over B keeps the modules simple)
     outs = []
     for b in range(B):
@@ -467,10 +505,15 @@ def _lr(step: int, n: int, peak: float, warm: int = 50) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, n - warm)))))
 
 
-def train_target(target, toks, held, *, steps, seconds, batch, seq, seed, log):
+def train_target(target, toks, held, *, steps, seconds, batch, seq, seed, log, images=None, held_images=None,
+                 image_share=0.0, image_text=384):
+    """Next-token training on corpus windows; with ``images`` (EncodedImage), a share of the
+    batches puts a picture before the text, as a vision-language model is trained, so that the
+    target's text after an image is as good as without one (the loss is on text rows only)."""
     torch = _torch()
     F = torch.nn.functional
     rng = np.random.default_rng(seed + 11)
+    img_rng = np.random.default_rng(seed + 13)  # its own stream: text batches stay those of a text-only run
     opt = torch.optim.AdamW(target.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
     t0, step, losses = time.time(), 0, []
     for step in range(steps):
@@ -479,9 +522,12 @@ def train_target(target, toks, held, *, steps, seconds, batch, seq, seed, log):
             break
         for g in opt.param_groups:
             g["lr"] = _lr(step, steps, 3e-3)
-        x = _batch(rng, toks, batch, seq + 1)
-        logits, _ = target(x[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, N_VOCAB), x[:, 1:].reshape(-1))
+        if images and img_rng.random() < image_share:
+            loss = _image_text_loss(target, *image_text_batch(img_rng, toks, images, batch, image_text))
+        else:
+            x = _batch(rng, toks, batch, seq + 1)
+            logits, _ = target(x[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, N_VOCAB), x[:, 1:].reshape(-1))
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(target.parameters(), 1.0)
@@ -489,8 +535,11 @@ def train_target(target, toks, held, *, steps, seconds, batch, seq, seed, log):
         losses.append(loss.item())
         if step % 100 == 0:
             log(f"target step {step} loss {np.mean(losses[-100:]):.3f} ({time.time() - t0:.0f}s)")
-    return dict(steps=step + 1, seconds=round(time.time() - t0, 1), train_loss=float(np.mean(losses[-100:])),
+    info = dict(steps=step + 1, seconds=round(time.time() - t0, 1), train_loss=float(np.mean(losses[-100:])),
                 held_out_loss=eval_target(target, held, seq, seed))
+    if held_images:
+        info["held_out_loss_after_image"] = eval_target_after_images(target, held, held_images, image_text, seed)
+    return info
 
 
 def eval_target(target, toks, seq, seed, n=16):
@@ -501,6 +550,15 @@ def eval_target(target, toks, seq, seed, n=16):
         x = _batch(rng, toks, n, seq + 1)
         logits, _ = target(x[:, :-1])
         return float(F.cross_entropy(logits.reshape(-1, N_VOCAB), x[:, 1:].reshape(-1)))
+
+
+def eval_target_after_images(target, toks, encoded, text_len, seed, n=16):
+    """Held-out text loss after held-out pictures (one picture per sequence)."""
+    torch = _torch()
+    rng = np.random.default_rng(seed + 98)
+    with torch.no_grad():
+        return float(np.mean([float(_image_text_loss(target, *image_text_batch(rng, toks, encoded, 1, text_len)))
+                              for _ in range(n)]))
 
 
 BLOCK_LENGTHS = (4, 8, 16)  # rows of a drafted block: draft_max 3, 7 and 15 (+ id_last)
@@ -533,48 +591,283 @@ def generate_greedy(target_gguf, toks: np.ndarray, n_seqs: int, prompt_len: int,
     return out
 
 
+# ----------------------------------------------------------------------------- pictures (target and draft data)
+
+def image_pool(n: int, seed: int) -> list[np.ndarray]:
+    """n synthetic RGB pictures (uint8 [h, w, 3], sides 112..672, so at most 576 image rows):
+    solid colours, gradients, noise, blurred noise, checkerboards and random rectangles.  They
+    stand in for photos: the tiny projector is random, so what matters is the spread of image
+    embeddings the target sees (identical rows for a flat picture, varied rows for texture)."""
+    rng = np.random.default_rng(seed + 53)
+    kinds = ("solid", "gradient", "noise", "blurred", "checker", "rects")
+    out = []
+    for i in range(n):
+        h, w = (int(v) for v in rng.integers(112, 673, size=2))
+        kind = kinds[i % len(kinds)]
+        c0, c1 = rng.integers(0, 256, size=(2, 3))
+        if kind == "solid":
+            img = np.broadcast_to(c0, (h, w, 3))
+        elif kind == "gradient":
+            t = np.linspace(0.0, 1.0, w if rng.random() < 0.5 else h)
+            t = t[None, :, None] if len(t) == w else t[:, None, None]
+            img = np.broadcast_to(c0 + (c1 - c0) * t, (h, w, 3))
+        elif kind == "noise":
+            img = rng.integers(0, 256, size=(h, w, 3))
+        elif kind == "blurred":
+            small = rng.integers(0, 256, size=(max(2, h // 32), max(2, w // 32), 3))
+            img = np.repeat(np.repeat(small, 32, 0), 32, 1)[:h, :w]
+            img = np.pad(img, ((0, h - img.shape[0]), (0, w - img.shape[1]), (0, 0)), mode="edge")
+        elif kind == "checker":
+            k = int(rng.integers(8, 64))
+            yy, xx = np.mgrid[:h, :w]
+            img = np.where((((yy // k) + (xx // k)) % 2 == 0)[..., None], c0, c1)
+        else:
+            img = np.broadcast_to(c0, (h, w, 3)).copy()
+            for _ in range(int(rng.integers(2, 8))):
+                y0, x0 = int(rng.integers(0, h)), int(rng.integers(0, w))
+                img[y0:y0 + int(rng.integers(8, h)), x0:x0 + int(rng.integers(8, w))] = rng.integers(0, 256, 3)
+        out.append(np.ascontiguousarray(img, dtype=np.uint8))
+    return out
+
+
+@dataclass
+class EncodedImage:
+    """A picture as the target takes it after ``MEDIA_MARKER + "\\n"``: text tokens before it, the
+    projector's rows with their M-RoPE positions (t, h, w, e) from position len(pre), the
+    positions it advances, and the text tokens after it."""
+
+    pre: np.ndarray
+    embd: np.ndarray
+    pos: np.ndarray
+    n_pos: int
+    post: np.ndarray
+
+
+def encode_images(model_gguf, mmproj_gguf, images: list[np.ndarray]) -> list[EncodedImage]:
+    from pyllama_spec.llama import Model
+    from pyllama_spec.mtmd import MEDIA_MARKER, Bitmap, Projector
+
+    out = []
+    with Model(model_gguf) as m, Projector(mmproj_gguf, m, n_threads=1) as proj:
+        for img in images:
+            chunks = proj.tokenize(MEDIA_MARKER + "\n", [Bitmap(img)])
+            pre, media, post = chunks[0].tokens, chunks[1], chunks[2].tokens
+            # decoder_positions() is (t, x, y, z); the decoder takes (t, h = y, w = x, e)
+            pos = media.decoder_positions(len(pre))[:, [0, 2, 1, 3]].astype(np.int64)
+            out.append(EncodedImage(pre, proj.encode(media), pos, media.n_pos, post))
+    return out
+
+
+def _text_positions(p0: int, n: int) -> np.ndarray:
+    p = p0 + np.arange(n)
+    return np.stack([p, p, p, np.zeros_like(p)], axis=1)
+
+
+def image_text_batch(rng, toks: np.ndarray, encoded: list[EncodedImage], batch: int, text_len: int):
+    """One target batch of [picture, corpus text] (one picture per batch, so rows line up):
+    tokens [B, T + 1] (-1 on image rows), M-RoPE positions [T, 4], embeddings [T, n_embd]."""
+    torch = _torch()
+    e = encoded[int(rng.integers(0, len(encoded)))]
+    n_img = len(e.embd)
+    head = np.concatenate([e.pre, np.full(n_img, -1), e.post])
+    rows = []
+    for _ in range(batch):
+        s = int(rng.integers(0, len(toks) - text_len - 1))
+        rows.append(np.concatenate([head, toks[s:s + text_len + 1]]))
+    T = len(rows[0]) - 1
+    n_after = T - len(e.pre) - n_img
+    pos = np.concatenate([_text_positions(0, len(e.pre)), e.pos, _text_positions(len(e.pre) + e.n_pos, n_after)])
+    embd = np.zeros((T, N_EMBD), np.float32)
+    embd[len(e.pre):len(e.pre) + n_img] = e.embd
+    return (torch.from_numpy(np.stack(rows).astype(np.int64)), torch.from_numpy(pos),
+            torch.from_numpy(embd))
+
+
+def _image_text_loss(target, x, pos, embd):
+    """Next-token loss on the text rows of an image_text_batch."""
+    torch = _torch()
+    B, T = x.shape[0], x.shape[1] - 1
+    logits, _ = target(x[:, :-1], pos[None].expand(B, T, 4), embd=embd[None].expand(B, T, N_EMBD))
+    labels = x[:, 1:].masked_fill(x[:, 1:] < 0, -100)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, N_VOCAB), labels.reshape(-1), ignore_index=-100)
+
+
+@dataclass
+class ImageSequences:
+    """Draft training rows after an image, as llama.cpp's target produced them.
+
+    Each sequence is ``MEDIA_MARKER + "\n"`` with a picture (mtmd: pre text, image, post text)
+    followed by a corpus prompt and the target's greedy continuation of it.  Rows are laid out
+    [pre | the image's last W rows | post]: no draft query after the image can see an earlier
+    image row, since every post row is more than W positions past them in "sequential" mode and
+    image rows are never injected in "target" mode.  The target features are read from llama.cpp
+    (layer inputs, with the image's M-RoPE positions), so the PyTorch target needs no image path.
+    """
+
+    feats: np.ndarray  # float32 [N, R, n_in]: the draft's injected features per row
+    tokens: np.ndarray  # int32 [N, R]: the token of a text row, -1 on image rows
+    greedy: np.ndarray  # int32 [N, R]: the target's argmax after a text row, -1 on image rows
+    pos_target: np.ndarray  # int32 [N, R]: draft positions in "target" mode (image rows unused)
+    pos_sequential: np.ndarray  # int32 [N, R]: draft positions in "sequential" mode
+    n_pre: int
+    n_image: int  # image rows kept (= the draft's window)
+
+    def rows(self, i: int, mode: str, seq: int):
+        """(tokens, feats, greedy, positions, first post row) of sequence i as a draft in ``mode``
+        holds it, cut to seq rows."""
+        if mode == "target":
+            cols = np.r_[0:self.n_pre, self.n_pre + self.n_image:self.tokens.shape[1]][:seq]
+            pos, first = self.pos_target, self.n_pre
+        else:
+            cols = np.arange(seq)
+            pos, first = self.pos_sequential, self.n_pre + self.n_image
+        return self.tokens[i, cols], self.feats[i, cols], self.greedy[i, cols], pos[i, cols], first
+
+
+def generate_image_sequences(target_gguf, mmproj_gguf, toks: np.ndarray, images: list[np.ndarray], n_seqs: int,
+                             prompt_len: int, gen_len: int, cfg: PairConfig, seed: int, log=print) -> ImageSequences:
+    """n_seqs sequences [picture, corpus prompt, greedy continuation] decoded by the trained target
+    in llama.cpp, with the target layer inputs of every row (see ImageSequences)."""
+    from pyllama_spec.llama import Context, Model
+    from pyllama_spec.mtmd import MEDIA_MARKER, Bitmap, Projector
+
+    rng = np.random.default_rng(seed + 41)
+    lids = list(cfg.target_layers)
+    W = cfg.sliding_window
+    t0 = time.time()
+    with Model(target_gguf) as m, Projector(mmproj_gguf, m, n_threads=1) as proj:
+        prepared = []  # per picture: pre tokens, image chunk (kept alive by its Chunks), embeddings, post tokens
+        for img in images:
+            chunks = proj.tokenize(MEDIA_MARKER + "\n", [Bitmap(img)])
+            kinds = [c.type for c in chunks]
+            if kinds != ["text", "image", "text"]:
+                raise RuntimeError(f"unexpected chunk layout for an image prompt: {kinds}")
+            if chunks[1].n_tokens < W:
+                raise RuntimeError(f"a {img.shape} picture gives {chunks[1].n_tokens} rows < the window {W}")
+            prepared.append((chunks, chunks[0].tokens, chunks[1], proj.encode(chunks[1]), chunks[2].tokens))
+        n_pre, n_post0 = len(prepared[0][1]), len(prepared[0][4])
+        n_post = n_post0 + prompt_len + gen_len
+        R = n_pre + W + n_post
+        n_in = len(lids) * N_EMBD
+        out = ImageSequences(feats=np.zeros((n_seqs, R, n_in), np.float32), tokens=np.full((n_seqs, R), -1, np.int32),
+                             greedy=np.full((n_seqs, R), -1, np.int32), pos_target=np.zeros((n_seqs, R), np.int32),
+                             pos_sequential=np.zeros((n_seqs, R), np.int32), n_pre=n_pre, n_image=W)
+        max_rows = max(p[2].n_tokens for p in prepared)
+        with Context(m, n_ctx=n_pre + max_rows + n_post + 16, n_batch=512, n_ubatch=512, n_threads=1,
+                     flash_attn=False) as ctx:
+            ctx.enable_layer_inputs(lids)
+
+            def features(n):
+                return np.concatenate([ctx.layer_input(lid, n) for lid in lids], axis=1)
+
+            post0 = n_pre + W
+            for i in range(n_seqs):
+                _, pre, media, embd, post_start = prepared[int(rng.integers(0, len(prepared)))]
+                s = int(rng.integers(0, len(toks) - prompt_len))
+                ctx.memory.clear()
+                ctx.decode_tokens(pre, np.arange(n_pre), outputs=True)
+                out.tokens[i, :n_pre], out.feats[i, :n_pre] = pre, features(n_pre)
+                out.pos_target[i, :n_pre] = out.pos_sequential[i, :n_pre] = np.arange(n_pre)
+                image_feats = []
+                pos = proj.decode_media(ctx, media, embd, n_pre, n_batch=ctx.n_batch,
+                                        on_batch=lambda b: image_feats.append(features(b.n_rows).copy()))
+                out.feats[i, n_pre:post0] = np.concatenate(image_feats)[-W:]
+                n_img = media.n_tokens
+                out.pos_sequential[i, n_pre:post0] = n_pre + n_img - W + np.arange(W)
+                # post text: decoded as one batch (all rows output), then continued greedily
+                prompt = np.concatenate([post_start, toks[s:s + prompt_len]]).astype(np.int32)
+                n_p = len(prompt)
+                ctx.decode_tokens(prompt, pos + np.arange(n_p), outputs=True)
+                out.tokens[i, post0:post0 + n_p] = prompt
+                out.feats[i, post0:post0 + n_p] = features(n_p)
+                out.greedy[i, post0:post0 + n_p] = ctx.output_logits(n_p).argmax(-1)
+                for j in range(n_p, n_post):
+                    t = int(out.greedy[i, post0 + j - 1])
+                    ctx.decode_tokens([t], [pos + j], outputs=True)
+                    out.tokens[i, post0 + j] = t
+                    out.feats[i, post0 + j] = features(1)[0]
+                    out.greedy[i, post0 + j] = int(np.argmax(ctx.logits(-1)))
+                out.pos_target[i, post0:] = pos + np.arange(n_post)
+                out.pos_sequential[i, post0:] = n_pre + n_img + np.arange(n_post)
+                if i % 256 == 0:
+                    log(f"image sequences: {i}/{n_seqs} ({time.time() - t0:.0f}s)")
+    return out
+
+
+@dataclass
+class DraftRow:
+    """One training sequence as the draft sees it: tokens, injected features (None: compute them
+    with the PyTorch target), the target's greedy choice after each row (None: likewise), the
+    rows' draft positions, and the first row a block may start at."""
+
+    tokens: np.ndarray
+    feats: np.ndarray | None
+    greedy: np.ndarray | None
+    pos: np.ndarray
+    first: int
+
+
 @dataclass
 class DraftData:
-    """Draft training sequences: corpus windows, and windows of the target's own greedy text."""
+    """Draft training sequences: corpus windows, windows of the target's own greedy text, and
+    (``images``) greedy text after a picture, in either ``draft_positions`` mode."""
 
     toks: np.ndarray
     gen: np.ndarray | None = None
     gen_share: float = 0.0
+    images: ImageSequences | None = None
+    image_share: float = 0.0
+    image_modes: tuple = ("target", "sequential")
 
-    def sample(self, rng, batch: int, seq: int):
-        torch = _torch()
+    def sample(self, rng, batch: int, seq: int) -> list[DraftRow]:
         rows = []
         for _ in range(batch):
+            if self.images is not None and rng.random() < self.image_share:
+                i = int(rng.integers(0, len(self.images.tokens)))
+                mode = self.image_modes[int(rng.integers(0, len(self.image_modes)))]
+                rows.append(DraftRow(*self.images.rows(i, mode, seq)))
+                continue
             if self.gen is not None and rng.random() < self.gen_share:
                 r = self.gen[int(rng.integers(0, len(self.gen)))]
                 o = int(rng.integers(0, len(r) - seq + 1))
-                rows.append(r[o:o + seq])
+                t = r[o:o + seq]
             else:
                 s = int(rng.integers(0, len(self.toks) - seq - 1))
-                rows.append(self.toks[s:s + seq])
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+                t = self.toks[s:s + seq]
+            rows.append(DraftRow(t, None, None, np.arange(seq), 1))
+        return rows
 
 
 def _draft_step_data(target, rng, data: DraftData, cfg, batch, seq, n_blocks, variable_length=False):
-    """Tokens, target features, anchors and labels (target greedy) for one draft batch."""
+    """Tokens, target features, draft positions, anchors and labels (target greedy) for one draft batch."""
     torch = _torch()
-    x = data.sample(rng, batch, seq)
-    with torch.no_grad():
-        logits, feats = target(x, layer_ids=cfg.target_layers)
-        greedy = logits.argmax(-1)  # greedy[t] = target's choice for position t + 1
-        f = torch.cat([feats[lid] for lid in cfg.target_layers], dim=-1)
+    rows = data.sample(rng, batch, seq)
+    x = torch.from_numpy(np.stack([r.tokens for r in rows]).astype(np.int64))
+    pos = torch.from_numpy(np.stack([r.pos for r in rows]).astype(np.int64))
+    f = torch.zeros(batch, seq, len(cfg.target_layers) * N_EMBD)
+    greedy = torch.zeros(batch, seq, dtype=torch.long)  # greedy[t] = target's choice for row t + 1
+    text = [k for k, r in enumerate(rows) if r.feats is None]
+    if text:
+        with torch.no_grad():
+            logits, feats = target(x[text], layer_ids=cfg.target_layers)
+        greedy[text] = logits.argmax(-1)
+        f[text] = torch.cat([feats[lid] for lid in cfg.target_layers], dim=-1)
+    for k, r in enumerate(rows):
+        if r.feats is not None:
+            f[k] = torch.from_numpy(r.feats)
+            greedy[k] = torch.from_numpy(r.greedy.astype(np.int64))
     bs = cfg.block_size
-    anchors = torch.from_numpy(np.sort(np.stack([rng.choice(np.arange(1, seq - bs + 1), n_blocks, replace=False)
-                                                 for _ in range(batch)]), axis=1)).long()
-    qpos = (anchors[:, :, None] + torch.arange(bs)).reshape(batch, -1)
-    labels = torch.gather(greedy, 1, (qpos - 1).clamp(min=0))  # label of row at position p: greedy[p - 1]
+    anchors = torch.from_numpy(np.sort(np.stack([rng.choice(np.arange(r.first, seq - bs + 1), n_blocks, replace=False)
+                                                 for r in rows]), axis=1)).long()
+    qidx = (anchors[:, :, None] + torch.arange(bs)).reshape(batch, -1)
+    labels = torch.gather(greedy, 1, qidx - 1)  # label of block row i: the target's choice after row a + i - 1
     row = torch.arange(bs).repeat(n_blocks)[None].expand(batch, -1)
     labels = labels.masked_fill(row == 0, -100)  # row 0 is the anchor itself
     lengths = None
     if variable_length:
         lengths = torch.from_numpy(rng.choice([n for n in BLOCK_LENGTHS if n <= bs], (batch, n_blocks))).long()
         labels = labels.masked_fill(row >= lengths.repeat_interleave(bs, dim=1), -100)
-    return x, f, anchors, labels, lengths
+    return x, f, pos, anchors, labels, lengths
 
 
 def train_draft(draft, target, data: DraftData, held: dict, cfg, *, steps, seconds, batch, seq, n_blocks, seed,
@@ -592,9 +885,9 @@ def train_draft(draft, target, data: DraftData, held: dict, cfg, *, steps, secon
             break
         for g in opt.param_groups:
             g["lr"] = _lr(step, steps, 3e-3)
-        x, f, anchors, labels, lengths = _draft_step_data(target, rng, data, cfg, batch, seq, n_blocks,
-                                                          variable_length=True)
-        logits, _ = draft_block_logits(draft, target, f, x, anchors, cfg, lengths)
+        x, f, pos, anchors, labels, lengths = _draft_step_data(target, rng, data, cfg, batch, seq, n_blocks,
+                                                               variable_length=True)
+        logits, _ = draft_block_logits(draft, target, f, x, anchors, cfg, lengths, ctx_pos=pos)
         loss = F.cross_entropy(logits.reshape(-1, N_VOCAB), labels.reshape(-1), ignore_index=-100)
         opt.zero_grad()
         loss.backward()
@@ -616,8 +909,8 @@ def eval_draft(draft, target, data: DraftData, cfg, seq, n_blocks, seed, batch=1
     F = torch.nn.functional
     rng = np.random.default_rng(seed + 77)
     with torch.no_grad():
-        x, f, anchors, labels, _ = _draft_step_data(target, rng, data, cfg, batch, seq, n_blocks)
-        logits, _ = draft_block_logits(draft, target, f, x, anchors, cfg)
+        x, f, pos, anchors, labels, _ = _draft_step_data(target, rng, data, cfg, batch, seq, n_blocks)
+        logits, _ = draft_block_logits(draft, target, f, x, anchors, cfg, ctx_pos=pos)
         loss = F.cross_entropy(logits.reshape(-1, N_VOCAB), labels.reshape(-1), ignore_index=-100)
         ok = (logits.argmax(-1) == labels).reshape(batch, n_blocks, cfg.block_size)[:, :, 1:].float()
         run = ok.cumprod(-1).sum(-1)
@@ -657,11 +950,21 @@ Tokens come from llama.cpp's tokenizer on these files (no special tokens).
 
 ## Training
 
-* target: {t_steps} steps of batch {batch} x {seq} tokens, AdamW, {t_sec} s;
-  train loss {t_loss:.3f}, held-out loss {t_held:.3f} nats/token.
+* target: {t_steps} steps of batch {batch} x {seq} tokens, AdamW, {t_sec} s; {target_image_share} of the
+  batches (drawn at random) are instead [one of {images} synthetic pictures (`image_pool`, see below), then
+  {image_text} corpus tokens], loss on the text rows only, so that, like a vision-language model, the
+  target reads text after a picture as well as without one;
+  train loss {t_loss:.3f}, held-out loss {t_held:.3f} nats/token; {t_held_img:.3f} after one of 16 held-out pictures.
 * draft data: {gen_seqs} random {gen_prompt}-token corpus prompts, each continued greedily for {gen_len} tokens
   by the trained target (llama.cpp); {gen_share} of the draft's training rows are windows of these,
   the rest corpus windows.
+* image data ({image_share} of the draft's training rows, half in each `draft_positions` mode):
+  {image_seqs} sequences `<__media__>` + a picture (one of {images} synthetic ones from `image_pool`:
+  flat colours, gradients, noise, checkerboards, rectangles; 112..672 pixels a side) + "\\n" + a
+  {gen_prompt}-token corpus prompt continued greedily for {gen_len} tokens, all decoded by the trained
+  target in llama.cpp, whose layer inputs are the draft's context. In "target" mode the draft holds
+  the text rows at the target's positions (the image's rows are skipped, its positions jumped);
+  in "sequential" mode it also holds the image's rows, at consecutive positions.
 * draft (DFlash objective: blocks [anchor, mask x (L - 1)], L drawn from {lengths} (the engine's
   draft_max + 1), at {n_blocks} anchors per sequence; context = target layer inputs {target_layers}
   before the anchor through `fc` + `enc.output_norm`, SWA window {sliding_window}; labels = the target's
@@ -671,7 +974,7 @@ Tokens come from llama.cpp's tokenizer on these files (no special tokens).
   * corpus text: {ht[loss]}; {ht[row_agreement]}; {ht[mean_accepted_full_block]}
   * the target's greedy continuations of held-out prompts: {hg[loss]}; {hg[row_agreement]};
     {hg[mean_accepted_full_block]}
-
+{held_images}
 Total wall time {total} s. Parity with llama.cpp: `tests/test_trained_pair.py`.
 """
 
@@ -697,6 +1000,14 @@ def main(argv=None) -> int:
                     help="corpus prompts the target continues greedily (draft training data)")
     ap.add_argument("--gen-len", type=int, default=128, help="greedy tokens per generated sequence")
     ap.add_argument("--gen-share", type=float, default=0.75, help="share of draft training rows from them")
+    ap.add_argument("--images", type=int, default=48, help="synthetic pictures the image sequences draw from")
+    ap.add_argument("--image-seqs", type=int, default=1024,
+                    help="greedy continuations after a picture (draft training data; 0: text only)")
+    ap.add_argument("--image-share", type=float, default=0.5,
+                    help="share of draft training rows from them (half in each draft_positions mode)")
+    ap.add_argument("--target-image-share", type=float, default=0.25,
+                    help="share of the target's training batches with a picture before the text")
+    ap.add_argument("--image-text", type=int, default=384, help="corpus tokens after a picture in those batches")
     ap.add_argument("--target-from", default=None,
                     help="development: load this trained target GGUF instead of training one")
     args = ap.parse_args(argv)
@@ -720,16 +1031,28 @@ def main(argv=None) -> int:
         held = tokenize_files(held_files, probe)
     log(f"corpus: {len(train_files)} files / {len(toks)} tokens, held out {len(held_files)} / {len(held)}")
 
+    mmproj_path = tiny.write_mmproj(out / "trained-mmproj.gguf", target_n_embd=N_EMBD, seed=args.seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = _tokenizer_only_gguf(Path(tmp), cfg)
+        pictures = encode_images(probe, mmproj_path, image_pool(args.images, args.seed))
+        held_pictures = encode_images(probe, mmproj_path, image_pool(16, args.seed + 1000))
+    log(f"pictures: {len(pictures)} training ({sum(len(e.embd) for e in pictures)} image rows), "
+        f"{len(held_pictures)} held out")
+
     torch.manual_seed(args.seed)
     budget = args.minutes * 60
     if args.target_from:
         target, _, _ = load_pair(args.target_from)
         t_info = dict(steps=0, seconds=0.0, train_loss=float("nan"),
-                      held_out_loss=eval_target(target, held, args.seq, args.seed), loaded_from=args.target_from)
+                      held_out_loss=eval_target(target, held, args.seq, args.seed), loaded_from=args.target_from,
+                      held_out_loss_after_image=eval_target_after_images(target, held, held_pictures, args.image_text,
+                                                                         args.seed))
     else:
         target = make_target(cfg)
         t_info = train_target(target, toks, held, steps=args.target_steps, seconds=budget * args.target_share,
-                              batch=args.batch, seq=args.seq, seed=args.seed, log=log)
+                              batch=args.batch, seq=args.seq, seed=args.seed, log=log, images=pictures,
+                              held_images=held_pictures, image_share=args.target_image_share,
+                              image_text=args.image_text)
     log(f"target: {t_info}")
     target.eval()
     target_path = write_target_gguf(out / "trained-target.gguf",
@@ -741,6 +1064,17 @@ def main(argv=None) -> int:
     log(f"greedy data: {gen.shape} training, {gen_held.shape} held out")
     data = DraftData(toks, gen, args.gen_share)
     held_sets = {"held_out_text": DraftData(held), "held_out_greedy": DraftData(held, gen_held, 1.0)}
+    if args.image_seqs:
+        # pictures and text the draft is evaluated on come from other seeds / held-out files
+        imgs = generate_image_sequences(target_path, mmproj_path, toks, image_pool(args.images, args.seed),
+                                        args.image_seqs, gen_prompt, args.gen_len, cfg, args.seed, log)
+        imgs_held = generate_image_sequences(target_path, mmproj_path, held, image_pool(16, args.seed + 1000),
+                                             64, gen_prompt, args.gen_len, cfg, args.seed + 1, log)
+        log(f"image data: {imgs.tokens.shape} training, {imgs_held.tokens.shape} held out")
+        data = DraftData(toks, gen, args.gen_share, imgs, args.image_share)
+        for mode in ("target", "sequential"):
+            held_sets[f"held_out_image_{mode}"] = DraftData(held, images=imgs_held, image_share=1.0,
+                                                            image_modes=(mode,))
 
     torch.manual_seed(args.seed + 1)
     draft = make_draft(cfg)
@@ -750,9 +1084,13 @@ def main(argv=None) -> int:
                          n_blocks=args.draft_blocks, seed=args.seed, log=log)
     log(f"draft: {d_info}")
     write_draft_gguf(out / "trained-draft.gguf", {k: _np(v) for k, v in draft.state_dict().items()}, cfg)
-    tiny.write_mmproj(out / "trained-mmproj.gguf", target_n_embd=N_EMBD, seed=args.seed)
 
     shown = " ".join(sys.argv[1:]) if argv is None else " ".join(argv)
+    if t_info["steps"] == args.target_steps and d_info["steps"] == args.draft_steps:
+        capped = ("All steps ran (not stopped by --minutes). Training is deterministic for a seed, thread count "
+                  "and machine (two runs of the committed files' command gave byte-identical GGUF files).")
+    else:
+        capped = "**Stopped by the --minutes cap**: step counts above are what ran."
     log(json.dumps(dict(config=asdict(cfg), target=t_info, draft=d_info, seed=args.seed, args=vars(args))))
     (out / "README.md").write_text(README.format(
         **asdict(cfg), seed=args.seed, argv=shown, torch_version=torch.__version__, threads=torch.get_num_threads(),
@@ -764,9 +1102,14 @@ def main(argv=None) -> int:
         gen_seqs=args.gen_seqs, gen_len=args.gen_len, gen_prompt=args.gen_prompt, d_batch=args.draft_batch,
         d_seq=args.draft_seq, gen_share=args.gen_share,
         ht=d_info["held_out_text"], hg=d_info["held_out_greedy"], total=round(time.time() - t_all),
-        lengths=list(BLOCK_LENGTHS), capped=("All steps ran (not stopped by --minutes). Training is deterministic for a seed, thread "
-                "count and machine (two runs of the target gave byte-identical files)." if t_info["steps"] == args.target_steps and d_info["steps"] == args.draft_steps
-                else "**Stopped by the --minutes cap**: step counts above are what ran.")))
+        target_image_share=args.target_image_share, image_text=args.image_text,
+        t_held_img=t_info.get("held_out_loss_after_image", float("nan")),
+        image_share=args.image_share if args.image_seqs else 0, image_seqs=args.image_seqs, images=args.images,
+        held_images="".join(
+            f"  * the same after one of 16 held-out pictures, \"{mode}\" mode: {d_info[k]['loss']}; "
+            f"{d_info[k]['row_agreement']};\n    {d_info[k]['mean_accepted_full_block']}\n"
+            for mode in ("target", "sequential") if (k := f"held_out_image_{mode}") in d_info),
+        lengths=list(BLOCK_LENGTHS), capped=capped))
     log(f"wrote {out}/trained-target.gguf, trained-draft.gguf, trained-mmproj.gguf, README.md")
     return 0
 
