@@ -42,16 +42,14 @@ def held_out_prompts(n: int, chars: int = 400) -> list[str]:
     return out
 
 
-TEMPERATURE = 0.0  # --temp: 0 is greedy; above it, prompt i samples with seed i (same in every run)
-
-
-def run(eng, prompts, max_tokens, image=None):
+def run(eng, prompts, max_tokens, image=None, temperature=0.0):
+    """Totals over the prompts; above temperature 0, prompt i samples with seed i (same in every run)."""
     agg = dict(drafted=0, accepted=0, target_steps=0, generated=0, decode_s=0.0)
     tokens = []
     for i, p in enumerate(prompts):
         kw = dict(images=[image]) if image is not None else {}
         r = eng.generate(("<__media__>\n" + p) if image is not None else p, max_tokens=max_tokens,
-                         cache_prompt=False, temperature=TEMPERATURE, seed=i, **kw)
+                         cache_prompt=False, temperature=temperature, seed=i, **kw)
         s = r.stats
         agg["drafted"] += s.drafted
         agg["accepted"] += s.accepted
@@ -66,9 +64,9 @@ def run(eng, prompts, max_tokens, image=None):
     return res, tokens
 
 
-def run_checked(eng, prompts, max_tokens, refs: dict, key: str, image=None):
+def run_checked(eng, prompts, max_tokens, refs: dict, key: str, image=None, temperature=0.0):
     """run(), and whether its tokens equal the first run's under the same key (target-only goes first)."""
-    res, tokens = run(eng, prompts, max_tokens, image)
+    res, tokens = run(eng, prompts, max_tokens, image, temperature)
     same = refs.setdefault(key, tokens) == tokens
     return res, same
 
@@ -86,8 +84,6 @@ def main(argv=None) -> int:
     ap.add_argument("--readme", default=None,
                     help="replace the '## Measured' section of this README with a table of the results")
     args = ap.parse_args(argv)
-    global TEMPERATURE
-    TEMPERATURE = args.temp
     m = Path(args.models)
     target, draft, mmproj = m / "trained-target.gguf", m / "trained-draft.gguf", m / "trained-mmproj.gguf"
     prompts = held_out_prompts(args.prompts)
@@ -103,20 +99,24 @@ def main(argv=None) -> int:
         print(json.dumps(res), flush=True)
 
     refs = {}
+
+    def measure(eng, key, image=None):
+        return run_checked(eng, prompts, args.max_tokens, refs, key, image, args.temp)
+
     with engine_mod.load(target, mmproj=mmproj, n_threads=args.threads) as eng:
-        report("text, target only", *run_checked(eng, prompts, args.max_tokens, refs, "text"))
+        report("text, target only", *measure(eng, "text"))
         for name, image in pictures.items():
-            report(f"image ({name}), target only", *run_checked(eng, prompts, args.max_tokens, refs, name, image))
+            report(f"image ({name}), target only", *measure(eng, name, image))
     for dmax in (3, 7, 15):
         with engine_mod.load(target, mmproj=mmproj, draft=draft, n_threads=args.threads, draft_max=dmax) as eng:
-            report(f"text, draft_max {dmax}", *run_checked(eng, prompts, args.max_tokens, refs, "text"))
+            report(f"text, draft_max {dmax}", *measure(eng, "text"))
     for name, image in pictures.items():
         for mode in ("target", "sequential"):
             for old in (False, True):
                 with engine_mod.load(target, mmproj=mmproj, draft=draft, n_threads=args.threads, draft_max=7,
                                      draft_positions=mode) as eng:
                     eng.drafter._block_at_row_count = old
-                    res = run_checked(eng, prompts, args.max_tokens, refs, name, image)
+                    res = measure(eng, name, image)
                 report(f"image ({name}), draft_max 7, draft_positions {mode}"
                        + (", _block_at_row_count" if old else ""), *res)
     text7 = next(r for r in rows if r["case"] == "text, draft_max 7")["acceptance_rate"]

@@ -730,6 +730,7 @@ def generate_image_sequences(target_gguf, mmproj_gguf, toks: np.ndarray, images:
     in llama.cpp, with the target layer inputs of every row (see ImageSequences)."""
     from pyllama_spec.llama import Context, Model
     from pyllama_spec.mtmd import MEDIA_MARKER, Bitmap, Projector
+    from pyllama_spec.positions import SequencePositions
 
     rng = np.random.default_rng(seed + 41)
     lids = list(cfg.target_layers)
@@ -764,16 +765,23 @@ def generate_image_sequences(target_gguf, mmproj_gguf, toks: np.ndarray, images:
             for i in range(n_seqs):
                 _, pre, media, embd, post_start = prepared[int(rng.integers(0, len(prepared)))]
                 s = int(rng.integers(0, len(toks) - prompt_len))
+                # the draft's positions in each mode, by the engine's own bookkeeping
+                track = {mode: SequencePositions(mode) for mode in ("target", "sequential")}
                 ctx.memory.clear()
                 ctx.decode_tokens(pre, np.arange(n_pre), outputs=True)
                 out.tokens[i, :n_pre], out.feats[i, :n_pre] = pre, features(n_pre)
                 out.pos_target[i, :n_pre] = out.pos_sequential[i, :n_pre] = np.arange(n_pre)
+                for t in track.values():
+                    t.advance_text(n_pre)
                 image_feats = []
-                pos = proj.decode_media(ctx, media, embd, n_pre, n_batch=ctx.n_batch,
+                pos = proj.decode_media(ctx, media, embd, track["target"].pos_next, n_batch=ctx.n_batch,
                                         on_batch=lambda b: image_feats.append(features(b.n_rows).copy()))
+                for t in track.values():
+                    t.advance_media(media.n_tokens, media.n_pos)
+                assert pos == track["target"].pos_next
                 out.feats[i, n_pre:post0] = np.concatenate(image_feats)[-W:]
-                n_img = media.n_tokens
-                out.pos_sequential[i, n_pre:post0] = n_pre + n_img - W + np.arange(W)
+                # the image's last W rows sit just before the sequential draft's next position
+                out.pos_sequential[i, n_pre:post0] = track["sequential"].draft_pos_next - W + np.arange(W)
                 # post text: decoded as one batch (all rows output), then continued greedily
                 prompt = np.concatenate([post_start, toks[s:s + prompt_len]]).astype(np.int32)
                 n_p = len(prompt)
@@ -787,8 +795,8 @@ def generate_image_sequences(target_gguf, mmproj_gguf, toks: np.ndarray, images:
                     out.tokens[i, post0 + j] = t
                     out.feats[i, post0 + j] = features(1)[0]
                     out.greedy[i, post0 + j] = int(np.argmax(ctx.logits(-1)))
-                out.pos_target[i, post0:] = pos + np.arange(n_post)
-                out.pos_sequential[i, post0:] = n_pre + n_img + np.arange(n_post)
+                out.pos_target[i, post0:] = track["target"].draft_pos_next + np.arange(n_post)
+                out.pos_sequential[i, post0:] = track["sequential"].draft_pos_next + np.arange(n_post)
                 if i % 256 == 0:
                     log(f"image sequences: {i}/{n_seqs} ({time.time() - t0:.0f}s)")
     return out
