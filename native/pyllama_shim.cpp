@@ -1,7 +1,43 @@
-// Thin extern "C" forwarding; no logic lives here.
+// Thin extern "C" forwarding, plus the one piece of logic that must be native: noticing
+// Ctrl-C while a long native call runs (Python's own handler only runs between bytecodes).
 #include "pyllama_shim.h"
 
 #include "llama-ext.h"
+#include "mtmd.h"
+
+#include <csignal>
+
+namespace {
+
+volatile std::sig_atomic_t g_interrupted = 0;
+int32_t g_abort_countdown = 0;  // > 0: abort at that many-th check (fault injection in tests)
+
+#ifndef _WIN32
+struct sigaction g_previous;
+
+// Note the interrupt, then hand it to the handler that was there before (Python's), which
+// raises KeyboardInterrupt once the native call returns.
+void on_sigint(int sig, siginfo_t * info, void * uctx) {
+    g_interrupted = 1;
+    if (g_previous.sa_flags & SA_SIGINFO) {
+        if (g_previous.sa_sigaction) {
+            g_previous.sa_sigaction(sig, info, uctx);
+        }
+    } else if (g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN && g_previous.sa_handler) {
+        g_previous.sa_handler(sig);
+    }
+}
+
+bool hook_is_installed() {
+    struct sigaction current;
+    if (sigaction(SIGINT, nullptr, &current) != 0) {
+        return false;
+    }
+    return (current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_sigint;
+}
+#endif
+
+}  // namespace
 
 extern "C" {
 
@@ -81,8 +117,60 @@ int32_t pyllama_batch_ext_add_embds(llama_batch_ext * batch, int32_t seq_id, int
     return n;
 }
 
-int32_t pyllama_shim_abi_version(void) {
+int32_t pyllama_interrupt_hook(bool install) {
+#ifdef _WIN32
+    (void) install;
+    return 0;
+#else
+    const bool installed = hook_is_installed();
+    if (install && !installed) {
+        struct sigaction ours;
+        if (sigaction(SIGINT, nullptr, &g_previous) != 0) {
+            return 0;
+        }
+        ours = g_previous;
+        ours.sa_flags |= SA_SIGINFO;
+        ours.sa_sigaction = on_sigint;
+        return sigaction(SIGINT, &ours, nullptr) == 0 ? 1 : 0;
+    }
+    if (!install && installed) {
+        sigaction(SIGINT, &g_previous, nullptr);
+        return 0;
+    }
+    return installed ? 1 : 0;
+#endif
+}
+
+bool pyllama_abort_requested(void * data) {
+    (void) data;
+    if (g_abort_countdown > 0 && --g_abort_countdown == 0) {
+        return true;
+    }
+    return g_interrupted != 0;
+}
+
+void pyllama_abort_after(int32_t n_checks) {
+    g_abort_countdown = n_checks > 0 ? n_checks : 0;
+}
+
+int32_t pyllama_mtmd_set_abort_callback(mtmd_context * ctx) {
+#ifdef MTMD_HAS_ABORT_CALLBACK  // patches/0002; a user's unpatched checkout lacks it
+    mtmd_set_abort_callback(ctx, pyllama_abort_requested, nullptr);
     return 1;
+#else
+    (void) ctx;
+    return 0;
+#endif
+}
+
+int32_t pyllama_interrupt_take(void) {
+    const int32_t was = g_interrupted ? 1 : 0;
+    g_interrupted = 0;
+    return was;
+}
+
+int32_t pyllama_shim_abi_version(void) {
+    return 2;
 }
 
 }

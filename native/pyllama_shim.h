@@ -15,6 +15,7 @@ extern "C" {
 struct llama_context;
 struct llama_model;
 struct llama_batch_ext;
+struct mtmd_context;
 
 /* Layer-input features of the target: what a DFlash draft is conditioned on. */
 void          pyllama_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid, bool value);
@@ -45,6 +46,19 @@ int32_t pyllama_batch_ext_add_tokens(struct llama_batch_ext * batch, int32_t seq
 int32_t pyllama_batch_ext_add_embds (struct llama_batch_ext * batch, int32_t seq_id, int32_t n,
                                      const float * embd, size_t n_embd,
                                      const int32_t * pos, size_t n_pos, const int8_t * outputs);
+
+/* Ctrl-C during native calls. pyllama_interrupt_hook(true) chains a SIGINT handler in
+ * front of the current one (Python's) that sets a flag; false removes it. Returns 1 when
+ * the hook is in place. pyllama_abort_requested is a ggml abort callback reading that
+ * flag (a decode stops between graph nodes); pyllama_interrupt_take reads and clears it. */
+int32_t pyllama_interrupt_hook(bool install);
+bool    pyllama_abort_requested(void * data);
+int32_t pyllama_interrupt_take(void);
+/* Let Ctrl-C stop a media encode too (the same flag); 0 when this llama.cpp tree cannot. */
+int32_t pyllama_mtmd_set_abort_callback(struct mtmd_context * ctx);
+/* Tests: make a decode abort at the n-th abort check from now (0 disables), as a native
+ * failure in the middle of a batch would: the ubatches already processed stay in memory. */
+void    pyllama_abort_after(int32_t n_checks);
 
 /* Version of this shim's C API, checked by the Python side at import. */
 int32_t         pyllama_shim_abi_version(void);

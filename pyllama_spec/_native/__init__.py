@@ -8,13 +8,16 @@ messages (llama, ggml, mtmd) are routed into Python ``logging`` under
 from __future__ import annotations
 
 import collections
+import ctypes
 import json
 import logging
+import signal
+import threading
 from pathlib import Path
 
 from ..errors import NativeLibraryError
 
-SHIM_ABI_VERSION = 1
+SHIM_ABI_VERSION = 2
 _HERE = Path(__file__).resolve().parent
 
 try:
@@ -56,7 +59,64 @@ _LEVELS = {
 _pending = {"level": logging.INFO, "text": ""}  # native logs arrive in pieces; emit whole lines
 
 
-@ffi.def_extern()
+# ----------------------------------------------------------------------------- callbacks and Ctrl-C
+# cffi swallows an exception that escapes a callback (printing "Exception ignored from cffi
+# callback"). A KeyboardInterrupt lands in whatever Python code runs next, which during a
+# native call is a callback: each callback's onerror keeps the exception here, and
+# raise_carried() raises it once the native call has returned.
+_carried = threading.local()
+
+
+def carry(exc_type, exc_value, traceback) -> None:  # noqa: ARG001 - cffi's onerror signature
+    """onerror handler of every callback: keep the exception for the caller of the native call."""
+    if getattr(_carried, "exc", None) is None:
+        _carried.exc = exc_value
+
+
+def raise_carried() -> None:
+    """Raise what a callback of the native call that just returned could not raise itself."""
+    exc = getattr(_carried, "exc", None)
+    if exc is not None:
+        _carried.exc = None
+        raise exc
+
+
+def arm_interrupts() -> None:
+    """Before a decode: let Ctrl-C stop it between graph nodes (see pyllama_abort_requested).
+
+    Only where Python's own SIGINT handler is in place on the main thread: a program that
+    installed its own handler (or ignores SIGINT) decides for itself what Ctrl-C means.
+    """
+    if threading.current_thread() is threading.main_thread():
+        lib.pyllama_interrupt_hook(signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    lib.pyllama_interrupt_take()  # forget a Ctrl-C that arrived before this call
+
+
+def interrupted_during_call() -> bool:
+    """After a decode returned "aborted": raise the KeyboardInterrupt behind it, if it was Ctrl-C.
+
+    Python's handler already ran (the hook chains to it), so the interrupt is pending;
+    PyErr_CheckSignals delivers it now rather than at some later bytecode. Returns True
+    when the abort was Ctrl-C but Python did not raise (another thread, another handler).
+    """
+    if not lib.pyllama_interrupt_take():
+        return False
+    raise_carried()
+    if threading.current_thread() is threading.main_thread():
+        ctypes.pythonapi.PyErr_CheckSignals()  # raises KeyboardInterrupt when one is pending
+    return True
+
+
+def abort_after(n_checks: int) -> None:
+    """Fault injection for tests: the n-th abort check from now stops a decode (0: off).
+
+    Decodes check between graph nodes, on every context, so a sweep over n lands failures
+    anywhere: in a target or draft decode, in a later ubatch of a batch, in an image slice.
+    """
+    lib.pyllama_abort_after(n_checks)
+
+
+@ffi.def_extern(onerror=carry)
 def pyllama_log_callback(level, text, user_data):  # noqa: ARG001 - signature fixed by ggml
     if text == ffi.NULL:
         return

@@ -5,6 +5,7 @@ enum ggml_log_level {
     GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR, GGML_LOG_LEVEL_CONT, ...
 };
 typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
+typedef bool (*ggml_abort_callback)(void * data);
 
 typedef struct ggml_backend_device * ggml_backend_dev_t;
 typedef struct ggml_backend_reg * ggml_backend_reg_t;

@@ -131,6 +131,7 @@ uint32_t llama_n_rs_seq(const struct llama_context * ctx);
 const struct llama_model * llama_get_model(const struct llama_context * ctx);
 llama_memory_t llama_get_memory(const struct llama_context * ctx);
 void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
+void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback, void * abort_callback_data);
 void llama_set_embeddings(struct llama_context * ctx, bool embeddings);
 void llama_set_causal_attn(struct llama_context * ctx, bool causal_attn);
 bool llama_get_causal_attn(const struct llama_context * ctx);

@@ -14,6 +14,11 @@ int32_t  pyllama_batch_ext_add_tokens(struct llama_batch_ext * batch, int32_t se
 int32_t  pyllama_batch_ext_add_embds(struct llama_batch_ext * batch, int32_t seq_id, int32_t n,
                                      const float * embd, size_t n_embd,
                                      const int32_t * pos, size_t n_pos, const int8_t * outputs);
+int32_t  pyllama_interrupt_hook(bool install);
+bool     pyllama_abort_requested(void * data);
+int32_t  pyllama_interrupt_take(void);
+int32_t  pyllama_mtmd_set_abort_callback(struct mtmd_context * ctx);
+void     pyllama_abort_after(int32_t n_checks);
 int32_t  pyllama_shim_abi_version(void);
 
 /* Python callbacks (cffi "extern Python"): native logs and mtmd's post-decode hook. */
