@@ -10,21 +10,28 @@ from .errors import (
     ClosedError,
     ContextOverflowError,
     DecodeError,
+    EngineBusyError,
+    GenerationCancelledError,
     ImageError,
     IncompatibleModelsError,
+    KVMemoryError,
     ModelFileError,
     NativeCallError,
     NativeLibraryError,
     ProjectorError,
     PyllamaError,
 )
+from .stats import GenerationStats
 
 __version__ = "0.1.0"
 
 # mtmd's default media marker (checked against mtmd_default_marker() in the tests).
 MEDIA_MARKER = "<__media__>"
 
+# Names whose modules load the native part, imported on first use.
 _LAZY = {
+    "load": "engine", "Engine": "engine", "EngineConfig": "engine", "Result": "engine", "Piece": "engine",
+    "Conversation": "chat",
     "Model": "llama", "Context": "llama", "Memory": "llama", "Sampler": "llama",
     "Batch": "batch",
     "Projector": "mtmd", "Bitmap": "mtmd", "Chunks": "mtmd", "Chunk": "mtmd",
@@ -41,7 +48,12 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "MEDIA_MARKER", "ClosedError", "ContextOverflowError", "DecodeError", "ImageError",
-    "IncompatibleModelsError", "ModelFileError", "NativeCallError", "NativeLibraryError",
-    "ProjectorError", "PyllamaError", *_LAZY,
+    "MEDIA_MARKER", "ClosedError", "ContextOverflowError", "DecodeError", "EngineBusyError",
+    "GenerationCancelledError", "GenerationStats", "ImageError", "IncompatibleModelsError",
+    "KVMemoryError", "ModelFileError", "NativeCallError", "NativeLibraryError", "ProjectorError",
+    "PyllamaError", *_LAZY,
 ]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

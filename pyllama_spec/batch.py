@@ -99,7 +99,11 @@ class Batch(NativeHandle):
 
     def _check_add(self, rc: int, n: int) -> None:
         if rc < 0:
+            # The native fill stops at the bad row with the rows before it added: clear the
+            # batch, so that what it holds and what this object counts agree (nothing).
+            before = self.n_rows
+            self.clear()
             raise NativeCallError("llama_batch_ext_add", rc,
-                                  f"{_ADD_ERRORS.get(rc, 'error')} after {self.n_rows} rows "
-                                  f"({self._ctx.role} context)")
+                                  f"{_ADD_ERRORS.get(rc, 'error')} while adding {n} rows to a batch of {before} "
+                                  f"({self._ctx.role} context); the batch was cleared")
         self.n_rows += n

@@ -113,18 +113,23 @@ class Conversation:
             [{"type": "image", "image": path} for path in images] + [{"type": "text", "text": text}])
         self.messages.append({"role": "user", "content": content})
         reply: list[str] = []
+        counted = False
         try:
             for piece in self.engine.stream(messages=self.messages, max_tokens=self.max_tokens, **self.sampling):
                 reply.append(piece.text)
                 if piece.stats is not None:
                     self.last_stats = piece.stats
                     self.session.add(piece.stats)
+                    counted = True
                 yield piece
         except BaseException:
             if not reply:  # nothing was said: the turn did not happen
                 self.messages.pop()
                 self.pending_images = images + self.pending_images
                 raise
+            if not counted and self.engine.last_stats is not None:  # interrupted: count what was said
+                self.last_stats = self.engine.last_stats
+                self.session.add(self.last_stats)
             self.messages.append({"role": "assistant", "content": "".join(reply)})
             raise
         self.messages.append({"role": "assistant", "content": "".join(reply)})

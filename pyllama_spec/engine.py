@@ -28,9 +28,10 @@ import numpy as np
 from .drafters import SPEC_TYPES, TargetRows
 from .drafters.dflash import DFlashDrafter, check_dflash_pair
 from .errors import ContextOverflowError, ImageError, KVMemoryError
+from .gate import EngineGate
 from .llama import Context, Model, Sampler
 from .mtmd import MEDIA_MARKER, Bitmap, Chunk, EmbeddingBatch, Projector
-from .positions import SequencePositions
+from .positions import SequencePositions, is_pinned
 from .prompt import as_list, render_messages
 from .stats import GenerationStats, Stopwatch
 
@@ -95,7 +96,13 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
 
 
 class Engine:
-    """Target + optional projector + optional drafter, for one sequence at a time."""
+    """Target + optional projector + optional drafter, for one sequence at a time.
+
+    Safe to share between threads: generations run one at a time, and a call made while
+    another thread's generation runs waits for it to finish. On one thread, starting a
+    generation while a ``stream()`` is suspended cancels that stream: resuming it raises
+    ``GenerationCancelledError`` instead of continuing on a cache that changed under it.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         if config.spec_type not in SPEC_TYPES:
@@ -105,6 +112,9 @@ class Engine:
         if config.n_ubatch > config.n_batch:
             raise ValueError(f"n_ubatch ({config.n_ubatch}) cannot exceed n_batch ({config.n_batch})")
         self.config = config
+        self._gate = EngineGate()
+        #: The stats of the latest generation, also while it runs and after it was interrupted.
+        self.last_stats: GenerationStats | None = None
         self.positions = SequencePositions(config.draft_positions)
         self._cached: list = []  # what the cache holds: int32 token arrays (text) and _CachedMedia, in order
         self.projector: Projector | None = None
@@ -150,6 +160,8 @@ class Engine:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
+        """Free everything native. Waits for a step running on another thread; a suspended stream is cancelled."""
+        self._gate.close()
         for obj in (self.drafter, self.projector, self.ctx, self.draft_model, self.model):
             if obj is not None:
                 obj.close()
@@ -190,17 +202,46 @@ class Engine:
         With ``cache_prompt`` (the default) the longest prefix already in the cache (earlier
         turns' text and images) is kept and only the rest is decoded. ``progress(stage, done,
         total)`` is called during prefill ("encode" per image, "prefill" per decoded batch).
+        ``max_tokens=0`` decodes the prompt (filling the cache) and generates nothing.
+
+        The generation owns the engine from its first step to its end (see ``Engine``).
         """
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt= or messages=")
+        request = dict(prompt=prompt, messages=messages, images=images, max_tokens=int(max_tokens),
+                       sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                     presence_penalty=presence_penalty, seed=seed),
+                       stop=[stop] if isinstance(stop, str) else list(stop), cache_prompt=cache_prompt,
+                       progress=progress)
+        return self._owned(self._run(**request))
+
+    def _owned(self, steps: Iterator[Piece]) -> Iterator[Piece]:
+        """Run a generation's steps while it owns the engine (see gate.py)."""
+        ticket = self._gate.enter()
+        try:
+            if self._gate.dirty:  # an earlier step was cut short and its cleanup did not finish
+                with self._gate.run_step(ticket):
+                    self._reset_sequence()
+            while True:
+                with self._gate.run_step(ticket):
+                    piece = next(steps, None)
+                if piece is None:
+                    return
+                yield piece
+        finally:
+            steps.close()  # no native state is touched: the sampler and bitmaps are its own
+            self._gate.leave(ticket)
+
+    def _run(self, prompt, messages, images, max_tokens, sampling, stop, cache_prompt, progress) -> Iterator[Piece]:
         text, image_list = self._prompt_text(prompt, messages, images)
         bitmaps = [Bitmap.load(im) for im in image_list]
         try:
             parts = self._tokenize(text, bitmaps)
-            stats = GenerationStats(images=len(bitmaps))
-            sampler = Sampler(self.model, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                              presence_penalty=presence_penalty, seed=seed)
-            with sampler:
-                yield from self._generate(parts, sampler, stats, max_tokens,
-                                          [stop] if isinstance(stop, str) else list(stop), cache_prompt, progress)
+            stats = self.last_stats = GenerationStats(images=len(bitmaps))
+            with Sampler(self.model, **sampling) as sampler:
+                yield from self._generate(parts, sampler, stats, max_tokens, stop, cache_prompt, progress)
         finally:
             for b in bitmaps:
                 b.close()
@@ -208,8 +249,6 @@ class Engine:
     # ------------------------------------------------------------------ prompt
     def _prompt_text(self, prompt, messages, images) -> tuple[str, list]:
         image_list = as_list(images)
-        if (prompt is None) == (messages is None):
-            raise ValueError("give exactly one of prompt= or messages=")
         if messages is not None:
             text, message_images = render_messages(self.model, messages)
             image_list = message_images + image_list
@@ -259,6 +298,10 @@ class Engine:
         stats.prompt_reused = self.positions.n_rows
         self._prefill(todo, stats, progress)
         stats.prompt_tokens, stats.prompt_positions = self.positions.n_rows, self.positions.pos_next
+        if max_tokens == 0:
+            stats.prefill_seconds = time.perf_counter() - t0
+            yield Piece("", (), "length", stats)
+            return
         with Stopwatch(stats, "target_seconds"):
             id_last = sampler.sample(self.ctx, -1)
         t1 = time.perf_counter()
@@ -271,6 +314,8 @@ class Engine:
             # Show what the last step produced, then decide whether to go on.
             emit, finish = self._emittable(new_tokens, generated, max_tokens)
             generated += len(emit)
+            stats.generated_tokens = generated  # kept current: an interrupted stream's stats stay true
+            stats.decode_seconds = time.perf_counter() - t1
             text, hit_stop = out.push(emit)
             if hit_stop:
                 finish = "stop"
@@ -285,7 +330,6 @@ class Engine:
         stats.decode_seconds = time.perf_counter() - t1
         stats.decode_target_seconds = stats.target_seconds - prefill_target
         stats.decode_draft_seconds = stats.draft_seconds - prefill_draft
-        stats.generated_tokens = generated
         yield Piece(text + out.flush(), tuple(emit), finish, stats)
 
     def _emittable(self, tokens: list[int], generated: int, max_tokens: int) -> tuple[list[int], str | None]:
@@ -335,7 +379,12 @@ class Engine:
 
     def reset_cache(self) -> None:
         """Forget the cached prompt: the next generation decodes everything again."""
-        self._reset_sequence()
+        ticket = self._gate.enter()
+        try:
+            with self._gate.run_step(ticket):
+                self._reset_sequence()
+        finally:
+            self._gate.leave(ticket)
 
     def _reset_sequence(self) -> None:
         self._cached = []
@@ -365,11 +414,10 @@ class Engine:
             else:
                 if progress:
                     progress("encode", done, total)
-                self._prefill_media(part, stats)
+                report = (lambda rows, at=done: progress("prefill", at + rows, total)) if progress else None
+                self._prefill_media(part, stats, report)
                 self._cached.append(_CachedMedia(part.id, part.n_tokens, part.n_pos))
                 done += part.n_tokens
-                if progress:
-                    progress("prefill", done, total)
 
     def _decode_text(self, tokens: np.ndarray, outputs, stats: GenerationStats) -> None:
         """Decode token rows at pos_next.. into the target, then show them to the drafter.
@@ -384,18 +432,24 @@ class Engine:
             with Stopwatch(stats, "draft_seconds"):
                 self.drafter.process(TargetRows(pos[None, :], False, p.draft_pos_next))
 
-    def _prefill_media(self, chunk: Chunk, stats: GenerationStats) -> None:
+    def _prefill_media(self, chunk: Chunk, stats: GenerationStats,
+                       report: Callable[[int], None] | None = None) -> None:
+        """Encode a media chunk and decode its rows in n_batch slices; ``report(rows decoded so far)``."""
         p = self.positions
         with Stopwatch(stats, "target_seconds"):
             embd = self.projector.encode(chunk)
-        draft_cursor = [p.draft_pos_next]
+        decoded = [0]  # rows of this chunk decoded so far
+        pinned = is_pinned(chunk.n_tokens, chunk.n_pos)  # for the whole chunk, whatever its slices
 
         def on_batch(b: EmbeddingBatch) -> None:
-            if self.drafter is None:
-                return
-            with Stopwatch(stats, "draft_seconds"):
-                self.drafter.process(TargetRows(b.positions, True, draft_cursor[0]))
-            draft_cursor[0] += b.n_rows
+            if self.drafter is not None:
+                # (first_draft_pos matters in "sequential" mode only, where every row takes a draft position)
+                rows = TargetRows(b.positions, True, p.draft_pos_next + decoded[0], pinned=pinned)
+                with Stopwatch(stats, "draft_seconds"):
+                    self.drafter.process(rows)
+            decoded[0] += b.n_rows
+            if report is not None:
+                report(decoded[0])
 
         draft_before = stats.draft_seconds
         with Stopwatch(stats, "target_seconds"):
@@ -455,7 +509,7 @@ def _common_prefix(cached: list, parts: list) -> tuple[int, int]:
                 continue
             return i, j
         if isinstance(c, _CachedMedia) and not isinstance(p, np.ndarray) and c.id and c.id == p.id \
-                and c.n_tokens == p.n_tokens:
+                and (c.n_tokens, c.n_pos) == (p.n_tokens, p.n_pos):
             continue
         return i, 0
     return min(len(cached), len(parts)), 0

@@ -39,6 +39,17 @@ class ClosedError(PyllamaError, ValueError):
     """An object was used after close()."""
 
 
+class EngineBusyError(PyllamaError, RuntimeError):
+    """The engine was used from inside its own running generation (e.g. from a progress callback)."""
+
+
+class GenerationCancelledError(PyllamaError, RuntimeError):
+    """A suspended stream was resumed after a newer generation (or close) took its engine over.
+
+    Its cache and positions were rewritten, so it cannot go on; start a new generation.
+    """
+
+
 class NativeCallError(PyllamaError, RuntimeError):
     """A native call failed; the message names the call and its arguments."""
 

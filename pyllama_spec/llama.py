@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
-from ._native import ffi, lib
+from ._native import arm_interrupts, ffi, interrupted_during_call, lib, raise_carried
 from .errors import (
     ClosedError,
     DecodeError,
@@ -126,6 +126,12 @@ class Model(NativeHandle):
         params.vocab_only = vocab_only
         forget_native_problems()
         ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        try:
+            raise_carried()  # Ctrl-C during a load lands in the log callback
+        except BaseException:
+            if ptr != ffi.NULL:
+                lib.llama_model_free(ptr)
+            raise
         if ptr == ffi.NULL:
             raise ModelFileError(with_native_log(
                 f"llama_model_load_from_file could not load the {role} model {self.path} "
@@ -329,14 +335,18 @@ class Context(NativeHandle):
                              f"got {params.n_ubatch}")
         ptr = lib.llama_init_from_model(model.ptr, params)
         if ptr == ffi.NULL:
+            raise_carried()
             raise NativeCallError("llama_init_from_model", None,
                                   f"could not create the {role} context (n_ctx={n_ctx}, n_batch={n_batch}, "
                                   f"n_ubatch={n_ubatch}); see the 'pyllama_spec.native' log")
         self._ptr = ptr
+        # Ctrl-C stops a long decode between graph nodes (the flag is set by the shim's SIGINT hook).
+        lib.llama_set_abort_callback(ptr, lib.pyllama_abort_requested, ffi.NULL)
         model._contexts.add(self)
         if ctx_other is not None:
             ctx_other._borrowers.add(self)
         self.memory = Memory(self)
+        raise_carried()
 
     def _free(self, ptr) -> None:
         for borrower in list(self._borrowers):  # a draft must not outlive the target it reads from
@@ -368,10 +378,13 @@ class Context(NativeHandle):
         """Decode a batch into this context; raises DecodeError naming this context."""
         forget_native_problems()
         self.last_decode_rows = 0
+        arm_interrupts()
         rc = lib.llama_process(self.ptr, lib.LLAMA_PROCESS_TYPE_DECODE, batch.ptr)
+        raise_carried()
         if rc != 0:
+            ctrl_c = rc == 2 and interrupted_during_call()
             raise DecodeError("llama_process(DECODE)", rc, role=self.role, n_rows=batch.n_rows,
-                              offset=batch.first_pos)
+                              offset=batch.first_pos, detail="interrupted (Ctrl-C)" if ctrl_c else "")
         self.last_decode_rows = batch.n_rows
 
     def _check_rows(self, n_rows: int) -> None:

@@ -17,7 +17,7 @@ from typing import Callable, Sequence, Union
 
 import numpy as np
 
-from ._native import ffi, lib
+from ._native import arm_interrupts, carry, ffi, interrupted_during_call, lib, raise_carried
 from .errors import DecodeError, ImageError, NativeCallError, ProjectorError, forget_native_problems, with_native_log
 from .llama import Context, Model, NativeHandle, check_gguf_file
 
@@ -44,8 +44,10 @@ class Bitmap(NativeHandle):
         if ptr == ffi.NULL:
             raise NativeCallError("mtmd_bitmap_init", None, f"{self.width}x{self.height} ({source})")
         self._ptr = ptr
-        # mtmd uses the id to recognise an image already in the cache.
-        self.id = hashlib.sha256(arr.tobytes()).hexdigest()
+        # The prompt cache recognises an image by this id, so it covers everything that changes
+        # the image's rows: the pixels and the shape (a 224x112 and a 112x224 picture of one
+        # colour have the same bytes). The projector is fixed for an engine's lifetime.
+        self.id = image_id(arr)
         lib.mtmd_bitmap_set_id(ptr, self.id.encode())
 
     def _free(self, ptr) -> None:
@@ -81,6 +83,13 @@ class Bitmap(NativeHandle):
         except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
             raise ImageError(f"cannot read image {source}: {e}") from e
         return cls(rgb, source=source)
+
+
+def image_id(rgb: np.ndarray) -> str:
+    """Content id of an RGB uint8 image: its shape and its pixels."""
+    h = hashlib.sha256(f"rgb8 {rgb.shape[0]}x{rgb.shape[1]}x{rgb.shape[2]}\n".encode())
+    h.update(np.ascontiguousarray(rgb).data)
+    return h.hexdigest()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +201,12 @@ class _DecodeCallbackState:
         self.error: BaseException | None = None
 
 
-@ffi.def_extern()
+def _stop_decoding(*exc) -> int:
+    carry(*exc)  # an exception raised before the body's own try (e.g. Ctrl-C at its first line)
+    return 1
+
+
+@ffi.def_extern(onerror=_stop_decoding)
 def pyllama_post_decode_callback(view, user_data):
     state: _DecodeCallbackState = ffi.from_handle(user_data)
     try:
@@ -231,6 +245,12 @@ class Projector(NativeHandle):
                                   lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         forget_native_problems()
         ptr = lib.mtmd_init_from_file(str(self.path).encode(), model.ptr, params)
+        try:
+            raise_carried()
+        except BaseException:
+            if ptr != ffi.NULL:
+                lib.mtmd_free(ptr)
+            raise
         if ptr == ffi.NULL:
             raise ProjectorError(with_native_log(
                 f"mtmd_init_from_file could not load the projector {self.path} for the {model.arch} target "
@@ -238,6 +258,8 @@ class Projector(NativeHandle):
                 f"target's input width n_embd_inp {model.n_embd_inp})"))
         self._ptr = ptr
         model.dependents.add(self)  # freed before the model it reads from
+        # Ctrl-C stops an encode between graph nodes (patches/0002; 0 on an unpatched tree).
+        self.encode_interruptible = bool(lib.pyllama_mtmd_set_abort_callback(ptr))
         self.n_encode_calls = 0  # counted so that callers (and tests) can see cache reuse
 
     def _free(self, ptr) -> None:
@@ -274,6 +296,11 @@ class Projector(NativeHandle):
         arr = ffi.new("mtmd_bitmap *[]", [b.ptr for b in bitmaps] or [ffi.NULL])
         chunks = lib.mtmd_input_chunks_init()
         rc = lib.mtmd_tokenize(self.ptr, chunks, inp, arr, len(bitmaps))
+        try:
+            raise_carried()
+        except BaseException:
+            lib.mtmd_input_chunks_free(chunks)
+            raise
         if rc != 0:
             lib.mtmd_input_chunks_free(chunks)
             meaning = {1: "number of bitmaps does not match the markers", 2: "image preprocessing failed"}
@@ -284,9 +311,13 @@ class Projector(NativeHandle):
         """Run the vision encoder on a media chunk: float32 [n_tokens, n_embd] (a copy)."""
         if chunk.is_text:
             raise ValueError("only media chunks are encoded")
+        arm_interrupts()
         rc = lib.mtmd_encode_chunk(self.ptr, chunk._ptr)
         self.n_encode_calls += 1
+        raise_carried()
         if rc != 0:
+            if interrupted_during_call():
+                raise NativeCallError("mtmd_encode_chunk", rc, "interrupted (Ctrl-C)")
             raise NativeCallError("mtmd_encode_chunk", rc, f"{chunk.type} chunk of {chunk.n_tokens} rows")
         ptr = lib.mtmd_get_output_embd(self.ptr)
         n = chunk.n_tokens * self.model.n_embd_inp
@@ -308,13 +339,17 @@ class Projector(NativeHandle):
         new_pos = ffi.new("llama_pos *")
         forget_native_problems()
         ctx.last_decode_rows = 0
+        arm_interrupts()
         rc = lib.mtmd_helper_decode_image_chunk(
             self.ptr, ctx.ptr, chunk._ptr, ffi.from_buffer("float[]", e), pos0, seq_id, n_batch, new_pos,
             lib.pyllama_post_decode_callback, handle)
+        raise_carried()
         if state.error is not None:
             raise state.error
         if rc != 0:
+            ctrl_c = interrupted_during_call()
             raise DecodeError("mtmd_helper_decode_image_chunk", rc, role=ctx.role,
                               n_rows=min(n_batch, chunk.n_tokens), offset=pos0,
-                              detail=f"failed to decode {chunk.type} chunk of {chunk.n_tokens} rows")
+                              detail=f"failed to decode {chunk.type} chunk of {chunk.n_tokens} rows"
+                              + (" (interrupted: Ctrl-C)" if ctrl_c else ""))
         return int(new_pos[0])

@@ -16,15 +16,16 @@ import dataclasses
 import numpy as np
 
 
-def is_pinned(section0_positions: np.ndarray, has_embeddings: bool) -> bool:
-    """True for a media batch whose rows do not advance: more than one row, first == last position.
+def is_pinned(n_tokens: int, n_pos: int) -> bool:
+    """True for a media chunk whose rows do not advance the position one by one (n_pos < n_tokens).
 
-    Injecting such rows into a windowed draft cache cannot free cells (they all sit at
-    one position), so the draft overflows; a drafter skips them. Text batches and media
-    whose positions advance (audio, 1-D media) are never pinned; nor is a single row.
+    An M-RoPE image's rows share one section-0 position; injecting them into a windowed
+    draft cache cannot free cells (they all sit at one position), so the draft overflows,
+    and a drafter skips them. The decision is made once per media chunk, never per decoded
+    slice: the last slice of an image may hold a single row, which is still the image's.
+    Audio and other 1-D media advance (n_pos == n_tokens) and are not pinned.
     """
-    n = len(section0_positions)
-    return bool(has_embeddings and n > 1 and section0_positions[0] == section0_positions[-1])
+    return n_pos < n_tokens
 
 
 @dataclasses.dataclass

@@ -14,8 +14,8 @@ Fixtures (reuse them in new test files rather than writing models yourself):
 * ``big_image_png`` the same image written as a PNG file (Pillow), a ``Path``.
 * ``ctx_kwargs``    default keyword arguments for ``Context(model, **ctx_kwargs)`` in tests:
                     one thread, flash attention off, n_ctx 1024, n_batch = n_ubatch = 64.
-* ``run_python``    runs a Python snippet in a fresh interpreter (the package importable) and
-                    returns the ``CompletedProcess``: the way to prove that a case does not abort
+* ``run_python``    runs a Python snippet in a fresh interpreter (the package importable; ``cwd=``
+                    optional) and returns the ``CompletedProcess``: the way to prove that a case does not abort
                     the process, without killing the test runner when it does.
 
 Constants: ``N_THREADS`` (1: the CI machine has 2 cores and OpenMP spinning makes 2 threads
@@ -117,11 +117,11 @@ def run_python():
     A child killed by SIGABRT has ``returncode`` -6 (an abort in native code).
     """
 
-    def run(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    def run(code: str, *args: str, timeout: float = 60, cwd: Path | None = None) -> subprocess.CompletedProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         env.setdefault("OMP_NUM_THREADS", str(N_THREADS))
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=REPO_ROOT, env=env,
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=cwd or REPO_ROOT, env=env,
                               capture_output=True, text=True, timeout=timeout)
 
     return run

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
 import time
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from conftest import N_THREADS
@@ -151,12 +153,33 @@ def test_chat_commands_through_cli_runner(tiny_dense, big_image_png, tmp_path):
 # --------------------------------------------------------------------------- chat on a real terminal
 
 
-def test_interactive_chat_in_a_pseudo_terminal(tiny_dense, big_image_png):
+ANSI = r"(?:\x1b\[[0-9;]*m)*"  # rich makes numbers bold even with NO_COLOR
+
+
+def _expected_reply_start(models, image, message, n_chars=12):
+    """What the chat will stream first for this message: the same Conversation, in-process."""
+    with load(models.target, mmproj=models.mmproj, draft=models.draft, n_ctx=8192, n_batch=64, n_ubatch=64,
+              n_threads=N_THREADS, draft_max=7) as engine:
+        conv = Conversation(engine, max_tokens=40)
+        conv.attach(image)
+        text = "".join(p.text for p in conv.send(message))
+    assert len(text.strip()) >= n_chars
+    return text[:n_chars]
+
+
+def test_interactive_chat_in_a_pseudo_terminal(tiny_dense, big_image_png, tmp_path):
     pexpect = pytest.importorskip("pexpect", reason="pexpect (the test extra) drives the pseudo-terminal")
+    from PIL import Image
+
+    huge = tmp_path / "huge.png"  # 2304 image rows: an encode of about 2 s on one thread
+    Image.fromarray((np.random.default_rng(0).random((1344, 1344, 3)) * 255).astype(np.uint8)).save(huge)
+    message = "describe the picture at length"
+    reply_start = _expected_reply_start(tiny_dense, big_image_png, message)
     env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
     args = [*_model_args(tiny_dense), "-n", "100000", "-c", "131072"]
     child = pexpect.spawn(sys.executable, ["-m", "pyllama_spec", "chat", *args], env=env, encoding="utf-8",
                           timeout=60, dimensions=(50, 200))
+    child.logfile_read = screen = io.StringIO()
     try:
         child.expect("> ")
         child.sendline(f"/image {big_image_png}")
@@ -165,12 +188,30 @@ def test_interactive_chat_in_a_pseudo_terminal(tiny_dense, big_image_png):
         child.sendline("/image /no/such/file.png")
         child.expect("image not found")
         child.expect("> ")
-        # A very long reply, interrupted with Ctrl-C in the middle.
-        child.sendline("describe the picture at length")
-        child.expect("a")  # the answer is streaming
-        time.sleep(0.5)
+        # A very long reply, interrupted with Ctrl-C once it is really streaming.
+        child.sendline(message)
+        child.expect_exact(message)  # the terminal's echo of what was typed
+        child.expect_exact(reply_start)  # the model's own words: the reply is streaming
+        time.sleep(0.3)
         child.sendintr()
         child.expect("reply interrupted")
+        child.expect("> ")
+        child.sendline("/stats")
+        child.expect(rf"turns {ANSI}1{ANSI} · generated {ANSI}(\d+){ANSI} tokens")
+        assert int(child.match.group(1)) > 0  # the interrupted reply counts
+        child.expect("> ")
+        # Ctrl-C while a large image is still being encoded: the reply never starts.
+        child.sendline(f"/image {huge}")
+        child.expect("attached")
+        child.expect("> ")
+        child.sendline("and this one?")
+        child.expect_exact("and this one?")
+        time.sleep(0.5)
+        child.sendintr()
+        child.expect("reply interrupted", timeout=15)
+        child.expect("> ")
+        child.sendline("/stats")
+        child.expect(rf"turns {ANSI}1{ANSI} ")  # nothing was said, so no turn was added
         child.expect("> ")
         child.sendline("/reset")
         child.expect("conversation and caches cleared")
@@ -180,3 +221,4 @@ def test_interactive_chat_in_a_pseudo_terminal(tiny_dense, big_image_png):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
+    assert "Exception ignored" not in screen.getvalue()  # no interrupt was swallowed by a callback

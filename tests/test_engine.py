@@ -209,19 +209,18 @@ def test_media_rows_whose_positions_advance_are_injected(tiny_dense):
         n = 8
         engine.ctx.decode_tokens(np.arange(97, 97 + n), np.arange(n))  # gives the target's layer inputs
         positions = np.tile(np.arange(n, dtype=np.int32), (4, 1))  # audio-like: every section advances
-        d.process(TargetRows(positions, True, 0))
+        d.process(TargetRows(positions, True, 0, pinned=is_pinned(n, n)))
         assert d.trace == [("inject", 0, n)]
         assert d.ctx.memory.pos_max() == n - 1
         pinned = np.full((4, n), n, dtype=np.int32)
-        d.process(TargetRows(pinned, True, n))
+        d.process(TargetRows(pinned, True, n, pinned=is_pinned(n, 1)))
         assert d.trace[-1] == ("skip", n, n)
 
 
-def test_pinned_rule():
-    assert is_pinned(np.array([5, 5, 5]), True)
-    assert not is_pinned(np.array([5, 5, 5]), False)  # text is never pinned
-    assert not is_pinned(np.array([5]), True)  # one row is not pinned
-    assert not is_pinned(np.array([5, 6, 7]), True)  # advancing media
+def test_pinned_rule_is_decided_per_media_chunk():
+    assert is_pinned(576, 24)  # an M-RoPE image: 576 rows over 24 positions
+    assert not is_pinned(1, 1)  # a one-row item advances
+    assert not is_pinned(50, 50)  # audio and other 1-D media advance
 
 
 def test_sequence_positions_keep_the_two_spaces_mapped():

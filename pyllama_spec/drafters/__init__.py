@@ -30,11 +30,14 @@ class TargetRows:
     ``positions``: int32 [n_pos_sections, n_rows] (section-major; one section for text).
     ``has_embeddings``: media rows (embeddings) rather than token rows.
     ``first_draft_pos``: where these rows go in the draft's position space.
+    ``pinned``: the rows belong to a media chunk whose positions do not advance row by row
+    (``positions.is_pinned``, decided once for the whole chunk).
     """
 
     positions: np.ndarray
     has_embeddings: bool
     first_draft_pos: int
+    pinned: bool = False
 
     @property
     def n_rows(self) -> int:

@@ -23,7 +23,7 @@ import numpy as np
 from ..batch import Batch
 from ..errors import IncompatibleModelsError
 from ..llama import Context, Model
-from ..positions import SequencePositions, is_pinned
+from ..positions import SequencePositions
 from . import TargetRows
 
 DEFAULT_BLOCK_SIZE = 16
@@ -140,7 +140,7 @@ class DFlashDrafter:
     def process(self, rows: TargetRows) -> None:
         """Inject the target's features for rows it just decoded (skipping pinned media)."""
         mode_target = self.positions.draft_positions == "target"
-        if self._skip_pinned_media and mode_target and is_pinned(rows.section0, rows.has_embeddings):
+        if self._skip_pinned_media and mode_target and rows.pinned:
             self._log("skip", int(rows.section0[0]), rows.n_rows)
             return
         n = rows.n_rows

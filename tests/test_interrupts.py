@@ -1,0 +1,118 @@
+"""Ctrl-C reaches the caller from every phase, promptly, and leaves the engine usable.
+
+A KeyboardInterrupt raised inside a cffi callback (native logs, mtmd's post-decode hook)
+is swallowed by cffi; a long native call (a big decode, an image encode) runs no Python
+code at all. Each case runs in a child interpreter (signals are real there: SIGINT from
+a timer thread to the process, handled on the main thread) and prints what it saw.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+CHILD = r"""
+import json, os, signal, sys, threading, time
+import numpy as np
+import pyllama_spec as ps
+
+target, mmproj, draft, case = sys.argv[1:5]
+out = {}
+
+def interrupt_after(seconds):
+    threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+def timed(fn):
+    t0 = time.perf_counter()
+    try:
+        fn()
+        return "finished", time.perf_counter() - t0
+    except KeyboardInterrupt:
+        return "interrupted", time.perf_counter() - t0
+
+if case == "one-long-decode":
+    n = 4096
+    with ps.Model(target) as model:
+        ctx = ps.Context(model, n_ctx=n, n_batch=n, n_ubatch=n, n_threads=1)
+        tokens, pos = np.arange(n) % 200 + 10, np.arange(n)
+        out["full"] = timed(lambda: ctx.decode_tokens(tokens, pos))[1]
+        ctx.memory.clear()
+        interrupt_after(out["full"] / 8)
+        out["outcome"], out["elapsed"] = timed(lambda: ctx.decode_tokens(tokens, pos))
+        ctx.memory.clear()
+        ctx.decode_tokens(tokens[:8], pos[:8], outputs=True)  # the context still works
+        out["after"] = int(ctx.memory.pos_max())
+
+elif case in ("image-encode", "image-prefill"):
+    side = 1344
+    img = (np.random.default_rng(0).random((side, side, 3)) * 255).astype(np.uint8)
+    prompt = f"Look: {ps.MEDIA_MARKER} and say"
+    with ps.load(target, mmproj=mmproj, draft=draft, n_ctx=8192, n_batch=64, n_ubatch=64, n_threads=1,
+                 draft_max=7) as engine:
+        t0 = time.perf_counter()
+        phases = []
+        expected = engine.generate(prompt, images=[img], max_tokens=8,
+                                   progress=lambda s, d, t: phases.append((s, time.perf_counter() - t0)))
+        out["full"] = time.perf_counter() - t0
+        encode_start = next(t for s, t in phases if s == "encode")
+        encode_end = next(t for s, t in phases if s == "prefill" and t > encode_start)
+        # Land the Ctrl-C in the middle of the image's encode, or in its decode slices.
+        at = encode_start + 0.3 * (encode_end - encode_start) if case == "image-encode" else encode_end + 0.05
+        out["encode_seconds"] = encode_end - encode_start
+        engine.reset_cache()
+        interrupt_after(at)
+        out["outcome"], out["elapsed"] = timed(
+            lambda: engine.generate(prompt, images=[img], max_tokens=100_000))
+        out["at"] = at
+        out["same_after"] = engine.generate(prompt, images=[img], max_tokens=8).tokens == expected.tokens
+
+elif case == "own-handler":
+    seen = []
+    signal.signal(signal.SIGINT, lambda *a: seen.append(1))
+    n = 2048
+    with ps.Model(target) as model:
+        ctx = ps.Context(model, n_ctx=n, n_batch=n, n_ubatch=n, n_threads=1)
+        tokens, pos = np.arange(n) % 200 + 10, np.arange(n)
+        t0 = time.perf_counter(); ctx.decode_tokens(tokens, pos); full = time.perf_counter() - t0
+        ctx.memory.clear()
+        interrupt_after(full / 8)
+        out["outcome"], out["elapsed"] = timed(lambda: ctx.decode_tokens(tokens, pos))
+        time.sleep(0.05)
+        out["handler_ran"] = bool(seen)
+        out["rows"] = int(ctx.memory.pos_max()) + 1
+
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _run(run_python, models, case):
+    res = run_python(CHILD, str(models.target), str(models.mmproj), str(models.draft), case, timeout=240)
+    assert "Exception ignored" not in res.stderr, res.stderr[-2000:]
+    line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert res.returncode == 0 and line, f"rc={res.returncode}\n{res.stdout[-1500:]}\n{res.stderr[-3000:]}"
+    return json.loads(line[len("RESULT "):])
+
+
+def test_ctrl_c_stops_one_long_decode_between_graph_nodes(tiny_dense, run_python):
+    out = _run(run_python, tiny_dense, "one-long-decode")
+    assert out["outcome"] == "interrupted"
+    # Stopped well before the decode would have finished (it was sent at 1/8 of it).
+    assert out["elapsed"] < 0.6 * out["full"], out
+    assert out["after"] == 7
+
+
+@pytest.mark.parametrize("case", ["image-encode", "image-prefill"])
+def test_ctrl_c_during_an_image_prompt_reaches_the_caller_and_the_engine_goes_on(case, tiny_dense, run_python):
+    out = _run(run_python, tiny_dense, case)
+    assert out["outcome"] == "interrupted", out  # not lost in a callback, not run to max_tokens
+    if case == "image-encode":
+        # The encode itself stopped: the interrupt came back long before the encode's length.
+        assert out["elapsed"] - out["at"] < 0.5 * out["encode_seconds"], out
+    assert out["elapsed"] < out["full"] + 1.0, out
+    assert out["same_after"]
+
+
+def test_a_program_with_its_own_sigint_handler_keeps_its_decode(tiny_dense, run_python):
+    out = _run(run_python, tiny_dense, "own-handler")
+    assert out["outcome"] == "finished" and out["handler_ran"] and out["rows"] == 2048

@@ -1,0 +1,70 @@
+"""A seeded sweep over the shapes that broke before: image sizes and aspect ratios, batch and
+ubatch sizes, draft windows, draft lengths, both position modes, dense and hybrid targets.
+
+Every case must finish without a native failure, with greedy speculative output equal to
+target-only output, and with both memories ending where the positions say. Combinations
+the engine refuses by design (a recurrent target cannot roll back with n_ubatch < 3) must
+be refused with a clear error before anything is decoded.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from conftest import N_THREADS
+
+import pyllama_spec as ps
+from pyllama_spec import tiny
+
+IMAGE_SIZES = [(1, 1), (2048, 512), (512, 2048), (37, 1000), (300, 17), (224, 224), (672, 672), (1023, 97)]
+BATCHES = [1, 7, 64, 115, 512]
+WINDOWS = [8, 32]
+DRAFT_MAX = [1, 3, 7, 15]
+MODES = ["target", "sequential"]
+ARCHS = ["hunyuan_vl", "qwen35"]
+
+
+def _cases(n: int, seed: int = 11) -> list[tuple]:
+    rng = random.Random(seed)
+    cases = []
+    # The corners first: the smallest and the most extreme image, the smallest batches.
+    cases.append(((1, 1), 1, 1, 32, 7, "target", "hunyuan_vl"))
+    cases.append(((2048, 512), 115, 115, 32, 7, "target", "hunyuan_vl"))
+    cases.append(((2048, 512), 512, 64, 8, 15, "sequential", "qwen35"))
+    cases.append(((512, 2048), 7, 7, 8, 3, "target", "qwen35"))
+    while len(cases) < n:
+        n_batch = rng.choice(BATCHES)
+        n_ubatch = rng.choice([b for b in BATCHES if b <= n_batch])
+        cases.append((rng.choice(IMAGE_SIZES), n_batch, n_ubatch, rng.choice(WINDOWS), rng.choice(DRAFT_MAX),
+                      rng.choice(MODES), rng.choice(ARCHS)))
+    return cases
+
+
+def _image(size, seed=0):
+    h, w = size
+    return (np.random.default_rng(seed).random((h, w, 3)) * 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize("case", _cases(28), ids=lambda c: "{0[0]}x{0[1]}-b{1}-ub{2}-w{3}-d{4}-{5}-{6}".format(*c))
+def test_sweep_greedy_speculative_equals_target_only(case, tiny_dir):
+    (h, w), n_batch, n_ubatch, window, draft_max, mode, arch = case
+    models = tiny.make_tiny_set(tiny_dir, arch=arch, seed=0, window=window, predictable=0.5)
+    prompt = f"Look: {ps.MEDIA_MARKER} and tell me."
+    image = _image((h, w))
+    common = dict(mmproj=models.mmproj, n_ctx=4096, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=N_THREADS,
+                  flash_attn=False)
+    if arch == "qwen35" and n_ubatch < 3:
+        with pytest.raises(ValueError, match="n_ubatch >= 3"):
+            ps.load(models.target, draft=models.draft, draft_max=draft_max, draft_positions=mode, **common)
+        return
+    with ps.load(models.target, spec_type="none", **common) as plain:
+        expected = plain.generate(prompt, images=[image], max_tokens=16)
+    with ps.load(models.target, draft=models.draft, draft_max=draft_max, draft_positions=mode, **common) as spec:
+        got = spec.generate(prompt, images=[image], max_tokens=16)
+        p = spec.positions
+        assert spec.ctx.memory.pos_max() == p.pos_next - 1
+        assert spec.drafter.ctx.memory.pos_max() <= p.draft_pos_next - 1
+    assert got.tokens == expected.tokens
+    assert got.stats.prompt_positions == expected.stats.prompt_positions
