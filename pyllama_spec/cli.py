@@ -107,7 +107,8 @@ def model_options(f):
         click.option("-b", "--batch-size", "n_batch", default=512, show_default=True),
         click.option("-ub", "--ubatch-size", "n_ubatch", default=512, show_default=True),
         click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", default=0, show_default=True),
-        click.option("--draft-max", default=16, show_default=True),
+        click.option("--draft-max", "--spec-draft-n-max", "draft_max", default=16, show_default=True,
+                     help="most tokens drafted per step"),
         click.option("--draft-positions", type=click.Choice(["target", "sequential"]), default="target",
                      show_default=True),
         click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="off",
@@ -451,6 +452,54 @@ def demo(image_size, n_ubatch, window, draft_max, max_tokens, draft_positions, t
     console.print(table)
     if "".join(text) != expected.text:
         sys.exit(1)
+
+
+# --------------------------------------------------------------------------- serve
+
+
+@main.command()
+@model_options
+@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--port", default=8080, show_default=True)
+@click.option("--api-key", envvar="LLAMA_API_KEY", default=None, help="require 'Authorization: Bearer KEY'")
+@click.option("-a", "--alias", default=None, help="model name clients see (default: the file name)")
+@click.option("-np", "--parallel", default=1, show_default=True, help="sequence slots (1 in this version)")
+@click.option("--queue", "max_queue", default=16, show_default=True, help="requests that may wait; more get 503")
+@click.option("--allowed-image-dir", type=click.Path(file_okay=False, exists=True), default=None,
+              help="allow image_url parts that name local files under this folder")
+@click.option("--max-images", default=8, show_default=True, help="images per request")
+@click.option("--max-image-pixels", default=4096 * 4096, show_default=True, help="pixels per image")
+def serve(host, port, api_key, alias, parallel, max_queue, allowed_image_dir, max_images, max_image_pixels, **o):
+    """OpenAI-compatible HTTP server (chat with images, speculative stats); needs the 'server' extra."""
+    from .errors import PyllamaError
+
+    try:
+        import uvicorn
+
+        from .server import ServerSettings, create_app
+    except ImportError as e:
+        err_console.print(f"[red]{e}[/red] (pip install 'pyllama-spec[server]')")
+        sys.exit(2)
+    if parallel != 1:
+        err_console.print("[red]-np/--parallel > 1 is not available yet[/red]: one sequence slot per server; "
+                          "requests queue (--queue) and run one at a time")
+        sys.exit(2)
+    try:
+        with console.status("loading models ..."):
+            engine = _load_engine(o)
+    except (PyllamaError, ValueError, OSError) as e:
+        err_console.print(f"[red]cannot load: {e}[/red]")
+        sys.exit(1)
+    settings = ServerSettings(alias=alias or Path(engine.model.path).stem, api_key=api_key, max_queue=max_queue,
+                              default_max_tokens=o["max_tokens"], max_images=max_images,
+                              max_image_pixels=max_image_pixels,
+                              allowed_image_dir=Path(allowed_image_dir) if allowed_image_dir else None)
+    mode = engine.config.spec_type + (f" (draft_max {engine.drafter.n_max})" if engine.drafter else "")
+    err_console.print(f"[bold]pyllama-spec serve[/bold] · {engine.model.path.name} as '{settings.alias}' · "
+                      f"speculative: {mode} · images: {'yes' if engine.projector else 'no'} · "
+                      f"http://{host}:{port}/v1")
+    with engine:
+        uvicorn.run(create_app(engine, settings), host=host, port=port, log_level="warning")
 
 
 if __name__ == "__main__":  # python -m pyllama_spec.cli

@@ -1,0 +1,388 @@
+"""The ASGI application: OpenAI's chat and completion routes, llama-server's /completion,
+/health, /props, /metrics, with API-key checks, body limits and OpenAI-style errors.
+
+The app holds an ``EngineWorker`` (one thread owning the Engine) and never touches native
+objects itself. Build it with ``create_app(engine, ServerSettings(...))`` and run it with
+any ASGI server (``pyllama-spec serve`` uses uvicorn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+from sse_starlette.sse import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from .. import __version__
+from ..engine import Engine
+from ..errors import ContextOverflowError, ImageError, NativeCallError, ProjectorError
+from .images import ImageLimits
+from .metrics import ServerMetrics
+from .schema import APIError, GenerationRequest, RequestLimits, bad_request, parse_chat, parse_completion
+from .worker import EngineWorker, Job, QueueFullError
+
+log = logging.getLogger("pyllama_spec.server")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    alias: str = "pyllama-spec"  # the model id clients see
+    api_key: str | None = None  # every route but /health then needs "Authorization: Bearer <key>"
+    max_queue: int = 16  # requests waiting for the engine; more are answered 503
+    max_body_bytes: int = 64 * 2**20
+    max_tokens: int = 32768  # largest max_tokens a request may ask for
+    default_max_tokens: int = 512  # when a request gives none (llama-server's -n)
+    max_images: int = 8
+    max_image_pixels: int = 4096 * 4096
+    allowed_image_dir: Path | None = None
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _engine_error(e: BaseException) -> APIError:
+    """An exception from a generation, as the error the client should see."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ContextOverflowError):
+        return bad_request(str(e), "messages", code="context_length_exceeded")
+    if isinstance(e, (ImageError, ProjectorError)):
+        return bad_request(str(e), "messages", code="invalid_image")
+    if isinstance(e, NativeCallError):
+        return APIError(500, str(e), type="server_error", code="native_error")
+    if isinstance(e, ValueError):
+        return bad_request(str(e))
+    log.exception("generation failed", exc_info=e)
+    return APIError(500, f"internal error ({type(e).__name__})", type="server_error")
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError(400, "the client disconnected while sending the request") from None
+    try:
+        return json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+
+
+def timings(stats) -> dict:
+    """llama-server's ``timings`` object, plus what it lacks (acceptance by draft position)."""
+    prompt_n = stats.prompt_tokens - stats.prompt_reused
+    prompt_ms, predicted_ms = stats.prefill_seconds * 1000, stats.decode_seconds * 1000
+    out = {
+        "cache_n": stats.prompt_reused,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+        "prompt_per_second": prompt_n / stats.prefill_seconds if stats.prefill_seconds > 0 else 0.0,
+        "predicted_n": stats.generated_tokens,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": predicted_ms / stats.generated_tokens if stats.generated_tokens else 0.0,
+        "predicted_per_second": stats.tokens_per_second,
+        "draft_n": stats.drafted,
+        "draft_n_accepted": stats.accepted,
+        "acceptance_rate": stats.acceptance_rate,
+        "mean_accepted_length": stats.mean_accepted_length,
+        "per_position_acceptance": stats.per_position_acceptance,
+        "target_steps": stats.target_steps,
+    }
+    return out
+
+
+def usage(stats) -> dict:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.prompt_reused}}
+
+
+# ----------------------------------------------------------------------------- the app
+
+
+class _Service:
+    """What the routes share: the worker, settings, limits, counters."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = ServerMetrics()
+        self.started = int(time.time())
+        drafter = engine.drafter
+        self.limits = RequestLimits(
+            max_tokens=settings.max_tokens, default_max_tokens=settings.default_max_tokens,
+            draft_max=drafter.n_max_limit if drafter else 0,
+            images=ImageLimits(max_images=settings.max_images if engine.projector else 0,
+                               max_pixels=settings.max_image_pixels, allowed_dir=settings.allowed_image_dir))
+        self.worker: EngineWorker | None = None
+        # Facts the info routes answer with, read once here: the event loop never calls into
+        # native code while the worker thread generates.
+        from ..mtmd import MEDIA_MARKER
+
+        model, proj = engine.model, engine.projector
+        self.facts = dict(n_ctx=engine.ctx.n_ctx, n_vocab=model.n_vocab, n_params=model.n_params,
+                          size=model.size_bytes, model_path=str(model.path), chat_template=model.chat_template or "",
+                          vision=bool(proj and proj.supports_vision), audio=bool(proj and proj.supports_audio),
+                          media_marker=MEDIA_MARKER)
+
+    def start(self) -> None:
+        self.worker = EngineWorker(self.engine, self.settings.max_queue, on_finished=self.metrics.add_generation)
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+
+    def submit(self, req: GenerationRequest) -> Job:
+        if req.n_images and self.engine.projector is None:
+            raise bad_request("this server has no projector (--mmproj): it cannot read images", "messages",
+                              code="invalid_image")
+        job = Job(asyncio.get_running_loop(), req.engine_args)
+        try:
+            self.worker.submit(job)
+        except QueueFullError:
+            raise APIError(503, f"the server is busy ({self.settings.max_queue} requests queued); retry shortly",
+                           type="server_error", code="queue_full", headers={"Retry-After": "1"}) from None
+        return job
+
+    def check_key(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None or request.url.path == "/health":
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), key.encode()):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                           type="authentication_error", code="invalid_api_key")
+
+
+def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starlette:
+    """The ASGI app serving ``engine``. Its lifespan starts and stops the engine's worker thread."""
+    service = _Service(engine, settings or ServerSettings())
+
+    def route(path: str, methods: list[str]):
+        def wrap(handler):
+            async def endpoint(request: Request) -> Response:
+                try:
+                    service.check_key(request)
+                    response = await handler(request)
+                except APIError as e:
+                    response = _error_response(e)
+                except Exception as e:  # noqa: BLE001 - never a traceback to the client
+                    response = _error_response(_engine_error(e))
+                service.metrics.count_request(path, response.status_code)
+                return response
+
+            return Route(path, endpoint, methods=methods)
+
+        return wrap
+
+    async def generation(request: Request, parse) -> Response:
+        req = parse(await _read_json(request, service.settings.max_body_bytes), service.limits)
+        job = service.submit(req)
+        if req.stream:
+            return EventSourceResponse(_stream_events(service, req, job), ping=15)
+        return await _complete(service, req, job, request)
+
+    routes = [
+        route("/v1/chat/completions", ["POST"])(lambda r: generation(r, parse_chat)),
+        route("/v1/completions", ["POST"])(lambda r: generation(r, parse_completion)),
+        route("/completion", ["POST"])(
+            lambda r: generation(r, lambda body, limits: parse_completion(body, limits, llama_style=True))),
+        route("/v1/models", ["GET"])(lambda r: _models(service)),
+        route("/models", ["GET"])(lambda r: _models(service)),
+        route("/health", ["GET"])(lambda r: _health(service)),
+        route("/props", ["GET"])(lambda r: _props(service)),
+        route("/metrics", ["GET"])(lambda r: _metrics(service)),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, service.stop)
+
+    async def not_found(request: Request, exc) -> Response:
+        return _error_response(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+    async def bad_method(request: Request, exc) -> Response:
+        return _error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                        code="method_not_allowed"))
+
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: bad_method})
+    app.state.service = service
+    return app
+
+
+# ----------------------------------------------------------------------------- generation routes
+
+
+def _ids(req: GenerationRequest) -> tuple[str, str]:
+    prefix = {"chat": "chatcmpl", "completion": "cmpl", "llama": "cmpl"}[req.kind]
+    return f"{prefix}-{uuid.uuid4().hex[:24]}", {"chat": "chat.completion", "completion": "text_completion",
+                                                 "llama": "completion"}[req.kind]
+
+
+async def _next_event(job: Job, request: Request | None = None) -> tuple[str, Any]:
+    """The job's next event; while waiting, a client that went away cancels the job."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), timeout=0.25)
+        except asyncio.TimeoutError:
+            if request is not None and await request.is_disconnected():
+                job.cancel()
+                raise APIError(499, "the client disconnected") from None
+
+
+async def _complete(service: _Service, req: GenerationRequest, job: Job, request: Request) -> Response:
+    text, tokens, last = [], [], None
+    try:
+        while True:
+            kind, value = await _next_event(job, request)
+            if kind == "piece":
+                text.append(value.text)
+                tokens.extend(value.tokens)
+                last = value
+            elif kind == "error":
+                raise _engine_error(value)
+            else:
+                break
+    finally:
+        job.cancel()  # no-op once finished; stops the generation if this handler was cancelled
+    stats = last.stats
+    content = "".join(text)
+    rid, obj = _ids(req)
+    model = service.settings.alias
+    if req.kind == "llama":
+        return JSONResponse({"content": content, "tokens": tokens, "model": model, "stop": True,
+                             "stop_type": "limit" if last.finish_reason == "length" else "eos",
+                             "tokens_predicted": stats.generated_tokens, "tokens_evaluated": stats.prompt_tokens,
+                             "tokens_cached": stats.prompt_reused, "timings": timings(stats)})
+    choice: dict = {"index": 0, "finish_reason": last.finish_reason}
+    if req.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": content}
+    else:
+        choice.update(text=content, logprobs=None)
+    return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model,
+                         "choices": [choice], "usage": usage(stats), "timings": timings(stats)})
+
+
+async def _stream_events(service: _Service, req: GenerationRequest, job: Job) -> AsyncIterator[dict]:
+    """Server-sent events: OpenAI chunks ending with [DONE] (llama-server's chunks for /completion)."""
+    rid, _ = _ids(req)
+    created, model = int(time.time()), service.settings.alias
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+
+    def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> dict:
+        if req.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else
+                                                                      {"content": delta_text})
+            c = {"index": 0, "delta": delta, "finish_reason": finish}
+        else:
+            c = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+        return {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+
+    def data(obj_: dict) -> dict:
+        return {"data": json.dumps(obj_, ensure_ascii=False)}
+
+    try:
+        if req.kind == "chat":
+            yield data(chunk(None, None, role=True))
+        while True:
+            kind, value = await _next_event(job)
+            if kind == "error":
+                yield data(_engine_error(value).body())
+                return
+            if kind == "done":
+                break
+            piece = value
+            if req.kind == "llama":
+                if piece.stats is None:
+                    yield data({"content": piece.text, "tokens": list(piece.tokens), "stop": False})
+                    continue
+                yield data({"content": piece.text, "tokens": list(piece.tokens), "stop": True, "model": model,
+                            "stop_type": "limit" if piece.finish_reason == "length" else "eos",
+                            "tokens_predicted": piece.stats.generated_tokens,
+                            "tokens_evaluated": piece.stats.prompt_tokens, "timings": timings(piece.stats)})
+                continue
+            if piece.text:
+                yield data(chunk(piece.text, None))
+            if piece.stats is not None:
+                final = chunk(None, piece.finish_reason)
+                final["timings"] = timings(piece.stats)
+                yield data(final)
+                if req.include_usage:
+                    yield data({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                                "usage": usage(piece.stats)})
+        if req.kind != "llama":
+            yield {"data": "[DONE]"}
+    finally:
+        job.cancel()  # the client went away (or the stream ended): stop generating within one step
+
+
+# ----------------------------------------------------------------------------- other routes
+
+
+async def _models(service: _Service) -> Response:
+    f = service.facts
+    caps = ["completion"] + (["multimodal"] if f["vision"] or f["audio"] else [])
+    entry = {"id": service.settings.alias, "object": "model", "created": service.started, "owned_by": "pyllama-spec",
+             "capabilities": caps,
+             "meta": {"n_ctx": f["n_ctx"], "n_vocab": f["n_vocab"], "n_params": f["n_params"], "size": f["size"],
+                      "speculative": service.engine.config.spec_type}}
+    return JSONResponse({"object": "list", "data": [entry]})
+
+
+async def _health(service: _Service) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def _props(service: _Service) -> Response:
+    f, d = service.facts, service.engine.drafter
+    return JSONResponse({
+        "model_alias": service.settings.alias,
+        "model_path": f["model_path"],
+        "build_info": f"pyllama-spec {__version__}",
+        "total_slots": 1,
+        "chat_template": f["chat_template"],
+        "media_marker": f["media_marker"],
+        "modalities": {"vision": f["vision"], "audio": f["audio"]},
+        "default_generation_settings": {
+            "n_ctx": f["n_ctx"], "max_tokens": service.settings.default_max_tokens,
+            "speculative": {"type": service.engine.config.spec_type, "n_max": d.n_max if d else 0,
+                            "n_min": d.n_min if d else 0, "n_max_limit": d.n_max_limit if d else 0,
+                            "draft_positions": service.engine.positions.draft_positions},
+        },
+    })
+
+
+async def _metrics(service: _Service) -> Response:
+    w = service.worker
+    return PlainTextResponse(service.metrics.prometheus(queue_depth=w.queue_depth if w else 0,
+                                                        busy=bool(w and w.busy)),
+                             media_type="text/plain; version=0.0.4")

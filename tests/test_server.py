@@ -1,0 +1,362 @@
+"""`pyllama-spec serve`'s app on loopback: the real openai client, plain HTTP, bad requests,
+API keys, a full queue, clients that go away, and a bounded load test.
+
+Every server here listens on 127.0.0.1 on a free port and is stopped by its fixture.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import json
+import re
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import N_THREADS
+
+import pyllama_spec as ps
+
+httpx = pytest.importorskip("httpx", reason="the test extra brings httpx")
+openai = pytest.importorskip("openai", reason="the test extra brings the openai client")
+uvicorn = pytest.importorskip("uvicorn", reason="the server extra brings uvicorn")
+from pyllama_spec.server import ServerSettings, create_app  # noqa: E402
+
+
+def _engine(models):
+    return ps.load(models.target, mmproj=models.mmproj, draft=models.draft, n_ctx=4096, n_batch=64, n_ubatch=64,
+                   n_threads=N_THREADS, draft_max=7, flash_attn=False)
+
+
+def _png(seed: int, side: int = 224) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray((np.random.default_rng(seed).random((side, side, 3)) * 255).astype(np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _data_uri(png: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(png).decode()
+
+
+class Server:
+    def __init__(self, engine, settings: ServerSettings) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(create_app(engine, settings), host="127.0.0.1", port=self.port, log_level="error")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        assert not self._thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dense):
+    engine = _engine(tiny_dense)
+    server = Server(engine, ServerSettings(alias="tiny", max_queue=64, max_image_pixels=1024 * 1024))
+    yield server
+    server.stop()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dense):
+    """Answers from a separate engine on the same files, as Engine.generate gives them."""
+    engine = _engine(tiny_dense)
+    cache = {}
+
+    def answer(text: str, png: bytes | None, max_tokens: int):
+        key = (text, png, max_tokens)
+        if key not in cache:
+            content = text if png is None else [{"type": "image", "image": png}, {"type": "text", "text": text}]
+            engine.reset_cache()
+            cache[key] = engine.generate(messages=[{"role": "user", "content": content}], max_tokens=max_tokens)
+        return cache[key]
+
+    yield answer
+    engine.close()
+
+
+def _messages(text: str, png: bytes | None):
+    if png is None:
+        return [{"role": "user", "content": text}]
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_uri(png)}},
+                                         {"type": "text", "text": text}]}]
+
+
+# --------------------------------------------------------------------------- the openai client
+
+
+def test_openai_client_chat_with_an_image_equals_engine_generate(served, reference):
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
+    png = _png(1)
+    r = client.chat.completions.create(model="tiny", messages=_messages("What is in this picture?", png),
+                                       max_tokens=24, temperature=0)
+    expected = reference("What is in this picture?", png, 24)
+    assert r.choices[0].message.content == expected.text
+    assert r.choices[0].finish_reason == expected.finish_reason
+    assert r.usage.completion_tokens == len(expected.tokens)
+    assert r.usage.prompt_tokens == expected.stats.prompt_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    t = r.model_extra["timings"]
+    assert t["predicted_n"] == r.usage.completion_tokens
+    assert 0 <= t["draft_n_accepted"] <= t["draft_n"] and t["draft_n"] > 0
+    assert t["prompt_n"] + t["cache_n"] == r.usage.prompt_tokens
+    assert len(t["per_position_acceptance"]) > 0 and t["mean_accepted_length"] >= 1.0
+
+
+def test_openai_client_streamed_chat_equals_the_plain_answer(served, reference):
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
+    png = _png(2)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=_messages("Describe it", png), max_tokens=24, stream=True,
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    expected = reference("Describe it", png, 24)
+    assert text == expected.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason == expected.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.tokens)
+
+
+def test_the_raw_stream_ends_with_done(served):
+    with httpx.stream("POST", served.url + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert all(json.loads(ln[6:])["object"] == "chat.completion.chunk" for ln in lines[:-1])
+
+
+def test_completions_routes(served):
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": "def main(", "max_tokens": 6}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] == 6
+    llama = httpx.post(served.url + "/completion", json={"prompt": "def main(", "n_predict": 6}, timeout=60).json()
+    assert llama["content"] == body["choices"][0]["text"] and llama["tokens_predicted"] == 6
+    assert "draft_n" in llama["timings"]
+
+
+def test_per_request_speculative_settings(served):
+    base = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 24}
+    off = httpx.post(served.url + "/v1/chat/completions", json={**base, "speculative.n_max": 0}, timeout=60).json()
+    on = httpx.post(served.url + "/v1/chat/completions", json={**base, "speculative.n_max": 15}, timeout=60).json()
+    assert off["timings"]["draft_n"] == 0 and on["timings"]["draft_n"] > 0
+    assert off["choices"][0]["message"]["content"] == on["choices"][0]["message"]["content"]
+    bad = httpx.post(served.url + "/v1/chat/completions", json={**base, "speculative.n_max": 99}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative.n_max"
+
+
+def test_info_routes(served):
+    models = httpx.get(served.url + "/v1/models").json()
+    assert models["data"][0]["id"] == "tiny" and "multimodal" in models["data"][0]["capabilities"]
+    assert httpx.get(served.url + "/health").json() == {"status": "ok"}
+    props = httpx.get(served.url + "/props").json()
+    assert props["modalities"]["vision"] and props["default_generation_settings"]["speculative"]["n_max"] == 7
+    metrics = httpx.get(served.url + "/metrics").text
+    assert "pyllama_spec_generated_tokens_total" in metrics and "pyllama_spec_queue_depth 0" in metrics
+
+
+# --------------------------------------------------------------------------- bad requests
+
+
+def _post(served, body, *, raw: bytes | None = None, path="/v1/chat/completions", headers=None):
+    if raw is not None:
+        return httpx.post(served.url + path, content=raw, headers=headers or {"content-type": "application/json"},
+                          timeout=60)
+    return httpx.post(served.url + path, json=body, headers=headers, timeout=60)
+
+
+OK_MESSAGES = [{"role": "user", "content": "Hi"}]
+
+
+@pytest.mark.parametrize("body,status,param,code", [
+    (b"{not json", 400, None, None),
+    ([1, 2], 400, None, None),
+    ({"messages": "hi"}, 400, "messages", None),
+    ({"messages": []}, 400, "messages", None),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", None),
+    ({"messages": OK_MESSAGES, "max_tokens": -1}, 400, "max_tokens", None),
+    ({"messages": OK_MESSAGES, "max_tokens": 10**9}, 400, "max_tokens", None),
+    ({"messages": OK_MESSAGES, "max_tokens": "8"}, 400, "max_tokens", None),
+    ({"messages": OK_MESSAGES, "temperature": "hot"}, 400, "temperature", None),
+    ({"messages": OK_MESSAGES, "temperature": 9}, 400, "temperature", None),
+    ({"messages": OK_MESSAGES, "n": 2}, 400, "n", None),
+    ({"messages": OK_MESSAGES, "stop": [1]}, 400, "stop", None),
+    ({"messages": OK_MESSAGES, "stream": "yes"}, 400, "stream", None),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                                                     "!!notbase64"}}]}]},
+     400, "messages[0].content[0]", "invalid_image"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                 "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]}]},
+     400, "messages[0].content[0]", "invalid_image"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}]},
+     400, "messages[0].content[0]", "invalid_image"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+     400, "messages[0].content[0]", "invalid_image"),
+    ({"messages": [{"role": "user", "content": [{"type": "audio", "x": 1}]}]}, 400, "messages[0].content", None),
+    ({"messages": [{"role": "user", "content": "word " * 5000}]}, 400, "messages", "context_length_exceeded"),
+])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(served, body, status, param, code):
+    r = _post(served, None if isinstance(body, bytes) else body, raw=body if isinstance(body, bytes) else None)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error" and "Traceback" not in r.text
+    if param is not None:
+        assert err["param"] == param
+    if code is not None:
+        assert err["code"] == code
+    assert _post(served, {"messages": OK_MESSAGES, "max_tokens": 2}).status_code == 200
+
+
+def test_an_oversized_image_is_refused(served):
+    r = _post(served, {"messages": _messages("x", _png(3, side=1100))})  # 1.21 M pixels > the 1 M limit
+    assert r.status_code == 400 and "pixels" in r.json()["error"]["message"]
+
+
+def test_unknown_routes_and_methods(served):
+    assert httpx.get(served.url + "/v2/nothing").status_code == 404
+    r = httpx.get(served.url + "/v1/chat/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+def test_a_body_over_the_limit_is_refused_with_413(tiny_dense):
+    engine = _engine(tiny_dense)
+    server = Server(engine, ServerSettings(max_body_bytes=1000))
+    try:
+        r = _post(server, {"messages": [{"role": "user", "content": "x" * 2000}]})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    finally:
+        server.stop()
+        engine.close()
+
+
+# --------------------------------------------------------------------------- API key, queue, disconnects
+
+
+def test_api_key_guards_every_route_but_health(tiny_dense):
+    engine = _engine(tiny_dense)
+    server = Server(engine, ServerSettings(api_key="s3cret"))
+    try:
+        assert httpx.get(server.url + "/health").status_code == 200
+        for path in ("/v1/models", "/props", "/metrics"):
+            r = httpx.get(server.url + path)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret")
+        assert client.chat.completions.create(model="x", messages=OK_MESSAGES, max_tokens=2).choices
+    finally:
+        server.stop()
+        engine.close()
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_a_disconnected_stream_frees_the_engine(tiny_dense):
+    engine = _engine(tiny_dense)
+    server = Server(engine, ServerSettings(max_queue=1))
+    long = {"messages": OK_MESSAGES, "max_tokens": 3000, "stream": True}
+    try:
+        with httpx.Client(timeout=60) as c1, httpx.Client(timeout=60) as c2:
+            with c1.stream("POST", server.url + "/v1/chat/completions", json=long) as first:
+                it = first.iter_lines()
+                next(ln for ln in it if '"content"' in ln and "assistant" not in ln)  # generating now
+                with c2.stream("POST", server.url + "/v1/chat/completions", json=long) as queued:
+                    deadline = time.monotonic() + 10
+                    while httpx.get(server.url + "/metrics").text.count("pyllama_spec_queue_depth 1") == 0:
+                        assert time.monotonic() < deadline
+                        time.sleep(0.05)
+                    full = httpx.post(server.url + "/v1/chat/completions", json={**long, "stream": False})
+                    assert full.status_code == 503 and full.headers["retry-after"] == "1"
+                    assert full.json()["error"]["code"] == "queue_full"
+                # both clients leave here: their generations must stop within a step
+        t0 = time.monotonic()
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": OK_MESSAGES, "max_tokens": 4},
+                       timeout=60)
+        assert r.status_code == 200
+        assert time.monotonic() - t0 < 10  # not behind 2 x 3000 tokens of abandoned work
+        metrics = httpx.get(server.url + "/metrics").text
+        generated = float(re.search(r"^pyllama_spec_generated_tokens_total (\S+)$", metrics, re.M).group(1))
+        assert 0 < generated < 3000  # the abandoned streams (counted too) did not run to their max_tokens
+    finally:
+        server.stop()
+        engine.close()
+
+
+# --------------------------------------------------------------------------- load
+
+
+def test_load_32_clients_4_requests_each(served, reference):
+    """32 concurrent clients x 4 requests: half with images, some streamed, some leaving early.
+
+    Every completed answer equals its sequential greedy answer; none is lost; the server is
+    healthy afterwards. The figures are printed (pytest -s) for bench/RESULTS.md.
+    """
+    texts = ["What is in this picture?", "Tell me a story", "def main(", "Describe it"]
+    pngs = [_png(10), _png(11)]
+    plan = []
+    for client in range(32):
+        for k in range(4):
+            i = client * 4 + k
+            plan.append(dict(text=texts[i % 4], png=pngs[i % 2] if i % 2 == 0 else None, stream=i % 3 == 0,
+                             leave_early=i % 16 == 5, max_tokens=16))
+    expected = {(p["text"], p["png"]): reference(p["text"], p["png"], 16).text for p in plan}
+    latencies, done, left = [], [], []
+
+    def one_client(items):
+        with httpx.Client(timeout=120) as c:
+            for p in items:
+                body = {"messages": _messages(p["text"], p["png"]), "max_tokens": p["max_tokens"],
+                        "stream": p["stream"]}
+                t0 = time.perf_counter()
+                if p["stream"]:
+                    with c.stream("POST", served.url + "/v1/chat/completions", json=body) as r:
+                        assert r.status_code == 200
+                        text = []
+                        for ln in r.iter_lines():
+                            if not ln.startswith("data: ") or ln == "data: [DONE]":
+                                continue
+                            delta = json.loads(ln[6:])["choices"]
+                            if delta:
+                                text.append(delta[0]["delta"].get("content") or "")
+                            if p["leave_early"] and len(text) >= 2:
+                                break
+                    if p["leave_early"]:
+                        left.append(p)
+                        continue
+                    got = "".join(text)
+                else:
+                    r = c.post(served.url + "/v1/chat/completions", json=body)
+                    assert r.status_code == 200, r.text
+                    got = r.json()["choices"][0]["message"]["content"]
+                latencies.append(time.perf_counter() - t0)
+                done.append((p, got))
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        futures = [pool.submit(one_client, plan[c * 4:(c + 1) * 4]) for c in range(32)]
+        for f in futures:
+            f.result(timeout=600)
+    wall = time.perf_counter() - t0
+    assert len(done) + len(left) == len(plan)  # none lost
+    for p, got in done:
+        assert got == expected[(p["text"], p["png"])]
+    assert httpx.get(served.url + "/health").status_code == 200
+    lat = sorted(latencies)
+    print(f"load: {len(plan)} requests ({len(left)} left early) in {wall:.1f} s = {len(plan) / wall:.1f} req/s; "
+          f"latency p50 {lat[len(lat) // 2] * 1000:.0f} ms, p95 {lat[int(len(lat) * 0.95)] * 1000:.0f} ms")
