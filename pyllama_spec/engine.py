@@ -116,6 +116,7 @@ class Engine:
         #: The stats of the latest generation, also while it runs and after it was interrupted.
         self.last_stats: GenerationStats | None = None
         self.positions = SequencePositions(config.draft_positions)
+        self._draft_limits = (0, 0)  # (n_max, n_min) of the generation in progress
         self._cached: list = []  # what the cache holds: int32 token arrays (text) and _CachedMedia, in order
         self.projector: Projector | None = None
         self.drafter: DFlashDrafter | None = None
@@ -157,6 +158,8 @@ class Engine:
             self.drafter = DFlashDrafter(self.ctx, self.draft_model, dflash, self.positions, n_max=draft_max,
                                          n_min=c.draft_min, p_min=c.draft_p_min, n_ubatch=c.n_ubatch,
                                          n_threads=c.n_threads, flash_attn=c.flash_attn, swa_full=c.swa_full)
+            if n_rs_seq:
+                self.drafter.n_max_limit = n_rs_seq  # rollback snapshots bound how far a draft can go
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -173,17 +176,10 @@ class Engine:
         self.close()
 
     # ------------------------------------------------------------------ public API
-    def generate(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None, images=(),
-                 max_tokens: int = 128, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,
-                 min_p: float = 0.05, presence_penalty: float = 0.0, seed: int = 0,
-                 stop: Sequence[str] | str = (), cache_prompt: bool = True,
-                 progress: ProgressCallback | None = None) -> Result:
-        """Generate a completion; see ``stream`` for the arguments."""
+    def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
+        """Generate a completion: ``stream``'s arguments, the pieces joined into one Result."""
         text, tokens, last = [], [], None
-        for piece in self.stream(prompt, messages=messages, images=images, max_tokens=max_tokens,
-                                 temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                 presence_penalty=presence_penalty, seed=seed, stop=stop,
-                                 cache_prompt=cache_prompt, progress=progress):
+        for piece in self.stream(prompt, **kwargs):
             text.append(piece.text)
             tokens.extend(piece.tokens)
             last = piece
@@ -194,7 +190,8 @@ class Engine:
                max_tokens: int = 128, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,
                min_p: float = 0.05, presence_penalty: float = 0.0, seed: int = 0,
                stop: Sequence[str] | str = (), cache_prompt: bool = True,
-               progress: ProgressCallback | None = None) -> Iterator[Piece]:
+               progress: ProgressCallback | None = None, draft_max: int | None = None,
+               draft_min: int | None = None, draft_positions: str | None = None) -> Iterator[Piece]:
         """Yield pieces of text as the target accepts them; the last piece carries the stats.
 
         ``prompt`` is used as is, with ``MEDIA_MARKER`` where each image goes; ``messages``
@@ -203,6 +200,9 @@ class Engine:
         turns' text and images) is kept and only the rest is decoded. ``progress(stage, done,
         total)`` is called during prefill ("encode" per image, "prefill" per decoded batch).
         ``max_tokens=0`` decodes the prompt (filling the cache) and generates nothing.
+        ``draft_max`` / ``draft_min`` / ``draft_positions`` override the engine's speculative
+        settings for this call (``draft_max=0`` turns drafting off; a different position
+        mode starts from an empty cache).
 
         The generation owns the engine from its first step to its end (see ``Engine``).
         """
@@ -210,12 +210,34 @@ class Engine:
             raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt= or messages=")
+        drafting = self._draft_settings(draft_max, draft_min, draft_positions)
         request = dict(prompt=prompt, messages=messages, images=images, max_tokens=int(max_tokens),
+                       drafting=drafting,
                        sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                      presence_penalty=presence_penalty, seed=seed),
                        stop=[stop] if isinstance(stop, str) else list(stop), cache_prompt=cache_prompt,
                        progress=progress)
         return self._owned(self._run(**request))
+
+    def _draft_settings(self, draft_max, draft_min, draft_positions) -> tuple[int, int, str]:
+        """(n_max, n_min, position mode) for one call, checked against what this engine can do."""
+        d = self.drafter
+        limit = d.n_max_limit if d else 0
+        n_max = (d.n_max if d else 0) if draft_max is None else draft_max
+        n_min = (d.n_min if d else 0) if draft_min is None else draft_min
+        for name, v in (("draft_max", n_max), ("draft_min", n_min)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
+        if n_max > limit:
+            raise ValueError(f"draft_max {n_max} is above what this engine can draft ({limit}"
+                             + (": no draft model)" if d is None else ": the draft's block size or the "
+                                "target's rollback depth)"))
+        if n_min > n_max:
+            raise ValueError(f"draft_min {n_min} is above draft_max {n_max}")
+        mode = draft_positions or self.positions.draft_positions
+        if mode not in ("target", "sequential"):
+            raise ValueError(f"draft_positions must be 'target' or 'sequential', got {mode!r}")
+        return int(n_max), int(n_min), mode
 
     def _owned(self, steps: Iterator[Piece]) -> Iterator[Piece]:
         """Run a generation's steps while it owns the engine (see gate.py)."""
@@ -234,7 +256,13 @@ class Engine:
             steps.close()  # no native state is touched: the sampler and bitmaps are its own
             self._gate.leave(ticket)
 
-    def _run(self, prompt, messages, images, max_tokens, sampling, stop, cache_prompt, progress) -> Iterator[Piece]:
+    def _run(self, prompt, messages, images, max_tokens, drafting, sampling, stop, cache_prompt,
+             progress) -> Iterator[Piece]:
+        n_max, n_min, mode = drafting
+        if mode != self.positions.draft_positions:  # the draft's cache is laid out by the mode
+            self._reset_sequence()
+            self.positions.draft_positions = mode
+        self._draft_limits = (n_max, n_min)
         text, image_list = self._prompt_text(prompt, messages, images)
         bitmaps = [Bitmap.load(im) for im in image_list]
         try:
@@ -464,10 +492,11 @@ class Engine:
         p = self.positions
         draft: list[int] = []
         room = self.ctx.n_ctx - p.n_rows - 1
-        n_max = min(budget - 1, room, self.ctx.n_batch - 1)
+        want, n_min = self._draft_limits
+        n_max = min(want, budget - 1, room, self.ctx.n_batch - 1)
         if self.drafter is not None and n_max > 0:
             with Stopwatch(stats, "draft_seconds"):
-                draft = self.drafter.draft(id_last, n_max)
+                draft = self.drafter.draft(id_last, n_max, n_min)
         tokens = np.array([id_last, *draft], dtype=np.int32)
         self._decode_text(tokens, True, stats)  # verify: logits on every row
         # Sample at each position; accept while the target agrees with the draft (llama.cpp's rule).

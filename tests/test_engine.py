@@ -103,10 +103,10 @@ def test_every_draft_block_starts_at_the_sequence_next_position(mode, tiny_dense
         starts = []
         original = engine.drafter.draft
 
-        def traced_draft(id_last, n_max=None):
+        def traced_draft(id_last, n_max=None, n_min=None):
             p = engine.positions
             starts.append((p.pos_next, p.draft_pos_next, p.n_rows))
-            return original(id_last, n_max)
+            return original(id_last, n_max, n_min)
 
         engine.drafter.draft = traced_draft
         result = engine.generate(PROMPT, images=[big_image], max_tokens=20)

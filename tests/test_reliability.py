@@ -260,3 +260,23 @@ def test_an_interrupted_reply_counts_in_the_session_stats(tiny_dense):
         assert conv.session.turns == 1
         assert conv.session.generated_tokens >= n_said > 0
         assert conv.messages[-1]["role"] == "assistant"
+
+
+# --------------------------------------------------------------------------- per-call speculative settings
+
+
+def test_per_call_draft_settings_change_drafting_and_stay_lossless(tiny_dense, big_image):
+    with make_engine(tiny_dense, spec_type="none") as plain:
+        expected = plain.generate(PROMPT, images=[big_image], max_tokens=24).tokens
+    with make_engine(tiny_dense, draft_max=3) as engine:
+        off = engine.generate(PROMPT, images=[big_image], max_tokens=24, draft_max=0)
+        assert off.tokens == expected and off.stats.drafted == 0
+        long = engine.generate(PROMPT, images=[big_image], max_tokens=24, draft_max=15)
+        assert long.tokens == expected and max(len(long.stats.per_position_drafted), 0) > 3
+        seq = engine.generate(PROMPT, images=[big_image], max_tokens=24, draft_positions="sequential")
+        assert seq.tokens == expected and seq.stats.prompt_reused == 0  # a new layout: nothing reused
+        assert engine.positions.draft_positions == "sequential" and consistent(engine)
+        for bad in (dict(draft_max=16), dict(draft_max=-1), dict(draft_min=5, draft_max=2),
+                    dict(draft_positions="nope")):
+            with pytest.raises(ValueError):
+                engine.stream(PROMPT, images=[big_image], max_tokens=4, **bad)

@@ -110,8 +110,10 @@ class DFlashDrafter:
         self.positions = positions
         self.target_ctx = target_ctx
         self.n_embd_target = target_ctx.model.n_embd
-        # A block is [id_last, mask x n]; the trained block size bounds n.
-        self.n_max = max(1, min(n_max, config.block_size - 1))
+        # A block is [id_last, mask x n]; the trained block size bounds n. n_max is the
+        # default draft length; a call may ask for up to n_max_limit.
+        self.n_max_limit = config.block_size - 1
+        self.n_max = max(1, min(n_max, self.n_max_limit))
         self.n_min = min(n_min, self.n_max)
         self.p_min = p_min
         ubatch = max(n_ubatch, config.block_size)  # non-causal blocks must fit in one ubatch
@@ -155,9 +157,13 @@ class DFlashDrafter:
             self._log("inject", int(positions[s, 0]), min(step, n - s))
             self.ctx.decode(self._batch)
 
-    def draft(self, id_last: int, n_max: int | None = None) -> list[int]:
-        """Up to n_max tokens that should follow id_last (which sits at the sequence's next position)."""
-        n = min(n_max or self.n_max, self.n_max)
+    def draft(self, id_last: int, n_max: int | None = None, n_min: int | None = None) -> list[int]:
+        """Up to n_max tokens that should follow id_last (which sits at the sequence's next position).
+
+        Fewer than n_min tokens are not worth a verify: then nothing is proposed.
+        """
+        n = min(self.n_max if n_max is None else n_max, self.n_max_limit)
+        n_min = self.n_min if n_min is None else n_min
         pos0 = self.positions.n_rows if self._block_at_row_count else self.positions.draft_pos_next
         tokens = np.full(n + 1, self.config.mask_token, dtype=np.int32)
         tokens[0] = id_last
@@ -169,7 +175,7 @@ class DFlashDrafter:
         result = self._read_lattice(n) if self.config.is_dflash2 else self._read_block(n)
         # The block's own rows are noise: drop them before the target verifies.
         self.ctx.memory.remove(0, self.positions.draft_pos_next, -1)
-        return result if len(result) >= self.n_min else []
+        return result if len(result) >= n_min else []
 
     def accept(self, n_kept: int) -> None:
         """The target kept n_kept rows of the last verify batch; forget the draft's rows after them."""
