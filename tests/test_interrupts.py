@@ -91,7 +91,9 @@ def _run(run_python, models, case):
     assert "Exception ignored" not in res.stderr, res.stderr[-2000:]
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert res.returncode == 0 and line, f"rc={res.returncode}\n{res.stdout[-1500:]}\n{res.stderr[-3000:]}"
-    return json.loads(line[len("RESULT "):])
+    out = json.loads(line[len("RESULT "):])
+    print(case, out)  # the figures, for the record (pytest -s)
+    return out
 
 
 def test_ctrl_c_stops_one_long_decode_between_graph_nodes(tiny_dense, run_python):
@@ -107,8 +109,9 @@ def test_ctrl_c_during_an_image_prompt_reaches_the_caller_and_the_engine_goes_on
     out = _run(run_python, tiny_dense, case)
     assert out["outcome"] == "interrupted", out  # not lost in a callback, not run to max_tokens
     if case == "image-encode":
-        # The encode itself stopped: the interrupt came back long before the encode's length.
-        assert out["elapsed"] - out["at"] < 0.5 * out["encode_seconds"], out
+        # Sent 30% into the encode, the interrupt came back well before the encode would have
+        # ended (at 100%): the encode itself stopped, between two of its graph nodes.
+        assert out["elapsed"] - out["at"] < 0.6 * out["encode_seconds"], out
     assert out["elapsed"] < out["full"] + 1.0, out
     assert out["same_after"]
 
