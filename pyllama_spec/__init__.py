@@ -21,6 +21,7 @@ from .errors import (
     ProjectorError,
     PyllamaError,
 )
+from .embedded import embedded_models
 from .stats import GenerationStats
 
 __version__ = "0.1.0"
@@ -51,7 +52,7 @@ __all__ = [
     "MEDIA_MARKER", "ClosedError", "ContextOverflowError", "DecodeError", "EngineBusyError",
     "GenerationCancelledError", "GenerationStats", "ImageError", "IncompatibleModelsError",
     "KVMemoryError", "ModelFileError", "NativeCallError", "NativeLibraryError", "ProjectorError",
-    "PyllamaError", *_LAZY,
+    "PyllamaError", "embedded_models", *_LAZY,
 ]
 
 

@@ -98,11 +98,13 @@ def build(backend, cuda_arch, cublas_dir, llama_cpp, cmake_arg, tools, jobs) -> 
 def model_options(f):
     """The model and sampling flags shared by chat and generate, named as in llama.cpp."""
     options = [
-        click.option("-m", "--model", "model", required=True, type=click.Path(), help="target GGUF"),
+        click.option("-m", "--model", "model", type=click.Path(),
+                     help="target GGUF (default: the embedded trained pair: target, mmproj and draft)"),
         click.option("--mmproj", type=click.Path(), help="multimodal projector GGUF (images)"),
         click.option("-md", "--model-draft", "draft", type=click.Path(), help="DFlash draft GGUF"),
-        click.option("--spec-type", type=click.Choice(["dflash", "none"]), default=None,
-                     help="speculative method (default: dflash when a draft is given)"),
+        click.option("--spec-type", type=click.Choice(["draft-dflash", "dflash", "ngram-simple", "none"]),
+                     default=None, help="speculative method, llama.cpp's names (default: draft-dflash when a "
+                                        "draft is given)"),
         click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True),
         click.option("-b", "--batch-size", "n_batch", default=512, show_default=True),
         click.option("-ub", "--ubatch-size", "n_ubatch", default=512, show_default=True),
@@ -133,7 +135,19 @@ def _load_engine(o: dict):
     kwargs = dict(n_ctx=o["n_ctx"], n_batch=o["n_batch"], n_ubatch=min(o["n_ubatch"], o["n_batch"]),
                   n_gpu_layers=o["n_gpu_layers"], draft_max=o["draft_max"], draft_positions=o["draft_positions"],
                   flash_attn=flash, n_threads=o["n_threads"])
-    return load(o["model"], mmproj=o["mmproj"], draft=o["draft"], spec_type=o["spec_type"], **kwargs)
+    model, mmproj, draft = o["model"], o["mmproj"], o["draft"]
+    if model is None:
+        if mmproj or draft:
+            # half an embedded pair with a file of the user's would not fit: refuse rather than guess
+            raise ValueError("--mmproj and -md go with -m (without -m the embedded pair is used whole)")
+        from .embedded import embedded_models
+
+        embedded = embedded_models()
+        model, mmproj = embedded.target, embedded.mmproj
+        draft = embedded.draft if o["spec_type"] != "none" else None
+        err_console.print(f"[dim]no -m: using the embedded trained pair in {embedded.target.parent} (a tiny "
+                          "target, mmproj and DFlash draft that write Python)[/dim]", soft_wrap=True)
+    return load(model, mmproj=mmproj, draft=draft, spec_type=o["spec_type"], **kwargs)
 
 
 def _sampling(o: dict) -> dict:
@@ -186,7 +200,7 @@ CHAT_HELP = """[bold]commands[/bold]
 @model_options
 @click.option("--system", default=None, help="system message")
 def chat(system, **o) -> None:
-    """Interactive multi-turn chat with images; the answer streams as it is accepted."""
+    """Interactive multi-turn chat with images; the answer streams as it is accepted (no -m: the embedded pair)."""
     from .chat import Conversation
     from .errors import PyllamaError
 
@@ -391,16 +405,20 @@ def draw_demo_image(size: int):
 @main.command()
 @click.option("--image-size", default=672, show_default=True, help="side of the drawn test image, pixels")
 @click.option("-ub", "--ubatch", "n_ubatch", default=64, show_default=True, help="n_batch = n_ubatch of both contexts")
-@click.option("--window", default=32, show_default=True, help="the tiny draft's sliding window")
 @click.option("--draft-max", default=7, show_default=True)
-@click.option("--max-tokens", default=32, show_default=True)
+@click.option("--max-tokens", default=96, show_default=True)
 @click.option("--draft-positions", type=click.Choice(["target", "sequential"]), default="target", show_default=True)
 @click.option("--threads", type=int, default=None, help="CPU threads (default: all cores)")
-def demo(image_size, n_ubatch, window, draft_max, max_tokens, draft_positions, threads) -> None:
-    """One chat turn with a large image through DFlash, on tiny models made locally."""
+@click.option("--random-tiny", is_flag=True,
+              help="random tiny models made locally instead of the embedded trained pair "
+                   "(they accept, but write random bytes)")
+@click.option("--window", default=32, show_default=True, help="the random tiny draft's sliding window (--random-tiny)")
+def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, random_tiny, window) -> None:
+    """One turn with a large image through DFlash, on the embedded trained pair (or --random-tiny)."""
+    from . import MEDIA_MARKER
     from . import native_build as nb
     from . import tiny
-    from .errors import NativeLibraryError
+    from .errors import ModelFileError, NativeLibraryError
 
     try:
         from . import _native  # noqa: F401
@@ -413,24 +431,41 @@ def demo(image_size, n_ubatch, window, draft_max, max_tokens, draft_positions, t
         except nb.BuildError as e:
             err_console.print(f"[red]build failed:[/red] {e}")
             sys.exit(1)
+    from .embedded import PROMPT, embedded_models
     from .engine import load
 
-    models = tiny.make_tiny_set(nb.cache_root() / "tiny-models", window=window, predictable=0.5)
     image = draw_demo_image(image_size)
-    messages = [{"role": "user", "content": [{"type": "image", "image": image},
-                                             {"type": "text", "text": "What is in this picture?"}]}]
+    if random_tiny:
+        models = tiny.make_tiny_set(nb.cache_root() / "tiny-models", window=window, predictable=0.5)
+        # random weights: the target writes arbitrary bytes, so only the numbers below mean something
+        request = dict(messages=[{"role": "user", "content": [{"type": "image", "image": image},
+                                                              {"type": "text", "text": "What is in this picture?"}]}])
+        console.print(f"[bold]random tiny models[/bold] {models.target.parent}: draft window {window}, "
+                      f"image {image_size}x{image_size}, ubatch {n_ubatch}")
+    else:
+        try:
+            models = embedded_models()
+        except ModelFileError as e:
+            err_console.print(f"[red]{e}[/red] (or run `pyllama-spec demo --random-tiny`)")
+            sys.exit(1)
+        # the pair was trained on Python source, pictures before some of it: a code prefix after an image
+        request = dict(prompt=f"{MEDIA_MARKER}\n{PROMPT}", images=[image])
+        console.print(f"[bold]embedded trained pair[/bold] {models.target.parent}: a tiny hunyuan_vl target and "
+                      "its DFlash draft, trained on Python source")
+        console.print(f"[bold]prompt[/bold]: a {image_size}x{image_size} test card (ubatch {n_ubatch}), then this "
+                      "code; the DFlash continuation follows it")
+        console.print(PROMPT, end="", style="dim", markup=False, highlight=False)
     common = dict(n_ctx=4096, n_batch=n_ubatch, n_ubatch=n_ubatch, n_threads=threads, flash_attn=False)
-    console.print(f"[bold]tiny models[/bold] {models.target.parent}: target {models.target.name}, "
-                  f"draft window {window}, image {image_size}x{image_size}, ubatch {n_ubatch}")
     with console.status("target only ..."):
         with load(models.target, mmproj=models.mmproj, spec_type="none", **common) as plain:
-            expected = plain.generate(messages=messages, max_tokens=max_tokens)
+            expected = plain.generate(**request, max_tokens=max_tokens)
     with load(models.target, mmproj=models.mmproj, draft=models.draft, draft_max=draft_max,
               draft_positions=draft_positions, **common) as engine:
         engine.drafter.trace = []
-        console.print("[bold]answer (DFlash):[/bold] ", end="")
+        if random_tiny:
+            console.print("[bold]answer (DFlash):[/bold] ", end="")
         text, last = [], None
-        for piece in engine.stream(messages=messages, max_tokens=max_tokens):
+        for piece in engine.stream(**request, max_tokens=max_tokens):
             console.print(piece.text, end="", markup=False, highlight=False)
             text.append(piece.text)
             last = piece

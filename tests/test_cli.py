@@ -13,8 +13,9 @@ def test_doctor_reports_the_pin_backend_and_dflash_entry_points():
 
 
 def test_demo_runs_dflash_on_a_large_image_without_draft_failure(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYLLAMA_SPEC_CACHE", str(tmp_path))  # the demo makes its tiny models there
-    result = CliRunner().invoke(main, ["demo", "--threads", "1", "--max-tokens", "12"], terminal_width=200)
+    monkeypatch.setenv("PYLLAMA_SPEC_CACHE", str(tmp_path))  # the demo makes its random tiny models there
+    result = CliRunner().invoke(main, ["demo", "--random-tiny", "--threads", "1", "--max-tokens", "12"],
+                                terminal_width=200)
     assert result.exit_code == 0, result.output
     rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
             for line in result.output.splitlines() if line.count("│") == 3 and line.split("│")[1].strip()}

@@ -1,4 +1,4 @@
-"""The trained tiny pair (tests/models, made by tools/train_tiny_pair.py).
+"""The trained tiny pair (pyllama_spec/models, the embedded default; made by tools/train_tiny_pair.py).
 
 * parity: the PyTorch modules the pair was trained as give the same logits as llama.cpp
   (target, on text and after an image's M-RoPE rows; draft block given the same injected
@@ -21,9 +21,10 @@ import pytest
 from conftest import CTX_KWARGS, N_THREADS, REPO_ROOT
 from pyllama_spec import engine as engine_mod
 from pyllama_spec.batch import Batch
+from pyllama_spec.embedded import MODELS_DIR
 from pyllama_spec.llama import Context, Model
 
-MODELS = Path(os.environ.get("PYLLAMA_SPEC_TRAINED_MODELS", REPO_ROOT / "tests" / "models"))
+MODELS = Path(os.environ.get("PYLLAMA_SPEC_TRAINED_MODELS", MODELS_DIR))
 TARGET = MODELS / "trained-target.gguf"
 DRAFT = MODELS / "trained-draft.gguf"
 MMPROJ = MODELS / "trained-mmproj.gguf"

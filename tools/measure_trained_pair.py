@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Acceptance and speed of the trained tiny pair (tests/models) on held-out text, and after an image.
+"""Acceptance and speed of the trained tiny pair (pyllama_spec/models) on held-out text, and after an image.
 
-    python tools/measure_trained_pair.py --models tests/models --max-tokens 128
+    python tools/measure_trained_pair.py --models pyllama_spec/models --max-tokens 128
 
 Held-out prompts: 400 characters from a line start a third of the way into each of the first
 ``--prompts`` held-out corpus files (see tools/train_tiny_pair.py: sorted index % 10 == 0).
@@ -73,7 +73,7 @@ def run_checked(eng, prompts, max_tokens, refs: dict, key: str, image=None, temp
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", default=str(REPO / "tests" / "models"))
+    ap.add_argument("--models", default=str(REPO / "pyllama_spec" / "models"))
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
