@@ -25,8 +25,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .drafters import SPEC_TYPES, TargetRows
+from .drafters import Drafter, TargetRows, canonical_spec_type
 from .drafters.dflash import DFlashDrafter, check_dflash_pair
+from .drafters.ngram import NgramDrafter
 from .errors import ContextOverflowError, ImageError, KVMemoryError
 from .gate import EngineGate
 from .llama import Context, Model, Sampler
@@ -36,6 +37,7 @@ from .prompt import as_list, render_messages
 from .stats import GenerationStats, Stopwatch
 
 ProgressCallback = Callable[[str, int, int], None]
+NGRAM_DRAFT_LIMIT = 32  # the most tokens an n-gram draft proposes in one step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +85,14 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
          draft: str | os.PathLike | None = None, spec_type: str | None = None, **kwargs: Any) -> "Engine":
     """Load a target (with an optional mmproj and DFlash draft) and return an Engine.
 
-    ``spec_type`` is "dflash" (the default when a draft is given) or "none" (target only).
+    ``spec_type`` (llama.cpp's names): "draft-dflash" (also "dflash"; the default when a
+    draft is given), "ngram-simple" (prompt lookup, no draft model) or "none" (target only).
     Other keywords are EngineConfig's, named as in llama.cpp: n_ctx, n_batch, n_ubatch,
     n_gpu_layers, draft_max, draft_min, draft_p_min, flash_attn, n_threads,
     draft_positions ("target" or "sequential").
     """
     if spec_type is None:
-        spec_type = "dflash" if draft is not None else "none"
+        spec_type = "draft-dflash" if draft is not None else "none"
     cfg = EngineConfig(model=os.fspath(model), mmproj=os.fspath(mmproj) if mmproj else None,
                        draft=os.fspath(draft) if draft else None, spec_type=spec_type, **kwargs)
     return Engine(cfg)
@@ -105,9 +108,8 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        if config.spec_type not in SPEC_TYPES:
-            raise ValueError(f"spec_type must be one of {SPEC_TYPES}, got {config.spec_type!r}")
-        if config.spec_type != "none" and config.draft is None:
+        config = dataclasses.replace(config, spec_type=canonical_spec_type(config.spec_type))
+        if config.spec_type.startswith("draft-") and config.draft is None:
             raise ValueError(f"spec_type={config.spec_type!r} needs a draft model (draft=...)")
         if config.n_ubatch > config.n_batch:
             raise ValueError(f"n_ubatch ({config.n_ubatch}) cannot exceed n_batch ({config.n_batch})")
@@ -119,7 +121,7 @@ class Engine:
         self._draft_limits = (0, 0)  # (n_max, n_min) of the generation in progress
         self._cached: list = []  # what the cache holds: int32 token arrays (text) and _CachedMedia, in order
         self.projector: Projector | None = None
-        self.drafter: DFlashDrafter | None = None
+        self.drafter: Drafter | None = None
         self.draft_model: Model | None = None
         self.ctx: Context | None = None
         self.model = Model(config.model, n_gpu_layers=config.n_gpu_layers, role="target")
@@ -132,7 +134,7 @@ class Engine:
     def _open(self) -> None:
         c = self.config
         dflash = None
-        if c.spec_type == "dflash":
+        if c.spec_type == "draft-dflash":
             from ._native import build_record
 
             self.draft_model = Model(c.draft, role="draft",
@@ -142,9 +144,10 @@ class Engine:
                                        build_record().get("dflash_target_archs"))
         # A recurrent/hybrid target rolls back rejected drafts through state snapshots: one per
         # position that may be rolled back (llama.cpp also needs n_ubatch > n_rs_seq + 1).
-        draft_max = min(c.draft_max, dflash.block_size - 1) if dflash else 0
+        limit = dflash.block_size - 1 if dflash else NGRAM_DRAFT_LIMIT
+        draft_max = min(c.draft_max, limit) if c.spec_type != "none" else 0
         n_rs_seq = 0
-        if dflash and self.model.is_recurrent:
+        if draft_max and self.model.is_recurrent:
             n_rs_seq = min(draft_max, c.n_ubatch - 2)
             if n_rs_seq < 1:
                 raise ValueError(f"a recurrent target needs n_ubatch >= 3 to roll back drafts, got {c.n_ubatch}")
@@ -158,8 +161,10 @@ class Engine:
             self.drafter = DFlashDrafter(self.ctx, self.draft_model, dflash, self.positions, n_max=draft_max,
                                          n_min=c.draft_min, p_min=c.draft_p_min, n_ubatch=c.n_ubatch,
                                          n_threads=c.n_threads, flash_attn=c.flash_attn, swa_full=c.swa_full)
-            if n_rs_seq:
-                self.drafter.n_max_limit = n_rs_seq  # rollback snapshots bound how far a draft can go
+        elif c.spec_type == "ngram-simple":
+            self.drafter = NgramDrafter(n_max=draft_max, n_min=c.draft_min, n_max_limit=limit)
+        if self.drafter is not None and n_rs_seq:
+            self.drafter.n_max_limit = n_rs_seq  # rollback snapshots bound how far a draft can go
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -389,7 +394,7 @@ class Engine:
         try:
             self.ctx.memory.remove(0, pos, -1)
             if self.drafter is not None:
-                self.drafter.truncate(self.positions.draft_pos(pos))
+                self.drafter.truncate(pos)
         except KVMemoryError:
             return self._start_over(parts)  # e.g. a recurrent target cannot roll back that far
         self.positions.truncate(pos)
@@ -458,7 +463,7 @@ class Engine:
             self.ctx.decode_tokens(tokens, pos, outputs=outputs)
         if self.drafter is not None:
             with Stopwatch(stats, "draft_seconds"):
-                self.drafter.process(TargetRows(pos[None, :], False, p.draft_pos_next))
+                self.drafter.process(TargetRows(pos[None, :], False, p.draft_pos_next, tokens=tokens))
 
     def _prefill_media(self, chunk: Chunk, stats: GenerationStats,
                        report: Callable[[int], None] | None = None) -> None:

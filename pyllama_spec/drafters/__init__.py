@@ -1,26 +1,27 @@
-"""Speculative drafters behind one small protocol; one module per method.
+"""Speculative drafters behind one protocol; one module per method.
 
-The engine talks to a drafter through four calls:
+The engine is typed against ``Drafter`` and talks to every method through these calls:
 
-* ``begin(positions)``: a new turn starts (after the sequence was truncated/reset);
-* ``process(rows)``: the target just decoded these rows (prompt, media slices, verify
-  batches); a drafter conditioned on the target (DFlash) reads features here;
-* ``draft(id_last, n_max)``: propose up to n_max tokens following ``id_last``, which
-  sits at the sequence's ``pos_next``;
-* ``accept(keep_to)``: the target kept everything before position ``keep_to``; the
-  drafter drops the rest of its own state.
+* ``process(rows)``: the target just decoded these rows (prompt text, media slices,
+  verify batches); DFlash injects the target's features here, n-gram records tokens;
+* ``draft(id_last, n_max, n_min)``: propose up to n_max tokens following ``id_last``,
+  which sits at the sequence's ``pos_next`` (nothing when fewer than n_min are found);
+* ``accept(n_kept)``: the target kept the first n_kept rows of the last verify batch;
+* ``truncate(target_pos)``: forget everything from that target position on (the prompt
+  cache kept a shorter prefix); ``reset()``: forget everything;
+* ``close()``: free what the drafter holds.
 
-``spec_type="none"`` has no drafter at all.
+``n_max`` is a drafter's default draft length and ``n_max_limit`` the most a call may
+ask for. ``spec_type="none"`` has no drafter at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from ..positions import SequencePositions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,12 +33,14 @@ class TargetRows:
     ``first_draft_pos``: where these rows go in the draft's position space.
     ``pinned``: the rows belong to a media chunk whose positions do not advance row by row
     (``positions.is_pinned``, decided once for the whole chunk).
+    ``tokens``: the token ids of text rows (None for media rows).
     """
 
     positions: np.ndarray
     has_embeddings: bool
     first_draft_pos: int
     pinned: bool = False
+    tokens: np.ndarray | None = None
 
     @property
     def n_rows(self) -> int:
@@ -48,18 +51,32 @@ class TargetRows:
         return self.positions[0]
 
 
+@runtime_checkable
 class Drafter(Protocol):
     name: str
-
-    def begin(self, positions: SequencePositions) -> None: ...
+    n_max: int
+    n_min: int
+    n_max_limit: int
 
     def process(self, rows: TargetRows) -> None: ...
 
-    def draft(self, id_last: int, n_max: int) -> list[int]: ...
+    def draft(self, id_last: int, n_max: int | None = None, n_min: int | None = None) -> list[int]: ...
 
-    def accept(self, keep_to: int) -> None: ...
+    def accept(self, n_kept: int) -> None: ...
+
+    def truncate(self, target_pos: int) -> None: ...
+
+    def reset(self) -> None: ...
 
     def close(self) -> None: ...
 
 
-SPEC_TYPES = ("none", "dflash")
+#: Speculative methods by llama.cpp's names ("dflash" is accepted for "draft-dflash").
+SPEC_TYPES = ("none", "draft-dflash", "dflash", "ngram-simple")
+SPEC_ALIASES = {"dflash": "draft-dflash"}
+
+
+def canonical_spec_type(spec_type: str) -> str:
+    if spec_type not in SPEC_TYPES:
+        raise ValueError(f"spec_type must be one of {SPEC_TYPES}, got {spec_type!r}")
+    return SPEC_ALIASES.get(spec_type, spec_type)

@@ -136,8 +136,8 @@ class DFlashDrafter:
     def reset(self) -> None:
         self.ctx.memory.clear()
 
-    def truncate(self, draft_pos: int) -> None:
-        self.ctx.memory.remove(0, draft_pos, -1)
+    def truncate(self, target_pos: int) -> None:
+        self.ctx.memory.remove(0, self.positions.draft_pos(target_pos), -1)
 
     def process(self, rows: TargetRows) -> None:
         """Inject the target's features for rows it just decoded (skipping pinned media)."""

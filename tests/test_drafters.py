@@ -1,0 +1,102 @@
+"""Every drafter behind the one protocol passes the same lossless suite; the n-gram drafter's
+own rules (lookup, media separators, rollback) are tested directly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import N_THREADS
+
+import pyllama_spec as ps
+from pyllama_spec.drafters import Drafter, TargetRows, canonical_spec_type
+from pyllama_spec.drafters.ngram import NgramDrafter
+
+PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
+COPY_PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n" * 3
+
+
+def _engine(models, spec_type, **kw):
+    return ps.load(models.target, mmproj=models.mmproj, draft=models.draft if spec_type == "draft-dflash" else None,
+                   spec_type=spec_type, n_ctx=4096, n_batch=64, n_ubatch=64, n_threads=N_THREADS, flash_attn=False,
+                   **kw)
+
+
+@pytest.mark.parametrize("spec_type", ["draft-dflash", "ngram-simple"])
+@pytest.mark.parametrize("which", ["dense", "hybrid"])
+@pytest.mark.parametrize("prompt_kind", ["image", "copy"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_every_drafter_is_lossless(spec_type, which, prompt_kind, temperature, tiny_dense, tiny_hybrid, big_image):
+    models = tiny_dense if which == "dense" else tiny_hybrid
+    prompt, images = (PROMPT, [big_image]) if prompt_kind == "image" else (COPY_PROMPT, [])
+    with _engine(models, "none") as plain:
+        expected = plain.generate(prompt, images=images, max_tokens=32, temperature=temperature, seed=5)
+    with _engine(models, spec_type, draft_max=7) as spec:
+        assert isinstance(spec.drafter, Drafter)
+        got = spec.generate(prompt, images=images, max_tokens=32, temperature=temperature, seed=5)
+        # A second turn reuses the cache, the drafter truncated with it (a recurrent target
+        # cannot roll back that far and decodes everything again).
+        again = spec.generate(prompt, images=images, max_tokens=32, temperature=temperature, seed=5)
+        assert (again.stats.prompt_reused > 0) == (which == "dense")
+    assert got.tokens == expected.tokens and again.tokens == expected.tokens
+    if prompt_kind == "copy" or spec_type == "draft-dflash":
+        assert got.stats.drafted > 0
+
+
+def test_spec_type_names_follow_llama_cpp():
+    assert canonical_spec_type("dflash") == "draft-dflash"
+    assert canonical_spec_type("ngram-simple") == "ngram-simple"
+    with pytest.raises(ValueError, match="spec_type"):
+        canonical_spec_type("eagle")
+
+
+def test_ngram_needs_no_draft_model_and_accepts_on_a_copy_heavy_prompt():
+    from pyllama_spec.embedded import embedded_models
+
+    with ps.load(embedded_models().target, spec_type="ngram-simple", n_ctx=2048, n_threads=N_THREADS,
+                 draft_max=7) as engine:
+        r = engine.generate(COPY_PROMPT, max_tokens=64)
+    # The tiny trained target copies only some of the prompt; its drafts are still taken.
+    assert r.stats.drafted > 0 and r.stats.accepted > 0
+
+
+# --------------------------------------------------------------------------- the n-gram rules
+
+
+def _text(tokens, pos0):
+    t = np.asarray(tokens, dtype=np.int32)
+    return TargetRows(np.arange(pos0, pos0 + len(t), dtype=np.int32)[None, :], False, pos0, tokens=t)
+
+
+def _media(pos, n_rows):
+    return TargetRows(np.full((4, n_rows), pos, dtype=np.int32), True, pos, pinned=True)
+
+
+def test_ngram_proposes_what_followed_the_latest_match():
+    d = NgramDrafter(n_max=4)
+    d.process(_text([1, 2, 3, 4, 5, 9, 9, 1, 2, 3, 7, 8, 1], 0))
+    assert d.draft(2) == [3, 7, 8, 1]  # the key [1, 2] (history + id_last) last occurred at 7
+    assert d.draft(42) == []  # nothing ends like this
+
+
+def test_ngram_does_not_match_across_an_image():
+    d = NgramDrafter(n_max=4)
+    d.process(_text([7, 1, 2], 0))
+    d.process(_media(3, 64))
+    d.process(_media(3, 64))  # a second slice of the same image adds no second separator
+    d.process(_text([9, 1], 4))
+    # The key [1, 2] last occurred right before the image: what followed it was the image.
+    assert d.draft(2) == []
+    d.process(_text([2, 8, 6, 1], 6))
+    assert d.draft(2) == [8, 6, 1, 2]
+
+
+def test_ngram_rolls_back_rejected_rows_and_truncates_by_position():
+    d = NgramDrafter(n_max=4)
+    d.process(_text([1, 2, 3, 1, 2], 0))
+    d.process(_text([3, 4, 5], 5))  # a verify batch: id_last + two drafts
+    d.accept(1)  # only its first row stays: [1, 2, 3, 1, 2, 3]
+    assert d.draft(1) == [2, 3, 1]
+    d.truncate(3)
+    assert d.draft(1) == []  # the history is [1, 2, 3] + the key [3, 1]: no earlier "3 1"
+    d.reset()
+    assert d.draft(1) == []
