@@ -1,28 +1,92 @@
-"""README.md's Python code blocks run as written, so the documentation cannot drift from the code.
+"""README.md's code blocks run as written, so the documentation cannot drift from the code.
 
-Each block runs in a fresh interpreter, in a folder where the file names it uses
-(t.gguf, m.gguf, d.gguf, photo.png) are the tiny models and a picture.
+Python blocks run in a fresh interpreter, in a folder where the file names they use
+(t.gguf, m.gguf, d.gguf, photo.png) are the tiny models and a picture; a block that talks
+to the server at 127.0.0.1:8080 gets a `pyllama-spec serve` on the embedded pair (on a
+free port, written into the block). The server's bash block runs as written too, less its
+install step (the test extra already installed the server extra).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 from conftest import REPO_ROOT
 
-BLOCKS = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), flags=re.DOTALL)
+README = (REPO_ROOT / "README.md").read_text()
+PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+BASH_BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.DOTALL)
+SERVER = "127.0.0.1:8080"
+INSTALL_SERVER = 'python3 -m pip install -e ".[server]" && '
 
 
-def test_the_readme_has_python_blocks():
-    assert BLOCKS and any("ps.load" in b for b in BLOCKS)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)))
+@pytest.fixture
+def served_embedded():
+    """`pyllama-spec serve` on the embedded pair, on a free port; yields the port."""
+    import httpx
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "pyllama_spec", "serve", "--port", str(port), "-t", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_the_readme_has_the_blocks_it_should():
+    assert any("ps.load" in b for b in PYTHON_BLOCKS)
+    assert any(SERVER in b for b in PYTHON_BLOCKS)
+    assert any("pyllama-spec serve" in b for b in BASH_BLOCKS)
+
+
+@pytest.mark.parametrize("index", [i for i, b in enumerate(PYTHON_BLOCKS) if SERVER not in b])
 def test_readme_python_block_runs_as_written(index, tiny_dense, big_image_png, run_python, tmp_path):
     for name, src in (("t.gguf", tiny_dense.target), ("m.gguf", tiny_dense.mmproj), ("d.gguf", tiny_dense.draft),
                       ("photo.png", big_image_png)):
         shutil.copy(src, tmp_path / name)
-    res = run_python(BLOCKS[index], cwd=tmp_path, timeout=300)
-    assert res.returncode == 0, f"README block {index} failed:\n{BLOCKS[index]}\n{res.stderr[-3000:]}"
+    res = run_python(PYTHON_BLOCKS[index], cwd=tmp_path, timeout=300)
+    assert res.returncode == 0, f"README block failed:\n{PYTHON_BLOCKS[index]}\n{res.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("index", [i for i, b in enumerate(PYTHON_BLOCKS) if SERVER in b])
+def test_readme_client_block_runs_against_the_server(index, served_embedded, run_python):
+    code = PYTHON_BLOCKS[index].replace(SERVER, f"127.0.0.1:{served_embedded}")
+    res = run_python(code, timeout=120)
+    assert res.returncode == 0, f"README block failed:\n{code}\n{res.stderr[-3000:]}"
+    assert "draft_n" in res.stdout
+
+
+def test_readme_server_bash_block_runs_as_written(tmp_path):
+    block = next(b for b in BASH_BLOCKS if "pyllama-spec serve" in b)
+    assert block.startswith(INSTALL_SERVER)
+    script = block[len(INSTALL_SERVER):].replace("8080", str(_free_port())) + "\nkill %1\n"
+    script = script.replace("pyllama-spec serve", "pyllama-spec serve -t 1")
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert '"chat.completion"' in res.stdout and '"draft_n"' in res.stdout, res.stdout[-2000:]
