@@ -113,6 +113,8 @@ def model_options(f):
                      help="most tokens drafted per step"),
         click.option("--draft-positions", type=click.Choice(["target", "sequential"]), default="target",
                      show_default=True),
+        click.option("--verify", type=click.Choice(["rejection", "match"]), default="rejection", show_default=True,
+                     help="acceptance at temperature > 0: rejection sampling, or llama.cpp's exact match"),
         click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="off",
                      show_default=True),
         click.option("-t", "--threads", "n_threads", type=int, default=None, help="CPU threads"),
@@ -134,6 +136,7 @@ def _load_engine(o: dict):
     flash = {"on": True, "off": False, "auto": None}[o["flash_attn"]]
     kwargs = dict(n_ctx=o["n_ctx"], n_batch=o["n_batch"], n_ubatch=min(o["n_ubatch"], o["n_batch"]),
                   n_gpu_layers=o["n_gpu_layers"], draft_max=o["draft_max"], draft_positions=o["draft_positions"],
+                  verify=o["verify"],
                   flash_attn=flash, n_threads=o["n_threads"])
     model, mmproj, draft = o["model"], o["mmproj"], o["draft"]
     if model is None:

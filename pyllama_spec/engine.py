@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .drafters import Drafter, TargetRows, canonical_spec_type
+from .drafters import Drafter, Proposal, TargetRows, canonical_spec_type
 from .drafters.dflash import DFlashDrafter, check_dflash_pair
 from .drafters.ngram import NgramDrafter
 from .errors import ContextOverflowError, ImageError, KVMemoryError
@@ -34,7 +34,9 @@ from .llama import Context, Model, Sampler
 from .mtmd import MEDIA_MARKER, Bitmap, Chunk, EmbeddingBatch, Projector
 from .positions import SequencePositions, is_pinned
 from .prompt import as_list, render_messages
+from .sampling import SamplingParams
 from .stats import GenerationStats, Stopwatch
+from .verify import VERIFY_RULES, MatchVerifier, RejectionVerifier
 
 ProgressCallback = Callable[[str, int, int], None]
 NGRAM_DRAFT_LIMIT = 32  # the most tokens an n-gram draft proposes in one step
@@ -76,6 +78,7 @@ class EngineConfig:
     draft_min: int = 0
     draft_p_min: float = 0.0
     draft_positions: str = "target"
+    verify: str = "rejection"  # at temperature > 0: "rejection" sampling, or llama.cpp's exact "match"
     flash_attn: bool | None = False
     n_threads: int | None = None
     swa_full: bool = False
@@ -196,7 +199,8 @@ class Engine:
                min_p: float = 0.05, presence_penalty: float = 0.0, seed: int = 0,
                stop: Sequence[str] | str = (), cache_prompt: bool = True,
                progress: ProgressCallback | None = None, draft_max: int | None = None,
-               draft_min: int | None = None, draft_positions: str | None = None) -> Iterator[Piece]:
+               draft_min: int | None = None, draft_positions: str | None = None,
+               verify: str | None = None) -> Iterator[Piece]:
         """Yield pieces of text as the target accepts them; the last piece carries the stats.
 
         ``prompt`` is used as is, with ``MEDIA_MARKER`` where each image goes; ``messages``
@@ -209,6 +213,11 @@ class Engine:
         settings for this call (``draft_max=0`` turns drafting off; a different position
         mode starts from an empty cache).
 
+        ``verify`` (default: the engine's, "rejection") decides acceptance at temperature > 0:
+        "rejection" sampling follows the target's distribution exactly and accepts more;
+        "match" is llama.cpp's rule, with the same tokens as a target-only run for a seed.
+        Greedy decoding is the same under both.
+
         The generation owns the engine from its first step to its end (see ``Engine``).
         """
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
@@ -216,8 +225,11 @@ class Engine:
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt= or messages=")
         drafting = self._draft_settings(draft_max, draft_min, draft_positions)
+        verify = verify or self.config.verify
+        if verify not in VERIFY_RULES:
+            raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
         request = dict(prompt=prompt, messages=messages, images=images, max_tokens=int(max_tokens),
-                       drafting=drafting,
+                       drafting=drafting, verify=verify,
                        sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                      presence_penalty=presence_penalty, seed=seed),
                        stop=[stop] if isinstance(stop, str) else list(stop), cache_prompt=cache_prompt,
@@ -261,7 +273,7 @@ class Engine:
             steps.close()  # no native state is touched: the sampler and bitmaps are its own
             self._gate.leave(ticket)
 
-    def _run(self, prompt, messages, images, max_tokens, drafting, sampling, stop, cache_prompt,
+    def _run(self, prompt, messages, images, max_tokens, drafting, verify, sampling, stop, cache_prompt,
              progress) -> Iterator[Piece]:
         n_max, n_min, mode = drafting
         if mode != self.positions.draft_positions:  # the draft's cache is laid out by the mode
@@ -274,7 +286,10 @@ class Engine:
             parts = self._tokenize(text, bitmaps)
             stats = self.last_stats = GenerationStats(images=len(bitmaps))
             with Sampler(self.model, **sampling) as sampler:
-                yield from self._generate(parts, sampler, stats, max_tokens, stop, cache_prompt, progress)
+                params = SamplingParams(**{k: v for k, v in sampling.items() if k != "seed"})
+                verifier = (RejectionVerifier(params, sampling["seed"], self.model.n_vocab)
+                            if verify == "rejection" and not params.greedy else MatchVerifier(sampler))
+                yield from self._generate(parts, verifier, stats, max_tokens, stop, cache_prompt, progress)
         finally:
             for b in bitmaps:
                 b.close()
@@ -315,18 +330,18 @@ class Engine:
         return parts
 
     # ------------------------------------------------------------------ the algorithm
-    def _generate(self, parts: list, sampler: Sampler, stats: GenerationStats, max_tokens: int,
+    def _generate(self, parts: list, verifier, stats: GenerationStats, max_tokens: int,
                   stop: list[str], cache_prompt: bool, progress: ProgressCallback | None) -> Iterator[Piece]:
         t0 = time.perf_counter()
         try:
-            yield from self._generate_steps(parts, sampler, stats, max_tokens, stop, cache_prompt, progress, t0)
+            yield from self._generate_steps(parts, verifier, stats, max_tokens, stop, cache_prompt, progress, t0)
         except GeneratorExit:
             raise  # the consumer stopped between two steps: the cache is consistent, keep it
         except BaseException:
             self._reset_sequence()  # a step stopped halfway: forget the cache, the next call starts clean
             raise
 
-    def _generate_steps(self, parts, sampler, stats, max_tokens, stop, cache_prompt, progress, t0):
+    def _generate_steps(self, parts, verifier, stats, max_tokens, stop, cache_prompt, progress, t0):
         todo = self._reuse_cached_prefix(parts) if cache_prompt else self._start_over(parts)
         stats.prompt_reused = self.positions.n_rows
         self._prefill(todo, stats, progress)
@@ -336,7 +351,7 @@ class Engine:
             yield Piece("", (), "length", stats)
             return
         with Stopwatch(stats, "target_seconds"):
-            id_last = sampler.sample(self.ctx, -1)
+            id_last = verifier.first(self.ctx)
         t1 = time.perf_counter()
         stats.prefill_seconds = t1 - t0
         prefill_target, prefill_draft = stats.target_seconds, stats.draft_seconds
@@ -358,7 +373,7 @@ class Engine:
                 break
             if text or emit:
                 yield Piece(text, tuple(emit))
-            new_tokens = self._speculative_step(new_tokens[-1], sampler, stats, max_tokens - generated)
+            new_tokens = self._speculative_step(new_tokens[-1], verifier, stats, max_tokens - generated)
 
         stats.decode_seconds = time.perf_counter() - t1
         stats.decode_target_seconds = stats.target_seconds - prefill_target
@@ -492,26 +507,21 @@ class Engine:
         p.advance_media(chunk.n_tokens, chunk.n_pos)
         assert new_pos == p.pos_next, (new_pos, p)
 
-    def _speculative_step(self, id_last: int, sampler: Sampler, stats: GenerationStats, budget: int) -> list[int]:
+    def _speculative_step(self, id_last: int, verifier, stats: GenerationStats, budget: int) -> list[int]:
         """One draft/verify/accept step; returns the tokens the target accepted (the last is the new id_last)."""
         p = self.positions
-        draft: list[int] = []
+        proposal = Proposal([])
         room = self.ctx.n_ctx - p.n_rows - 1
         want, n_min = self._draft_limits
         n_max = min(want, budget - 1, room, self.ctx.n_batch - 1)
         if self.drafter is not None and n_max > 0:
             with Stopwatch(stats, "draft_seconds"):
-                draft = self.drafter.draft(id_last, n_max, n_min)
+                proposal = self.drafter.draft(id_last, n_max, n_min)
+        draft = verifier.proposal_tokens(proposal)  # rejection sampling draws x ~ q here
         tokens = np.array([id_last, *draft], dtype=np.int32)
         self._decode_text(tokens, True, stats)  # verify: logits on every row
-        # Sample at each position; accept while the target agrees with the draft (llama.cpp's rule).
-        accepted: list[int] = []
         with Stopwatch(stats, "target_seconds"):
-            for i in range(len(tokens)):
-                tok = sampler.sample(self.ctx, i)
-                accepted.append(tok)
-                if i >= len(draft) or tok != draft[i]:
-                    break
+            accepted = verifier.accept(self.ctx, draft, proposal)
         n_kept = len(accepted)  # id_last + the accepted drafts
         if n_kept < len(tokens):
             self.ctx.memory.remove(0, p.pos_next + n_kept, -1)

@@ -29,13 +29,15 @@ def test_every_drafter_is_lossless(spec_type, which, prompt_kind, temperature, t
     models = tiny_dense if which == "dense" else tiny_hybrid
     prompt, images = (PROMPT, [big_image]) if prompt_kind == "image" else (COPY_PROMPT, [])
     with _engine(models, "none") as plain:
-        expected = plain.generate(prompt, images=images, max_tokens=32, temperature=temperature, seed=5)
+        expected = plain.generate(prompt, images=images, max_tokens=32, temperature=temperature, seed=5,
+                                  verify="match")
     with _engine(models, spec_type, draft_max=7) as spec:
         assert isinstance(spec.drafter, Drafter)
-        got = spec.generate(prompt, images=images, max_tokens=32, temperature=temperature, seed=5)
+        got = spec.generate(prompt, images=images, max_tokens=32, temperature=temperature, seed=5, verify="match")
         # A second turn reuses the cache, the drafter truncated with it (a recurrent target
         # cannot roll back that far and decodes everything again).
-        again = spec.generate(prompt, images=images, max_tokens=32, temperature=temperature, seed=5)
+        again = spec.generate(prompt, images=images, max_tokens=32, temperature=temperature, seed=5,
+                              verify="match")
         assert (again.stats.prompt_reused > 0) == (which == "dense")
     assert got.tokens == expected.tokens and again.tokens == expected.tokens
     if prompt_kind == "copy" or spec_type == "draft-dflash":
@@ -74,8 +76,8 @@ def _media(pos, n_rows):
 def test_ngram_proposes_what_followed_the_latest_match():
     d = NgramDrafter(n_max=4)
     d.process(_text([1, 2, 3, 4, 5, 9, 9, 1, 2, 3, 7, 8, 1], 0))
-    assert d.draft(2) == [3, 7, 8, 1]  # the key [1, 2] (history + id_last) last occurred at 7
-    assert d.draft(42) == []  # nothing ends like this
+    assert d.draft(2).tokens == [3, 7, 8, 1]  # the key [1, 2] (history + id_last) last occurred at 7
+    assert d.draft(42).tokens == []  # nothing ends like this
 
 
 def test_ngram_does_not_match_across_an_image():
@@ -85,9 +87,9 @@ def test_ngram_does_not_match_across_an_image():
     d.process(_media(3, 64))  # a second slice of the same image adds no second separator
     d.process(_text([9, 1], 4))
     # The key [1, 2] last occurred right before the image: what followed it was the image.
-    assert d.draft(2) == []
+    assert d.draft(2).tokens == []
     d.process(_text([2, 8, 6, 1], 6))
-    assert d.draft(2) == [8, 6, 1, 2]
+    assert d.draft(2).tokens == [8, 6, 1, 2]
 
 
 def test_ngram_rolls_back_rejected_rows_and_truncates_by_position():
@@ -95,8 +97,8 @@ def test_ngram_rolls_back_rejected_rows_and_truncates_by_position():
     d.process(_text([1, 2, 3, 1, 2], 0))
     d.process(_text([3, 4, 5], 5))  # a verify batch: id_last + two drafts
     d.accept(1)  # only its first row stays: [1, 2, 3, 1, 2, 3]
-    assert d.draft(1) == [2, 3, 1]
+    assert d.draft(1).tokens == [2, 3, 1]
     d.truncate(3)
-    assert d.draft(1) == []  # the history is [1, 2, 3] + the key [3, 1]: no earlier "3 1"
+    assert d.draft(1).tokens == []  # the history is [1, 2, 3] + the key [3, 1]: no earlier "3 1"
     d.reset()
-    assert d.draft(1) == []
+    assert d.draft(1).tokens == []

@@ -49,7 +49,7 @@ def run(eng, prompts, max_tokens, image=None, temperature=0.0):
     for i, p in enumerate(prompts):
         kw = dict(images=[image]) if image is not None else {}
         r = eng.generate(("<__media__>\n" + p) if image is not None else p, max_tokens=max_tokens,
-                         cache_prompt=False, temperature=temperature, seed=i, **kw)
+                         cache_prompt=False, temperature=temperature, seed=i, verify="match", **kw)
         s = r.stats
         agg["drafted"] += s.drafted
         agg["accepted"] += s.accepted

@@ -4,8 +4,10 @@ The engine is typed against ``Drafter`` and talks to every method through these 
 
 * ``process(rows)``: the target just decoded these rows (prompt text, media slices,
   verify batches); DFlash injects the target's features here, n-gram records tokens;
-* ``draft(id_last, n_max, n_min)``: propose up to n_max tokens following ``id_last``,
-  which sits at the sequence's ``pos_next`` (nothing when fewer than n_min are found);
+* ``draft(id_last, n_max, n_min)``: a ``Proposal`` of up to n_max tokens following
+  ``id_last``, which sits at the sequence's ``pos_next`` (none when fewer than n_min are
+  found), with the draft's logits when the method has a distribution (rejection sampling
+  verifies against it);
 * ``accept(n_kept)``: the target kept the first n_kept rows of the last verify batch;
 * ``truncate(target_pos)``: forget everything from that target position on (the prompt
   cache kept a shorter prefix); ``reset()``: forget everything;
@@ -51,6 +53,18 @@ class TargetRows:
         return self.positions[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class Proposal:
+    """Drafted tokens, and the draft's logits at each drafted position [len(tokens), n_vocab]
+    (None for a method without a distribution, such as n-gram lookup)."""
+
+    tokens: list[int]
+    logits: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
 @runtime_checkable
 class Drafter(Protocol):
     name: str
@@ -60,7 +74,7 @@ class Drafter(Protocol):
 
     def process(self, rows: TargetRows) -> None: ...
 
-    def draft(self, id_last: int, n_max: int | None = None, n_min: int | None = None) -> list[int]: ...
+    def draft(self, id_last: int, n_max: int | None = None, n_min: int | None = None) -> Proposal: ...
 
     def accept(self, n_kept: int) -> None: ...
 

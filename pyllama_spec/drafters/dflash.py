@@ -24,7 +24,7 @@ from ..batch import Batch
 from ..errors import IncompatibleModelsError
 from ..llama import Context, Model
 from ..positions import SequencePositions
-from . import TargetRows
+from . import Proposal, TargetRows
 
 DEFAULT_BLOCK_SIZE = 16
 DRAFT_TOP_K = 10  # upstream reads the draft's choice through a top-k 10 sampler
@@ -157,7 +157,7 @@ class DFlashDrafter:
             self._log("inject", int(positions[s, 0]), min(step, n - s))
             self.ctx.decode(self._batch)
 
-    def draft(self, id_last: int, n_max: int | None = None, n_min: int | None = None) -> list[int]:
+    def draft(self, id_last: int, n_max: int | None = None, n_min: int | None = None) -> Proposal:
         """Up to n_max tokens that should follow id_last (which sits at the sequence's next position).
 
         Fewer than n_min tokens are not worth a verify: then nothing is proposed.
@@ -172,10 +172,15 @@ class DFlashDrafter:
                                outputs=not self.config.is_dflash2)
         self._log("draft", pos0, n + 1)
         self.ctx.decode(self._batch)
-        result = self._read_lattice(n) if self.config.is_dflash2 else self._read_block(n)
+        if self.config.is_dflash2:
+            tokens, logits = self._read_lattice(n), None  # the lattice walk has no per-token distribution
+        else:
+            logits = np.array(self.ctx.output_logits(n + 1)[1:])  # row 0 is id_last
+            tokens = self._read_block(logits)
+            logits = logits[:len(tokens)]
         # The block's own rows are noise: drop them before the target verifies.
         self.ctx.memory.remove(0, self.positions.draft_pos_next, -1)
-        return result if len(result) >= n_min else []
+        return Proposal(tokens, logits) if len(tokens) >= n_min else Proposal([])
 
     def accept(self, n_kept: int) -> None:
         """The target kept n_kept rows of the last verify batch; forget the draft's rows after them."""
@@ -186,8 +191,8 @@ class DFlashDrafter:
         self.ctx.close()
 
     # --- reading a block
-    def _read_block(self, n: int) -> list[int]:
-        logits = self.ctx.output_logits(n + 1)[1:]  # row 0 is id_last
+    def _read_block(self, logits: np.ndarray) -> list[int]:
+        n = len(logits)
         best = np.argmax(logits, axis=1)
         if self.p_min <= 0.0:
             return best.tolist()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import TargetRows
+from . import Proposal, TargetRows
 
 _SEPARATOR = -1  # stands for a media chunk in the history
 
@@ -50,12 +50,12 @@ class NgramDrafter:
         self._pos = np.concatenate([self._pos, add_pos])
         self._last_rows = len(add_tok)
 
-    def draft(self, id_last: int, n_max: int | None = None, n_min: int | None = None) -> list[int]:
+    def draft(self, id_last: int, n_max: int | None = None, n_min: int | None = None) -> Proposal:
         n = min(self.n_max if n_max is None else n_max, self.n_max_limit)
         n_min = self.n_min if n_min is None else n_min
         ctx = np.append(self._tokens, np.int32(id_last))
         out = self._lookup(ctx, n)
-        return out if len(out) >= max(n_min, 1) else []
+        return Proposal(out if len(out) >= max(n_min, 1) else [])
 
     def accept(self, n_kept: int) -> None:
         drop = self._last_rows - n_kept

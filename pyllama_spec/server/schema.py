@@ -97,7 +97,8 @@ def _sampling(body: dict, max_tokens_limit: int, default_max_tokens: int) -> dic
 
 
 def _speculative(body: dict, engine_limit: int) -> dict:
-    """llama-server's per-request keys (speculative.n_max / n_min), plus speculative.draft_positions."""
+    """llama-server's per-request keys (speculative.n_max / n_min), plus speculative.draft_positions
+    and speculative.verify."""
     out = {}
     if "speculative.n_max" in body:
         out["draft_max"] = _number(body, "speculative.n_max", None, 0, engine_limit, integer=True)
@@ -105,6 +106,11 @@ def _speculative(body: dict, engine_limit: int) -> dict:
         out["draft_min"] = _number(body, "speculative.n_min", None, 0, engine_limit, integer=True)
     if out.get("draft_min") is not None and out.get("draft_max") is not None and out["draft_min"] > out["draft_max"]:
         raise bad_request("'speculative.n_min' cannot exceed 'speculative.n_max'", "speculative.n_min")
+    if "speculative.verify" in body:
+        rule = body["speculative.verify"]
+        if rule not in ("rejection", "match"):
+            raise bad_request("'speculative.verify' must be 'rejection' or 'match'", "speculative.verify")
+        out["verify"] = rule
     if "speculative.draft_positions" in body:
         mode = body["speculative.draft_positions"]
         if mode not in ("target", "sequential"):
