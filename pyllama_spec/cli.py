@@ -113,7 +113,7 @@ def model_options(f):
                      help="most tokens drafted per step"),
         click.option("--draft-positions", type=click.Choice(["target", "sequential"]), default="target",
                      show_default=True),
-        click.option("--verify", type=click.Choice(["rejection", "match"]), default="rejection", show_default=True,
+        click.option("--verify", type=click.Choice(["match", "rejection"]), default="match", show_default=True,
                      help="acceptance at temperature > 0: rejection sampling, or llama.cpp's exact match"),
         click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="off",
                      show_default=True),

@@ -78,7 +78,9 @@ class EngineConfig:
     draft_min: int = 0
     draft_p_min: float = 0.0
     draft_positions: str = "target"
-    verify: str = "rejection"  # at temperature > 0: "rejection" sampling, or llama.cpp's exact "match"
+    # At temperature > 0: llama.cpp's exact "match" (the default until rejection sampling's gain is
+    # consistent: see bench/RESULTS.md), or "rejection" sampling.
+    verify: str = "match"
     flash_attn: bool | None = False
     n_threads: int | None = None
     swa_full: bool = False
@@ -213,7 +215,7 @@ class Engine:
         settings for this call (``draft_max=0`` turns drafting off; a different position
         mode starts from an empty cache).
 
-        ``verify`` (default: the engine's, "rejection") decides acceptance at temperature > 0:
+        ``verify`` (default: the engine's, "match") decides acceptance at temperature > 0:
         "rejection" sampling follows the target's distribution exactly and accepts more;
         "match" is llama.cpp's rule, with the same tokens as a target-only run for a seed.
         Greedy decoding is the same under both.

@@ -91,16 +91,25 @@ class MatchVerifier:
 class RejectionVerifier:
     """Rejection sampling over numpy distributions (temperature > 0).
 
-    Drafts with logits are resampled from their own distribution q (x ~ q, as the method
-    requires); drafts without (n-gram) are point masses.
+    Drafts with logits are drawn from a distribution q of their own (x ~ q, as the method
+    requires); drafts without (n-gram) are point masses. Any q keeps the output exact; how
+    much is accepted depends on how close q is to p. q is the draft's logits through the
+    same chain at ``draft_temperature_ratio`` x the temperature: a sharper q than the
+    target's accepted far more on the trained pair (mean accepted length 2.4 -> 2.9-3.3 at
+    temperature 0.8 over ratios 0.25-0.55; 1.0 is the draft's own tempered distribution,
+    near 0 the argmax draft, which accepts as llama.cpp's rule does).
     """
 
     rule = "rejection"
 
-    def __init__(self, params, seed: int, n_vocab: int, *, biased: bool = False) -> None:
+    def __init__(self, params, seed: int, n_vocab: int, *, draft_temperature_ratio: float = 0.5,
+                 biased: bool = False) -> None:
+        import dataclasses
+
         from .sampling import distributions
 
         self.params = params
+        self.draft_params = dataclasses.replace(params, temperature=params.temperature * draft_temperature_ratio)
         self.rng = np.random.default_rng(seed & 0xFFFFFFFF)
         self.n_vocab = n_vocab
         self.biased = biased  # test hook: see accept_by_rejection
@@ -108,18 +117,20 @@ class RejectionVerifier:
         self._distributions = distributions
         self._q = None
 
-    def _dist(self, row: np.ndarray, before=()):
+    def _dist(self, row: np.ndarray, before=(), params=None):
         """One row's distribution; the presence penalty sees the generated tokens, then ``before``."""
+        params = params or self.params
         recent = None
-        if self.params.presence_penalty:
-            recent = np.asarray([*self.generated, *before][-self.params.penalty_last_n:])
-        return self._distributions(row[None, :], self.params, recent)[0]
+        if params.presence_penalty:
+            recent = np.asarray([*self.generated, *before][-params.penalty_last_n:])
+        return self._distributions(row[None, :], params, recent)[0]
 
-    def _dists(self, logits: np.ndarray, before: list[int]):
+    def _dists(self, logits: np.ndarray, before: list[int], params=None):
         """Row i sees before[:i] too, as the native sampler accepts tokens one at a time."""
-        if not self.params.presence_penalty:
-            return self._distributions(logits, self.params)  # all rows at once
-        return [self._dist(logits[i], before[:i]) for i in range(len(logits))]
+        params = params or self.params
+        if not params.presence_penalty:
+            return self._distributions(logits, params)  # all rows at once
+        return [self._dist(logits[i], before[:i], params) for i in range(len(logits))]
 
     def first(self, ctx) -> int:
         tok = self._dist(ctx.logits(-1)).sample(self.rng)
@@ -131,12 +142,12 @@ class RejectionVerifier:
         if proposal.logits is None or not len(proposal.tokens):
             return list(proposal.tokens)
         if not self.params.presence_penalty:
-            self._q = self._dists(proposal.logits, [])
+            self._q = self._dists(proposal.logits, [], self.draft_params)
             return [q.sample(self.rng) for q in self._q]  # x_i ~ q_i
         tokens: list[int] = []
         self._q = []
         for row in proposal.logits:  # x_i ~ q_i, each row's penalty seeing the x before it
-            q = self._dist(row, tokens)
+            q = self._dist(row, tokens, self.draft_params)
             self._q.append(q)
             tokens.append(q.sample(self.rng))
         return tokens
