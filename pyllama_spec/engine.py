@@ -28,6 +28,7 @@ import numpy as np
 from .drafters import Drafter, Proposal, TargetRows, canonical_spec_type
 from .drafters.dflash import DFlashDrafter, check_dflash_pair
 from .drafters.ngram import NgramDrafter
+from .draft_length import AdaptiveLength, FixedLength
 from .errors import ContextOverflowError, ImageError, KVMemoryError
 from .gate import EngineGate
 from .llama import Context, Model, Sampler
@@ -123,7 +124,8 @@ class Engine:
         #: The stats of the latest generation, also while it runs and after it was interrupted.
         self.last_stats: GenerationStats | None = None
         self.positions = SequencePositions(config.draft_positions)
-        self._draft_limits = (0, 0)  # (n_max, n_min) of the generation in progress
+        self._draft_length = FixedLength(0)  # how many tokens the generation in progress drafts per step
+        self._draft_min = 0
         self._cached: list = []  # what the cache holds: int32 token arrays (text) and _CachedMedia, in order
         self.projector: Projector | None = None
         self.drafter: Drafter | None = None
@@ -212,8 +214,9 @@ class Engine:
         total)`` is called during prefill ("encode" per image, "prefill" per decoded batch).
         ``max_tokens=0`` decodes the prompt (filling the cache) and generates nothing.
         ``draft_max`` / ``draft_min`` / ``draft_positions`` override the engine's speculative
-        settings for this call (``draft_max=0`` turns drafting off; a different position
-        mode starts from an empty cache).
+        settings for this call (``draft_max=0`` turns drafting off; ``draft_max="auto"``
+        adapts the length step by step, see draft_length.py; a different position mode
+        starts from an empty cache).
 
         ``verify`` (default: the engine's, "match") decides acceptance at temperature > 0:
         "rejection" sampling follows the target's distribution exactly and accepts more;
@@ -238,10 +241,20 @@ class Engine:
                        progress=progress)
         return self._owned(self._run(**request))
 
-    def _draft_settings(self, draft_max, draft_min, draft_positions) -> tuple[int, int, str]:
-        """(n_max, n_min, position mode) for one call, checked against what this engine can do."""
+    def _draft_settings(self, draft_max, draft_min, draft_positions) -> tuple[int | str, int, str]:
+        """(n_max or "auto", n_min, position mode) for one call, checked against what this engine can do."""
         d = self.drafter
         limit = d.n_max_limit if d else 0
+        if draft_max == "auto":
+            if d is None:
+                raise ValueError('draft_max="auto" needs a drafter (spec_type other than "none")')
+            n_min = d.n_min if draft_min is None else draft_min
+            if isinstance(n_min, bool) or not isinstance(n_min, (int, np.integer)) or n_min < 0:
+                raise ValueError(f"draft_min must be an integer >= 0, got {n_min!r}")
+            mode = draft_positions or self.positions.draft_positions
+            if mode not in ("target", "sequential"):
+                raise ValueError(f"draft_positions must be 'target' or 'sequential', got {mode!r}")
+            return "auto", int(n_min), mode
         n_max = (d.n_max if d else 0) if draft_max is None else draft_max
         n_min = (d.n_min if d else 0) if draft_min is None else draft_min
         for name, v in (("draft_max", n_max), ("draft_min", n_min)):
@@ -281,7 +294,9 @@ class Engine:
         if mode != self.positions.draft_positions:  # the draft's cache is laid out by the mode
             self._reset_sequence()
             self.positions.draft_positions = mode
-        self._draft_limits = (n_max, n_min)
+        d = self.drafter
+        self._draft_length = (AdaptiveLength(d.n_max, d.n_max_limit) if n_max == "auto" else FixedLength(n_max))
+        self._draft_min = n_min
         text, image_list = self._prompt_text(prompt, messages, images)
         bitmaps = [Bitmap.load(im) for im in image_list]
         try:
@@ -514,7 +529,7 @@ class Engine:
         p = self.positions
         proposal = Proposal([])
         room = self.ctx.n_ctx - p.n_rows - 1
-        want, n_min = self._draft_limits
+        want, n_min = self._draft_length.next(), self._draft_min
         n_max = min(want, budget - 1, room, self.ctx.n_batch - 1)
         if self.drafter is not None and n_max > 0:
             with Stopwatch(stats, "draft_seconds"):
@@ -533,6 +548,7 @@ class Engine:
         p.advance_text(n_kept)
         self._remember_text(tokens[:n_kept])
         stats.record_step(len(draft), n_kept - 1)
+        self._draft_length.update(len(draft), n_kept - 1)
         stats.target_steps += 1
         return accepted
 

@@ -280,3 +280,25 @@ def test_per_call_draft_settings_change_drafting_and_stay_lossless(tiny_dense, b
                     dict(draft_positions="nope")):
             with pytest.raises(ValueError):
                 engine.stream(PROMPT, images=[big_image], max_tokens=4, **bad)
+
+
+def test_adaptive_draft_length_is_lossless_and_adapts(tiny_dense, big_image):
+    from pyllama_spec.draft_length import AdaptiveLength
+
+    with make_engine(tiny_dense, spec_type="none") as plain:
+        expected = plain.generate(PROMPT, images=[big_image], max_tokens=48).tokens
+    with make_engine(tiny_dense, draft_max=7) as engine:
+        fixed = engine.generate(PROMPT, images=[big_image], max_tokens=48)
+        got = engine.generate(PROMPT, images=[big_image], max_tokens=48, draft_max="auto")
+        assert got.tokens == expected == fixed.tokens
+        # This random tiny pair rejects most drafts: the schedule drafts short blocks most steps.
+        by_position = got.stats.per_position_drafted
+        assert by_position[0] > 2 * by_position[6] and fixed.stats.per_position_drafted[6] > 0
+    schedule = AdaptiveLength(start=7, limit=15)
+    seen = []
+    for drafted, accepted in [(7, 7), (9, 9), (11, 2), (10, 10), (12, 0), (11, 0)]:
+        schedule.update(drafted, accepted)
+        seen.append(schedule.next())
+    assert seen == [9, 11, 10, 12, 11, 10]
+    schedule.update(0, 0)  # nothing proposed: no change
+    assert schedule.next() == 10

@@ -100,11 +100,14 @@ def _speculative(body: dict, engine_limit: int) -> dict:
     """llama-server's per-request keys (speculative.n_max / n_min), plus speculative.draft_positions
     and speculative.verify."""
     out = {}
-    if "speculative.n_max" in body:
+    if body.get("speculative.n_max") == "auto":
+        out["draft_max"] = "auto"  # the adaptive schedule (draft_length.py)
+    elif "speculative.n_max" in body:
         out["draft_max"] = _number(body, "speculative.n_max", None, 0, engine_limit, integer=True)
     if "speculative.n_min" in body:
         out["draft_min"] = _number(body, "speculative.n_min", None, 0, engine_limit, integer=True)
-    if out.get("draft_min") is not None and out.get("draft_max") is not None and out["draft_min"] > out["draft_max"]:
+    if isinstance(out.get("draft_min"), int) and isinstance(out.get("draft_max"), int) \
+            and out["draft_min"] > out["draft_max"]:
         raise bad_request("'speculative.n_min' cannot exceed 'speculative.n_max'", "speculative.n_min")
     if "speculative.verify" in body:
         rule = body["speculative.verify"]
