@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import pyllama_spec as ps  # noqa: E402
 from measure_trained_pair import held_out_prompts  # noqa: E402
-from pyllama_spec.cli import draw_demo_image  # noqa: E402
+from pyllama_spec.tiny import draw_demo_image  # noqa: E402
 
 
 def main() -> int:

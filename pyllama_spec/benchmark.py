@@ -74,7 +74,7 @@ def peak_rss_mib(pid: int) -> float:
 
 
 def demo_png(size: int) -> bytes:
-    from .cli import draw_demo_image
+    from .tiny import draw_demo_image
 
     buf = io.BytesIO()
     draw_demo_image(size).save(buf, format="PNG")

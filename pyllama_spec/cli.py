@@ -34,7 +34,6 @@ def doctor() -> None:
         table.add_row("native part", f"[red]not loadable[/red]: {e}")
         console.print(table)
         sys.exit(1)
-    ffi, lib = _native.ffi, _native.lib
     record = _native.build_record()
     table.add_row("native part", str(_native.LIB_DIR.parent))
     libs = sorted(p.name for p in _native.LIB_DIR.iterdir()) if _native.LIB_DIR.exists() else []
@@ -44,22 +43,18 @@ def doctor() -> None:
     table.add_row("patches applied", ", ".join(record.get("patches", [])) or "none")
     table.add_row("backend", record.get("backend", "?") + (f"  (cmake: {' '.join(record['cmake_args'])})"
                                                           if record.get("cmake_args") else ""))
-    regs = [ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i))).decode()
-            for i in range(lib.ggml_backend_reg_count())]
-    table.add_row("ggml backends", ", ".join(regs))
-    for i in range(lib.ggml_backend_dev_count()):
-        dev = lib.ggml_backend_dev_get(i)
-        free, total = ffi.new("size_t *"), ffi.new("size_t *")
-        lib.ggml_backend_dev_memory(dev, free, total)
-        name = ffi.string(lib.ggml_backend_dev_name(dev)).decode()
-        desc = ffi.string(lib.ggml_backend_dev_description(dev)).decode()
-        table.add_row(f"device {i}", f"{name}: {desc} ({total[0] / 2**30:.1f} GiB, {free[0] / 2**30:.1f} free)")
-    table.add_row("GPU offload", "yes" if lib.llama_supports_gpu_offload() else "no")
-    table.add_row("mtmd", f"yes (media marker {ffi.string(lib.mtmd_default_marker()).decode()})")
+    table.add_row("ggml backends", ", ".join(_native.backend_names()))
+    for i, d in enumerate(_native.devices()):
+        table.add_row(f"device {i}", f"{d['name']}: {d['description']} ({d['total'] / 2**30:.1f} GiB, "
+                                     f"{d['free'] / 2**30:.1f} free)")
+    table.add_row("GPU offload", "yes" if _native.supports_gpu_offload() else "no")
+    from .mtmd import MEDIA_MARKER
+
+    table.add_row("mtmd", f"yes (media marker {MEDIA_MARKER})")
     table.add_row("DFlash entry points", "yes (shim ABI "
-                  f"{lib.pyllama_shim_abi_version()}: layer inputs, nextn, target layer ids, bulk batch fill)")
+                  f"{_native.shim_abi_version()}: layer inputs, nextn, target layer ids, bulk batch fill)")
     table.add_row("DFlash target archs", ", ".join(record.get("dflash_target_archs", [])) or "?")
-    table.add_row("system", ffi.string(lib.llama_print_system_info()).decode().strip())
+    table.add_row("system", _native.system_info())
     console.print(table)
 
 
@@ -391,20 +386,6 @@ def bench(model, mmproj, draft, server, n_batch, n_ubatch, draft_max, threads, m
 # --------------------------------------------------------------------------- demo
 
 
-def draw_demo_image(size: int):
-    """A test card drawn with Pillow: large enough to span many ubatches and draft windows."""
-    from PIL import Image, ImageDraw
-
-    img = Image.new("RGB", (size, size), (30, 60, 110))
-    d = ImageDraw.Draw(img)
-    step = size // 8
-    for i in range(8):
-        d.rectangle([i * step, 0, (i + 1) * step, size // 3], fill=(32 * i, 255 - 32 * i, 128))
-    d.ellipse([size // 4, size // 3, 3 * size // 4, 5 * size // 6], fill=(240, 200, 40), outline=(0, 0, 0), width=6)
-    d.line([0, size - 1, size - 1, size // 2], fill=(255, 255, 255), width=10)
-    return img
-
-
 @main.command()
 @click.option("--image-size", default=672, show_default=True, help="side of the drawn test image, pixels")
 @click.option("-ub", "--ubatch", "n_ubatch", default=64, show_default=True, help="n_batch = n_ubatch of both contexts")
@@ -437,7 +418,7 @@ def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, 
     from .embedded import PROMPT, embedded_models
     from .engine import load
 
-    image = draw_demo_image(image_size)
+    image = tiny.draw_demo_image(image_size)
     if random_tiny:
         models = tiny.make_tiny_set(nb.cache_root() / "tiny-models", window=window, predictable=0.5)
         # random weights: the target writes arbitrary bytes, so only the numbers below mean something

@@ -111,7 +111,8 @@ def with_native_log(message: str) -> str:
     return message + ("\nllama.cpp said: " + " | ".join(said[-3:]) if said else "")
 
 
-def check_decode(rc: int, call: str, *, role: str, n_rows: int, offset: int | None = None) -> None:
+def check_decode(rc: int, call: str, *, role: str, n_rows: int, offset: int | None = None,
+                 detail: str = "") -> None:
     """The one gate for decode return codes: 0 passes, anything else raises DecodeError."""
     if rc != 0:
-        raise DecodeError(call, rc, role=role, n_rows=n_rows, offset=offset)
+        raise DecodeError(call, rc, role=role, n_rows=n_rows, offset=offset, detail=detail)

@@ -18,7 +18,7 @@ import numpy as np
 from ._native import arm_interrupts, ffi, interrupted_during_call, lib, raise_carried
 from .errors import (
     ClosedError,
-    DecodeError,
+    check_decode,
     IncompatibleModelsError,
     KVMemoryError,
     ModelFileError,
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
     from .batch import Batch
 
 GGUF_MAGIC = b"GGUF"
-TOKEN_NULL = -1
 _MROPE_TYPES = {lib.LLAMA_ROPE_TYPE_MROPE, lib.LLAMA_ROPE_TYPE_IMROPE}
 
 
@@ -149,15 +148,6 @@ class Model(NativeHandle):
         """A GGUF metadata value as a string, or None when the key is absent."""
         return _read_str(lib.llama_model_meta_val_str, self.ptr, key.encode())
 
-    def metadata(self) -> dict[str, str]:
-        out = {}
-        for i in range(lib.llama_model_meta_count(self.ptr)):
-            k = _read_str(lib.llama_model_meta_key_by_index, self.ptr, i)
-            v = _read_str(lib.llama_model_meta_val_str_by_index, self.ptr, i, size=1024)
-            if k is not None:
-                out[k] = v
-        return out
-
     @property
     def arch(self) -> str:
         return self.meta("general.architecture") or "unknown"
@@ -254,6 +244,28 @@ class Model(NativeHandle):
 
     def token_text(self, token: int) -> str:
         return ffi.string(lib.llama_vocab_get_text(self._vocab_ptr(), token)).decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: Sequence[tuple[str, str]], *, add_assistant: bool = True) -> str:
+        """(role, text) messages through this model's chat template (llama.cpp's built-in renderer)."""
+        template = self.chat_template
+        if template is None:
+            raise ValueError(f"the model {self.path.name} has no chat template: pass prompt= instead of messages=")
+        keep = [(ffi.new("char[]", r.encode()), ffi.new("char[]", c.encode())) for r, c in messages]
+        chat = ffi.new("llama_chat_message[]", len(keep))
+        for i, (r, c) in enumerate(keep):
+            chat[i].role, chat[i].content = r, c
+        tmpl = ffi.new("char[]", template.encode())
+        size = 1024 + 2 * sum(len(c) for _, c in messages)
+        for _ in range(2):
+            buf = ffi.new("char[]", size)
+            n = lib.llama_chat_apply_template(tmpl, chat, len(keep), add_assistant, buf, size)
+            if n < 0:
+                raise ValueError(f"llama.cpp does not support the chat template of {self.path.name}; "
+                                 "format the prompt yourself and pass prompt=")
+            if n < size:
+                return ffi.buffer(buf, n)[:].decode("utf-8")
+            size = n + 1
+        raise AssertionError("unreachable")
 
     def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> np.ndarray:
         """Text to token ids (int32 array)."""
@@ -381,10 +393,9 @@ class Context(NativeHandle):
         arm_interrupts()
         rc = lib.llama_process(self.ptr, lib.LLAMA_PROCESS_TYPE_DECODE, batch.ptr)
         raise_carried()
-        if rc != 0:
-            ctrl_c = rc == 2 and interrupted_during_call()
-            raise DecodeError("llama_process(DECODE)", rc, role=self.role, n_rows=batch.n_rows,
-                              offset=batch.first_pos, detail="interrupted (Ctrl-C)" if ctrl_c else "")
+        ctrl_c = rc == 2 and interrupted_during_call()
+        check_decode(rc, "llama_process(DECODE)", role=self.role, n_rows=batch.n_rows, offset=batch.first_pos,
+                     detail="interrupted (Ctrl-C)" if ctrl_c else "")
         self.last_decode_rows = batch.n_rows
 
     def _check_rows(self, n_rows: int) -> None:
@@ -429,13 +440,6 @@ class Context(NativeHandle):
         """Width of a logits row: a draft borrows its output head (and vocabulary) from ctx_other."""
         return (self._other or self).model.n_vocab
 
-    def embeddings(self, i: int = -1) -> np.ndarray:
-        ptr = lib.llama_get_embeddings_ith(self.ptr, i)
-        if ptr == ffi.NULL:
-            raise NativeCallError("llama_get_embeddings_ith", None, f"{self.role} context has no embeddings")
-        n = self.model.n_embd
-        return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).copy()
-
     # --- DFlash: the target's layer inputs, the draft's nextn embeddings
     def enable_layer_inputs(self, layer_ids: Iterable[int], enable: bool = True) -> None:
         """Record the inputs of these layers on every decode (a DFlash target's features)."""
@@ -475,16 +479,6 @@ class Context(NativeHandle):
         n = self.model.n_embd
         return np.frombuffer(ffi.buffer(ptr, n_rows * n * 4), dtype=np.float32).reshape(n_rows, n)
 
-    def nextn(self, i: int) -> np.ndarray:
-        """NextN embedding of output row i (DFlash2 reads its selector lattice here)."""
-        if not self._nextn:
-            raise ValueError(f"nextn embeddings are off on the {self.role} context")
-        ptr = lib.pyllama_get_embeddings_nextn_ith(self.ptr, i)
-        if ptr == ffi.NULL:
-            raise NativeCallError("llama_get_embeddings_nextn_ith", None, f"no nextn embedding for row {i}")
-        n = self.model.n_embd
-        return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).copy()
-
 
 class Memory:
     """The memory (KV cache / recurrent state) of one Context, by sequence and position."""
@@ -504,9 +498,6 @@ class Memory:
             raise KVMemoryError("llama_memory_seq_rm", None,
                                 f"{self._ctx.role} context cannot remove positions [{p0}, {p1}) of sequence "
                                 f"{seq_id} (a recurrent model needs n_rs_seq > 0 to roll back)")
-
-    def copy(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
-        lib.llama_memory_seq_cp(self._mem(), src, dst, p0, p1)
 
     def pos_min(self, seq_id: int = 0) -> int:
         """Smallest position held for the sequence, -1 when empty."""

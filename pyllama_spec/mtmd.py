@@ -18,7 +18,7 @@ from typing import Callable, Sequence, Union
 import numpy as np
 
 from ._native import arm_interrupts, carry, ffi, interrupted_during_call, lib, raise_carried
-from .errors import DecodeError, ImageError, NativeCallError, ProjectorError, forget_native_problems, with_native_log
+from .errors import ImageError, NativeCallError, ProjectorError, check_decode, forget_native_problems, with_native_log
 from .llama import Context, Model, NativeHandle, check_gguf_file
 
 MEDIA_MARKER = ffi.string(lib.mtmd_default_marker()).decode()
@@ -346,10 +346,8 @@ class Projector(NativeHandle):
         raise_carried()
         if state.error is not None:
             raise state.error
-        if rc != 0:
-            ctrl_c = interrupted_during_call()
-            raise DecodeError("mtmd_helper_decode_image_chunk", rc, role=ctx.role,
-                              n_rows=min(n_batch, chunk.n_tokens), offset=pos0,
-                              detail=f"failed to decode {chunk.type} chunk of {chunk.n_tokens} rows"
-                              + (" (interrupted: Ctrl-C)" if ctrl_c else ""))
+        ctrl_c = rc != 0 and interrupted_during_call()
+        check_decode(rc, "mtmd_helper_decode_image_chunk", role=ctx.role, n_rows=min(n_batch, chunk.n_tokens),
+                     offset=pos0, detail=f"failed to decode {chunk.type} chunk of {chunk.n_tokens} rows"
+                     + (" (interrupted: Ctrl-C)" if ctrl_c else ""))
         return int(new_pos[0])

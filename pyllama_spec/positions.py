@@ -13,7 +13,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-import numpy as np
 
 
 def is_pinned(n_tokens: int, n_pos: int) -> bool:

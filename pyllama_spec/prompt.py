@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
-from ._native import ffi, lib
 from .llama import Model
 from .mtmd import MEDIA_MARKER
 
@@ -42,37 +41,14 @@ def split_message_content(content: Any) -> tuple[str, list[Any]]:
 
 def render_messages(model: Model, messages: Sequence[Message], *, add_assistant: bool = True) -> tuple[str, list]:
     """Apply the model's chat template; returns the prompt text and the images in marker order."""
-    template = model.chat_template
-    if template is None:
-        raise ValueError(f"the model {model.path.name} has no chat template: pass prompt= instead of messages=")
-    roles, contents, images = [], [], []
+    turns, images = [], []
     for m in messages:
         if "role" not in m or "content" not in m:
             raise ValueError(f"a message needs 'role' and 'content', got keys {sorted(m)}")
         text, imgs = split_message_content(m["content"])
-        roles.append(ffi.new("char[]", str(m["role"]).encode()))
-        contents.append(ffi.new("char[]", text.encode()))
+        turns.append((str(m["role"]), text))
         images.extend(imgs)
-    chat = ffi.new("llama_chat_message[]", len(roles))
-    for i, (r, c) in enumerate(zip(roles, contents)):
-        chat[i].role = r
-        chat[i].content = c
-    tmpl = ffi.new("char[]", template.encode())
-    size = 1024 + 2 * sum(len(ffi.string(c)) for c in contents)
-    for _ in range(2):
-        buf = ffi.new("char[]", size)
-        n = lib.llama_chat_apply_template(tmpl, chat, len(roles), add_assistant, buf, size)
-        if n < 0:
-            raise ValueError(f"llama.cpp does not support the chat template of {model.path.name}; "
-                             "format the prompt yourself and pass prompt=")
-        if n < size:
-            return ffi.buffer(buf, n)[:].decode("utf-8"), images
-        size = n + 1
-    raise AssertionError("unreachable")
-
-
-def count_markers(text: str) -> int:
-    return text.count(MEDIA_MARKER)
+    return model.apply_chat_template(turns, add_assistant=add_assistant), images
 
 
 def as_list(images: Iterable[Any] | None) -> list[Any]:

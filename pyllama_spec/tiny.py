@@ -778,3 +778,17 @@ def make_bench_set(folder: str | Path, *, n_embd: int = 1024, n_layer: int = 12,
                       target_n_layer=n_layer, block_size=block_size, sliding_window=window,
                       n_layer=draft_n_layer, n_ff=n_ff, seed=seed, dtype=dtype)
     return models
+
+
+def draw_demo_image(size: int):
+    """A test card drawn with Pillow: large enough to span many ubatches and draft windows."""
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (size, size), (30, 60, 110))
+    d = ImageDraw.Draw(img)
+    step = size // 8
+    for i in range(8):
+        d.rectangle([i * step, 0, (i + 1) * step, size // 3], fill=(32 * i, 255 - 32 * i, 128))
+    d.ellipse([size // 4, size // 3, 3 * size // 4, 5 * size // 6], fill=(240, 200, 40), outline=(0, 0, 0), width=6)
+    d.line([0, size - 1, size - 1, size // 2], fill=(255, 255, 255), width=10)
+    return img

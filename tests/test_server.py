@@ -276,7 +276,7 @@ def test_a_full_queue_answers_503_with_retry_after_and_a_disconnected_stream_fre
             with c1.stream("POST", server.url + "/v1/chat/completions", json=long) as first:
                 it = first.iter_lines()
                 next(ln for ln in it if '"content"' in ln and "assistant" not in ln)  # generating now
-                with c2.stream("POST", server.url + "/v1/chat/completions", json=long) as queued:
+                with c2.stream("POST", server.url + "/v1/chat/completions", json=long):  # waits in the queue
                     deadline = time.monotonic() + 10
                     while httpx.get(server.url + "/metrics").text.count("pyllama_spec_queue_depth 1") == 0:
                         assert time.monotonic() < deadline

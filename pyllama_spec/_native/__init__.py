@@ -37,6 +37,37 @@ if lib.pyllama_shim_abi_version() != SHIM_ABI_VERSION:  # pragma: no cover
 LIB_DIR = _HERE / "lib"
 
 
+def backend_names() -> list[str]:
+    """The ggml backends this build registered (CPU, CUDA, ...)."""
+    return [ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i))).decode()
+            for i in range(lib.ggml_backend_reg_count())]
+
+
+def devices() -> list[dict]:
+    """Every ggml device: name, description, total and free memory in bytes."""
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ffi.new("size_t *"), ffi.new("size_t *")
+        lib.ggml_backend_dev_memory(dev, free, total)
+        out.append({"name": ffi.string(lib.ggml_backend_dev_name(dev)).decode(),
+                    "description": ffi.string(lib.ggml_backend_dev_description(dev)).decode(),
+                    "total": int(total[0]), "free": int(free[0])})
+    return out
+
+
+def supports_gpu_offload() -> bool:
+    return bool(lib.llama_supports_gpu_offload())
+
+
+def shim_abi_version() -> int:
+    return int(lib.pyllama_shim_abi_version())
+
+
+def system_info() -> str:
+    return ffi.string(lib.llama_print_system_info()).decode().strip()
+
+
 def build_record() -> dict:
     """What build.py recorded about the native part (pin, patches, backend, flags)."""
     path = _HERE / "build_record.json"
