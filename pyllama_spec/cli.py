@@ -97,7 +97,7 @@ def model_options(f):
                      help="target GGUF (default: the embedded trained pair: target, mmproj and draft)"),
         click.option("--mmproj", type=click.Path(), help="multimodal projector GGUF (images)"),
         click.option("-md", "--model-draft", "draft", type=click.Path(), help="DFlash draft GGUF"),
-        click.option("--spec-type", type=click.Choice(["draft-dflash", "dflash", "ngram-simple", "none"]),
+        click.option("--spec-type", type=click.Choice(["draft-dflash", "dflash", "draft-simple", "ngram-simple", "none"]),
                      default=None, help="speculative method, llama.cpp's names (default: draft-dflash when a "
                                         "draft is given)"),
         click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True),

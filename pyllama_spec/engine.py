@@ -27,6 +27,7 @@ import numpy as np
 
 from .drafters import Drafter, Proposal, TargetRows, canonical_spec_type
 from .drafters.dflash import DFlashDrafter, check_dflash_pair
+from .drafters.draft_model import DraftModelDrafter, check_draft_model
 from .drafters.ngram import NgramDrafter
 from .draft_length import AdaptiveLength, FixedLength
 from .errors import ContextOverflowError, ImageError, KVMemoryError
@@ -40,7 +41,7 @@ from .stats import GenerationStats, Stopwatch
 from .verify import VERIFY_RULES, MatchVerifier, RejectionVerifier
 
 ProgressCallback = Callable[[str, int, int], None]
-NGRAM_DRAFT_LIMIT = 32  # the most tokens an n-gram draft proposes in one step
+TOKEN_DRAFT_LIMIT = 32  # the most tokens an n-gram or draft-model draft proposes in one step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +93,8 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
     """Load a target (with an optional mmproj and DFlash draft) and return an Engine.
 
     ``spec_type`` (llama.cpp's names): "draft-dflash" (also "dflash"; the default when a
-    draft is given), "ngram-simple" (prompt lookup, no draft model) or "none" (target only).
+    draft is given), "draft-simple" (a small model with the target's vocabulary as the
+    draft), "ngram-simple" (prompt lookup, no draft model) or "none" (target only).
     Other keywords are EngineConfig's, named as in llama.cpp: n_ctx, n_batch, n_ubatch,
     n_gpu_layers, draft_max, draft_min, draft_p_min, flash_attn, n_threads,
     draft_positions ("target" or "sequential").
@@ -149,9 +151,14 @@ class Engine:
                                      else c.draft_n_gpu_layers)
             dflash = check_dflash_pair(self.model, self.draft_model,
                                        build_record().get("dflash_target_archs"))
+        elif c.spec_type == "draft-simple":
+            self.draft_model = Model(c.draft, role="draft",
+                                     n_gpu_layers=c.n_gpu_layers if c.draft_n_gpu_layers is None
+                                     else c.draft_n_gpu_layers)
+            check_draft_model(self.model, self.draft_model)
         # A recurrent/hybrid target rolls back rejected drafts through state snapshots: one per
         # position that may be rolled back (llama.cpp also needs n_ubatch > n_rs_seq + 1).
-        limit = dflash.block_size - 1 if dflash else NGRAM_DRAFT_LIMIT
+        limit = dflash.block_size - 1 if dflash else TOKEN_DRAFT_LIMIT
         draft_max = min(c.draft_max, limit) if c.spec_type != "none" else 0
         n_rs_seq = 0
         if draft_max and self.model.is_recurrent:
@@ -170,6 +177,10 @@ class Engine:
                                          n_threads=c.n_threads, flash_attn=c.flash_attn, swa_full=c.swa_full)
         elif c.spec_type == "ngram-simple":
             self.drafter = NgramDrafter(n_max=draft_max, n_min=c.draft_min, n_max_limit=limit)
+        elif c.spec_type == "draft-simple":
+            self.drafter = DraftModelDrafter(self.draft_model, self.positions, n_ctx=c.n_ctx, n_max=draft_max,
+                                             n_min=c.draft_min, n_max_limit=limit, n_batch=c.n_batch,
+                                             n_threads=c.n_threads, flash_attn=c.flash_attn)
         if self.drafter is not None and n_rs_seq:
             self.drafter.n_max_limit = n_rs_seq  # rollback snapshots bound how far a draft can go
 

@@ -15,23 +15,33 @@ PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
 COPY_PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n" * 3
 
 
-def _engine(models, spec_type, **kw):
-    return ps.load(models.target, mmproj=models.mmproj, draft=models.draft if spec_type == "draft-dflash" else None,
-                   spec_type=spec_type, n_ctx=4096, n_batch=64, n_ubatch=64, n_threads=N_THREADS, flash_attn=False,
-                   **kw)
+@pytest.fixture(scope="module")
+def small_draft_model(tiny_dir):
+    """A 2-layer model with the tiny targets' vocabulary (another seed): a draft-simple draft."""
+    from pyllama_spec import tiny
+
+    return tiny.make_tiny_set(tiny_dir, arch="hunyuan_vl", seed=1, n_layer=2, target_layers=(1,),
+                              predictable=0.5).target
 
 
-@pytest.mark.parametrize("spec_type", ["draft-dflash", "ngram-simple"])
+def _engine(models, spec_type, draft_model=None, **kw):
+    draft = {"draft-dflash": models.draft, "draft-simple": draft_model}.get(spec_type)
+    return ps.load(models.target, mmproj=models.mmproj, draft=draft, spec_type=spec_type, n_ctx=4096, n_batch=64,
+                   n_ubatch=64, n_threads=N_THREADS, flash_attn=False, **kw)
+
+
+@pytest.mark.parametrize("spec_type", ["draft-dflash", "draft-simple", "ngram-simple"])
 @pytest.mark.parametrize("which", ["dense", "hybrid"])
 @pytest.mark.parametrize("prompt_kind", ["image", "copy"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_every_drafter_is_lossless(spec_type, which, prompt_kind, temperature, tiny_dense, tiny_hybrid, big_image):
+def test_every_drafter_is_lossless(spec_type, which, prompt_kind, temperature, tiny_dense, tiny_hybrid, big_image,
+                                   small_draft_model):
     models = tiny_dense if which == "dense" else tiny_hybrid
     prompt, images = (PROMPT, [big_image]) if prompt_kind == "image" else (COPY_PROMPT, [])
     with _engine(models, "none") as plain:
         expected = plain.generate(prompt, images=images, max_tokens=32, temperature=temperature, seed=5,
                                   verify="match")
-    with _engine(models, spec_type, draft_max=7) as spec:
+    with _engine(models, spec_type, small_draft_model, draft_max=7) as spec:
         assert isinstance(spec.drafter, Drafter)
         got = spec.generate(prompt, images=images, max_tokens=32, temperature=temperature, seed=5, verify="match")
         # A second turn reuses the cache, the drafter truncated with it (a recurrent target
@@ -40,8 +50,21 @@ def test_every_drafter_is_lossless(spec_type, which, prompt_kind, temperature, t
                               verify="match")
         assert (again.stats.prompt_reused > 0) == (which == "dense")
     assert got.tokens == expected.tokens and again.tokens == expected.tokens
-    if prompt_kind == "copy" or spec_type == "draft-dflash":
+    if prompt_kind == "copy" or spec_type != "ngram-simple":
         assert got.stats.drafted > 0
+
+
+def test_a_draft_model_that_is_the_target_accepts_everything_also_after_an_image(tiny_dense, big_image):
+    # The strongest check of the draft's positions: the same weights must agree on every token,
+    # which they do only if the draft reads the text around the image at the target's positions.
+    with _engine(tiny_dense, "draft-simple", tiny_dense.target, draft_max=7) as spec:
+        s = spec.generate(PROMPT, images=[big_image], max_tokens=40).stats
+    assert s.drafted > 0 and s.accepted == s.drafted
+
+
+def test_a_recurrent_draft_model_is_refused_at_load(tiny_dense, tiny_hybrid):
+    with pytest.raises(ps.IncompatibleModelsError, match="recurrent"):
+        _engine(tiny_dense, "draft-simple", tiny_hybrid.target, draft_max=3)
 
 
 def test_spec_type_names_follow_llama_cpp():
@@ -102,3 +125,23 @@ def test_ngram_rolls_back_rejected_rows_and_truncates_by_position():
     assert d.draft(1).tokens == []  # the history is [1, 2, 3] + the key [3, 1]: no earlier "3 1"
     d.reset()
     assert d.draft(1).tokens == []
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused():
+    from pathlib import Path
+
+    from pyllama_spec.drafters.draft_model import check_draft_model
+
+    class Facts:
+        def __init__(self, n_vocab, spell):
+            self.n_vocab, self.path, self.is_recurrent, self._spell = n_vocab, Path("m.gguf"), False, spell
+
+        def token_text(self, t):
+            return self._spell(t)
+
+    target = Facts(1000, str)
+    with pytest.raises(ps.IncompatibleModelsError, match="1200 tokens"):
+        check_draft_model(target, Facts(1200, str))
+    with pytest.raises(ps.IncompatibleModelsError, match="spells token"):
+        check_draft_model(target, Facts(1000, lambda t: f"<{t}>"))
+    check_draft_model(target, Facts(1000, str))  # the same vocabulary passes

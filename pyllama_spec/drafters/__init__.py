@@ -86,7 +86,7 @@ class Drafter(Protocol):
 
 
 #: Speculative methods by llama.cpp's names ("dflash" is accepted for "draft-dflash").
-SPEC_TYPES = ("none", "draft-dflash", "dflash", "ngram-simple")
+SPEC_TYPES = ("none", "draft-dflash", "dflash", "draft-simple", "ngram-simple")
 SPEC_ALIASES = {"dflash": "draft-dflash"}
 
 
