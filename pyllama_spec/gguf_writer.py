@@ -1,4 +1,4 @@
-"""A small GGUF v3 writer (and metadata reader), numpy only.
+"""A small GGUF v3 writer, numpy only (the reader is ``gguf_check.read_gguf``).
 
 GGUF layout written here:
 
@@ -19,29 +19,13 @@ from __future__ import annotations
 import struct
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, BinaryIO, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
-GGUF_MAGIC = b"GGUF"
-GGUF_VERSION = 3
-DEFAULT_ALIGNMENT = 32
-
-
-class ValueType(IntEnum):
-    UINT8 = 0
-    INT8 = 1
-    UINT16 = 2
-    INT16 = 3
-    UINT32 = 4
-    INT32 = 5
-    FLOAT32 = 6
-    BOOL = 7
-    STRING = 8
-    ARRAY = 9
-    UINT64 = 10
-    INT64 = 11
-    FLOAT64 = 12
+# The format's constants and value types live with the reader (gguf_check); re-exported here.
+from .gguf_check import DEFAULT_ALIGNMENT, GGUF_MAGIC, GGUF_VERSION, ValueType, read_gguf  # noqa: F401
+from .gguf_check import SCALAR_FORMAT as _SCALAR_FORMAT
 
 
 class GGMLType(IntEnum):
@@ -49,13 +33,6 @@ class GGMLType(IntEnum):
     F16 = 1
 
 
-# struct format of each fixed-size scalar type (little endian)
-_SCALAR_FORMAT = {
-    ValueType.UINT8: "<B", ValueType.INT8: "<b", ValueType.UINT16: "<H",
-    ValueType.INT16: "<h", ValueType.UINT32: "<I", ValueType.INT32: "<i",
-    ValueType.FLOAT32: "<f", ValueType.BOOL: "<?", ValueType.UINT64: "<Q",
-    ValueType.INT64: "<q", ValueType.FLOAT64: "<d",
-}
 _NUMPY_TO_GGML = {np.dtype(np.float32): GGMLType.F32, np.dtype(np.float16): GGMLType.F16}
 
 
@@ -149,42 +126,15 @@ class GGUFWriter:
         Path(path).write_bytes(self.to_bytes())
 
 
-def _read_value(f: BinaryIO, vtype: int) -> Any:
-    if vtype == ValueType.STRING:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return f.read(n).decode("utf-8")
-    if vtype == ValueType.ARRAY:
-        elem_type, n = struct.unpack("<IQ", f.read(12))
-        return [_read_value(f, elem_type) for _ in range(n)]
-    fmt = _SCALAR_FORMAT[ValueType(vtype)]
-    (v,) = struct.unpack(fmt, f.read(struct.calcsize(fmt)))
-    return v
-
-
 def read_gguf_metadata(path: str | Path, *, with_tensors: bool = False) -> dict[str, Any]:
     """Read the key/values of a GGUF file into a dict (for tests and error messages).
 
-    With ``with_tensors=True`` the dict also holds ``"__tensors__"``: a mapping
-    tensor name -> (ggml dims, ggml type id).
+    Arrays come back as lists. With ``with_tensors=True`` the dict also holds
+    ``"__tensors__"``: a mapping tensor name -> (ggml dims, ggml type id).
+    A corrupt file raises ``ModelFileError`` (see ``gguf_check.read_gguf``).
     """
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise ValueError(f"{path}: not a GGUF file")
-        version, n_tensors, n_kv = struct.unpack("<IQQ", f.read(20))
-        if version != GGUF_VERSION:
-            raise ValueError(f"{path}: GGUF version {version}, expected {GGUF_VERSION}")
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = _read_value(f, ValueType.STRING)
-            (vtype,) = struct.unpack("<I", f.read(4))
-            meta[key] = _read_value(f, vtype)
-        if with_tensors:
-            tensors = {}
-            for _ in range(n_tensors):
-                name = _read_value(f, ValueType.STRING)
-                (n_dims,) = struct.unpack("<I", f.read(4))
-                dims = struct.unpack(f"<{n_dims}Q", f.read(8 * n_dims))
-                ggml_type, _offset = struct.unpack("<IQ", f.read(12))
-                tensors[name] = (tuple(dims), ggml_type)
-            meta["__tensors__"] = tensors
-        return meta
+    info = read_gguf(path)
+    meta: dict[str, Any] = {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in info.metadata.items()}
+    if with_tensors:
+        meta["__tensors__"] = {t.name: (t.dims, t.ggml_type) for t in info.tensors.values()}
+    return meta

@@ -26,6 +26,7 @@ from .errors import (
     forget_native_problems,
     with_native_log,
 )
+from .gguf_check import validate_gguf
 
 if TYPE_CHECKING:
     from .batch import Batch
@@ -74,7 +75,8 @@ class NativeHandle:
 
 
 def check_gguf_file(path: str | os.PathLike, what: str) -> Path:
-    """Refuse, before any native call, a path that is missing or not a GGUF file."""
+    """Refuse, before any native call, a path that is missing, not a GGUF file, or corrupt
+    in a way llama.cpp would abort on (``gguf_check.validate_gguf``)."""
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelFileError(f"{what} file not found: {p}")
@@ -89,6 +91,7 @@ def check_gguf_file(path: str | os.PathLike, what: str) -> Path:
         raise ModelFileError(f"{what} file is not a GGUF model (no GGUF magic, found {head[:4]!r}): {p}")
     if len(head) < 8:
         raise ModelFileError(f"{what} file is truncated: {p}")
+    validate_gguf(p, what)
     return p
 
 

@@ -4,7 +4,7 @@
 Not part of the installed package: PyTorch (CPU) is used here for training only.
 
     pip install torch==2.13.0
-    python tools/train_tiny_pair.py --seed 0 --out tests/models
+    python tools/train_tiny_pair.py --seed 0 --out pyllama_spec/models
 
 Corpus: the Python standard library's own top-level sources (``<stdlib>/*.py``, sorted by
 name; every 10th file is held out for evaluation), tokenized with the package's tiny
@@ -55,7 +55,6 @@ import argparse
 import glob
 import json
 import math
-import struct
 import sys
 import tempfile
 import time
@@ -394,37 +393,17 @@ def write_draft_gguf(path, params: dict, cfg: PairConfig, name: str = "trained-t
 
 def read_gguf_tensors(path) -> tuple[dict, dict[str, np.ndarray]]:
     """(metadata, {name: float32 array in numpy shape}) of an F32/F16 GGUF file."""
+    from pyllama_spec.gguf_check import read_gguf
     from pyllama_spec.gguf_writer import read_gguf_metadata
 
-    meta = read_gguf_metadata(path, with_tensors=True)
-    infos = meta.pop("__tensors__")
-    align = int(meta.get("general.alignment", 32))
+    meta = read_gguf_metadata(path)
+    info = read_gguf(path)
     raw = Path(path).read_bytes()
-    # re-walk the header to find where the tensor infos end
-    with open(path, "rb") as f:
-        from pyllama_spec.gguf_writer import _read_value
-
-        f.read(4)
-        _, n_tensors, n_kv = struct.unpack("<IQQ", f.read(20))
-        for _ in range(n_kv):
-            _read_value(f, ValueType.STRING)
-            (vt,) = struct.unpack("<I", f.read(4))
-            _read_value(f, vt)
-        offsets = {}
-        for _ in range(n_tensors):
-            name = _read_value(f, ValueType.STRING)
-            (nd,) = struct.unpack("<I", f.read(4))
-            f.read(8 * nd)
-            _, off = struct.unpack("<IQ", f.read(12))
-            offsets[name] = off
-        start = f.tell()
-    start = (start + align - 1) // align * align
     out = {}
-    for name, (dims, gtype) in infos.items():
-        dt = {0: np.float32, 1: np.float16}[gtype]
-        n = int(np.prod(dims))
-        a = np.frombuffer(raw, dtype=dt, count=n, offset=start + offsets[name])
-        out[name] = a.reshape(tuple(reversed(dims))).astype(np.float32)
+    for t in info.tensors.values():
+        dt = {0: np.float32, 1: np.float16}[t.ggml_type]
+        a = np.frombuffer(raw, dtype=dt, count=int(np.prod(t.dims)), offset=info.data_offset + t.offset)
+        out[t.name] = a.reshape(tuple(reversed(t.dims))).astype(np.float32)
     return meta, out
 
 
@@ -992,7 +971,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--minutes", type=float, default=30.0,
                     help="wall-clock cap for both trainings (a run stopped by it is not reproducible by --seed alone)")
-    ap.add_argument("--out", default="tests/models")
+    ap.add_argument("--out", default="pyllama_spec/models")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads (1 or 2; 2 is much slower when anything else runs)")
     ap.add_argument("--target-steps", type=int, default=2200)
