@@ -215,11 +215,13 @@ class Engine:
                stop: Sequence[str] | str = (), cache_prompt: bool = True,
                progress: ProgressCallback | None = None, draft_max: int | None = None,
                draft_min: int | None = None, draft_positions: str | None = None,
-               verify: str | None = None) -> Iterator[Piece]:
+               verify: str | None = None, chat_template_kwargs: dict | None = None) -> Iterator[Piece]:
         """Yield pieces of text as the target accepts them; the last piece carries the stats.
 
         ``prompt`` is used as is, with ``MEDIA_MARKER`` where each image goes; ``messages``
-        go through the model's chat template. Images: paths, bytes, PIL images or arrays.
+        go through the model's own Jinja chat template (``chat_template_kwargs`` are extra
+        variables for it, e.g. ``{"enable_thinking": False}``), or llama.cpp's built-in one
+        when it cannot be rendered (``stats.chat_template`` says which). Images: paths, bytes, PIL images or arrays.
         With ``cache_prompt`` (the default) the longest prefix already in the cache (earlier
         turns' text and images) is kept and only the rest is decoded. ``progress(stage, done,
         total)`` is called during prefill ("encode" per image, "prefill" per decoded batch).
@@ -249,7 +251,7 @@ class Engine:
                        sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                      presence_penalty=presence_penalty, seed=seed),
                        stop=[stop] if isinstance(stop, str) else list(stop), cache_prompt=cache_prompt,
-                       progress=progress)
+                       progress=progress, template_kwargs=chat_template_kwargs)
         return self._owned(self._run(**request))
 
     def _draft_settings(self, draft_max, draft_min, draft_positions) -> tuple[int | str, int, str]:
@@ -300,7 +302,7 @@ class Engine:
             self._gate.leave(ticket)
 
     def _run(self, prompt, messages, images, max_tokens, drafting, verify, sampling, stop, cache_prompt,
-             progress) -> Iterator[Piece]:
+             progress, template_kwargs) -> Iterator[Piece]:
         n_max, n_min, mode = drafting
         if mode != self.positions.draft_positions:  # the draft's cache is laid out by the mode
             self._reset_sequence()
@@ -308,11 +310,11 @@ class Engine:
         d = self.drafter
         self._draft_length = (AdaptiveLength(d.n_max, d.n_max_limit) if n_max == "auto" else FixedLength(n_max))
         self._draft_min = n_min
-        text, image_list = self._prompt_text(prompt, messages, images)
+        text, image_list, renderer = self._prompt_text(prompt, messages, images, template_kwargs)
         bitmaps = [Bitmap.load(im) for im in image_list]
         try:
             parts = self._tokenize(text, bitmaps)
-            stats = self.last_stats = GenerationStats(images=len(bitmaps))
+            stats = self.last_stats = GenerationStats(images=len(bitmaps), chat_template=renderer)
             with Sampler(self.model, **sampling) as sampler:
                 params = SamplingParams(**{k: v for k, v in sampling.items() if k != "seed"})
                 verifier = (RejectionVerifier(params, sampling["seed"], self.model.n_vocab)
@@ -323,10 +325,12 @@ class Engine:
                 b.close()
 
     # ------------------------------------------------------------------ prompt
-    def _prompt_text(self, prompt, messages, images) -> tuple[str, list]:
+    def _prompt_text(self, prompt, messages, images, template_kwargs=None) -> tuple[str, list, str | None]:
+        """The prompt text, its images, and the chat template renderer used (None for a raw prompt)."""
         image_list = as_list(images)
+        renderer = None
         if messages is not None:
-            text, message_images = render_messages(self.model, messages)
+            text, message_images, renderer = render_messages(self.model, messages, template_kwargs=template_kwargs)
             image_list = message_images + image_list
         else:
             text = prompt
@@ -335,7 +339,7 @@ class Engine:
         if image_list and text.count(MEDIA_MARKER) == 0:
             # Images given without markers go first, as llama.cpp's CLI does.
             text = MEDIA_MARKER * len(image_list) + "\n" + text
-        return text, image_list
+        return text, image_list, renderer
 
     def _tokenize(self, text: str, bitmaps: list[Bitmap]) -> list:
         """The prompt as parts: int32 token arrays (text) and Chunk objects (media); checked against n_ctx."""

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Iterable, Mapping, Sequence
 
+from . import chat_template
+from .chat_template import TemplateRenderError
 from .llama import Model
 from .mtmd import MEDIA_MARKER
+
+log = logging.getLogger("pyllama_spec")
 
 Message = Mapping[str, Any]
 
 
-def split_message_content(content: Any) -> tuple[str, list[Any]]:
-    """A message's text (with a media marker per image) and its images.
+def normalize_content(content: Any) -> tuple[Any, list[Any]]:
+    """A message's content as parts (``text`` parts and ``{"type": "image"}`` placeholders, in
+    order) and its images; a string stays a string.
 
     ``content`` is a string, or a list of parts: ``{"type": "text", "text": ...}`` and
     ``{"type": "image", "image": path | bytes | PIL image}`` (also ``image_url`` with a
@@ -19,36 +25,72 @@ def split_message_content(content: Any) -> tuple[str, list[Any]]:
     """
     if isinstance(content, str):
         return content, []
-    text, images = [], []
+    parts, images = [], []
     for part in content:
         kind = part.get("type", "text")
         if kind == "text":
-            text.append(part.get("text", ""))
+            parts.append({"type": "text", "text": part.get("text", "")})
         elif kind == "media_marker":
-            text.append(MEDIA_MARKER)
+            parts.append({"type": "text", "text": MEDIA_MARKER})
         elif kind in ("image", "image_url"):
             ref = part.get("image") if kind == "image" else part.get("image_url")
             if isinstance(ref, Mapping):
                 ref = ref.get("url")
             if isinstance(ref, str) and ref.startswith("file://"):
                 ref = ref[len("file://"):]
-            text.append(MEDIA_MARKER)
+            parts.append({"type": "image"})
             images.append(ref)
         else:
             raise ValueError(f"unsupported message part type {kind!r}")
-    return "".join(text), images
+    return parts, images
 
 
-def render_messages(model: Model, messages: Sequence[Message], *, add_assistant: bool = True) -> tuple[str, list]:
-    """Apply the model's chat template; returns the prompt text and the images in marker order."""
+def _flat_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(MEDIA_MARKER if p["type"] == "image" else p["text"] for p in content)
+
+
+def render_messages(model: Model, messages: Sequence[Message], *, add_assistant: bool = True,
+                    template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list, str]:
+    """The prompt text, the images in marker order, and which renderer made the text.
+
+    The model's own Jinja template is rendered first ("jinja"); when the model has none that
+    jinja2 can render, or it fails on these messages, llama.cpp's built-in renderer is used
+    ("builtin") and a warning says why. ``template_kwargs`` are extra variables the template
+    may read (for example ``enable_thinking=False`` for Qwen3).
+    """
     turns, images = [], []
     for m in messages:
         if "role" not in m or "content" not in m:
             raise ValueError(f"a message needs 'role' and 'content', got keys {sorted(m)}")
-        text, imgs = split_message_content(m["content"])
-        turns.append((str(m["role"]), text))
+        content, imgs = normalize_content(m["content"])
+        turns.append({"role": str(m["role"]), "content": content})
         images.extend(imgs)
-    return model.apply_chat_template(turns, add_assistant=add_assistant), images
+    template = model.chat_template
+    if template is not None:
+        try:
+            text = _render_jinja(model, template, turns, add_assistant, dict(template_kwargs or {}))
+            if text.count(MEDIA_MARKER) == len(images):
+                return text, images, "jinja"
+            reason = f"it placed {text.count(MEDIA_MARKER)} of {len(images)} images"
+        except (ImportError, TemplateRenderError) as e:
+            reason = str(e)
+        log.warning("using llama.cpp's built-in chat template for %s: the model's own template %s",
+                    model.path.name, reason if reason.startswith("it ") else f"did not render ({reason})")
+    text = model.apply_chat_template([(t["role"], _flat_text(t["content"])) for t in turns],
+                                     add_assistant=add_assistant)
+    return text, images, "builtin"
+
+
+def _render_jinja(model: Model, template: str, turns: list, add_assistant: bool, variables: dict) -> str:
+    bos = model.token_text(model.bos) if model.bos >= 0 else ""
+    eos = model.token_text(model.eos) if model.eos >= 0 else ""
+    text = chat_template.render(template, turns, add_generation_prompt=add_assistant, bos_token=bos, eos_token=eos,
+                                media_marker=MEDIA_MARKER, **variables)
+    if bos and model.add_bos and text.startswith(bos):
+        text = text[len(bos):]  # the tokenizer adds BOS itself: do not start with two
+    return text
 
 
 def as_list(images: Iterable[Any] | None) -> list[Any]:

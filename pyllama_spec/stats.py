@@ -26,6 +26,7 @@ class GenerationStats:
     per_position_drafted: list[int] = dataclasses.field(default_factory=list)
     per_position_accepted: list[int] = dataclasses.field(default_factory=list)
     images: int = 0
+    chat_template: str | None = None  # "jinja" (the model's own), "builtin" (llama.cpp's), None (a raw prompt)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     target_seconds: float = 0.0  # inside native target calls (decode, media encode/decode)

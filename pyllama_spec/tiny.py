@@ -125,7 +125,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def _add_tokenizer(w: GGUFWriter, *, with_mask_id: bool = False) -> None:
+def _add_tokenizer(w: GGUFWriter, *, with_mask_id: bool = False, chat_template: str = CHAT_TEMPLATE) -> None:
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "qwen2")
     w.add_array("tokenizer.ggml.tokens", ValueType.STRING, TOKENS)
@@ -138,7 +138,7 @@ def _add_tokenizer(w: GGUFWriter, *, with_mask_id: bool = False) -> None:
     if with_mask_id:
         w.add_uint32("tokenizer.ggml.mask_token_id", MASK_TOKEN_ID)
     w.add_bool("tokenizer.ggml.add_bos_token", False)
-    w.add_string("tokenizer.chat_template", CHAT_TEMPLATE)
+    w.add_string("tokenizer.chat_template", chat_template)
 
 
 # -- shared shapes -------------------------------------------------------------
@@ -311,8 +311,10 @@ def _embedding_and_head(r: _Weights, g: _Geometry, predictable: float) -> tuple[
 
 def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n_embd: int = 64,
                  n_layer: int = 4, n_ff: int = 128, predictable: float = 0.0,
-                 n_deepstack: int | None = None, dtype: str = "f32") -> Path:
+                 n_deepstack: int | None = None, dtype: str = "f32", chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write a tiny M-RoPE target (one of ``TARGET_ARCHS``) that can feed a DFlash draft.
+
+    ``chat_template`` is the ``tokenizer.chat_template`` it carries (a minimal ChatML by default).
 
     Heads: at ``n_embd`` 64, 4 query heads, 2 KV heads, head dim 16 (M-RoPE sections
     [2, 3, 3, 0]); at a wider ``n_embd`` (a multiple of 128), heads of 64, ``n_embd // 64``
@@ -357,7 +359,7 @@ def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n
         w.add_uint32("qwen35.ssm.time_step_rank", g.n_head)
         w.add_uint32("qwen35.ssm.inner_size", g.n_head * g.head_dim)
         w.add_uint32("qwen35.full_attention_interval", 2)
-    _add_tokenizer(w)
+    _add_tokenizer(w, chat_template=chat_template)
 
     embd, head = _embedding_and_head(r, g, predictable)
     w.add_tensor("token_embd.weight", embd)

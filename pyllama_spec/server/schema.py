@@ -196,8 +196,11 @@ def parse_chat(body: Any, limits: RequestLimits) -> GenerationRequest:
         out.append({"role": "system" if role == "developer" else role,
                     "content": _content_parts(content, where, limits, images)})
     stream, include_usage = _n_and_stream(body)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     args = dict(messages=out, **_sampling(body, limits.max_tokens, limits.default_max_tokens),
-                **_speculative(body, limits.draft_max))
+                **_speculative(body, limits.draft_max), chat_template_kwargs=kwargs)
     return GenerationRequest("chat", stream, include_usage, args, len(images))
 
 

@@ -1,0 +1,87 @@
+"""A GGUF's own Jinja chat template (``tokenizer.chat_template``), rendered as Hugging Face
+renders it, in a sandbox.
+
+llama.cpp's ``llama_chat_apply_template`` recognises a list of well-known templates and
+writes its own approximation of them; the real template knows more (Qwen3's thinking
+switch, system-prompt defaults, image parts, tools). This renders the real one with
+jinja2's immutable sandbox and the helpers HF templates call (``raise_exception``,
+``strftime_now``, a ``tojson`` that keeps non-ASCII text), with ``add_generation_prompt``,
+``bos_token``/``eos_token`` and any extra variables a template reads (``enable_thinking``).
+
+Image parts reach the template as text parts holding the media marker, as llama-server
+passes them, so the marker lands where the template puts the part's text and mtmd wraps
+it with the model's own vision tokens.
+
+Pure Python (jinja2): nothing native here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from typing import Any, Mapping, Sequence
+
+
+class TemplateRenderError(ValueError):
+    """The template could not be rendered (a syntax error, or it raised on these messages)."""
+
+
+class _RaisedByTemplate(Exception):
+    pass
+
+
+def _raise_exception(message: str):
+    raise _RaisedByTemplate(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+_ENVIRONMENTS: dict[str, Any] = {}
+
+
+def _compiled(template: str):
+    """The compiled template (cached: a server renders the same one for every request)."""
+    if template not in _ENVIRONMENTS:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+        try:
+            _ENVIRONMENTS[template] = env.from_string(template)
+        except TemplateError as e:
+            raise TemplateRenderError(f"the chat template does not compile: {e}") from e
+    return _ENVIRONMENTS[template]
+
+
+def render(template: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+           bos_token: str = "", eos_token: str = "", media_marker: str, **variables: Any) -> str:
+    """Render ``messages`` (text content, or lists of text / image parts) through ``template``.
+
+    Image parts (``{"type": "image", ...}``) become ``{"type": "text", "text": media_marker}``.
+    Raises ``TemplateRenderError`` when the template fails or raises on these messages.
+    """
+    from jinja2 import TemplateError
+
+    prepared = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = [{"type": "text", "text": media_marker} if p.get("type") in ("image", "image_url") else dict(p)
+                       for p in content]
+        prepared.append({**m, "content": content})
+    try:
+        return _compiled(template).render(messages=prepared, add_generation_prompt=add_generation_prompt,
+                                          bos_token=bos_token, eos_token=eos_token, tools=None, **variables)
+    except _RaisedByTemplate as e:
+        raise TemplateRenderError(f"the chat template refused these messages: {e}") from e
+    except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+        raise TemplateRenderError(f"the chat template failed to render: {type(e).__name__}: {e}") from e
