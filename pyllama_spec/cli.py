@@ -488,7 +488,9 @@ def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, 
               help="allow image_url parts that name local files under this folder")
 @click.option("--max-images", default=8, show_default=True, help="images per request")
 @click.option("--max-image-pixels", default=4096 * 4096, show_default=True, help="pixels per image")
-def serve(host, port, api_key, alias, parallel, max_queue, allowed_image_dir, max_images, max_image_pixels, **o):
+@click.option("--max-body-mib", default=64, show_default=True, help="largest request body, MiB")
+def serve(host, port, api_key, alias, parallel, max_queue, allowed_image_dir, max_images, max_image_pixels,
+          max_body_mib, **o):
     """OpenAI-compatible HTTP server (chat with images, speculative stats); needs the 'server' extra."""
     from .errors import PyllamaError
 
@@ -511,7 +513,7 @@ def serve(host, port, api_key, alias, parallel, max_queue, allowed_image_dir, ma
         sys.exit(1)
     settings = ServerSettings(alias=alias or Path(engine.model.path).stem, api_key=api_key, max_queue=max_queue,
                               default_max_tokens=o["max_tokens"], max_images=max_images,
-                              max_image_pixels=max_image_pixels,
+                              max_image_pixels=max_image_pixels, max_body_bytes=max_body_mib * 2**20,
                               allowed_image_dir=Path(allowed_image_dir) if allowed_image_dir else None)
     mode = engine.config.spec_type + (f" (draft_max {engine.drafter.n_max})" if engine.drafter else "")
     err_console.print(f"[bold]pyllama-spec serve[/bold] · {engine.model.path.name} as '{settings.alias}' · "

@@ -23,3 +23,10 @@ def test_demo_runs_dflash_on_a_large_image_without_draft_failure(tmp_path, monke
     assert rows["prompt"].startswith("618 cache rows over 66 positions")
     assert rows["first draft block at"].startswith("position 66 (pos_next 66")
     assert rows["same output as target-only"] == "yes"
+
+
+def test_serve_refuses_what_it_cannot_do_with_a_message(tmp_path):
+    result = CliRunner().invoke(main, ["serve", "-np", "4"])
+    assert result.exit_code == 2 and "--parallel" in result.output
+    result = CliRunner().invoke(main, ["serve", "-m", str(tmp_path / "none.gguf"), "--port", "1"])
+    assert result.exit_code == 1 and "none.gguf" in result.output
