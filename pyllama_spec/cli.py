@@ -148,6 +148,22 @@ def _load_engine(o: dict):
     return load(model, mmproj=mmproj, draft=draft, spec_type=o["spec_type"], **kwargs)
 
 
+def _load_engine_or_exit(o: dict):
+    """_load_engine with a spinner; a model that cannot be loaded ends the command with a message."""
+    from .errors import PyllamaError
+
+    try:
+        with console.status("loading models ..."):
+            return _load_engine(o)
+    except (PyllamaError, ValueError, OSError) as e:
+        err_console.print(f"[red]cannot load: {e}[/red]")
+        sys.exit(1)
+
+
+def _speculative_mode(engine) -> str:
+    return engine.config.spec_type + (f" (draft_max {engine.drafter.n_max})" if engine.drafter else "")
+
+
 def _sampling(o: dict) -> dict:
     return {k: o[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed")}
 
@@ -202,14 +218,9 @@ def chat(system, **o) -> None:
     from .chat import Conversation
     from .errors import PyllamaError
 
-    try:
-        with console.status("loading models ..."):
-            engine = _load_engine(o)
-    except (PyllamaError, ValueError, OSError) as e:
-        err_console.print(f"[red]cannot load: {e}[/red]")
-        sys.exit(1)
+    engine = _load_engine_or_exit(o)
     conv = Conversation(engine, system=system, max_tokens=o["max_tokens"], **_sampling(o))
-    mode = engine.config.spec_type + (f" (draft_max {engine.drafter.n_max})" if engine.drafter else "")
+    mode = _speculative_mode(engine)
     console.print(f"[bold]pyllama-spec chat[/bold] · {engine.model.path.name} · speculative: {mode} · "
                   f"/help for commands")
     progress = _PrefillProgress(console)
@@ -492,8 +503,6 @@ def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, 
 def serve(host, port, api_key, alias, parallel, max_queue, allowed_image_dir, max_images, max_image_pixels,
           max_body_mib, **o):
     """OpenAI-compatible HTTP server (chat with images, speculative stats); needs the 'server' extra."""
-    from .errors import PyllamaError
-
     try:
         import uvicorn
 
@@ -505,17 +514,12 @@ def serve(host, port, api_key, alias, parallel, max_queue, allowed_image_dir, ma
         err_console.print("[red]-np/--parallel > 1 is not available yet[/red]: one sequence slot per server; "
                           "requests queue (--queue) and run one at a time")
         sys.exit(2)
-    try:
-        with console.status("loading models ..."):
-            engine = _load_engine(o)
-    except (PyllamaError, ValueError, OSError) as e:
-        err_console.print(f"[red]cannot load: {e}[/red]")
-        sys.exit(1)
+    engine = _load_engine_or_exit(o)
     settings = ServerSettings(alias=alias or Path(engine.model.path).stem, api_key=api_key, max_queue=max_queue,
                               default_max_tokens=o["max_tokens"], max_images=max_images,
                               max_image_pixels=max_image_pixels, max_body_bytes=max_body_mib * 2**20,
                               allowed_image_dir=Path(allowed_image_dir) if allowed_image_dir else None)
-    mode = engine.config.spec_type + (f" (draft_max {engine.drafter.n_max})" if engine.drafter else "")
+    mode = _speculative_mode(engine)
     err_console.print(f"[bold]pyllama-spec serve[/bold] · {engine.model.path.name} as '{settings.alias}' · "
                       f"speculative: {mode} · images: {'yes' if engine.projector else 'no'} · "
                       f"http://{host}:{port}/v1")
