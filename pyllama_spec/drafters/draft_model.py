@@ -69,7 +69,7 @@ class DraftModelDrafter:
         tok = id_last
         for i in range(n):
             self.ctx.decode_tokens([tok], [pos0 + i], outputs=True)
-            row = np.array(self.ctx.logits(-1))
+            row = self.ctx.logits(-1)  # a copy
             tok = int(np.argmax(row))
             tokens.append(tok)
             logits.append(row)
