@@ -90,6 +90,9 @@ def build(backend, cuda_arch, cublas_dir, llama_cpp, cmake_arg, tools, jobs) -> 
 # --------------------------------------------------------------------------- chat and generate
 
 
+KV_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]  # llama.cpp's -ctk names
+
+
 def model_options(f):
     """The model and sampling flags shared by chat and generate, named as in llama.cpp."""
     options = [
@@ -104,6 +107,17 @@ def model_options(f):
         click.option("-b", "--batch-size", "n_batch", default=512, show_default=True),
         click.option("-ub", "--ubatch-size", "n_ubatch", default=512, show_default=True),
         click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", default=0, show_default=True),
+        click.option("-ngld", "--n-gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
+                     help="layers of the draft on the GPU (default: as -ngl)"),
+        click.option("-ctk", "--cache-type-k", default="f16", show_default=True, type=click.Choice(KV_TYPES)),
+        click.option("-ctv", "--cache-type-v", default="f16", show_default=True, type=click.Choice(KV_TYPES),
+                     help="a quantized V cache needs -fa on"),
+        click.option("-ctkd", "--cache-type-k-draft", default=None, type=click.Choice(KV_TYPES)),
+        click.option("-ctvd", "--cache-type-v-draft", default=None, type=click.Choice(KV_TYPES)),
+        click.option("--mmproj-offload/--no-mmproj-offload", default=None,
+                     help="the projector on the GPU (default: when -ngl offloads layers)"),
+        click.option("--mmap/--no-mmap", "use_mmap", default=True, show_default=True),
+        click.option("--mlock", "use_mlock", is_flag=True, help="keep the model in RAM"),
         click.option("--draft-max", "--spec-draft-n-max", "draft_max", default=16, show_default=True,
                      help="most tokens drafted per step"),
         click.option("--draft-positions", type=click.Choice(["target", "sequential"]), default="target",
@@ -113,6 +127,8 @@ def model_options(f):
         click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="off",
                      show_default=True),
         click.option("-t", "--threads", "n_threads", type=int, default=None, help="CPU threads"),
+        click.option("-tb", "--threads-batch", "n_threads_batch", type=int, default=None,
+                     help="CPU threads for prompt batches (default: as -t)"),
         click.option("-n", "--max-tokens", default=512, show_default=True, help="tokens per reply"),
         click.option("--temp", "temperature", default=0.0, show_default=True),
         click.option("--top-k", default=40, show_default=True),
@@ -131,8 +147,11 @@ def _load_engine(o: dict):
     flash = {"on": True, "off": False, "auto": None}[o["flash_attn"]]
     kwargs = dict(n_ctx=o["n_ctx"], n_batch=o["n_batch"], n_ubatch=min(o["n_ubatch"], o["n_batch"]),
                   n_gpu_layers=o["n_gpu_layers"], draft_max=o["draft_max"], draft_positions=o["draft_positions"],
-                  verify=o["verify"],
-                  flash_attn=flash, n_threads=o["n_threads"])
+                  verify=o["verify"], flash_attn=flash, n_threads=o["n_threads"],
+                  n_threads_batch=o["n_threads_batch"], draft_n_gpu_layers=o["n_gpu_layers_draft"],
+                  cache_type_k=o["cache_type_k"], cache_type_v=o["cache_type_v"],
+                  cache_type_k_draft=o["cache_type_k_draft"], cache_type_v_draft=o["cache_type_v_draft"],
+                  mmproj_offload=o["mmproj_offload"], use_mmap=o["use_mmap"], use_mlock=o["use_mlock"])
     model, mmproj, draft = o["model"], o["mmproj"], o["draft"]
     if model is None:
         if mmproj or draft:

@@ -85,7 +85,16 @@ class EngineConfig:
     verify: str = "match"
     flash_attn: bool | None = False
     n_threads: int | None = None
+    n_threads_batch: int | None = None
     swa_full: bool = False
+    # llama.cpp's -ctk / -ctv (and -ctkd / -ctvd for the draft; None: as the target's)
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+    cache_type_k_draft: str | None = None
+    cache_type_v_draft: str | None = None
+    use_mmap: bool = True  # --no-mmap
+    use_mlock: bool = False  # --mlock
+    mmproj_offload: bool | None = None  # --(no-)mmproj-offload; None: on when layers are offloaded
 
 
 def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
@@ -133,12 +142,22 @@ class Engine:
         self.drafter: Drafter | None = None
         self.draft_model: Model | None = None
         self.ctx: Context | None = None
-        self.model = Model(config.model, n_gpu_layers=config.n_gpu_layers, role="target")
+        self.model = Model(config.model, n_gpu_layers=config.n_gpu_layers, use_mmap=config.use_mmap,
+                           use_mlock=config.use_mlock, role="target")
         try:
             self._open()
         except BaseException:
             self.close()
             raise
+
+    def _load_draft_model(self) -> Model:
+        c = self.config
+        return Model(c.draft, role="draft", n_gpu_layers=c.n_gpu_layers if c.draft_n_gpu_layers is None
+                     else c.draft_n_gpu_layers, use_mmap=c.use_mmap, use_mlock=c.use_mlock)
+
+    def _draft_cache_types(self) -> dict:
+        c = self.config
+        return dict(type_k=c.cache_type_k_draft or c.cache_type_k, type_v=c.cache_type_v_draft or c.cache_type_v)
 
     def _open(self) -> None:
         c = self.config
@@ -146,15 +165,11 @@ class Engine:
         if c.spec_type == "draft-dflash":
             from ._native import build_record
 
-            self.draft_model = Model(c.draft, role="draft",
-                                     n_gpu_layers=c.n_gpu_layers if c.draft_n_gpu_layers is None
-                                     else c.draft_n_gpu_layers)
+            self.draft_model = self._load_draft_model()
             dflash = check_dflash_pair(self.model, self.draft_model,
                                        build_record().get("dflash_target_archs"))
         elif c.spec_type == "draft-simple":
-            self.draft_model = Model(c.draft, role="draft",
-                                     n_gpu_layers=c.n_gpu_layers if c.draft_n_gpu_layers is None
-                                     else c.draft_n_gpu_layers)
+            self.draft_model = self._load_draft_model()
             check_draft_model(self.model, self.draft_model)
         # A recurrent/hybrid target rolls back rejected drafts through state snapshots: one per
         # position that may be rolled back (llama.cpp also needs n_ubatch > n_rs_seq + 1).
@@ -167,20 +182,24 @@ class Engine:
                 raise ValueError(f"a recurrent target needs n_ubatch >= 3 to roll back drafts, got {c.n_ubatch}")
             draft_max = n_rs_seq
         self.ctx = Context(self.model, n_ctx=c.n_ctx, n_batch=c.n_batch, n_ubatch=c.n_ubatch, n_rs_seq=n_rs_seq,
-                           n_threads=c.n_threads, flash_attn=c.flash_attn, role="target")
+                           n_threads=c.n_threads, n_threads_batch=c.n_threads_batch, type_k=c.cache_type_k,
+                           type_v=c.cache_type_v, flash_attn=c.flash_attn, role="target")
         if c.mmproj:
-            self.projector = Projector(c.mmproj, self.model, use_gpu=c.n_gpu_layers != 0, n_threads=c.n_threads,
+            offload = c.n_gpu_layers != 0 if c.mmproj_offload is None else c.mmproj_offload
+            self.projector = Projector(c.mmproj, self.model, use_gpu=offload, n_threads=c.n_threads,
                                        flash_attn=c.flash_attn)
         if dflash is not None:
             self.drafter = DFlashDrafter(self.ctx, self.draft_model, dflash, self.positions, n_max=draft_max,
                                          n_min=c.draft_min, p_min=c.draft_p_min, n_ubatch=c.n_ubatch,
-                                         n_threads=c.n_threads, flash_attn=c.flash_attn, swa_full=c.swa_full)
+                                         n_threads=c.n_threads, flash_attn=c.flash_attn, swa_full=c.swa_full,
+                                         **self._draft_cache_types())
         elif c.spec_type == "ngram-simple":
             self.drafter = NgramDrafter(n_max=draft_max, n_min=c.draft_min, n_max_limit=limit)
         elif c.spec_type == "draft-simple":
             self.drafter = DraftModelDrafter(self.draft_model, self.positions, n_ctx=c.n_ctx, n_max=draft_max,
                                              n_min=c.draft_min, n_max_limit=limit, n_batch=c.n_batch,
-                                             n_threads=c.n_threads, flash_attn=c.flash_attn)
+                                             n_threads=c.n_threads, flash_attn=c.flash_attn,
+                                             **self._draft_cache_types())
         if self.drafter is not None and n_rs_seq:
             self.drafter.n_max_limit = n_rs_seq  # rollback snapshots bound how far a draft can go
 

@@ -32,6 +32,12 @@ if TYPE_CHECKING:
     from .batch import Batch
 
 GGUF_MAGIC = b"GGUF"
+#: KV cache types by llama.cpp's -ctk / -ctv names.
+KV_CACHE_TYPES = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16, "bf16": lib.GGML_TYPE_BF16,
+                  "q8_0": lib.GGML_TYPE_Q8_0, "q4_0": lib.GGML_TYPE_Q4_0, "q4_1": lib.GGML_TYPE_Q4_1,
+                  "iq4_nl": lib.GGML_TYPE_IQ4_NL, "q5_0": lib.GGML_TYPE_Q5_0, "q5_1": lib.GGML_TYPE_Q5_1}
+_UNQUANTIZED_KV = ("f32", "f16", "bf16")
+_KV_BLOCK = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "iq4_nl": 32, "q5_0": 32, "q5_1": 32}  # rows per quant block
 _MROPE_TYPES = {lib.LLAMA_ROPE_TYPE_MROPE, lib.LLAMA_ROPE_TYPE_IMROPE}
 
 
@@ -117,7 +123,8 @@ class Model(NativeHandle):
     _what = "model"
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, main_gpu: int = 0,
-                 vocab_only: bool = False, role: str = "target") -> None:
+                 vocab_only: bool = False, use_mmap: bool = True, use_mlock: bool = False,
+                 role: str = "target") -> None:
         self.path = check_gguf_file(path, f"{role} model")
         self.role = role
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
@@ -126,6 +133,11 @@ class Model(NativeHandle):
         params.n_gpu_layers = n_gpu_layers
         params.main_gpu = main_gpu
         params.vocab_only = vocab_only
+        if use_mlock and not lib.llama_supports_mlock():
+            raise ValueError("--mlock is not supported on this system")
+        if use_mlock or not use_mmap:  # llama.cpp's --mlock / --no-mmap
+            params.load_mode = {(True, True): lib.LLAMA_LOAD_MODE_MMAP_MLOCK, (False, True): lib.LLAMA_LOAD_MODE_MLOCK,
+                                (False, False): lib.LLAMA_LOAD_MODE_NONE}[(use_mmap, use_mlock)]
         forget_native_problems()
         ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
         try:
@@ -166,6 +178,16 @@ class Model(NativeHandle):
     @property
     def n_embd_inp(self) -> int:
         return lib.llama_model_n_embd_inp(self.ptr)
+
+    def head_dims(self) -> tuple[int | None, int | None]:
+        """Key and value head widths from the GGUF (None when the file does not say)."""
+        def key(name):
+            v = self.meta(f"{self.arch}.attention.{name}")
+            return int(v) if v and v.isdigit() else None
+
+        n_head = key("head_count")
+        default = self.n_embd // n_head if n_head else None
+        return key("key_length") or default, key("value_length") or default
 
     @property
     def n_layer(self) -> int:
@@ -317,6 +339,7 @@ class Context(NativeHandle):
 
     def __init__(self, model: Model, *, n_ctx: int = 4096, n_batch: int = 512, n_ubatch: int = 512,
                  n_seq_max: int = 1, n_rs_seq: int = 0, n_threads: int | None = None,
+                 n_threads_batch: int | None = None, type_k: str = "f16", type_v: str = "f16",
                  flash_attn: bool | None = False, swa_full: bool = False, embeddings: bool = False,
                  ctx_other: "Context | None" = None, role: str = "target") -> None:
         self.model = model
@@ -335,7 +358,20 @@ class Context(NativeHandle):
         params.n_rs_seq = n_rs_seq
         threads = n_threads or max(1, (os.cpu_count() or 2))
         params.n_threads = threads
-        params.n_threads_batch = threads
+        params.n_threads_batch = n_threads_batch or threads
+        for name, kind in (("type_k", type_k), ("type_v", type_v)):
+            if kind not in KV_CACHE_TYPES:
+                raise ValueError(f"{name} {kind!r} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPES)}")
+        if type_v not in _UNQUANTIZED_KV and flash_attn is False:
+            # llama.cpp refuses a quantized V cache without flash attention (it returns no context).
+            raise ValueError(f"a quantized V cache ({type_v}) needs flash attention: -fa on (flash_attn=True) "
+                             "or auto, or an unquantized V cache (f16)")
+        for kind, width, name in zip((type_k, type_v), model.head_dims(), ("K", "V")):
+            block = _KV_BLOCK.get(kind, 1)
+            if width and width % block:
+                raise ValueError(f"a {kind} {name} cache stores blocks of {block} values, which do not divide this "
+                                 f"{role} model's {name} head width {width}; use f16 or bf16 for it")
+        params.type_k, params.type_v = KV_CACHE_TYPES[type_k], KV_CACHE_TYPES[type_v]
         params.flash_attn_type = (lib.LLAMA_FLASH_ATTN_TYPE_AUTO if flash_attn is None else
                                   lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else
                                   lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)

@@ -105,7 +105,7 @@ class DFlashDrafter:
     def __init__(self, target_ctx: Context, draft_model: Model, config: DFlashConfig,
                  positions: SequencePositions, *, n_max: int, n_min: int = 0, p_min: float = 0.0,
                  n_ubatch: int = 512, n_threads: int | None = None, flash_attn: bool | None = False,
-                 swa_full: bool = False) -> None:
+                 swa_full: bool = False, type_k: str = "f16", type_v: str = "f16") -> None:
         self.config = config
         self.positions = positions
         self.target_ctx = target_ctx
@@ -118,7 +118,7 @@ class DFlashDrafter:
         self.p_min = p_min
         ubatch = max(n_ubatch, config.block_size)  # non-causal blocks must fit in one ubatch
         self.ctx = Context(draft_model, n_ctx=target_ctx.n_ctx, n_batch=ubatch, n_ubatch=ubatch,
-                           n_threads=n_threads, flash_attn=flash_attn, swa_full=swa_full,
+                           n_threads=n_threads, flash_attn=flash_attn, swa_full=swa_full, type_k=type_k, type_v=type_v,
                            ctx_other=target_ctx, role="draft")
         self.ctx.enable_nextn(True, masked=not config.is_dflash2)
         self.ctx.set_causal_attn(config.causal)

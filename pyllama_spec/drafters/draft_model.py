@@ -43,13 +43,13 @@ class DraftModelDrafter:
 
     def __init__(self, draft_model: Model, positions: SequencePositions, *, n_ctx: int, n_max: int,
                  n_min: int = 0, n_max_limit: int = 32, n_batch: int = 512, n_threads: int | None = None,
-                 flash_attn: bool | None = False) -> None:
+                 flash_attn: bool | None = False, type_k: str = "f16", type_v: str = "f16") -> None:
         self.positions = positions  # the draft shares the target's positions
         self.n_max_limit = n_max_limit
         self.n_max = max(1, min(n_max, n_max_limit))
         self.n_min = min(n_min, self.n_max)
         self.ctx = Context(draft_model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads,
-                           flash_attn=flash_attn, role="draft")
+                           flash_attn=flash_attn, type_k=type_k, type_v=type_v, role="draft")
 
     # --- protocol
     def process(self, rows: TargetRows) -> None:

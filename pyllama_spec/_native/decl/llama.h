@@ -48,8 +48,14 @@ struct llama_embd {
     size_t n_embd;
 };
 
+enum llama_load_mode {
+    LLAMA_LOAD_MODE_AUTO, LLAMA_LOAD_MODE_NONE, LLAMA_LOAD_MODE_MMAP, LLAMA_LOAD_MODE_MLOCK,
+    LLAMA_LOAD_MODE_MMAP_MLOCK, ...
+};
+
 struct llama_model_params {
     int32_t n_gpu_layers;
+    enum llama_load_mode load_mode;
     int32_t main_gpu;
     bool vocab_only;
     bool check_tensors;
@@ -65,6 +71,8 @@ struct llama_context_params {
     int32_t  n_threads;
     int32_t  n_threads_batch;
     enum llama_flash_attn_type flash_attn_type;
+    enum ggml_type type_k;
+    enum ggml_type type_v;
     bool embeddings;
     bool offload_kqv;
     bool no_perf;
@@ -89,6 +97,7 @@ void llama_backend_init(void);
 void llama_backend_free(void);
 const char * llama_print_system_info(void);
 bool llama_supports_gpu_offload(void);
+bool llama_supports_mlock(void);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
 
 struct llama_model_params   llama_model_default_params(void);
