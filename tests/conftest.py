@@ -15,7 +15,7 @@ Fixtures (reuse them in new test files rather than writing models yourself):
 * ``ctx_kwargs``    default keyword arguments for ``Context(model, **ctx_kwargs)`` in tests:
                     one thread, flash attention off, n_ctx 1024, n_batch = n_ubatch = 64.
 * ``run_python``    runs a Python snippet in a fresh interpreter (the package importable; ``cwd=``
-                    optional) and returns the ``CompletedProcess``: the way to prove that a case does not abort
+                    optional, ``env_extra=`` variables) and returns the ``CompletedProcess``: the way to prove that a case does not abort
                     the process, without killing the test runner when it does.
 
 Constants: ``N_THREADS`` (1: the CI machine has 2 cores and OpenMP spinning makes 2 threads
@@ -117,8 +117,9 @@ def run_python():
     A child killed by SIGABRT has ``returncode`` -6 (an abort in native code).
     """
 
-    def run(code: str, *args: str, timeout: float = 60, cwd: Path | None = None) -> subprocess.CompletedProcess:
-        env = dict(os.environ)
+    def run(code: str, *args: str, timeout: float = 60, cwd: Path | None = None,
+            env_extra: dict | None = None) -> subprocess.CompletedProcess:
+        env = dict(os.environ, **(env_extra or {}))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         env.setdefault("OMP_NUM_THREADS", str(N_THREADS))
         return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=cwd or REPO_ROOT, env=env,
