@@ -43,6 +43,7 @@ class BenchSettings:
     max_tokens: int = 64
     repeats: int = 3
     image_size: int = 672
+    n_gpu_layers: int = 0  # both engines, target and draft (llama-server's -ngl / -ngld)
 
 
 @dataclasses.dataclass
@@ -88,10 +89,10 @@ class LlamaServer:
         self.port = free_port()
         args = [str(binary), "-m", s.model, "--mmproj", s.mmproj, "-c", str(s.n_ctx), "-b", str(s.n_batch),
                 "-ub", str(s.n_ubatch), "-t", str(s.threads), "-fa", "off", "--host", "127.0.0.1",
-                "--port", str(self.port), "-np", "1", "--no-warmup"]
+                "--port", str(self.port), "-np", "1", "--no-warmup", "-ngl", str(s.n_gpu_layers)]
         if speculative and s.draft:
             args += ["-md", s.draft, "--spec-type", "draft-dflash", "--spec-draft-n-max", str(s.draft_max),
-                     "--spec-draft-n-min", "0", "-td", str(s.threads)]
+                     "--spec-draft-n-min", "0", "-td", str(s.threads), "-ngld", str(s.n_gpu_layers)]
         # Its log goes to a file: an unread pipe would fill up and stall the server.
         self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self.log, text=True)
@@ -153,7 +154,8 @@ class PyllamaWorker:
     def __init__(self, s: BenchSettings, speculative: bool) -> None:
         cfg = dict(model=s.model, mmproj=s.mmproj, draft=s.draft if speculative else None,
                    spec_type="dflash" if speculative and s.draft else "none", n_ctx=s.n_ctx, n_batch=s.n_batch,
-                   n_ubatch=s.n_ubatch, draft_max=s.draft_max, n_threads=s.threads, flash_attn=False)
+                   n_ubatch=s.n_ubatch, draft_max=s.draft_max, n_threads=s.threads, flash_attn=False,
+                   n_gpu_layers=s.n_gpu_layers)
         # The worker imports this very copy of the package, wherever the harness runs from.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                            os.environ.get("PYTHONPATH", "")]))

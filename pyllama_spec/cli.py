@@ -381,7 +381,10 @@ def generate(prompt, images, raw, as_json, **o) -> None:
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--large", is_flag=True, help="use the ~142M-parameter f16 random bench models (made once, cached)")
 @click.option("--json-out", type=click.Path(), help="write every sample and the summary as JSON")
-def bench(model, mmproj, draft, server, n_batch, n_ubatch, draft_max, threads, max_tokens, repeats, large, json_out):
+@click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", default=0, show_default=True,
+              help="layers on the GPU, target and draft, both engines")
+def bench(model, mmproj, draft, server, n_batch, n_ubatch, draft_max, threads, max_tokens, repeats, large, json_out,
+          n_gpu_layers):
     """pyllama-spec vs llama-server on the same files and settings, alternating, medians and ratios."""
     import json
 
@@ -402,7 +405,8 @@ def bench(model, mmproj, draft, server, n_batch, n_ubatch, draft_max, threads, m
         err_console.print("[red]--mmproj is needed (the benchmark has an image prompt)[/red]")
         sys.exit(2)
     settings = BenchSettings(model=model, mmproj=mmproj, draft=draft, n_batch=n_batch, n_ubatch=n_ubatch,
-                             draft_max=draft_max, threads=threads, max_tokens=max_tokens, repeats=repeats)
+                             draft_max=draft_max, threads=threads, max_tokens=max_tokens, repeats=repeats,
+                             n_gpu_layers=n_gpu_layers)
     try:
         result = run(settings, server, log=lambda m: err_console.print(f"[dim]{m}[/dim]"))
     except (RuntimeError, OSError) as e:
