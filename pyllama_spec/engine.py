@@ -561,6 +561,7 @@ class Engine:
     def _speculative_step(self, id_last: int, verifier, stats: GenerationStats, budget: int) -> list[int]:
         """One draft/verify/accept step; returns the tokens the target accepted (the last is the new id_last)."""
         p = self.positions
+        step_start = time.perf_counter()
         proposal = Proposal([])
         room = self.ctx.n_ctx - p.n_rows - 1
         want, n_min = self._draft_length.next(), self._draft_min
@@ -582,7 +583,7 @@ class Engine:
         p.advance_text(n_kept)
         self._remember_text(tokens[:n_kept])
         stats.record_step(len(draft), n_kept - 1)
-        self._draft_length.update(len(draft), n_kept - 1)
+        self._draft_length.update(len(draft), n_kept - 1, time.perf_counter() - step_start)
         stats.target_steps += 1
         return accepted
 

@@ -296,9 +296,32 @@ def test_adaptive_draft_length_is_lossless_and_adapts(tiny_dense, big_image):
         assert by_position[0] > 2 * by_position[6] and fixed.stats.per_position_drafted[6] > 0
     schedule = AdaptiveLength(start=7, limit=15)
     seen = []
-    for drafted, accepted in [(7, 7), (9, 9), (11, 2), (10, 10), (12, 0), (11, 0)]:
-        schedule.update(drafted, accepted)
+    for drafted, accepted in [(7, 7), (9, 9), (11, 2), (10, 10), (12, 0)]:  # warm-up: HF's schedule
+        schedule.update(drafted, accepted, 0.01)
         seen.append(schedule.next())
-    assert seen == [9, 11, 10, 12, 11, 10]
-    schedule.update(0, 0)  # nothing proposed: no change
-    assert schedule.next() == 10
+    assert seen == [9, 11, 10, 12, 11]
+
+
+def _settle(schedule, alpha, base, per_row, steps=60):
+    """Feed a schedule steps whose acceptance and cost follow the given model."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(steps):
+        n = schedule.next()
+        accepted = 0
+        while accepted < n and rng.random() < alpha:
+            accepted += 1
+        schedule.update(n, accepted, base + per_row * n)
+    return schedule.next()
+
+
+def test_adaptive_length_weighs_acceptance_against_the_cost_of_a_row():
+    from pyllama_spec.draft_length import AdaptiveLength
+
+    # A draft that is nearly always right and rows that cost little (a large model on a GPU): long drafts.
+    assert _settle(AdaptiveLength(7, 15), alpha=0.95, base=0.020, per_row=0.0002) >= 12
+    # The same draft with rows that cost as much as a step (a tiny model on a CPU): short drafts.
+    assert _settle(AdaptiveLength(7, 15), alpha=0.95, base=0.001, per_row=0.001) <= 4
+    # A draft that is rarely right: one token.
+    assert _settle(AdaptiveLength(7, 15), alpha=0.1, base=0.020, per_row=0.0002) <= 2
