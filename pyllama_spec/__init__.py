@@ -14,6 +14,7 @@ from .errors import (
     GenerationCancelledError,
     ImageError,
     IncompatibleModelsError,
+    InsufficientMemoryError,
     KVMemoryError,
     ModelFileError,
     NativeCallError,
@@ -50,7 +51,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "MEDIA_MARKER", "ClosedError", "ContextOverflowError", "DecodeError", "EngineBusyError",
-    "GenerationCancelledError", "GenerationStats", "ImageError", "IncompatibleModelsError",
+    "GenerationCancelledError", "GenerationStats", "ImageError", "IncompatibleModelsError", "InsufficientMemoryError",
     "KVMemoryError", "ModelFileError", "NativeCallError", "NativeLibraryError", "ProjectorError",
     "PyllamaError", "embedded_models", *_LAZY,
 ]

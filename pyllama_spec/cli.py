@@ -20,8 +20,18 @@ def main() -> None:
 
 
 @main.command()
-def doctor() -> None:
-    """Show the native build: libraries, llama.cpp pin, backends, devices, DFlash entry points."""
+@click.option("-m", "--model", "model", type=click.Path(), default=None, help="also estimate this target's memory")
+@click.option("--mmproj", type=click.Path(), default=None)
+@click.option("-md", "--model-draft", "draft", type=click.Path(), default=None)
+@click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True)
+@click.option("-ub", "--ubatch-size", "n_ubatch", default=512, show_default=True)
+@click.option("-ctk", "--cache-type-k", default="f16", show_default=True)
+@click.option("-ctv", "--cache-type-v", default="f16", show_default=True)
+def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v) -> None:
+    """Show the native build: libraries, llama.cpp pin, backends, devices, DFlash entry points.
+
+    With -m (and --mmproj, -md, -c, -ub, -ctk, -ctv): what that configuration will need, estimated
+    from the files before anything is allocated."""
     from . import native_build as nb
 
     table = Table(show_header=False, box=None)
@@ -56,6 +66,22 @@ def doctor() -> None:
     table.add_row("DFlash target archs", ", ".join(record.get("dflash_target_archs", [])) or "?")
     table.add_row("system", _native.system_info())
     console.print(table)
+    if model is not None:
+        from . import memory
+        from .errors import PyllamaError
+
+        try:
+            est = memory.estimate(model, mmproj=mmproj, draft=draft, n_ctx=n_ctx, n_ubatch=n_ubatch,
+                                  cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+        except (PyllamaError, ValueError, OSError) as e:
+            err_console.print(f"[red]cannot estimate: {e}[/red]")
+            sys.exit(1)
+        mem = Table(title=f"memory estimate (n_ctx {n_ctx}, n_ubatch {n_ubatch}, KV {cache_type_k}/{cache_type_v})")
+        for column in ("part", "weights", "KV cache", "compute", "total"):
+            mem.add_column(column)
+        for row in est.table():
+            mem.add_row(*row)
+        console.print(mem)
 
 
 @main.command()

@@ -142,6 +142,7 @@ class Engine:
         self.drafter: Drafter | None = None
         self.draft_model: Model | None = None
         self.ctx: Context | None = None
+        self._check_memory()
         self.model = Model(config.model, n_gpu_layers=config.n_gpu_layers, use_mmap=config.use_mmap,
                            use_mlock=config.use_mlock, role="target")
         try:
@@ -149,6 +150,32 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    def _check_memory(self) -> None:
+        """Refuse, before allocating anything, a configuration the device cannot hold (memory.py)."""
+        from . import memory
+        from ._native import devices
+        from .errors import InsufficientMemoryError
+        from .llama import check_gguf_file
+
+        c = self.config
+        for path, what in ((c.model, "target model"), (c.draft, "draft model"), (c.mmproj, "mmproj")):
+            if path is not None:
+                check_gguf_file(path, what)  # a clear error for a bad file comes first
+        draft = c.draft if c.spec_type == "draft-dflash" else None
+        est = memory.estimate(c.model, mmproj=c.mmproj, draft=draft, n_ctx=c.n_ctx, n_ubatch=c.n_ubatch,
+                              cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v,
+                              cache_type_k_draft=c.cache_type_k_draft, cache_type_v_draft=c.cache_type_v_draft)
+        found = devices()
+        gpus = [d for d in found if not d["name"].upper().startswith("CPU")]
+        device = gpus[0] if (c.n_gpu_layers != 0 and gpus) else next((d for d in found
+                                                                      if d["name"].upper().startswith("CPU")), None)
+        if device is not None and device["free"] and not est.fits(device["free"]):
+            raise InsufficientMemoryError(
+                f"this configuration needs about {est.total / memory.MiB:.0f} MiB but {device['name']} has "
+                f"{device['free'] / memory.MiB:.0f} MiB free: {est.describe()}. Lower -c (n_ctx), use a quantized "
+                "KV cache (-ctk/-ctv q8_0 with -fa on), or a smaller -ub")
+        self.memory_estimate = est
 
     def _load_draft_model(self) -> Model:
         c = self.config

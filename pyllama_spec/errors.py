@@ -50,6 +50,10 @@ class GenerationCancelledError(PyllamaError, RuntimeError):
     """
 
 
+class InsufficientMemoryError(PyllamaError, MemoryError):
+    """The configuration needs more memory than the device has free (estimated before loading)."""
+
+
 class NativeCallError(PyllamaError, RuntimeError):
     """A native call failed; the message names the call and its arguments."""
 

@@ -1,0 +1,113 @@
+"""What a configuration will need, from GGUF metadata alone, before anything is allocated.
+
+For the target, a DFlash draft and an mmproj: weights (the tensors' exact byte sizes),
+KV caches (cells x layers x KV heads x head widths at the chosen cache types; a draft's
+sliding-window cache holds min(n_ctx, window + n_ubatch) cells, padded to 256 as
+llama.cpp pads it) and compute buffers. Without flash attention a compute buffer is
+dominated by one layer's attention scores (heads x n_ubatch x cells, f32) and the mask
+(cells x n_ubatch, f32); the rest is a ubatch of feed-forward and output activations.
+That is the shape of llama.cpp's graph at this pin, checked against what it allocates
+on the tiny and bench models (tests/test_memory.py); with flash attention the scores
+are not stored whole and the estimate is an upper bound. The mmproj's compute buffer depends
+on the image and is not estimated.
+
+Pure Python: reads files with gguf_check, nothing native.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from .gguf_check import read_gguf
+
+MiB = 2**20
+_KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+             "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32}
+
+
+@dataclasses.dataclass
+class Part:
+    name: str  # "target", "draft", "mmproj"
+    weights: int
+    kv: int
+    compute: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute
+
+
+@dataclasses.dataclass
+class Estimate:
+    parts: list[Part]
+
+    @property
+    def total(self) -> int:
+        return sum(p.total for p in self.parts)
+
+    def fits(self, free_bytes: int) -> bool:
+        return self.total <= free_bytes
+
+    def describe(self) -> str:
+        return "; ".join(f"{p.name} {p.total / MiB:.0f} MiB (weights {p.weights / MiB:.0f}, KV {p.kv / MiB:.0f}, "
+                         f"compute {p.compute / MiB:.0f})" for p in self.parts) + f"; in all {self.total / MiB:.0f} MiB"
+
+    def table(self) -> list[tuple[str, str, str, str, str]]:
+        rows = [(p.name, *(f"{v / MiB:.1f} MiB" for v in (p.weights, p.kv, p.compute, p.total))) for p in self.parts]
+        rows.append(("all", "", "", "", f"{self.total / MiB:.1f} MiB"))
+        return rows
+
+
+def _hparams(info, key: str, default=None):
+    v = info.metadata.get(f"{info.arch}.{key}", default)
+    return int(v[0]) if hasattr(v, "__len__") and not isinstance(v, str) else (int(v) if v is not None else default)
+
+
+def _weights(info) -> int:
+    return sum(t.nbytes for t in info.tensors.values())
+
+
+def _model_part(name: str, path: Path, *, n_ctx: int, n_ubatch: int, type_k: str, type_v: str,
+                n_vocab_out: int | None = None, live: tuple[int, int] = (2, 4)) -> Part:
+    info = read_gguf(path)
+    n_layer = _hparams(info, "block_count", 0)
+    n_embd = _hparams(info, "embedding_length", 0)
+    n_ff = _hparams(info, "feed_forward_length", 0)
+    n_head = _hparams(info, "attention.head_count", 1)
+    n_head_kv = _hparams(info, "attention.head_count_kv", n_head)
+    head_k = _hparams(info, "attention.key_length", n_embd // max(n_head, 1))
+    head_v = _hparams(info, "attention.value_length", head_k)
+    window = _hparams(info, "attention.sliding_window", 0)
+    cells = n_ctx
+    if window:  # a sliding-window cache keeps the window and one ubatch, padded as llama.cpp pads it
+        cells = min(n_ctx, -(-(window + n_ubatch) // 256) * 256)
+    kv = int(n_layer * cells * n_head_kv * (head_k * _KV_BYTES[type_k] + head_v * _KV_BYTES[type_v]))
+    n_vocab = n_vocab_out or len(info.metadata.get("tokenizer.ggml.tokens", ()))
+    # With flash attention the scores are not stored whole, but its own buffers take part of that
+    # room (measured: 21 of the 35.5 MiB on the bench draft): counting them keeps an upper bound.
+    scores = n_head * n_ubatch * cells * 4 + cells * n_ubatch * 4
+    # Rows of f32 activations alive at the graph's peak besides the scores: (x n_ff, x n_embd),
+    # fitted to llama.cpp's allocations (a causal target keeps more alive than a DFlash block).
+    activations = n_ubatch * (live[0] * n_ff + live[1] * n_embd + n_vocab) * 4
+    return Part(name, _weights(info), kv, scores + activations)
+
+
+def estimate(model: str | Path, *, mmproj: str | Path | None = None, draft: str | Path | None = None,
+             n_ctx: int = 4096, n_ubatch: int = 512, cache_type_k: str = "f16", cache_type_v: str = "f16",
+             cache_type_k_draft: str | None = None, cache_type_v_draft: str | None = None) -> Estimate:
+    """The memory a load() with these settings needs, part by part (see the module)."""
+    for kind in (cache_type_k, cache_type_v, cache_type_k_draft, cache_type_v_draft):
+        if kind is not None and kind not in _KV_BYTES:
+            raise ValueError(f"{kind!r} is not a KV cache type; use one of {', '.join(_KV_BYTES)}")
+    target = _model_part("target", Path(model), n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=cache_type_k,
+                         type_v=cache_type_v)
+    parts = [target]
+    if draft is not None:
+        target_vocab = len(read_gguf(model).metadata.get("tokenizer.ggml.tokens", ()))
+        parts.append(_model_part("draft", Path(draft), n_ctx=n_ctx, n_ubatch=max(n_ubatch, 16),
+                                 type_k=cache_type_k_draft or cache_type_k, type_v=cache_type_v_draft or cache_type_v,
+                                 n_vocab_out=target_vocab, live=(1, 2)))
+    if mmproj is not None:
+        parts.append(Part("mmproj", _weights(read_gguf(mmproj)), 0, 0))
+    return Estimate(parts)
