@@ -156,12 +156,21 @@ class Engine:
         from . import memory
         from ._native import devices
         from .errors import InsufficientMemoryError
+        from .gguf_check import read_gguf
         from .llama import check_gguf_file
 
         c = self.config
         for path, what in ((c.model, "target model"), (c.draft, "draft model"), (c.mmproj, "mmproj")):
             if path is not None:
                 check_gguf_file(path, what)  # a clear error for a bad file comes first
+        info = read_gguf(c.model)
+        n_ctx_train = int(info.metadata.get(f"{info.arch}.context_length", 0) or 0)
+        if c.n_ctx == 0 and n_ctx_train:  # llama.cpp's -c 0: the model's training length
+            c = self.config = dataclasses.replace(c, n_ctx=n_ctx_train)
+        if n_ctx_train and c.n_ctx > n_ctx_train:
+            raise ValueError(f"n_ctx {c.n_ctx} is above the target's training length ({n_ctx_train} tokens, "
+                             f"{info.arch}.context_length): positions past it were never trained; use -c "
+                             f"{n_ctx_train} or less (or -c 0 for exactly that)")
         draft = c.draft if c.spec_type == "draft-dflash" else None
         est = memory.estimate(c.model, mmproj=c.mmproj, draft=draft, n_ctx=c.n_ctx, n_ubatch=c.n_ubatch,
                               cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v,

@@ -66,7 +66,9 @@ import numpy as np
 from .gguf_writer import GGUFWriter, ValueType
 
 # Bump when the generated files change, so make_tiny_set caches are invalidated.
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
+#: The training context the tiny models declare: long, so tests can run long chats (it is only metadata).
+TINY_CONTEXT_LENGTH = 131072
 
 # -- tokenizer ------------------------------------------------------------------
 
@@ -248,7 +250,7 @@ def _add_attention_hparams(w: GGUFWriter, arch: str, *, g: _Geometry, n_layer: i
                            rope_sections: list[int]) -> None:
     n_embd = g.n_embd
     w.add_string("general.architecture", arch)
-    w.add_uint32(f"{arch}.context_length", 4096)
+    w.add_uint32(f"{arch}.context_length", TINY_CONTEXT_LENGTH)
     w.add_uint32(f"{arch}.embedding_length", n_embd)
     w.add_uint32(f"{arch}.block_count", n_layer)
     w.add_uint32(f"{arch}.feed_forward_length", n_ff)

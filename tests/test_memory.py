@@ -68,10 +68,20 @@ def test_the_estimate_counts_every_part_and_refuses_unknown_types(tiny_dense):
         memory.estimate(tiny_dense.target, cache_type_k="q2_k")
 
 
-def test_a_configuration_that_cannot_fit_is_refused_before_anything_is_allocated(tiny_dense):
+def test_a_configuration_that_cannot_fit_is_refused_before_anything_is_allocated(tiny_dir):
+    bench = tiny.make_bench_set(tiny_dir)  # 4096-row ubatches over 131072 cells: about 35 GiB of scores
     with pytest.raises(ps.InsufficientMemoryError, match=r"needs about \d+ MiB but CPU has \d+ MiB free") as info:
-        ps.load(tiny_dense.target, draft=tiny_dense.draft, n_ctx=2**24, n_threads=N_THREADS)
+        ps.load(bench.target, draft=bench.draft, n_ctx=131072, n_batch=4096, n_ubatch=4096, n_threads=N_THREADS)
     assert isinstance(info.value, MemoryError) and "KV" in str(info.value)
+
+
+def test_the_context_is_bounded_by_the_training_length(tiny_dense):
+    with pytest.raises(ValueError, match="above the target's training length"):
+        ps.load(tiny_dense.target, n_ctx=tiny.TINY_CONTEXT_LENGTH + 1, n_threads=N_THREADS)
+    with ps.load(tiny_dense.target, n_ctx=0, n_threads=N_THREADS, n_batch=64, n_ubatch=64) as engine:
+        assert engine.ctx.n_ctx == tiny.TINY_CONTEXT_LENGTH  # -c 0: the training length
+    with pytest.raises(ValueError, match="4096 tokens"):
+        ps.load(ps.embedded_models().target, n_ctx=8192, n_threads=N_THREADS)
 
 
 def test_doctor_prints_the_estimate_for_a_configuration(tiny_dense):
