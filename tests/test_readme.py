@@ -61,7 +61,7 @@ def served_embedded():
 def test_the_readme_has_the_blocks_it_should():
     assert any("ps.load" in b for b in PYTHON_BLOCKS)
     assert any(SERVER in b for b in PYTHON_BLOCKS)
-    assert any("pyllama-spec serve" in b for b in BASH_BLOCKS)
+    assert any("pyllama-spec serve" in b and "curl" in b for b in BASH_BLOCKS)
 
 
 @pytest.mark.parametrize("index", [i for i, b in enumerate(PYTHON_BLOCKS) if SERVER not in b])
@@ -82,7 +82,7 @@ def test_readme_client_block_runs_against_the_server(index, served_embedded, run
 
 
 def test_readme_server_bash_block_runs_as_written(tmp_path):
-    block = next(b for b in BASH_BLOCKS if "pyllama-spec serve" in b)
+    block = next(b for b in BASH_BLOCKS if "pyllama-spec serve" in b and "curl" in b)
     assert block.startswith(INSTALL_SERVER)
     script = block[len(INSTALL_SERVER):].replace("8080", str(_free_port())) + "\nkill %1\n"
     script = script.replace("pyllama-spec serve", "pyllama-spec serve -t 1")
