@@ -16,9 +16,12 @@ uses it); it checks structure only.
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import mmap
 import os
 import struct
+import threading
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -215,18 +218,82 @@ def _fail_for(path: Path, what: str) -> Callable[[str], NoReturn]:
     return fail
 
 
+# Files read (and validated) before: one load() reads its target several times (validation,
+# the context-length and memory checks, the native load's own check), and a Qwen-sized
+# vocabulary costs 0.2 s to parse. An entry is reused only while the bytes it was parsed
+# from (everything before the tensor data) hash the same, so a file rewritten in place, even
+# within one timestamp tick, is read again. Only successful reads are kept.
+_READ_CACHE: "collections.OrderedDict[tuple, tuple[bytes, GGUFInfo]]" = collections.OrderedDict()
+_VALIDATED: set[tuple] = set()  # (path, size, digest) of files that passed validate_gguf
+_CACHE_LOCK = threading.Lock()
+_CACHE_SIZE = 8
+
+
+def _header_digest(path: Path, n_bytes: int) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.blake2b(f.read(n_bytes), digest_size=16).digest()
+    except OSError:
+        return None
+
+
+def _cached(path: Path) -> tuple[tuple, GGUFInfo] | None:
+    """(identity, info) of an earlier successful read of this unchanged file, or None."""
+    try:
+        where = (str(path.resolve()), path.stat().st_size)
+    except OSError:
+        return None  # the read itself reports the problem
+    with _CACHE_LOCK:
+        entry = _READ_CACHE.get(where)
+    if entry is None:
+        return None
+    digest, info = entry
+    if _header_digest(path, info.data_offset) != digest:
+        return None
+    return (*where, digest), info
+
+
+def _remember(path: Path, info: GGUFInfo) -> None:
+    try:
+        where = (str(path.resolve()), path.stat().st_size)
+    except OSError:
+        return
+    digest = _header_digest(path, info.data_offset)
+    if digest is None or where[1] != info.file_size:
+        return
+    with _CACHE_LOCK:
+        _READ_CACHE[where] = (digest, info)
+        _READ_CACHE.move_to_end(where)
+        while len(_READ_CACHE) > _CACHE_SIZE:
+            _READ_CACHE.popitem(last=False)
+
+
 def read_gguf(path: str | os.PathLike, what: str = "GGUF") -> GGUFInfo:
     """Read the header, key/values and tensor infos of a GGUF file (not the tensor data).
 
     Checks the structure as llama.cpp's ``gguf.cpp`` does, and every length against the
     file size before it is used; raises ``ModelFileError`` ("<what> file <path> is corrupt:
-    ...") on the first problem.
+    ...") on the first problem. Each call returns a fresh object (the caller may change it).
 
     >>> info = read_gguf("pyllama_spec/models/trained-target.gguf")      # doctest: +SKIP
     >>> info.arch, info.tensors["output_norm.weight"].dims
     ('hunyuan_vl', (64,))
     """
-    path = Path(path)
+    return _read_gguf_file(Path(path), what)
+
+
+def read_gguf_shared(path: str | os.PathLike, what: str = "GGUF") -> GGUFInfo:
+    """``read_gguf``, but a file read before and unchanged since is not parsed again: the
+    object is shared between callers, so it must be treated as read-only."""
+    hit = _cached(Path(path))
+    if hit is not None:
+        return hit[1]
+    info = _read_gguf_file(Path(path), what)
+    _remember(Path(path), info)
+    return info
+
+
+def _read_gguf_file(path: Path, what: str) -> GGUFInfo:
     fail = _fail_for(path, what)
     try:
         with open(path, "rb") as f:
@@ -375,12 +442,18 @@ def validate_gguf(path: str | os.PathLike, what: str = "model") -> GGUFInfo:
     and rope geometry, the deepstack and gated-delta-net sizes, tensor types ggml can compute
     with, and for a ``clip`` projector the key types, layer count, tensor shapes and the tensors
     its graph uses unconditionally. Raises
-    ``ModelFileError`` ("<what> file <path> is corrupt: <problem>"); returns what it read.
+    ``ModelFileError`` ("<what> file <path> is corrupt: <problem>"); returns what it read, shared
+    and read-only (see ``read_gguf_shared``): a file that passed before and is unchanged is not
+    checked again.
 
     >>> validate_gguf("pyllama_spec/models/trained-target.gguf", "target model").arch   # doctest: +SKIP
     'hunyuan_vl'
     """
-    info = read_gguf(path, what)
+    info = read_gguf_shared(path, what)
+    hit = _cached(Path(path))
+    key = hit[0] if hit is not None and hit[1] is info else None
+    if key is not None and key in _VALIDATED:
+        return info
     fail = _fail_for(info.path, what)
     _check_tensor_types(info, fail)
     # libmtmd never looks at general.architecture: a file with clip keys is a projector to it
@@ -389,6 +462,9 @@ def validate_gguf(path: str | os.PathLike, what: str = "model") -> GGUFInfo:
     if info.arch != "clip":
         _check_vocab(info, fail)
         _check_hparams(info, fail)
+    if key is not None:
+        with _CACHE_LOCK:
+            _VALIDATED.add(key)
     return info
 
 

@@ -534,3 +534,17 @@ def test_the_check_prevents_a_native_crash(case, tmp_path, run_python):
     on = run_python(_LOAD_CHILD, kind, str(path), "on", str(TARGET), str(N_THREADS))
     assert on.returncode == 0, explain_child(on)
     assert on.stdout.startswith("REFUSED") and str(path) in on.stdout and "is corrupt" in on.stdout
+
+
+def test_a_file_rewritten_in_place_is_read_again_not_served_from_the_cache(tmp_path):
+    from pyllama_spec.gguf_check import validate_gguf
+
+    src = embedded_models().target.read_bytes()
+    path = tmp_path / "rewritten.gguf"
+    path.write_bytes(src)
+    assert validate_gguf(path, "target model").arch == "hunyuan_vl"
+    broken = bytearray(src)
+    broken[4:8] = (99).to_bytes(4, "little")  # the version field: same size, same name, maybe same mtime
+    path.write_bytes(bytes(broken))
+    with pytest.raises(ModelFileError, match="rewritten.gguf"):
+        validate_gguf(path, "target model")
