@@ -56,7 +56,8 @@ class TargetRows:
 @dataclasses.dataclass(frozen=True)
 class Proposal:
     """Drafted tokens, and the draft's logits at each drafted position [len(tokens), n_vocab]
-    (None for a method without a distribution, such as n-gram lookup)."""
+    (None for a method without a distribution, such as n-gram lookup). The logits may be a
+    view into the draft context's buffers: read them before the drafter is used again."""
 
     tokens: list[int]
     logits: np.ndarray | None = None

@@ -175,7 +175,9 @@ class DFlashDrafter:
         if self.config.is_dflash2:
             tokens, logits = self._read_lattice(n), None  # the lattice walk has no per-token distribution
         else:
-            logits = np.array(self.ctx.output_logits(n + 1)[1:])  # row 0 is id_last
+            # A view, not a copy (n x n_vocab floats every step): the verifier reads it before the
+            # draft context decodes again (see Proposal).
+            logits = self.ctx.output_logits(n + 1)[1:]  # row 0 is id_last
             tokens = self._read_block(logits)
             logits = logits[:len(tokens)]
         # The block's own rows are noise: drop them before the target verifies.
