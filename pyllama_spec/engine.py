@@ -142,7 +142,7 @@ class Engine:
         self.drafter: Drafter | None = None
         self.draft_model: Model | None = None
         self.ctx: Context | None = None
-        self._check_memory()
+        self._check_before_load()
         self.model = Model(config.model, n_gpu_layers=config.n_gpu_layers, use_mmap=config.use_mmap,
                            use_mlock=config.use_mlock, role="target")
         try:
@@ -151,19 +151,20 @@ class Engine:
             self.close()
             raise
 
-    def _check_memory(self) -> None:
-        """Refuse, before allocating anything, a configuration the device cannot hold (memory.py)."""
+    def _check_before_load(self) -> None:
+        """Refuse, before allocating anything: a bad file, a context past the training length, and a
+        configuration the device cannot hold (memory.py). Resolves n_ctx=0 to the training length."""
         from . import memory
         from ._native import devices
         from .errors import InsufficientMemoryError
-        from .gguf_check import read_gguf
+        from .gguf_check import read_gguf_shared
         from .llama import check_gguf_file
 
         c = self.config
         for path, what in ((c.model, "target model"), (c.draft, "draft model"), (c.mmproj, "mmproj")):
             if path is not None:
                 check_gguf_file(path, what)  # a clear error for a bad file comes first
-        info = read_gguf(c.model)
+        info = read_gguf_shared(c.model)
         n_ctx_train = int(info.metadata.get(f"{info.arch}.context_length", 0) or 0)
         if c.n_ctx == 0 and n_ctx_train:  # llama.cpp's -c 0: the model's training length
             c = self.config = dataclasses.replace(c, n_ctx=n_ctx_train)
@@ -312,32 +313,28 @@ class Engine:
     def _draft_settings(self, draft_max, draft_min, draft_positions) -> tuple[int | str, int, str]:
         """(n_max or "auto", n_min, position mode) for one call, checked against what this engine can do."""
         d = self.drafter
-        limit = d.n_max_limit if d else 0
-        if draft_max == "auto":
-            if d is None:
-                raise ValueError('draft_max="auto" needs a drafter (spec_type other than "none")')
-            n_min = d.n_min if draft_min is None else draft_min
-            if isinstance(n_min, bool) or not isinstance(n_min, (int, np.integer)) or n_min < 0:
-                raise ValueError(f"draft_min must be an integer >= 0, got {n_min!r}")
-            mode = draft_positions or self.positions.draft_positions
-            if mode not in ("target", "sequential"):
-                raise ValueError(f"draft_positions must be 'target' or 'sequential', got {mode!r}")
-            return "auto", int(n_min), mode
+        if draft_max == "auto" and d is None:
+            raise ValueError('draft_max="auto" needs a drafter (spec_type other than "none")')
         n_max = (d.n_max if d else 0) if draft_max is None else draft_max
         n_min = (d.n_min if d else 0) if draft_min is None else draft_min
         for name, v in (("draft_max", n_max), ("draft_min", n_min)):
+            if v == "auto" and name == "draft_max":
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
-        if n_max > limit:
-            raise ValueError(f"draft_max {n_max} is above what this engine can draft ({limit}"
-                             + (": no draft model)" if d is None else ": the draft's block size or the "
-                                "target's rollback depth)"))
-        if n_min > n_max:
-            raise ValueError(f"draft_min {n_min} is above draft_max {n_max}")
+        if n_max != "auto":
+            limit = d.n_max_limit if d else 0
+            if n_max > limit:
+                raise ValueError(f"draft_max {n_max} is above what this engine can draft ({limit}"
+                                 + (": no draft model)" if d is None else ": the draft's block size or the "
+                                    "target's rollback depth)"))
+            if n_min > n_max:
+                raise ValueError(f"draft_min {n_min} is above draft_max {n_max}")
+            n_max = int(n_max)
         mode = draft_positions or self.positions.draft_positions
         if mode not in ("target", "sequential"):
             raise ValueError(f"draft_positions must be 'target' or 'sequential', got {mode!r}")
-        return int(n_max), int(n_min), mode
+        return n_max, int(n_min), mode
 
     def _owned(self, steps: Iterator[Piece]) -> Iterator[Piece]:
         """Run a generation's steps while it owns the engine (see gate.py)."""
