@@ -55,6 +55,14 @@ class Piece:
     tokens: tuple[int, ...]
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    #: The text released at each of ``tokens`` (joined, they are ``text``). A token's text can show
+    #: at a later token: a partial UTF-8 character or a possible stop string is held back until then.
+    token_texts: tuple[str, ...] = ()
+    #: The first ``from_draft`` of ``tokens`` are draft tokens the target accepted; the rest are the
+    #: target's own (a step always ends with one).
+    from_draft: int = 0
+    #: Tokens the drafter proposed in the step that produced this piece (0 for the first token).
+    drafted: int = 0
 
 
 @dataclasses.dataclass
@@ -441,28 +449,33 @@ class Engine:
         prefill_target, prefill_draft = stats.target_seconds, stats.draft_seconds
 
         out = _TextAssembler(self.model, stop)
-        generated, new_tokens = 0, [id_last]
+        generated, new_tokens, drafted = 0, [id_last], 0
         while True:
             # Show what the last step produced, then decide whether to go on.
             emit, finish = self._emittable(new_tokens, generated, max_tokens)
             generated += len(emit)
             stats.generated_tokens = generated  # kept current: an interrupted stream's stats stay true
             stats.decode_seconds = time.perf_counter() - t1
-            text, hit_stop = out.push(emit)
+            texts, hit_stop = out.push_each(emit)
             if hit_stop:
                 finish = "stop"
             if finish is None and self.positions.n_rows + 1 > self.ctx.n_ctx:
                 finish = "length"  # no cache row left for the next token
+            # All but the last of a step's tokens are accepted drafts (the first token has no draft).
+            origin = dict(token_texts=texts, from_draft=min(len(emit), len(new_tokens) - 1), drafted=drafted)
             if finish is not None:
                 break
-            if text or emit:
-                yield Piece(text, tuple(emit))
-            new_tokens = self._speculative_step(new_tokens[-1], verifier, stats, max_tokens - generated)
+            if emit:
+                yield Piece("".join(texts), tuple(emit), **origin)
+            new_tokens, drafted = self._speculative_step(new_tokens[-1], verifier, stats, max_tokens - generated)
 
         stats.decode_seconds = time.perf_counter() - t1
         stats.decode_target_seconds = stats.target_seconds - prefill_target
         stats.decode_draft_seconds = stats.draft_seconds - prefill_draft
-        yield Piece(text + out.flush(), tuple(emit), finish, stats)
+        rest = out.flush()
+        if rest:
+            texts = (*texts[:-1], texts[-1] + rest) if texts else texts
+        yield Piece("".join(texts) + ("" if emit else rest), tuple(emit), finish, stats, **origin)
 
     def _emittable(self, tokens: list[int], generated: int, max_tokens: int) -> tuple[list[int], str | None]:
         """The tokens to show from one step, cut at end-of-generation or the token limit."""
@@ -591,8 +604,9 @@ class Engine:
         p.advance_media(chunk.n_tokens, chunk.n_pos)
         assert new_pos == p.pos_next, (new_pos, p)
 
-    def _speculative_step(self, id_last: int, verifier, stats: GenerationStats, budget: int) -> list[int]:
-        """One draft/verify/accept step; returns the tokens the target accepted (the last is the new id_last)."""
+    def _speculative_step(self, id_last: int, verifier, stats: GenerationStats, budget: int) -> tuple[list[int], int]:
+        """One draft/verify/accept step: (the tokens the target accepted, the last being the new id_last;
+        how many tokens were drafted)."""
         p = self.positions
         step_start = time.perf_counter()
         proposal = Proposal([])
@@ -618,7 +632,7 @@ class Engine:
         stats.record_step(len(draft), n_kept - 1)
         self._draft_length.update(len(draft), n_kept - 1, time.perf_counter() - step_start)
         stats.target_steps += 1
-        return accepted
+        return accepted, len(draft)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -654,6 +668,11 @@ class _TextAssembler:
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.held = ""
         self.stopped = False
+
+    def push_each(self, tokens: list[int]) -> tuple[tuple[str, ...], bool]:
+        """``push`` token by token: the text released at each token, and whether a stop string was hit."""
+        texts = [self.push([tok])[0] for tok in tokens]  # after a stop string, each releases ""
+        return tuple(texts), self.stopped
 
     def push(self, tokens: list[int]) -> tuple[str, bool]:
         if self.stopped:

@@ -325,6 +325,26 @@ def test_stream_yields_pieces_and_ends_with_stats(tiny_dense):
     assert len(s.per_position_acceptance) > 0 and s.python_seconds >= 0
 
 
+def test_pieces_say_which_tokens_came_from_the_draft():
+    """Per-token text and origin (what the server's stream and the chat page show): on the trained
+    pair, greedy, the first token is the target's, every step ends with one target token, the
+    accepted drafts add up to the stats, and the token texts join to the text, stop string included."""
+    m = ps.embedded_models()
+    with load(m.target, mmproj=m.mmproj, draft=m.draft, n_threads=N_THREADS) as engine:
+        pieces = list(engine.stream("def f", max_tokens=60))
+        stop = "".join(p.text for p in pieces)[20:23]
+        cut = list(engine.stream("def f", max_tokens=60, stop=stop))
+    stats = pieces[-1].stats
+    assert pieces[0].from_draft == 0 and pieces[0].drafted == 0
+    assert 0 < sum(p.from_draft for p in pieces) <= stats.accepted  # (the last step may be cut)
+    for p in pieces + cut:
+        assert len(p.token_texts) == len(p.tokens) and "".join(p.token_texts) == p.text
+        assert 0 <= p.from_draft <= min(p.drafted, len(p.tokens))
+    for p in pieces[1:-1]:  # whole steps: the drafts the target took, then its own token
+        assert p.from_draft == len(p.tokens) - 1
+    assert cut[-1].finish_reason == "stop" and not "".join(p.text for p in cut).count(stop)
+
+
 def test_stop_strings_cut_the_output(tiny_dense):
     with make_engine(tiny_dense, spec_type="none") as engine:
         full = engine.generate("The", max_tokens=30).text
