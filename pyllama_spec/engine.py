@@ -17,52 +17,32 @@ One generation, as the loop below reads:
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import os
-import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from .drafters import Drafter, Proposal, TargetRows, canonical_spec_type
+from .drafters import Drafter, canonical_spec_type
 from .drafters.dflash import DFlashDrafter, check_dflash_pair
 from .drafters.draft_model import DraftModelDrafter, check_draft_model
 from .drafters.ngram import NgramDrafter
 from .draft_length import AdaptiveLength, FixedLength
-from .errors import ContextOverflowError, ImageError, KVMemoryError
+from .errors import ContextOverflowError, ImageError
 from .gate import EngineGate
+from .generation import Generation, Piece, ProgressCallback, prefill_parts, speculative_step
 from .llama import Context, Model, Sampler
-from .mtmd import MEDIA_MARKER, Bitmap, Chunk, EmbeddingBatch, Projector
-from .positions import SequencePositions, is_pinned
+from .mtmd import MEDIA_MARKER, Bitmap, Projector
+from .positions import SequencePositions
 from .prompt import as_list, render_messages
 from .sampling import SamplingParams
-from .stats import GenerationStats, Stopwatch
+from .sequence import Sequence as SlotSequence
+from .stats import GenerationStats
 from .verify import VERIFY_RULES, MatchVerifier, RejectionVerifier
 
-ProgressCallback = Callable[[str, int, int], None]
+__all__ = ["Engine", "EngineConfig", "Piece", "Result", "load", "ProgressCallback"]
+
 TOKEN_DRAFT_LIMIT = 32  # the most tokens an n-gram or draft-model draft proposes in one step
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """A piece of streamed output: the text and tokens accepted in one step.
-
-    The last piece of a stream has ``finish_reason`` and ``stats`` set.
-    """
-
-    text: str
-    tokens: tuple[int, ...]
-    finish_reason: str | None = None
-    stats: GenerationStats | None = None
-    #: The text released at each of ``tokens`` (joined, they are ``text``). A token's text can show
-    #: at a later token: a partial UTF-8 character or a possible stop string is held back until then.
-    token_texts: tuple[str, ...] = ()
-    #: The first ``from_draft`` of ``tokens`` are draft tokens the target accepted; the rest are the
-    #: target's own (a step always ends with one).
-    from_draft: int = 0
-    #: Tokens the drafter proposed in the step that produced this piece (0 for the first token).
-    drafted: int = 0
 
 
 @dataclasses.dataclass
@@ -103,6 +83,9 @@ class EngineConfig:
     use_mmap: bool = True  # --no-mmap
     use_mlock: bool = False  # --mlock
     mmproj_offload: bool | None = None  # --(no-)mmproj-offload; None: on when layers are offloaded
+    # llama.cpp's -np: sequences (slots) served at once, each with n_ctx / n_parallel cache rows;
+    # above 1, generations run concurrently through Engine.submit (scheduler.py)
+    n_parallel: int = 1
 
 
 def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
@@ -124,12 +107,18 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
 
 
 class Engine:
-    """Target + optional projector + optional drafter, for one sequence at a time.
+    """Target + optional projector + optional drafter.
 
-    Safe to share between threads: generations run one at a time, and a call made while
-    another thread's generation runs waits for it to finish. On one thread, starting a
-    generation while a ``stream()`` is suspended cancels that stream: resuming it raises
+    With ``n_parallel=1`` (the default) it holds one sequence, and generations run one at a
+    time on the caller's thread. Safe to share between threads: a call made while another
+    thread's generation runs waits for it to finish. On one thread, starting a generation
+    while a ``stream()`` is suspended cancels that stream: resuming it raises
     ``GenerationCancelledError`` instead of continuing on a cache that changed under it.
+
+    With ``n_parallel=N > 1`` it holds N sequences (slots), and a scheduler thread runs up to
+    N generations at once, verifying every active slot's draft in one target batch:
+    ``submit()`` starts one and returns its handle; ``stream()`` and ``generate()`` go
+    through it too, so threads calling them run concurrently.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -138,14 +127,17 @@ class Engine:
             raise ValueError(f"spec_type={config.spec_type!r} needs a draft model (draft=...)")
         if config.n_ubatch > config.n_batch:
             raise ValueError(f"n_ubatch ({config.n_ubatch}) cannot exceed n_batch ({config.n_batch})")
+        if isinstance(config.n_parallel, bool) or not isinstance(config.n_parallel, int) or config.n_parallel < 1:
+            raise ValueError(f"n_parallel must be an integer >= 1, got {config.n_parallel!r}")
+        if config.n_parallel > config.n_batch:
+            raise ValueError(f"n_parallel ({config.n_parallel}) cannot exceed n_batch ({config.n_batch}): every "
+                             "slot's verify rows go in one target batch")
         self.config = config
         self._gate = EngineGate()
+        self._scheduler = None
         #: The stats of the latest generation, also while it runs and after it was interrupted.
         self.last_stats: GenerationStats | None = None
-        self.positions = SequencePositions(config.draft_positions)
-        self._draft_length = FixedLength(0)  # how many tokens the generation in progress drafts per step
-        self._draft_min = 0
-        self._cached: list = []  # what the cache holds: int32 token arrays (text) and _CachedMedia, in order
+        self.sequences: list[SlotSequence] = []
         self.projector: Projector | None = None
         self.drafter: Drafter | None = None
         self.draft_model: Model | None = None
@@ -226,7 +218,9 @@ class Engine:
             if n_rs_seq < 1:
                 raise ValueError(f"a recurrent target needs n_ubatch >= 3 to roll back drafts, got {c.n_ubatch}")
             draft_max = n_rs_seq
+        n_seq = c.n_parallel
         self.ctx = Context(self.model, n_ctx=c.n_ctx, n_batch=c.n_batch, n_ubatch=c.n_ubatch, n_rs_seq=n_rs_seq,
+                           n_seq_max=n_seq,
                            n_threads=c.n_threads, n_threads_batch=c.n_threads_batch, type_k=c.cache_type_k,
                            type_v=c.cache_type_v, flash_attn=c.flash_attn, role="target")
         if c.mmproj:
@@ -234,24 +228,33 @@ class Engine:
             self.projector = Projector(c.mmproj, self.model, use_gpu=offload, n_threads=c.n_threads,
                                        flash_attn=c.flash_attn)
         if dflash is not None:
-            self.drafter = DFlashDrafter(self.ctx, self.draft_model, dflash, self.positions, n_max=draft_max,
+            self.drafter = DFlashDrafter(self.ctx, self.draft_model, dflash, n_max=draft_max, n_seq=n_seq,
                                          n_min=c.draft_min, p_min=c.draft_p_min, n_ubatch=c.n_ubatch,
                                          n_threads=c.n_threads, flash_attn=c.flash_attn, swa_full=c.swa_full,
                                          **self._draft_cache_types())
         elif c.spec_type == "ngram-simple":
             self.drafter = NgramDrafter(n_max=draft_max, n_min=c.draft_min, n_max_limit=limit)
         elif c.spec_type == "draft-simple":
-            self.drafter = DraftModelDrafter(self.draft_model, self.positions, n_ctx=c.n_ctx, n_max=draft_max,
+            self.drafter = DraftModelDrafter(self.draft_model, n_ctx=c.n_ctx, n_max=draft_max, n_seq=n_seq,
                                              n_min=c.draft_min, n_max_limit=limit, n_batch=c.n_batch,
                                              n_threads=c.n_threads, flash_attn=c.flash_attn,
                                              **self._draft_cache_types())
         if self.drafter is not None and n_rs_seq:
             self.drafter.n_max_limit = n_rs_seq  # rollback snapshots bound how far a draft can go
+        self.sequences = [SlotSequence(self.ctx, self.drafter, i, draft_positions=c.draft_positions, n_seq=n_seq)
+                          for i in range(n_seq)]
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Free everything native. Waits for a step running on another thread; a suspended stream is cancelled."""
+        """Free everything native. Waits for a step running on another thread; a suspended stream is cancelled.
+
+        With n_parallel > 1, generations still running are cancelled (their streams end with
+        ``GenerationCancelledError``) and the scheduler thread stops first."""
+        if self._scheduler is not None:
+            self._scheduler.stop()
         self._gate.close()
+        for seq in self.sequences:
+            seq.close()
         for obj in (self.drafter, self.projector, self.ctx, self.draft_model, self.model):
             if obj is not None:
                 obj.close()
@@ -261,6 +264,11 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @property
+    def positions(self) -> SequencePositions:
+        """Where the (first) sequence stands."""
+        return self.sequences[0].positions
 
     # ------------------------------------------------------------------ public API
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
@@ -300,8 +308,46 @@ class Engine:
         "match" is llama.cpp's rule, with the same tokens as a target-only run for a seed.
         Greedy decoding is the same under both.
 
-        The generation owns the engine from its first step to its end (see ``Engine``).
+        The generation owns the engine from its first step to its end (see ``Engine``);
+        with n_parallel > 1 it runs in a slot of the scheduler instead (see ``submit``).
         """
+        request = self._request(prompt=prompt, messages=messages, images=images, max_tokens=max_tokens,
+                                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                presence_penalty=presence_penalty, seed=seed, stop=stop,
+                                cache_prompt=cache_prompt, progress=progress, draft_max=draft_max,
+                                draft_min=draft_min, draft_positions=draft_positions, verify=verify,
+                                chat_template_kwargs=chat_template_kwargs)
+        if self.config.n_parallel > 1:
+            return iter(self._submit(request))
+        return self._owned(self._run(request))
+
+    def submit(self, prompt: str | None = None, **kwargs: Any):
+        """Start a generation in a free slot (or queue it until one frees) and return its handle
+        at once: a ``Submission`` (scheduler.py) to iterate for pieces, ``result()`` for the
+        whole Result, or ``cancel()``. ``stream``'s arguments. Needs ``n_parallel > 1``."""
+        if self.config.n_parallel < 2:
+            raise ValueError("submit() runs generations concurrently in slots: load with n_parallel > 1 "
+                             "(llama.cpp's -np); with one slot use stream() or generate()")
+        return self._submit(self._request(prompt=prompt, **kwargs))
+
+    def _submit(self, request: dict):
+        from .scheduler import Scheduler
+
+        if self._gate.closed:
+            from .errors import ClosedError
+
+            raise ClosedError("the engine is closed")
+        if self._scheduler is None:
+            self._scheduler = Scheduler(self)
+        return self._scheduler.submit(request)
+
+    def _request(self, *, prompt=None, messages=None, images=(), max_tokens: int = 128, temperature: float = 0.0,
+                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, presence_penalty: float = 0.0,
+                 seed: int = 0, stop: Sequence[str] | str = (), cache_prompt: bool = True,
+                 progress: ProgressCallback | None = None, draft_max: int | None = None,
+                 draft_min: int | None = None, draft_positions: str | None = None, verify: str | None = None,
+                 chat_template_kwargs: dict | None = None) -> dict:
+        """One call's arguments, checked (before anything runs) and normalised."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         if (prompt is None) == (messages is None):
@@ -310,13 +356,12 @@ class Engine:
         verify = verify or self.config.verify
         if verify not in VERIFY_RULES:
             raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
-        request = dict(prompt=prompt, messages=messages, images=images, max_tokens=int(max_tokens),
-                       drafting=drafting, verify=verify,
-                       sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                     presence_penalty=presence_penalty, seed=seed),
-                       stop=[stop] if isinstance(stop, str) else list(stop), cache_prompt=cache_prompt,
-                       progress=progress, template_kwargs=chat_template_kwargs)
-        return self._owned(self._run(**request))
+        return dict(prompt=prompt, messages=messages, images=images, max_tokens=int(max_tokens),
+                    drafting=drafting, verify=verify,
+                    sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                  presence_penalty=presence_penalty, seed=seed),
+                    stop=[stop] if isinstance(stop, str) else list(stop), cache_prompt=cache_prompt,
+                    progress=progress, template_kwargs=chat_template_kwargs)
 
     def _draft_settings(self, draft_max, draft_min, draft_positions) -> tuple[int | str, int, str]:
         """(n_max or "auto", n_min, position mode) for one call, checked against what this engine can do."""
@@ -339,7 +384,7 @@ class Engine:
             if n_min > n_max:
                 raise ValueError(f"draft_min {n_min} is above draft_max {n_max}")
             n_max = int(n_max)
-        mode = draft_positions or self.positions.draft_positions
+        mode = draft_positions or self.config.draft_positions
         if mode not in ("target", "sequential"):
             raise ValueError(f"draft_positions must be 'target' or 'sequential', got {mode!r}")
         return n_max, int(n_min), mode
@@ -361,28 +406,31 @@ class Engine:
             steps.close()  # no native state is touched: the sampler and bitmaps are its own
             self._gate.leave(ticket)
 
-    def _run(self, prompt, messages, images, max_tokens, drafting, verify, sampling, stop, cache_prompt,
-             progress, template_kwargs) -> Iterator[Piece]:
-        n_max, n_min, mode = drafting
-        if mode != self.positions.draft_positions:  # the draft's cache is laid out by the mode
-            self._reset_sequence()
-            self.positions.draft_positions = mode
-        d = self.drafter
-        self._draft_length = (AdaptiveLength(d.n_max, d.n_max_limit) if n_max == "auto" else FixedLength(n_max))
-        self._draft_min = n_min
-        text, image_list, renderer = self._prompt_text(prompt, messages, images, template_kwargs)
-        bitmaps = [Bitmap.load(im) for im in image_list]
-        try:
-            parts = self._tokenize(text, bitmaps)
-            stats = self.last_stats = GenerationStats(images=len(bitmaps), chat_template=renderer)
-            with Sampler(self.model, **sampling) as sampler:
-                params = SamplingParams(**{k: v for k, v in sampling.items() if k != "seed"})
-                verifier = (RejectionVerifier(params, sampling["seed"], self.model.n_vocab)
-                            if verify == "rejection" and not params.greedy else MatchVerifier(sampler))
-                yield from self._generate(parts, verifier, stats, max_tokens, stop, cache_prompt, progress)
-        finally:
-            for b in bitmaps:
-                b.close()
+    # ------------------------------------------------------------------ one generation
+    def _run(self, request: dict) -> Iterator[Piece]:
+        """One generation on the only sequence, step by step on the caller's thread."""
+        seq = self.sequences[0]
+        with self._generation(seq, request) as gen:
+            try:
+                for _ in gen.prefill(self.ctx.n_batch, self.projector):
+                    pass
+                piece = gen.start()
+                while True:
+                    if piece is not None:
+                        yield piece
+                    if gen.finished:
+                        return
+                    piece = speculative_step(self.ctx, self.drafter, [gen])[0]
+            except GeneratorExit:
+                raise  # the consumer stopped between two steps: the cache is consistent, keep it
+            except BaseException:
+                seq.reset()  # a step stopped halfway: forget the cache, the next call starts clean
+                raise
+
+    def _generation(self, seq: SlotSequence, request: dict) -> "_PreparedGeneration":
+        """A Generation for ``request`` on ``seq`` (tokenized, with its sampler), as a context manager
+        that frees the request's native objects (bitmaps, sampler) when it ends."""
+        return _PreparedGeneration(self, seq, request)
 
     # ------------------------------------------------------------------ prompt
     def _prompt_text(self, prompt, messages, images, template_kwargs=None) -> tuple[str, list, str | None]:
@@ -402,7 +450,8 @@ class Engine:
         return text, image_list, renderer
 
     def _tokenize(self, text: str, bitmaps: list[Bitmap]) -> list:
-        """The prompt as parts: int32 token arrays (text) and Chunk objects (media); checked against n_ctx."""
+        """The prompt as parts: int32 token arrays (text) and Chunk objects (media); checked against
+        a sequence's share of the context."""
         if self.projector is not None:
             chunks = self.projector.tokenize(text, bitmaps)
             parts: list = [c.tokens if c.is_text else c for c in chunks]  # media chunks keep `chunks` alive
@@ -416,114 +465,20 @@ class Engine:
         if not isinstance(parts[-1], np.ndarray):
             raise ValueError("the prompt must end with text after the last image")
         rows = sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
-        if rows + 1 > self.ctx.n_ctx:
-            raise ContextOverflowError(f"the prompt needs {rows} cache rows (+1 to generate) but n_ctx is "
-                                       f"{self.ctx.n_ctx}; raise n_ctx or shorten the prompt / use smaller images")
+        n_ctx = self.ctx.n_ctx_seq
+        if rows + 1 > n_ctx:
+            share = (f"n_ctx is {self.ctx.n_ctx}" if self.config.n_parallel == 1 else
+                     f"each of the {self.config.n_parallel} slots has {n_ctx} of n_ctx {self.ctx.n_ctx}")
+            raise ContextOverflowError(f"the prompt needs {rows} cache rows (+1 to generate) but {share}; "
+                                       "raise n_ctx or shorten the prompt / use smaller images")
         return parts
 
-    # ------------------------------------------------------------------ the algorithm
-    def _generate(self, parts: list, verifier, stats: GenerationStats, max_tokens: int,
-                  stop: list[str], cache_prompt: bool, progress: ProgressCallback | None) -> Iterator[Piece]:
-        t0 = time.perf_counter()
-        try:
-            yield from self._generate_steps(parts, verifier, stats, max_tokens, stop, cache_prompt, progress, t0)
-        except GeneratorExit:
-            raise  # the consumer stopped between two steps: the cache is consistent, keep it
-        except BaseException:
-            self._reset_sequence()  # a step stopped halfway: forget the cache, the next call starts clean
-            raise
-
-    def _generate_steps(self, parts, verifier, stats, max_tokens, stop, cache_prompt, progress, t0):
-        todo = self._reuse_cached_prefix(parts) if cache_prompt else self._start_over(parts)
-        stats.prompt_reused = self.positions.n_rows
-        self._prefill(todo, stats, progress)
-        stats.prompt_tokens, stats.prompt_positions = self.positions.n_rows, self.positions.pos_next
-        if max_tokens == 0:
-            stats.prefill_seconds = time.perf_counter() - t0
-            yield Piece("", (), "length", stats)
-            return
-        with Stopwatch(stats, "target_seconds"):
-            id_last = verifier.first(self.ctx)
-        t1 = time.perf_counter()
-        stats.prefill_seconds = t1 - t0
-        prefill_target, prefill_draft = stats.target_seconds, stats.draft_seconds
-
-        out = _TextAssembler(self.model, stop)
-        generated, new_tokens, drafted = 0, [id_last], 0
-        while True:
-            # Show what the last step produced, then decide whether to go on.
-            emit, finish = self._emittable(new_tokens, generated, max_tokens)
-            generated += len(emit)
-            stats.generated_tokens = generated  # kept current: an interrupted stream's stats stay true
-            stats.decode_seconds = time.perf_counter() - t1
-            texts, hit_stop = out.push_each(emit)
-            if hit_stop:
-                finish = "stop"
-            if finish is None and self.positions.n_rows + 1 > self.ctx.n_ctx:
-                finish = "length"  # no cache row left for the next token
-            # All but the last of a step's tokens are accepted drafts (the first token has no draft).
-            origin = dict(token_texts=texts, from_draft=min(len(emit), len(new_tokens) - 1), drafted=drafted)
-            if finish is not None:
-                break
-            if emit:
-                yield Piece("".join(texts), tuple(emit), **origin)
-            new_tokens, drafted = self._speculative_step(new_tokens[-1], verifier, stats, max_tokens - generated)
-
-        stats.decode_seconds = time.perf_counter() - t1
-        stats.decode_target_seconds = stats.target_seconds - prefill_target
-        stats.decode_draft_seconds = stats.draft_seconds - prefill_draft
-        rest = out.flush()
-        if rest:
-            texts = (*texts[:-1], texts[-1] + rest) if texts else texts
-        yield Piece("".join(texts) + ("" if emit else rest), tuple(emit), finish, stats, **origin)
-
-    def _emittable(self, tokens: list[int], generated: int, max_tokens: int) -> tuple[list[int], str | None]:
-        """The tokens to show from one step, cut at end-of-generation or the token limit."""
-        emit = []
-        for tok in tokens:
-            if self.model.is_eog(tok):
-                return emit, "stop"
-            emit.append(tok)
-            if generated + len(emit) >= max_tokens:
-                return emit, "length"
-        return emit, None
-
-    # ------------------------------------------------------------------ the prompt cache
-    def _start_over(self, parts: list) -> list:
-        self._reset_sequence()
-        return parts
-
-    def _reuse_cached_prefix(self, parts: list) -> list:
-        """Keep the longest prefix of ``parts`` already in both caches; return what is left to decode."""
-        i, j = _common_prefix(self._cached, parts)
-        if i == len(parts) or (i == len(parts) - 1 and j == len(parts[-1])):
-            # All of it is cached: decode the last token again for fresh logits.
-            i, j = len(parts) - 1, len(parts[-1]) - 1
-        if i == 0 and j == 0:
-            return self._start_over(parts)
-        keep = self._cached[:i] + ([self._cached[i][:j]] if j else [])
-        pos = sum(len(c) if isinstance(c, np.ndarray) else c.n_pos for c in keep)
-        try:
-            self.ctx.memory.remove(0, pos, -1)
-            if self.drafter is not None:
-                self.drafter.truncate(pos)
-        except KVMemoryError:
-            return self._start_over(parts)  # e.g. a recurrent target cannot roll back that far
-        self.positions.truncate(pos)
-        self._cached = keep
-        rest = list(parts[i:])
-        if j:
-            rest[0] = rest[0][j:]
-        return rest
-
-    def _remember_text(self, tokens: np.ndarray) -> None:
-        if self._cached and isinstance(self._cached[-1], np.ndarray):
-            self._cached[-1] = np.concatenate([self._cached[-1], tokens])
-        else:
-            self._cached.append(np.asarray(tokens, dtype=np.int32).copy())
-
+    # ------------------------------------------------------------------ the cache
     def reset_cache(self) -> None:
-        """Forget the cached prompt: the next generation decodes everything again."""
+        """Forget the cached prompt(s): the next generation decodes everything again."""
+        if self._scheduler is not None:
+            self._scheduler.reset_all()
+            return
         ticket = self._gate.enter()
         try:
             with self._gate.run_step(ticket):
@@ -532,164 +487,52 @@ class Engine:
             self._gate.leave(ticket)
 
     def _reset_sequence(self) -> None:
-        self._cached = []
-        self.ctx.memory.clear()
-        self.positions.reset()
-        if self.drafter is not None:
-            self.drafter.reset()
+        self.sequences[0].reset()
 
     def _prefill(self, parts: list, stats: GenerationStats, progress: ProgressCallback | None = None) -> None:
-        n_batch = self.ctx.n_batch
-        total = sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
-        done = 0
-        for i, part in enumerate(parts):
-            if isinstance(part, np.ndarray):
-                last_part = i == len(parts) - 1
-                for s in range(0, len(part), n_batch):
-                    tokens = part[s:s + n_batch]
-                    outputs = np.zeros(len(tokens), dtype=np.int8)
-                    if last_part and s + n_batch >= len(part):
-                        outputs[-1] = 1
-                    self._decode_text(tokens, outputs, stats)
-                    self.positions.advance_text(len(tokens))
-                    self._remember_text(tokens)
-                    done += len(tokens)
-                    if progress:
-                        progress("prefill", done, total)
-            else:
-                if progress:
-                    progress("encode", done, total)
-                report = (lambda rows, at=done: progress("prefill", at + rows, total)) if progress else None
-                self._prefill_media(part, stats, report)
-                self._cached.append(_CachedMedia(part.id, part.n_tokens, part.n_pos))
-                done += part.n_tokens
-
-    def _decode_text(self, tokens: np.ndarray, outputs, stats: GenerationStats) -> None:
-        """Decode token rows at pos_next.. into the target, then show them to the drafter.
-
-        The caller advances the positions once it knows how many rows stay.
-        """
-        p = self.positions
-        pos = np.arange(p.pos_next, p.pos_next + len(tokens), dtype=np.int32)
-        with Stopwatch(stats, "target_seconds"):
-            self.ctx.decode_tokens(tokens, pos, outputs=outputs)
-        if self.drafter is not None:
-            with Stopwatch(stats, "draft_seconds"):
-                self.drafter.process(TargetRows(pos[None, :], False, p.draft_pos_next, tokens=tokens))
-
-    def _prefill_media(self, chunk: Chunk, stats: GenerationStats,
-                       report: Callable[[int], None] | None = None) -> None:
-        """Encode a media chunk and decode its rows in n_batch slices; ``report(rows decoded so far)``."""
-        p = self.positions
-        with Stopwatch(stats, "target_seconds"):
-            embd = self.projector.encode(chunk)
-        decoded = [0]  # rows of this chunk decoded so far
-        pinned = is_pinned(chunk.n_tokens, chunk.n_pos)  # for the whole chunk, whatever its slices
-
-        def on_batch(b: EmbeddingBatch) -> None:
-            if self.drafter is not None:
-                # (first_draft_pos matters in "sequential" mode only, where every row takes a draft position)
-                rows = TargetRows(b.positions, True, p.draft_pos_next + decoded[0], pinned=pinned)
-                with Stopwatch(stats, "draft_seconds"):
-                    self.drafter.process(rows)
-            decoded[0] += b.n_rows
-            if report is not None:
-                report(decoded[0])
-
-        draft_before = stats.draft_seconds
-        with Stopwatch(stats, "target_seconds"):
-            new_pos = self.projector.decode_media(self.ctx, chunk, embd, p.pos_next, n_batch=self.ctx.n_batch,
-                                                  on_batch=on_batch)
-        stats.target_seconds -= stats.draft_seconds - draft_before  # the drafter ran inside that call
-        p.advance_media(chunk.n_tokens, chunk.n_pos)
-        assert new_pos == p.pos_next, (new_pos, p)
-
-    def _speculative_step(self, id_last: int, verifier, stats: GenerationStats, budget: int) -> tuple[list[int], int]:
-        """One draft/verify/accept step: (the tokens the target accepted, the last being the new id_last;
-        how many tokens were drafted)."""
-        p = self.positions
-        step_start = time.perf_counter()
-        proposal = Proposal([])
-        room = self.ctx.n_ctx - p.n_rows - 1
-        want, n_min = self._draft_length.next(), self._draft_min
-        n_max = min(want, budget - 1, room, self.ctx.n_batch - 1)
-        if self.drafter is not None and n_max > 0:
-            with Stopwatch(stats, "draft_seconds"):
-                proposal = self.drafter.draft(id_last, n_max, n_min)
-        draft = verifier.proposal_tokens(proposal)  # rejection sampling draws x ~ q here
-        tokens = np.array([id_last, *draft], dtype=np.int32)
-        self._decode_text(tokens, True, stats)  # verify: logits on every row
-        with Stopwatch(stats, "target_seconds"):
-            accepted = verifier.accept(self.ctx, draft, proposal)
-        n_kept = len(accepted)  # id_last + the accepted drafts
-        if n_kept < len(tokens):
-            self.ctx.memory.remove(0, p.pos_next + n_kept, -1)
-        if self.drafter is not None:
-            with Stopwatch(stats, "draft_seconds"):
-                self.drafter.accept(n_kept)
-        p.advance_text(n_kept)
-        self._remember_text(tokens[:n_kept])
-        stats.record_step(len(draft), n_kept - 1)
-        self._draft_length.update(len(draft), n_kept - 1, time.perf_counter() - step_start)
-        stats.target_steps += 1
-        return accepted, len(draft)
+        """Decode ``parts`` into the first sequence after what it holds (tests drive the prefill alone)."""
+        for _ in prefill_parts(self.sequences[0], parts, stats, self.ctx.n_batch, self.projector, progress):
+            pass
 
 
-@dataclasses.dataclass(frozen=True)
-class _CachedMedia:
-    id: str | None
-    n_tokens: int
-    n_pos: int
+class _PreparedGeneration:
+    """``with engine._generation(seq, request) as gen``: render and tokenize the prompt, load its
+    images, make its sampler and verifier; free the bitmaps and the sampler at the end."""
 
+    def __init__(self, engine: Engine, seq: SlotSequence, request: dict) -> None:
+        self.engine, self.seq, self.request = engine, seq, request
+        self._bitmaps: list[Bitmap] = []
+        self._sampler: Sampler | None = None
 
-def _common_prefix(cached: list, parts: list) -> tuple[int, int]:
-    """(i, j): the first i parts match whole, and the first j tokens of part i (text) too."""
-    for i, (c, p) in enumerate(zip(cached, parts)):
-        if isinstance(c, np.ndarray) and isinstance(p, np.ndarray):
-            m = min(len(c), len(p))
-            same = c[:m] == p[:m]
-            j = m if same.all() else int(np.argmin(same))
-            if j == len(c) == len(p):
-                continue
-            return i, j
-        if isinstance(c, _CachedMedia) and not isinstance(p, np.ndarray) and c.id and c.id == p.id \
-                and (c.n_tokens, c.n_pos) == (p.n_tokens, p.n_pos):
-            continue
-        return i, 0
-    return min(len(cached), len(parts)), 0
+    def __enter__(self) -> Generation:
+        e, r = self.engine, self.request
+        n_max, n_min, mode = r["drafting"]
+        try:
+            self.seq.set_draft_positions(mode)  # the draft's cache is laid out by the mode
+            text, image_list, renderer = e._prompt_text(r["prompt"], r["messages"], r["images"],
+                                                        r["template_kwargs"])
+            self._bitmaps = [Bitmap.load(im) for im in image_list]
+            parts = e._tokenize(text, self._bitmaps)
+            stats = GenerationStats(images=len(self._bitmaps), chat_template=renderer)
+            e.last_stats = stats
+            sampling = r["sampling"]
+            self._sampler = Sampler(e.model, **sampling)
+            params = SamplingParams(**{k: v for k, v in sampling.items() if k != "seed"})
+            verifier = (RejectionVerifier(params, sampling["seed"], e.model.n_vocab)
+                        if r["verify"] == "rejection" and not params.greedy else MatchVerifier(self._sampler))
+            d = e.drafter
+            length = AdaptiveLength(d.n_max, d.n_max_limit) if n_max == "auto" else FixedLength(n_max)
+            return Generation(self.seq, e.model, parts, verifier, stats, max_tokens=r["max_tokens"],
+                              stop=r["stop"], draft_length=length, draft_min=n_min,
+                              cache_prompt=r["cache_prompt"], progress=r["progress"])
+        except BaseException:
+            self.__exit__()
+            raise
 
-
-class _TextAssembler:
-    """Token bytes -> text, holding back partial UTF-8 and any tail that may start a stop string."""
-
-    def __init__(self, model: Model, stop: list[str]) -> None:
-        self.model = model
-        self.stop = [s for s in stop if s]
-        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.held = ""
-        self.stopped = False
-
-    def push_each(self, tokens: list[int]) -> tuple[tuple[str, ...], bool]:
-        """``push`` token by token: the text released at each token, and whether a stop string was hit."""
-        texts = [self.push([tok])[0] for tok in tokens]  # after a stop string, each releases ""
-        return tuple(texts), self.stopped
-
-    def push(self, tokens: list[int]) -> tuple[str, bool]:
-        if self.stopped:
-            return "", True
-        text = self.held + "".join(self.decoder.decode(self.model.token_to_bytes(t)) for t in tokens)
-        for s in self.stop:
-            at = text.find(s)
-            if at >= 0:
-                self.stopped = True
-                self.held = ""
-                return text[:at], True
-        keep = max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
-        self.held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep], False
-
-    def flush(self) -> str:
-        if self.stopped:
-            return ""
-        rest, self.held = self.held + self.decoder.decode(b"", final=True), ""
-        return rest
+    def __exit__(self, *exc) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
+            self._sampler = None
+        for b in self._bitmaps:
+            b.close()
+        self._bitmaps = []

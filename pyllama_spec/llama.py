@@ -411,6 +411,15 @@ class Context(NativeHandle):
         return lib.llama_n_ctx(self.ptr)
 
     @property
+    def n_ctx_seq(self) -> int:
+        """Cache rows one sequence may use: n_ctx / n_seq_max (each sequence has its own share)."""
+        return lib.llama_n_ctx_seq(self.ptr)
+
+    @property
+    def n_seq_max(self) -> int:
+        return lib.llama_n_seq_max(self.ptr)
+
+    @property
     def n_batch(self) -> int:
         return lib.llama_n_batch(self.ptr)
 
@@ -446,14 +455,18 @@ class Context(NativeHandle):
     def decode_tokens(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
                       *, outputs: Sequence[bool] | np.ndarray | bool = False, seq_id: int = 0) -> None:
         """Decode token rows at explicit positions (one batch, no row loop in Python)."""
-        if self._token_batch is None:  # made once: this runs on every speculative step
-            from .batch import Batch
-
-            self._token_batch = Batch(self)
-        batch = self._token_batch
+        batch = self.shared_token_batch()
         batch.clear()
         batch.add_tokens(tokens, positions, outputs=outputs, seq_id=seq_id)
         self.decode(batch)
+
+    def shared_token_batch(self) -> "Batch":
+        """The context's reusable batch for token rows (made once: every speculative step fills it)."""
+        if self._token_batch is None:
+            from .batch import Batch
+
+            self._token_batch = Batch(self)
+        return self._token_batch
 
     def logits(self, i: int = -1) -> np.ndarray:
         """Logits of output row i (negative counts from the last output), float32 [n_vocab]."""

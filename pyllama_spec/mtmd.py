@@ -323,6 +323,27 @@ class Projector(NativeHandle):
         n = chunk.n_tokens * self.model.n_embd_inp
         return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).reshape(chunk.n_tokens, -1).copy()
 
+    def media_positions(self, chunk: Chunk, pos0: int) -> np.ndarray:
+        """Decoder positions of a media chunk's rows when it starts at pos0, as mtmd's decode helper
+        sets them: int32 [n_tokens, n_pos] (row-major, as ``Batch.add_embeddings`` takes them).
+
+        M-RoPE image: the sections (t, y, x, z) from mtmd; M-RoPE audio: pos0 + i in all four;
+        otherwise one section, pos0 + i. Decoding slices of the chunk in turn with these rows
+        is what the helper does in one call; doing it slice by slice lets a scheduler run
+        other sequences' steps between two slices.
+        """
+        n = chunk.n_tokens
+        if not self.uses_mrope:
+            return (pos0 + np.arange(n, dtype=np.int32)).reshape(n, 1)
+        if chunk.type == "image":
+            d = chunk.decoder_positions(pos0).astype(np.int32)  # columns t, x, y, z
+            return np.ascontiguousarray(d[:, [0, 2, 1, 3]])
+        return np.repeat((pos0 + np.arange(n, dtype=np.int32))[:, None], 4, axis=1)
+
+    def uses_non_causal(self, chunk: Chunk) -> bool:
+        """Whether the target attends non-causally over this media chunk's rows (e.g. Gemma 3 images)."""
+        return bool(lib.mtmd_decode_use_non_causal(self.ptr, chunk._ptr))
+
     def decode_media(self, ctx: Context, chunk: Chunk, embd: np.ndarray, pos0: int, *, n_batch: int,
                      seq_id: int = 0, on_batch: Callable[[EmbeddingBatch], None] | None = None) -> int:
         """Decode an encoded media chunk into ctx in slices of n_batch rows, from position pos0.

@@ -72,16 +72,17 @@ class MatchVerifier:
     def __init__(self, sampler) -> None:
         self.sampler = sampler
 
-    def first(self, ctx) -> int:
-        return self.sampler.sample(ctx, -1)
+    def first(self, ctx, row: int = -1) -> int:
+        return self.sampler.sample(ctx, row)
 
     def proposal_tokens(self, proposal) -> list[int]:
         return list(proposal.tokens)
 
-    def accept(self, ctx, draft: list[int], proposal) -> list[int]:
+    def accept(self, ctx, draft: list[int], proposal, row: int = 0) -> list[int]:
+        """The verify rows [id_last, draft...] are output rows ``row``.. of ctx's last decode."""
         accepted: list[int] = []
         for i in range(len(draft) + 1):
-            tok = self.sampler.sample(ctx, i)
+            tok = self.sampler.sample(ctx, row + i)
             accepted.append(tok)
             if i >= len(draft) or tok != draft[i]:
                 break
@@ -132,8 +133,8 @@ class RejectionVerifier:
             return self._distributions(logits, params)  # all rows at once
         return [self._dist(logits[i], before[:i], params) for i in range(len(logits))]
 
-    def first(self, ctx) -> int:
-        tok = self._dist(ctx.logits(-1)).sample(self.rng)
+    def first(self, ctx, row: int = -1) -> int:
+        tok = self._dist(ctx.logits(row)).sample(self.rng)
         self.generated.append(tok)
         return tok
 
@@ -152,8 +153,8 @@ class RejectionVerifier:
             tokens.append(q.sample(self.rng))
         return tokens
 
-    def accept(self, ctx, draft: list[int], proposal) -> list[int]:
-        p = self._dists(np.asarray(ctx.output_logits(len(draft) + 1)), draft)
+    def accept(self, ctx, draft: list[int], proposal, row: int = 0) -> list[int]:
+        p = self._dists(np.asarray(ctx.output_logits(row + len(draft) + 1)[row:]), draft)
         out = accept_by_rejection(p, draft, self._q, self.rng, biased=self.biased)
         self.generated.extend(out)
         return out

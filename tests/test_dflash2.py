@@ -134,9 +134,9 @@ def test_dflash2_generation_equals_target_only_and_reads_a_valid_lattice(tiny_df
         assert drafter is not None and drafter.config.is_dflash2 and drafter.config.selector_top_k == K
         read = drafter._read_lattice
 
-        def spy(n: int) -> list[int]:
-            lattice = np.array(drafter.ctx.nextn_rows(n + 1))  # copy: the next decode reuses the buffer
-            out = read(n)
+        def spy(n: int, at: int = 0) -> list[int]:
+            lattice = np.array(drafter.ctx.nextn_rows(at + n + 1)[at:])  # copy: the next decode reuses the buffer
+            out = read(n, at)
             records.append((lattice, out))
             return out
 

@@ -8,7 +8,7 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec.drafters import Drafter, TargetRows, canonical_spec_type
+from pyllama_spec.drafters import DraftRequest, Drafter, TargetRows, canonical_spec_type
 from pyllama_spec.drafters.ngram import NgramDrafter
 
 PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
@@ -87,20 +87,25 @@ def test_ngram_needs_no_draft_model_and_accepts_on_a_copy_heavy_prompt():
 # --------------------------------------------------------------------------- the n-gram rules
 
 
-def _text(tokens, pos0):
+def _text(tokens, pos0, seq_id=0):
     t = np.asarray(tokens, dtype=np.int32)
-    return TargetRows(np.arange(pos0, pos0 + len(t), dtype=np.int32)[None, :], False, pos0, tokens=t)
+    return [TargetRows(np.arange(pos0, pos0 + len(t), dtype=np.int32)[None, :], False, pos0, tokens=t,
+                       seq_id=seq_id)]
 
 
 def _media(pos, n_rows):
-    return TargetRows(np.full((4, n_rows), pos, dtype=np.int32), True, pos, pinned=True)
+    return [TargetRows(np.full((4, n_rows), pos, dtype=np.int32), True, pos, pinned=True)]
+
+
+def _draft(d, id_last, seq_id=0, n_max=4):
+    return d.draft([DraftRequest(seq_id, id_last, 0, 0, n_max)])[0].tokens
 
 
 def test_ngram_proposes_what_followed_the_latest_match():
     d = NgramDrafter(n_max=4)
     d.process(_text([1, 2, 3, 4, 5, 9, 9, 1, 2, 3, 7, 8, 1], 0))
-    assert d.draft(2).tokens == [3, 7, 8, 1]  # the key [1, 2] (history + id_last) last occurred at 7
-    assert d.draft(42).tokens == []  # nothing ends like this
+    assert _draft(d, 2) == [3, 7, 8, 1]  # the key [1, 2] (history + id_last) last occurred at 7
+    assert _draft(d, 42) == []  # nothing ends like this
 
 
 def test_ngram_does_not_match_across_an_image():
@@ -110,21 +115,30 @@ def test_ngram_does_not_match_across_an_image():
     d.process(_media(3, 64))  # a second slice of the same image adds no second separator
     d.process(_text([9, 1], 4))
     # The key [1, 2] last occurred right before the image: what followed it was the image.
-    assert d.draft(2).tokens == []
+    assert _draft(d, 2) == []
     d.process(_text([2, 8, 6, 1], 6))
-    assert d.draft(2).tokens == [8, 6, 1, 2]
+    assert _draft(d, 2) == [8, 6, 1, 2]
 
 
 def test_ngram_rolls_back_rejected_rows_and_truncates_by_position():
     d = NgramDrafter(n_max=4)
     d.process(_text([1, 2, 3, 1, 2], 0))
     d.process(_text([3, 4, 5], 5))  # a verify batch: id_last + two drafts
-    d.accept(1)  # only its first row stays: [1, 2, 3, 1, 2, 3]
-    assert d.draft(1).tokens == [2, 3, 1]
-    d.truncate(3)
-    assert d.draft(1).tokens == []  # the history is [1, 2, 3] + the key [3, 1]: no earlier "3 1"
-    d.reset()
-    assert d.draft(1).tokens == []
+    d.forget(0, 6, 6)  # only its first row stays: [1, 2, 3, 1, 2, 3]
+    assert _draft(d, 1) == [2, 3, 1]
+    d.forget(0, 3, 3)
+    assert _draft(d, 1) == []  # the history is [1, 2, 3] + the key [3, 1]: no earlier "3 1"
+    d.forget(0, 0, 0)
+    assert _draft(d, 1) == []
+
+
+def test_ngram_keeps_one_history_per_sequence():
+    d = NgramDrafter(n_max=4)
+    d.process(_text([1, 2, 3, 4, 1], 0, seq_id=0) + _text([1, 2, 8, 9, 1], 0, seq_id=1))
+    assert _draft(d, 2, seq_id=0) == [3, 4, 1, 2]
+    assert _draft(d, 2, seq_id=1) == [8, 9, 1, 2]
+    d.forget(1, 0, 0)
+    assert _draft(d, 2, seq_id=1) == [] and _draft(d, 2, seq_id=0) == [3, 4, 1, 2]
 
 
 def test_a_draft_model_with_another_vocabulary_is_refused():

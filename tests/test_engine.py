@@ -11,7 +11,7 @@ from conftest import N_THREADS
 
 import pyllama_spec as ps
 from pyllama_spec import tiny
-from pyllama_spec.drafters import TargetRows
+from pyllama_spec.drafters import DraftRequest, TargetRows
 from pyllama_spec.engine import load
 from pyllama_spec.positions import SequencePositions, is_pinned
 
@@ -105,10 +105,11 @@ def test_every_draft_block_starts_at_the_sequence_next_position(mode, tiny_dense
         starts = []
         original = engine.drafter.draft
 
-        def traced_draft(id_last, n_max=None, n_min=None):
+        def traced_draft(requests):
             p = engine.positions
+            assert [(r.pos, r.draft_pos) for r in requests] == [(p.pos_next, p.draft_pos_next)]
             starts.append((p.pos_next, p.draft_pos_next, p.n_rows))
-            return original(id_last, n_max, n_min)
+            return original(requests)
 
         engine.drafter.draft = traced_draft
         result = engine.generate(PROMPT, images=[big_image], max_tokens=20)
@@ -134,10 +135,12 @@ def _block_logits_after_prefill(models, image, *, at_row_count=False):
         engine._prefill(parts, ps_stats())
         id_last = int(parts[-1][-1])
         d._block_at_row_count = at_row_count
-        d.draft(id_last, 7)
+        p = engine.positions
+        request = DraftRequest(0, id_last, p.pos_next, p.draft_pos_next, 7, n_rows=p.n_rows)
+        d.draft([request])
         after_prefill = d.ctx.output_logits(8).copy()
-        d.reset()
-        d.draft(id_last, 7)
+        d.forget(0, 0, 0)
+        d.draft([request])
         empty_cache = d.ctx.output_logits(8).copy()
     return after_prefill, empty_cache
 
@@ -211,11 +214,11 @@ def test_media_rows_whose_positions_advance_are_injected(tiny_dense):
         n = 8
         engine.ctx.decode_tokens(np.arange(97, 97 + n), np.arange(n))  # gives the target's layer inputs
         positions = np.tile(np.arange(n, dtype=np.int32), (4, 1))  # audio-like: every section advances
-        d.process(TargetRows(positions, True, 0, pinned=is_pinned(n, n)))
+        d.process([TargetRows(positions, True, 0, pinned=is_pinned(n, n))])
         assert d.trace == [("inject", 0, n)]
         assert d.ctx.memory.pos_max() == n - 1
         pinned = np.full((4, n), n, dtype=np.int32)
-        d.process(TargetRows(pinned, True, n, pinned=is_pinned(n, 1)))
+        d.process([TargetRows(pinned, True, n, pinned=is_pinned(n, 1))])
         assert d.trace[-1] == ("skip", n, n)
 
 

@@ -129,10 +129,12 @@ def test_qwen3vl_layer_inputs_read_after_the_image_are_the_true_inputs(tiny_qwen
         captured: list[tuple[bool, int, dict]] = []
         process = engine.drafter.process
 
-        def capture(rows):  # right after the target decoded these rows, before the drafter reads them
-            captured.append((rows.has_embeddings, int(rows.section0[0]),
-                             {lid: engine.ctx.layer_input(lid, rows.n_rows).copy() for lid in layers}))
-            process(rows)
+        def capture(batch):  # right after the target decoded these rows, before the drafter reads them
+            for rows in batch:
+                n, at = rows.n_rows, rows.row_offset
+                captured.append((rows.has_embeddings, int(rows.section0[0]),
+                                 {lid: engine.ctx.layer_input(lid, at + n)[at:].copy() for lid in layers}))
+            process(batch)
 
         engine.drafter.process = capture
         engine.generate(LONG_PROMPT, images=[big_image], max_tokens=1)  # prefill (and one sampled token) only

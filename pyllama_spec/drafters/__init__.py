@@ -1,29 +1,32 @@
 """Speculative drafters behind one protocol; one module per method.
 
-The engine is typed against ``Drafter`` and talks to every method through these calls:
+The engine is typed against ``Drafter`` and talks to every method through these calls.
+A drafter serves ``n_seq`` sequences (one per slot; see sequence.py), named by ``seq_id``:
 
-* ``process(rows)``: the target just decoded these rows (prompt text, media slices,
-  verify batches); DFlash injects the target's features here, n-gram records tokens;
-* ``draft(id_last, n_max, n_min)``: a ``Proposal`` of up to n_max tokens following
-  ``id_last``, which sits at the sequence's ``pos_next`` (none when fewer than n_min are
-  found), with the draft's logits when the method has a distribution (rejection sampling
-  verifies against it);
-* ``accept(n_kept)``: the target kept the first n_kept rows of the last verify batch;
-* ``truncate(target_pos)``: forget everything from that target position on (the prompt
-  cache kept a shorter prefix); ``reset()``: forget everything;
+* ``process(rows)``: the target just decoded these rows, one ``TargetRows`` per sequence
+  in that decode (prompt text, media slices, the verify rows of every slot); DFlash
+  injects the target's features here, n-gram records tokens;
+* ``draft(requests)``: one ``Proposal`` per ``DraftRequest``, made together (one draft
+  decode for all slots where the method allows): up to n_max tokens following
+  ``id_last``, which sits at the request's position (none when fewer than n_min are
+  found), with the draft's logits when the method has a distribution (rejection
+  sampling verifies against it);
+* ``forget(seq_id, pos, draft_pos)``: forget everything the sequence holds from that
+  point on: target position ``pos``, draft position ``draft_pos`` (each method uses the
+  one its cache is laid out by). This is how rejected drafts, a shorter cached prompt
+  and a reset (0, 0) all reach the drafter, always told *where the sequence now ends*;
 * ``close()``: free what the drafter holds.
 
-``n_max`` is a drafter's default draft length and ``n_max_limit`` the most a call may
+``n_max`` is a drafter's default draft length and ``n_max_limit`` the most a request may
 ask for. ``spec_type="none"`` has no drafter at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +39,9 @@ class TargetRows:
     ``pinned``: the rows belong to a media chunk whose positions do not advance row by row
     (``positions.is_pinned``, decided once for the whole chunk).
     ``tokens``: the token ids of text rows (None for media rows).
+    ``seq_id``: the sequence they belong to; ``row_offset``: where they start among the rows
+    of the target's last decode (several sequences' rows share one verify decode).
+    ``draft_positions``: the sequence's position mode ("target" or "sequential").
     """
 
     positions: np.ndarray
@@ -43,6 +49,9 @@ class TargetRows:
     first_draft_pos: int
     pinned: bool = False
     tokens: np.ndarray | None = None
+    seq_id: int = 0
+    row_offset: int = 0
+    draft_positions: str = "target"
 
     @property
     def n_rows(self) -> int:
@@ -66,6 +75,21 @@ class Proposal:
         return len(self.tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class DraftRequest:
+    """One sequence's request for a draft: ``id_last`` sits at target position ``pos`` (the
+    sequence's ``pos_next``) and draft position ``draft_pos``; ``n_rows``: the cache rows the
+    sequence holds (read only by DFlash's row-count test hook, which shows the old bug)."""
+
+    seq_id: int
+    id_last: int
+    pos: int
+    draft_pos: int
+    n_max: int
+    n_min: int = 0
+    n_rows: int = 0
+
+
 @runtime_checkable
 class Drafter(Protocol):
     name: str
@@ -73,15 +97,11 @@ class Drafter(Protocol):
     n_min: int
     n_max_limit: int
 
-    def process(self, rows: TargetRows) -> None: ...
+    def process(self, rows: Sequence[TargetRows]) -> None: ...
 
-    def draft(self, id_last: int, n_max: int | None = None, n_min: int | None = None) -> Proposal: ...
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]: ...
 
-    def accept(self, n_kept: int) -> None: ...
-
-    def truncate(self, target_pos: int) -> None: ...
-
-    def reset(self) -> None: ...
+    def forget(self, seq_id: int, pos: int, draft_pos: int) -> None: ...
 
     def close(self) -> None: ...
 

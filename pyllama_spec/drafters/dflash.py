@@ -17,14 +17,14 @@ Two rules keep this working after images:
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import numpy as np
 
 from ..batch import Batch
 from ..errors import IncompatibleModelsError
 from ..llama import Context, Model
-from ..positions import SequencePositions
-from . import Proposal, TargetRows
+from . import DraftRequest, Proposal, TargetRows
 
 DEFAULT_BLOCK_SIZE = 16
 DRAFT_TOP_K = 10  # upstream reads the draft's choice through a top-k 10 sampler
@@ -98,26 +98,26 @@ def check_dflash_pair(target: Model, draft: Model, dflash_target_archs: list[str
 
 
 class DFlashDrafter:
-    """The DFlash method behind the drafter protocol (see drafters/__init__.py)."""
+    """The DFlash method behind the drafter protocol (see drafters/__init__.py), for ``n_seq`` sequences."""
 
     name = "dflash"
 
-    def __init__(self, target_ctx: Context, draft_model: Model, config: DFlashConfig,
-                 positions: SequencePositions, *, n_max: int, n_min: int = 0, p_min: float = 0.0,
-                 n_ubatch: int = 512, n_threads: int | None = None, flash_attn: bool | None = False,
-                 swa_full: bool = False, type_k: str = "f16", type_v: str = "f16") -> None:
+    def __init__(self, target_ctx: Context, draft_model: Model, config: DFlashConfig, *, n_max: int,
+                 n_min: int = 0, p_min: float = 0.0, n_seq: int = 1, n_ubatch: int = 512,
+                 n_threads: int | None = None, flash_attn: bool | None = False, swa_full: bool = False,
+                 type_k: str = "f16", type_v: str = "f16") -> None:
         self.config = config
-        self.positions = positions
         self.target_ctx = target_ctx
         self.n_embd_target = target_ctx.model.n_embd
         # A block is [id_last, mask x n]; the trained block size bounds n. n_max is the
-        # default draft length; a call may ask for up to n_max_limit.
+        # default draft length; a request may ask for up to n_max_limit.
         self.n_max_limit = config.block_size - 1
         self.n_max = max(1, min(n_max, self.n_max_limit))
         self.n_min = min(n_min, self.n_max)
         self.p_min = p_min
-        ubatch = max(n_ubatch, config.block_size)  # non-causal blocks must fit in one ubatch
-        self.ctx = Context(draft_model, n_ctx=target_ctx.n_ctx, n_batch=ubatch, n_ubatch=ubatch,
+        # Non-causal blocks must fit in one ubatch: all slots' blocks go in one draft decode.
+        ubatch = max(n_ubatch, config.block_size * n_seq)
+        self.ctx = Context(draft_model, n_ctx=target_ctx.n_ctx, n_batch=ubatch, n_ubatch=ubatch, n_seq_max=n_seq,
                            n_threads=n_threads, flash_attn=flash_attn, swa_full=swa_full, type_k=type_k, type_v=type_v,
                            ctx_other=target_ctx, role="draft")
         self.ctx.enable_nextn(True, masked=not config.is_dflash2)
@@ -133,60 +133,72 @@ class DFlashDrafter:
         self.trace: list[tuple] | None = None  # set to [] to record (call, first position, rows)
 
     # --- protocol
-    def reset(self) -> None:
-        self.ctx.memory.clear()
+    def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
+        self.ctx.memory.remove(seq_id, draft_pos, -1)
 
-    def truncate(self, target_pos: int) -> None:
-        self.ctx.memory.remove(0, self.positions.draft_pos(target_pos), -1)
-
-    def process(self, rows: TargetRows) -> None:
-        """Inject the target's features for rows it just decoded (skipping pinned media)."""
-        mode_target = self.positions.draft_positions == "target"
-        if self._skip_pinned_media and mode_target and rows.pinned:
-            self._log("skip", int(rows.section0[0]), rows.n_rows)
+    def process(self, rows: Sequence[TargetRows]) -> None:
+        """Inject the target's features for rows it just decoded (skipping pinned media), all sequences at once."""
+        feats, positions, seqs = [], [], []
+        for r in rows:
+            mode_target = r.draft_positions == "target"
+            if self._skip_pinned_media and mode_target and r.pinned:
+                self._log("skip", int(r.section0[0]), r.n_rows)
+                continue
+            n, at = r.n_rows, r.row_offset
+            feats.append(np.concatenate([self.target_ctx.layer_input(lid, at + n)[at:]
+                                         for lid in self.config.target_layers], axis=1))
+            pos0 = r.section0 if mode_target else r.first_draft_pos + np.arange(n, dtype=np.int32)
+            positions.append(self._draft_positions(pos0))
+            seqs.append(np.full(n, r.seq_id, dtype=np.int32))
+        if not feats:
             return
-        n = rows.n_rows
-        features = np.concatenate([self.target_ctx.layer_input(lid, n) for lid in self.config.target_layers],
-                                  axis=1)
-        pos0 = rows.section0 if mode_target else rows.first_draft_pos + np.arange(n, dtype=np.int32)
-        positions = self._draft_positions(pos0)
+        features, positions, seqs = np.concatenate(feats), np.concatenate(positions), np.concatenate(seqs)
         step = self.ctx.n_ubatch
-        for s in range(0, n, step):
+        for s in range(0, len(features), step):
             self._batch.clear()
-            self._batch.add_embeddings(features[s:s + step], positions[s:s + step])
-            self._log("inject", int(positions[s, 0]), min(step, n - s))
+            for seq in np.unique(seqs[s:s + step]):  # rows of one sequence are contiguous
+                mine = np.flatnonzero(seqs[s:s + step] == seq) + s
+                self._batch.add_embeddings(features[mine], positions[mine], seq_id=int(seq))
+                self._log("inject", int(positions[mine[0], 0]), len(mine))
             self.ctx.decode(self._batch)
 
-    def draft(self, id_last: int, n_max: int | None = None, n_min: int | None = None) -> Proposal:
-        """Up to n_max tokens that should follow id_last (which sits at the sequence's next position).
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
+        """Up to n_max tokens after each request's id_last, every block in one draft decode.
 
-        Fewer than n_min tokens are not worth a verify: then nothing is proposed.
+        Fewer than a request's n_min tokens are not worth a verify: then it gets nothing.
         """
-        n = min(self.n_max if n_max is None else n_max, self.n_max_limit)
-        n_min = self.n_min if n_min is None else n_min
-        pos0 = self.positions.n_rows if self._block_at_row_count else self.positions.draft_pos_next
-        tokens = np.full(n + 1, self.config.mask_token, dtype=np.int32)
-        tokens[0] = id_last
         self._batch.clear()
-        self._batch.add_tokens(tokens, np.arange(pos0, pos0 + n + 1, dtype=np.int32),
-                               outputs=not self.config.is_dflash2)
-        self._log("draft", pos0, n + 1)
+        blocks = []  # (first output row, n, block position)
+        row = 0
+        for rq in requests:
+            n = min(rq.n_max, self.n_max_limit)
+            pos0 = rq.n_rows if self._block_at_row_count else rq.draft_pos
+            tokens = np.full(n + 1, self.config.mask_token, dtype=np.int32)
+            tokens[0] = rq.id_last
+            self._batch.add_tokens(tokens, np.arange(pos0, pos0 + n + 1, dtype=np.int32),
+                                   outputs=not self.config.is_dflash2, seq_id=rq.seq_id)
+            self._log("draft", pos0, n + 1)
+            blocks.append((row, n, pos0))
+            row += n + 1
+        if not blocks:
+            return []
         self.ctx.decode(self._batch)
-        if self.config.is_dflash2:
-            tokens, logits = self._read_lattice(n), None  # the lattice walk has no per-token distribution
-        else:
-            # A view, not a copy (n x n_vocab floats every step): the verifier reads it before the
-            # draft context decodes again (see Proposal).
-            logits = self.ctx.output_logits(n + 1)[1:]  # row 0 is id_last
-            tokens = self._read_block(logits)
-            logits = logits[:len(tokens)]
-        # The block's own rows are noise: drop them before the target verifies.
-        self.ctx.memory.remove(0, self.positions.draft_pos_next, -1)
-        return Proposal(tokens, logits) if len(tokens) >= n_min else Proposal([])
-
-    def accept(self, n_kept: int) -> None:
-        """The target kept n_kept rows of the last verify batch; forget the draft's rows after them."""
-        self.ctx.memory.remove(0, self.positions.draft_pos_next + n_kept, -1)
+        proposals = []
+        all_logits = None if self.config.is_dflash2 else self.ctx.output_logits(row)
+        for rq, (at, n, pos0) in zip(requests, blocks):
+            if self.config.is_dflash2:
+                tokens, logits = self._read_lattice(n, at), None  # the lattice walk has no per-token distribution
+            else:
+                # A view, not a copy (n x n_vocab floats every step): the verifier reads it before the
+                # draft context decodes again (see Proposal).
+                logits = all_logits[at + 1:at + n + 1]  # row `at` is id_last
+                tokens = self._read_block(logits)
+                logits = logits[:len(tokens)]
+            proposals.append(Proposal(tokens, logits) if len(tokens) >= rq.n_min else Proposal([]))
+        for rq in requests:
+            # The blocks' own rows are noise: drop them before the target verifies.
+            self.ctx.memory.remove(rq.seq_id, rq.draft_pos, -1)
+        return proposals
 
     def close(self) -> None:
         self._batch.close()
@@ -208,10 +220,11 @@ class DFlashDrafter:
             out.append(tok)
         return out
 
-    def _read_lattice(self, n: int) -> list[int]:
-        """DFlash2: walk the selector lattice in the nextn rows (candidates, then k x k transition scores)."""
+    def _read_lattice(self, n: int, at: int = 0) -> list[int]:
+        """DFlash2: walk the selector lattice in the nextn rows (candidates, then k x k transition scores)
+        of the block whose row 0 (id_last) is batch row ``at``."""
         k = self.config.selector_top_k
-        lattice = self.ctx.nextn_rows(n + 1)
+        lattice = self.ctx.nextn_rows(at + n + 1)[at:]
         out: list[int] = []
         predecessor = 0
         for i in range(1, n + 1):

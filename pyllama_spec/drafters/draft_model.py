@@ -11,12 +11,14 @@ target verifies, and the verify batch is decoded into the draft like any other t
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from ..errors import IncompatibleModelsError
+from ..batch import Batch
 from ..llama import Context, Model
-from ..positions import SequencePositions
-from . import Proposal, TargetRows
+from . import DraftRequest, Proposal, TargetRows
 
 
 def check_draft_model(target: Model, draft: Model) -> None:
@@ -37,56 +39,69 @@ def check_draft_model(target: Model, draft: Model) -> None:
 
 
 class DraftModelDrafter:
-    """The ``draft-simple`` method behind the drafter protocol (see drafters/__init__.py)."""
+    """The ``draft-simple`` method behind the drafter protocol (see drafters/__init__.py), for ``n_seq``
+    sequences in one draft context (laid out by the target's positions)."""
 
     name = "draft-simple"
 
-    def __init__(self, draft_model: Model, positions: SequencePositions, *, n_ctx: int, n_max: int,
-                 n_min: int = 0, n_max_limit: int = 32, n_batch: int = 512, n_threads: int | None = None,
+    def __init__(self, draft_model: Model, *, n_ctx: int, n_max: int, n_min: int = 0, n_max_limit: int = 32,
+                 n_seq: int = 1, n_batch: int = 512, n_threads: int | None = None,
                  flash_attn: bool | None = False, type_k: str = "f16", type_v: str = "f16") -> None:
-        self.positions = positions  # the draft shares the target's positions
         self.n_max_limit = n_max_limit
         self.n_max = max(1, min(n_max, n_max_limit))
         self.n_min = min(n_min, self.n_max)
-        self.ctx = Context(draft_model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=n_threads,
-                           flash_attn=flash_attn, type_k=type_k, type_v=type_v, role="draft")
+        self.ctx = Context(draft_model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=n_seq,
+                           n_threads=n_threads, flash_attn=flash_attn, type_k=type_k, type_v=type_v, role="draft")
+        self._batch = Batch(self.ctx)
 
     # --- protocol
-    def process(self, rows: TargetRows) -> None:
-        if rows.tokens is None:
-            return  # media: the target's positions move on, the draft reads text only
-        pos = rows.section0
+    def process(self, rows: Sequence[TargetRows]) -> None:
+        """Decode the text rows of every sequence into the draft (media rows: the positions move on)."""
+        text = [r for r in rows if r.tokens is not None]
         step = self.ctx.n_batch
-        for s in range(0, len(pos), step):
-            self.ctx.decode_tokens(rows.tokens[s:s + step], pos[s:s + step], outputs=False)
+        pending = 0
+        self._batch.clear()
+        for r in text:
+            for s in range(0, r.n_rows, step):
+                n = min(step, r.n_rows - s)
+                if pending + n > step:
+                    self.ctx.decode(self._batch)
+                    self._batch.clear()
+                    pending = 0
+                self._batch.add_tokens(r.tokens[s:s + n], r.section0[s:s + n], seq_id=r.seq_id)
+                pending += n
+        if pending:
+            self.ctx.decode(self._batch)
 
-    def draft(self, id_last: int, n_max: int | None = None, n_min: int | None = None) -> Proposal:
-        """Greedy tokens after id_last, which sits at the target's pos_next (the draft's next row)."""
-        n = min(self.n_max if n_max is None else n_max, self.n_max_limit)
-        n_min = self.n_min if n_min is None else n_min
-        pos0 = self.positions.pos_next
-        tokens, logits = [], []
-        tok = id_last
-        for i in range(n):
-            self.ctx.decode_tokens([tok], [pos0 + i], outputs=True)
-            row = self.ctx.logits(-1)  # a copy
-            tok = int(np.argmax(row))
-            tokens.append(tok)
-            logits.append(row)
-        self.ctx.memory.remove(0, pos0, -1)  # the draft's own rows; the verify batch comes back through process()
-        if len(tokens) < max(n_min, 1):
-            return Proposal([])
-        return Proposal(tokens, np.stack(logits))
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
+        """Greedy tokens after each id_last (at the target's pos_next, the draft's next row), one token
+        per request in each draft decode."""
+        n_of = [min(rq.n_max, self.n_max_limit) for rq in requests]
+        tokens: list[list[int]] = [[] for _ in requests]
+        logits: list[list[np.ndarray]] = [[] for _ in requests]
+        last = [rq.id_last for rq in requests]
+        for i in range(max(n_of, default=0)):
+            active = [k for k, n in enumerate(n_of) if i < n]
+            self._batch.clear()
+            for k in active:
+                self._batch.add_tokens([last[k]], [requests[k].pos + i], outputs=True, seq_id=requests[k].seq_id)
+            self.ctx.decode(self._batch)
+            rows = self.ctx.output_logits(len(active))
+            for j, k in enumerate(active):
+                row = np.array(rows[j])  # a copy: the next decode reuses the buffer
+                last[k] = int(np.argmax(row))
+                tokens[k].append(last[k])
+                logits[k].append(row)
+        out = []
+        for rq, toks, rows in zip(requests, tokens, logits):
+            # The draft's own rows go; the verify batch comes back through process().
+            self.ctx.memory.remove(rq.seq_id, rq.pos, -1)
+            out.append(Proposal(toks, np.stack(rows)) if len(toks) >= max(rq.n_min, 1) else Proposal([]))
+        return out
 
-    def accept(self, n_kept: int) -> None:
-        """The target kept n_kept rows of the verify batch at pos_next: forget the rest."""
-        self.ctx.memory.remove(0, self.positions.pos_next + n_kept, -1)
-
-    def truncate(self, target_pos: int) -> None:
-        self.ctx.memory.remove(0, target_pos, -1)
-
-    def reset(self) -> None:
-        self.ctx.memory.clear()
+    def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
+        self.ctx.memory.remove(seq_id, pos, -1)
 
     def close(self) -> None:
+        self._batch.close()
         self.ctx.close()

@@ -8,17 +8,21 @@ one separator that no n-gram matches across. Lookup is vectorised over the histo
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
-from . import Proposal, TargetRows
+from . import DraftRequest, Proposal, TargetRows
 
 _SEPARATOR = -1  # stands for a media chunk in the history
+_EMPTY = np.zeros(0, dtype=np.int32)
 
 
 class NgramDrafter:
     """The ``ngram-simple`` method behind the drafter protocol (see drafters/__init__.py).
 
     ``ngram_max`` .. ``ngram_min``: the longest key tried first, down to the shortest.
+    Each sequence has a history of its own.
     """
 
     name = "ngram-simple"
@@ -31,49 +35,42 @@ class NgramDrafter:
         self.n_max = max(1, min(n_max, n_max_limit))
         self.n_min = min(n_min, self.n_max)
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
-        self._tokens = np.zeros(0, dtype=np.int32)
-        self._pos = np.zeros(0, dtype=np.int32)  # the target position of each history entry
-        self._last_rows = 0  # history entries added by the last process() call
+        # seq_id -> (tokens, the target position of each history entry)
+        self._history: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def _get(self, seq_id: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._history.get(seq_id, (_EMPTY, _EMPTY))
 
     # --- protocol
-    def process(self, rows: TargetRows) -> None:
-        if rows.tokens is None:  # media: one separator for the chunk, at its first position
-            if len(self._tokens) and self._tokens[-1] == _SEPARATOR and self._pos[-1] == rows.section0[0]:
-                self._last_rows = 0  # a later slice of the same chunk
-                return
-            add_tok = np.array([_SEPARATOR], dtype=np.int32)
-            add_pos = rows.section0[:1].astype(np.int32)
-        else:
-            add_tok = np.asarray(rows.tokens, dtype=np.int32)
-            add_pos = rows.section0.astype(np.int32)
-        self._tokens = np.concatenate([self._tokens, add_tok])
-        self._pos = np.concatenate([self._pos, add_pos])
-        self._last_rows = len(add_tok)
+    def process(self, rows: Sequence[TargetRows]) -> None:
+        for r in rows:
+            tokens, pos = self._get(r.seq_id)
+            if r.tokens is None:  # media: one separator for the chunk, at its first position
+                if len(tokens) and tokens[-1] == _SEPARATOR and pos[-1] == r.section0[0]:
+                    continue  # a later slice of the same chunk
+                add_tok = np.array([_SEPARATOR], dtype=np.int32)
+                add_pos = r.section0[:1].astype(np.int32)
+            else:
+                add_tok = np.asarray(r.tokens, dtype=np.int32)
+                add_pos = r.section0.astype(np.int32)
+            self._history[r.seq_id] = (np.concatenate([tokens, add_tok]), np.concatenate([pos, add_pos]))
 
-    def draft(self, id_last: int, n_max: int | None = None, n_min: int | None = None) -> Proposal:
-        n = min(self.n_max if n_max is None else n_max, self.n_max_limit)
-        n_min = self.n_min if n_min is None else n_min
-        ctx = np.append(self._tokens, np.int32(id_last))
-        out = self._lookup(ctx, n)
-        return Proposal(out if len(out) >= max(n_min, 1) else [])
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
+        out = []
+        for rq in requests:
+            n = min(rq.n_max, self.n_max_limit)
+            ctx = np.append(self._get(rq.seq_id)[0], np.int32(rq.id_last))
+            found = self._lookup(ctx, n)
+            out.append(Proposal(found if len(found) >= max(rq.n_min, 1) else []))
+        return out
 
-    def accept(self, n_kept: int) -> None:
-        drop = self._last_rows - n_kept
-        if drop > 0:
-            self._tokens, self._pos = self._tokens[:-drop], self._pos[:-drop]
-        self._last_rows = 0
-
-    def truncate(self, target_pos: int) -> None:
-        keep = int(np.searchsorted(self._pos, target_pos, side="left"))
-        self._tokens, self._pos = self._tokens[:keep], self._pos[:keep]
-
-    def reset(self) -> None:
-        self._tokens = np.zeros(0, dtype=np.int32)
-        self._pos = np.zeros(0, dtype=np.int32)
-        self._last_rows = 0
+    def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
+        tokens, at = self._get(seq_id)
+        keep = int(np.searchsorted(at, pos, side="left"))
+        self._history[seq_id] = (tokens[:keep], at[:keep])
 
     def close(self) -> None:
-        self.reset()
+        self._history.clear()
 
     # --- lookup
     def _lookup(self, ctx: np.ndarray, n_draft: int) -> list[int]:

@@ -1,0 +1,275 @@
+"""One request in progress, and the speculative step that advances many of them at once.
+
+A ``Generation`` runs on one ``Sequence``: it prefills the prompt slice by slice
+(``prefill``), samples the first token (``start``), and then takes part in steps. A step
+(``speculative_step``) is the algorithm, for one sequence or for every active slot:
+
+1. the drafter proposes a block for every generation that drafts (one draft call);
+2. the target decodes every generation's ``[id_last, d1..dk]`` in one batch, each at its
+   own sequence's ``pos_next``;
+3. the drafter sees those rows (DFlash injects their features);
+4. each verifier accepts the longest prefix its sampler agrees with, plus the target's
+   own next token, and the sequence commits what was kept (sequence.py).
+
+``Engine`` drives one generation on the caller's thread; ``Scheduler`` drives many.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import time
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .drafters import Drafter, DraftRequest, Proposal
+from .sequence import Sequence
+from .stats import GenerationStats, Stopwatch
+
+ProgressCallback = Callable[[str, int, int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A piece of streamed output: the text and tokens accepted in one step.
+
+    The last piece of a stream has ``finish_reason`` and ``stats`` set.
+    """
+
+    text: str
+    tokens: tuple[int, ...]
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+    #: The text released at each of ``tokens`` (joined, they are ``text``). A token's text can show
+    #: at a later token: a partial UTF-8 character or a possible stop string is held back until then.
+    token_texts: tuple[str, ...] = ()
+    #: The first ``from_draft`` of ``tokens`` are draft tokens the target accepted; the rest are the
+    #: target's own (a step always ends with one).
+    from_draft: int = 0
+    #: Tokens the drafter proposed in the step that produced this piece (0 for the first token).
+    drafted: int = 0
+
+
+class Generation:
+    """One request on one sequence: its prompt parts, sampling, stop rules and stats."""
+
+    def __init__(self, seq: Sequence, model, parts: list, verifier, stats: GenerationStats, *,
+                 max_tokens: int, stop: list[str], draft_length, draft_min: int, cache_prompt: bool = True,
+                 progress: ProgressCallback | None = None) -> None:
+        self.seq = seq
+        self.model = model
+        self.parts = parts
+        self.verifier = verifier
+        self.stats = stats
+        self.max_tokens = max_tokens
+        self.draft_length = draft_length
+        self.draft_min = draft_min
+        self.cache_prompt = cache_prompt
+        self.progress = progress
+        self.out = _TextAssembler(model, stop)
+        self.generated = 0
+        self.id_last: int | None = None
+        self.finished = False
+        self._t0 = time.perf_counter()
+        self._t1 = self._t0  # when decoding started
+        self._prefill_split = (0.0, 0.0)  # target / draft seconds spent in prefill
+
+    # ------------------------------------------------------------------ prefill
+    def prefill(self, n_batch: int, projector=None) -> Iterator[None]:
+        """Decode what the cache does not hold yet, yielding after every decoded slice."""
+        seq, stats = self.seq, self.stats
+        if self.cache_prompt:
+            todo = seq.keep_prefix(self.parts)
+        else:
+            seq.reset()
+            todo = list(self.parts)
+        stats.prompt_reused = seq.positions.n_rows
+        yield from prefill_parts(seq, todo, stats, n_batch, projector, self.progress)
+        stats.prompt_tokens, stats.prompt_positions = seq.positions.n_rows, seq.positions.pos_next
+
+    # ------------------------------------------------------------------ decoding
+    def start(self) -> Piece | None:
+        """After the prefill: sample the first token. Returns its piece (the last one if it ends there)."""
+        stats = self.stats
+        if self.max_tokens == 0:
+            stats.prefill_seconds = time.perf_counter() - self._t0
+            self.finished = True
+            return Piece("", (), "length", stats)
+        with Stopwatch(stats, "target_seconds"):
+            id_last = self.verifier.first(self.seq.ctx)
+        self._t1 = time.perf_counter()
+        stats.prefill_seconds = self._t1 - self._t0
+        self._prefill_split = (stats.target_seconds, stats.draft_seconds)
+        return self._after_step([id_last], 0)
+
+    def draft_request(self, n_batch_share: int) -> DraftRequest | None:
+        """What this generation asks the drafter for in the next step (None: no draft)."""
+        p = self.seq.positions
+        room = self.seq.n_ctx - p.n_rows - 1
+        budget = self.max_tokens - self.generated
+        n_max = min(self.draft_length.next(), budget - 1, room, n_batch_share - 1)
+        if n_max <= 0 or self.seq.drafter is None:
+            return None
+        return DraftRequest(self.seq.seq_id, self.id_last, p.pos_next, p.draft_pos_next, n_max,
+                            self.draft_min, p.n_rows)
+
+    def _after_step(self, new_tokens: list[int], drafted: int) -> Piece | None:
+        """Show what a step produced and decide whether to go on; the piece to stream, if any."""
+        stats = self.stats
+        emit, finish = self._emittable(new_tokens)
+        self.generated += len(emit)
+        stats.generated_tokens = self.generated  # kept current: an interrupted stream's stats stay true
+        stats.decode_seconds = time.perf_counter() - self._t1
+        texts, hit_stop = self.out.push_each(emit)
+        if hit_stop:
+            finish = "stop"
+        if finish is None and self.seq.positions.n_rows + 1 > self.seq.n_ctx:
+            finish = "length"  # no cache row left for the next token
+        # All but the last of a step's tokens are accepted drafts (the first token has no draft).
+        origin = dict(token_texts=texts, from_draft=min(len(emit), len(new_tokens) - 1), drafted=drafted)
+        self.id_last = new_tokens[-1]
+        if finish is None:
+            return Piece("".join(texts), tuple(emit), **origin) if emit else None
+        self.finished = True
+        stats.decode_target_seconds = stats.target_seconds - self._prefill_split[0]
+        stats.decode_draft_seconds = stats.draft_seconds - self._prefill_split[1]
+        rest = self.out.flush()
+        if rest and texts:
+            origin["token_texts"] = (*texts[:-1], texts[-1] + rest)
+        return Piece("".join(texts) + ("" if emit else rest), tuple(emit), finish, stats, **origin)
+
+    def _emittable(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        """The tokens to show from one step, cut at end-of-generation or the token limit."""
+        emit = []
+        for tok in tokens:
+            if self.model.is_eog(tok):
+                return emit, "stop"
+            emit.append(tok)
+            if self.generated + len(emit) >= self.max_tokens:
+                return emit, "length"
+        return emit, None
+
+
+def prefill_parts(seq: Sequence, parts: list, stats: GenerationStats, n_batch: int, projector=None,
+                  progress: ProgressCallback | None = None) -> Iterator[None]:
+    """Decode prompt parts after what ``seq`` holds, in slices of n_batch rows, yielding after each:
+    text at consecutive positions from pos_next (logits for the last row only), media encoded and
+    then decoded with its own positions. ``progress("encode" | "prefill", rows done, rows total)``."""
+    total = sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
+    done = 0
+    for i, part in enumerate(parts):
+        if isinstance(part, np.ndarray):
+            last_part = i == len(parts) - 1
+            for s in range(0, len(part), n_batch):
+                tokens = part[s:s + n_batch]
+                outputs = np.zeros(len(tokens), dtype=np.int8)
+                if last_part and s + n_batch >= len(part):
+                    outputs[-1] = 1
+                seq.decode_text(tokens, outputs, stats)
+                done += len(tokens)
+                if progress:
+                    progress("prefill", done, total)
+                yield
+        else:
+            if progress:
+                progress("encode", done, total)
+            for rows in seq.decode_media(projector, part, stats, n_batch=n_batch):
+                if progress:
+                    progress("prefill", done + rows, total)
+                yield
+            done += part.n_tokens
+
+
+def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation]) -> list[Piece | None]:
+    """One draft / verify / accept step for every generation in ``gens`` (one target decode for all).
+
+    Returns each generation's piece (None where a step streams nothing). Raises what a native
+    call raises; the caller resets the sequences of a step that did not finish.
+    """
+    start = time.perf_counter()
+    share = ctx.n_batch // len(gens)  # every block must fit in one target batch (n_parallel <= n_batch)
+    requests = [g.draft_request(share) for g in gens]
+    asked = [r for r in requests if r is not None]
+    proposals = iter(())
+    if asked:
+        t = time.perf_counter()
+        made = drafter.draft(asked)
+        for g, r in zip(gens, requests):  # a shared call costs every generation that waited for it
+            if r is not None:
+                g.stats.draft_seconds += time.perf_counter() - t
+        proposals = iter(made)
+    drafts, verify_rows, offsets = [], [], []
+    row = 0
+    for g, r in zip(gens, requests):
+        proposal = next(proposals) if r is not None else Proposal([])
+        draft = g.verifier.proposal_tokens(proposal)  # rejection sampling draws x ~ q here
+        tokens = np.array([g.id_last, *draft], dtype=np.int32)
+        drafts.append((proposal, draft))
+        verify_rows.append(g.seq.text_rows(tokens, row_offset=row))
+        offsets.append(row)
+        row += len(tokens)
+
+    t = time.perf_counter()
+    batch = ctx.shared_token_batch()
+    batch.clear()
+    for rows in verify_rows:
+        batch.add_tokens(rows.tokens, rows.section0, outputs=True, seq_id=rows.seq_id)
+    ctx.decode(batch)  # verify: logits on every row
+    if drafter is not None:
+        t_draft = time.perf_counter()
+        drafter.process(verify_rows)
+        for g in gens:
+            g.stats.draft_seconds += time.perf_counter() - t_draft
+        t_target = t_draft - t
+    else:
+        t_target = time.perf_counter() - t
+
+    pieces = []
+    for g, (proposal, draft), rows, at in zip(gens, drafts, verify_rows, offsets):
+        t = time.perf_counter()
+        accepted = g.verifier.accept(ctx, draft, proposal, row=at)
+        g.stats.target_seconds += t_target + time.perf_counter() - t
+        n_kept = len(accepted)  # id_last + the accepted drafts
+        g.seq.commit(rows.tokens, n_kept)
+        g.stats.record_step(len(draft), n_kept - 1)
+        g.draft_length.update(len(draft), n_kept - 1, time.perf_counter() - start)
+        g.stats.target_steps += 1
+        pieces.append(g._after_step(accepted, len(draft)))
+    return pieces
+
+
+class _TextAssembler:
+    """Token bytes -> text, holding back partial UTF-8 and any tail that may start a stop string."""
+
+    def __init__(self, model, stop: list[str]) -> None:
+        self.model = model
+        self.stop = [s for s in stop if s]
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.held = ""
+        self.stopped = False
+
+    def push_each(self, tokens: list[int]) -> tuple[tuple[str, ...], bool]:
+        """``push`` token by token: the text released at each token, and whether a stop string was hit."""
+        texts = [self.push([tok])[0] for tok in tokens]  # after a stop string, each releases ""
+        return tuple(texts), self.stopped
+
+    def push(self, tokens: list[int]) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        text = self.held + "".join(self.decoder.decode(self.model.token_to_bytes(t)) for t in tokens)
+        for s in self.stop:
+            at = text.find(s)
+            if at >= 0:
+                self.stopped = True
+                self.held = ""
+                return text[:at], True
+        keep = max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        if self.stopped:
+            return ""
+        rest, self.held = self.held + self.decoder.decode(b"", final=True), ""
+        return rest

@@ -1,0 +1,199 @@
+"""What one sequence (one slot) holds, and the only code that changes it.
+
+A sequence lives in three places that must agree: the target's memory (its ``seq_id``),
+the drafter's state for that ``seq_id``, and its ``SequencePositions``. It also remembers
+what its cache holds (text tokens and media items, in order) so that a later prompt can
+reuse the longest common prefix.
+
+Every change goes through one method here, which updates all three in the one safe
+order: decide the new end (positions), then cut the target's memory and tell the drafter
+where the sequence now ends (``forget``). Nothing else in the package removes rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator
+
+import numpy as np
+
+from .drafters import Drafter, TargetRows
+from .errors import KVMemoryError
+from .llama import Context
+from .positions import SequencePositions, is_pinned
+from .stats import GenerationStats, Stopwatch
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedMedia:
+    """A media item in the cache: its content id, rows and positions."""
+
+    id: str | None
+    n_tokens: int
+    n_pos: int
+
+
+class Sequence:
+    """One slot's sequence: ``seq_id`` in the target context (and the drafter), its positions and cache."""
+
+    def __init__(self, ctx: Context, drafter: Drafter | None, seq_id: int = 0, *,
+                 draft_positions: str = "target", n_seq: int = 1) -> None:
+        self.ctx = ctx
+        self.drafter = drafter
+        self.seq_id = seq_id
+        self.positions = SequencePositions(draft_positions)
+        self.cached: list = []  # int32 token arrays (text) and CachedMedia, in cache order
+        self._alone = n_seq == 1  # the only sequence of its context: a reset may clear everything
+        self._batch = None  # for media slices, made at the first image
+        #: The cache rows this sequence may use: its share of the context (n_ctx / n_seq).
+        self.n_ctx = ctx.n_ctx_seq
+
+    # ------------------------------------------------------------------ rows
+    def text_rows(self, tokens: np.ndarray, row_offset: int = 0) -> TargetRows:
+        """The TargetRows of text rows decoded at pos_next.. (the first at ``row_offset`` in the decode)."""
+        p = self.positions
+        pos = np.arange(p.pos_next, p.pos_next + len(tokens), dtype=np.int32)
+        return TargetRows(pos[None, :], False, p.draft_pos_next, tokens=np.asarray(tokens, dtype=np.int32),
+                          seq_id=self.seq_id, row_offset=row_offset, draft_positions=p.draft_positions)
+
+    # ------------------------------------------------------------------ changing it
+    def decode_text(self, tokens: np.ndarray, outputs, stats: GenerationStats) -> None:
+        """Decode prompt text at pos_next.. into the target, show it to the drafter, and keep it."""
+        rows = self.text_rows(tokens)
+        with Stopwatch(stats, "target_seconds"):
+            self.ctx.decode_tokens(tokens, rows.section0, outputs=outputs, seq_id=self.seq_id)
+        if self.drafter is not None:
+            with Stopwatch(stats, "draft_seconds"):
+                self.drafter.process([rows])
+        self.commit(tokens, len(tokens))
+
+    def commit(self, tokens: np.ndarray, n_kept: int) -> None:
+        """``tokens`` were just decoded at pos_next.. (and shown to the drafter); keep the first n_kept.
+
+        The one order that is always right: the positions move to the new end first, then
+        the target's memory and the drafter forget everything after it.
+        """
+        p = self.positions
+        p.advance_text(n_kept)
+        if n_kept < len(tokens):
+            self.ctx.memory.remove(self.seq_id, p.pos_next, -1)
+            if self.drafter is not None:
+                self.drafter.forget(self.seq_id, p.pos_next, p.draft_pos_next)
+        if n_kept:
+            self._remember_text(np.asarray(tokens[:n_kept], dtype=np.int32))
+
+    def decode_media(self, projector, chunk, stats: GenerationStats, *, n_batch: int) -> Iterator[int]:
+        """Encode a media chunk, then decode its rows in slices of n_batch, yielding after each
+        slice (the rows of the chunk decoded so far), so that a scheduler can run other
+        sequences' steps in between. Positions advance when the last slice is in."""
+        p = self.positions
+        with Stopwatch(stats, "target_seconds"):
+            embd = projector.encode(chunk)
+        positions = projector.media_positions(chunk, p.pos_next)  # [n_tokens, n_pos]
+        pinned = is_pinned(chunk.n_tokens, chunk.n_pos)  # for the whole chunk, whatever its slices
+        non_causal = projector.uses_non_causal(chunk)
+        batch = self._media_batch()
+        for s in range(0, chunk.n_tokens, n_batch):
+            e = min(s + n_batch, chunk.n_tokens)
+            batch.clear()
+            batch.add_embeddings(embd[s:e], positions[s:e], seq_id=self.seq_id)
+            with Stopwatch(stats, "target_seconds"):
+                if non_causal:
+                    self.ctx.set_causal_attn(False)
+                try:
+                    self.ctx.decode(batch)
+                finally:
+                    if non_causal:
+                        self.ctx.set_causal_attn(True)
+            if self.drafter is not None:
+                # (first_draft_pos matters in "sequential" mode only, where every row takes a draft position)
+                rows = TargetRows(np.ascontiguousarray(positions[s:e].T), True, p.draft_pos_next + s,
+                                  pinned=pinned, seq_id=self.seq_id, draft_positions=p.draft_positions)
+                with Stopwatch(stats, "draft_seconds"):
+                    self.drafter.process([rows])
+            yield e
+        p.advance_media(chunk.n_tokens, chunk.n_pos)
+        self.cached.append(CachedMedia(chunk.id, chunk.n_tokens, chunk.n_pos))
+
+    def _media_batch(self):
+        if self._batch is None:
+            from .batch import Batch
+
+            self._batch = Batch(self.ctx)
+        return self._batch
+
+    def reset(self) -> None:
+        """Forget everything: the next prompt is decoded from position 0."""
+        self.cached = []
+        if self._alone:
+            self.ctx.memory.clear()
+        else:
+            self.ctx.memory.remove(self.seq_id, -1, -1)
+        self.positions.reset()
+        if self.drafter is not None:
+            self.drafter.forget(self.seq_id, 0, 0)
+
+    def set_draft_positions(self, mode: str) -> None:
+        """Change the position mode; the draft's cache is laid out by it, so this starts over."""
+        if mode != self.positions.draft_positions:
+            self.reset()
+            self.positions.draft_positions = mode
+
+    def close(self) -> None:
+        if self._batch is not None:
+            self._batch.close()
+            self._batch = None
+
+    # ------------------------------------------------------------------ the prompt cache
+    def keep_prefix(self, parts: list) -> list:
+        """Keep the longest prefix of ``parts`` already in the caches; return what is left to decode."""
+        i, j = common_prefix(self.cached, parts)
+        if i == len(parts) or (i == len(parts) - 1 and j == len(parts[-1])):
+            # All of it is cached: decode the last token again for fresh logits.
+            i, j = len(parts) - 1, len(parts[-1]) - 1
+        if i == 0 and j == 0:
+            self.reset()
+            return list(parts)
+        keep = self.cached[:i] + ([self.cached[i][:j]] if j else [])
+        pos = sum(len(c) if isinstance(c, np.ndarray) else c.n_pos for c in keep)
+        try:
+            self.ctx.memory.remove(self.seq_id, pos, -1)
+        except KVMemoryError:
+            self.reset()  # e.g. a recurrent target cannot roll back that far
+            return list(parts)
+        self.positions.truncate(pos)
+        if self.drafter is not None:
+            self.drafter.forget(self.seq_id, pos, self.positions.draft_pos_next)
+        self.cached = keep
+        rest = list(parts[i:])
+        if j:
+            rest[0] = rest[0][j:]
+        return rest
+
+    def prefix_length(self, parts: list) -> int:
+        """Rows of ``parts`` this sequence's cache already holds (to pick the best slot for a prompt)."""
+        i, j = common_prefix(self.cached, parts)
+        return sum(len(c) if isinstance(c, np.ndarray) else c.n_tokens for c in self.cached[:i]) + j
+
+    def _remember_text(self, tokens: np.ndarray) -> None:
+        if self.cached and isinstance(self.cached[-1], np.ndarray):
+            self.cached[-1] = np.concatenate([self.cached[-1], tokens])
+        else:
+            self.cached.append(tokens.copy())
+
+
+def common_prefix(cached: list, parts: list) -> tuple[int, int]:
+    """(i, j): the first i parts match whole, and the first j tokens of part i (text) too."""
+    for i, (c, p) in enumerate(zip(cached, parts)):
+        if isinstance(c, np.ndarray) and isinstance(p, np.ndarray):
+            m = min(len(c), len(p))
+            same = c[:m] == p[:m]
+            j = m if same.all() else int(np.argmin(same))
+            if j == len(c) == len(p):
+                continue
+            return i, j
+        if isinstance(c, CachedMedia) and not isinstance(p, np.ndarray) and c.id and c.id == p.id \
+                and (c.n_tokens, c.n_pos) == (p.n_tokens, p.n_pos):
+            continue
+        return i, 0
+    return min(len(cached), len(parts)), 0
