@@ -115,6 +115,15 @@ def timings(stats) -> dict:
     return out
 
 
+def speculation(piece) -> dict:
+    """The ``pyllama_spec`` extension object of a streamed chunk: each token of the step with the
+    text it released and whether it was an accepted draft token, the tokens the drafter proposed
+    in the step, and how many of the step's tokens are accepted drafts."""
+    tokens = [{"id": int(tok), "text": text, "draft": i < piece.from_draft}
+              for i, (tok, text) in enumerate(zip(piece.tokens, piece.token_texts, strict=True))]
+    return {"tokens": tokens, "drafted": piece.drafted, "accepted": piece.from_draft}
+
+
 def usage(stats) -> dict:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
             "total_tokens": stats.prompt_tokens + stats.generated_tokens,
@@ -298,14 +307,17 @@ async def _stream_events(service: _Service, req: GenerationRequest, job: Job) ->
     created, model = int(time.time()), service.settings.alias
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
 
-    def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> dict:
+    def chunk(delta_text: str | None, finish: str | None, role: bool = False, piece=None) -> dict:
         if req.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else
                                                                       {"content": delta_text})
             c = {"index": 0, "delta": delta, "finish_reason": finish}
         else:
             c = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
-        return {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+        out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+        if piece is not None:
+            out["pyllama_spec"] = speculation(piece)  # an extension: clients ignore unknown fields
+        return out
 
     def data(obj_: dict) -> dict:
         return {"data": json.dumps(obj_, ensure_ascii=False)}
@@ -322,16 +334,18 @@ async def _stream_events(service: _Service, req: GenerationRequest, job: Job) ->
                 break
             piece = value
             if req.kind == "llama":
-                if piece.stats is None:
-                    yield data({"content": piece.text, "tokens": list(piece.tokens), "stop": False})
-                    continue
-                yield data({"content": piece.text, "tokens": list(piece.tokens), "stop": True, "model": model,
-                            "stop_type": "limit" if piece.finish_reason == "length" else "eos",
-                            "tokens_predicted": piece.stats.generated_tokens,
-                            "tokens_evaluated": piece.stats.prompt_tokens, "timings": timings(piece.stats)})
+                event = {"content": piece.text, "tokens": list(piece.tokens), "stop": piece.stats is not None,
+                         "pyllama_spec": speculation(piece)}
+                if piece.stats is not None:
+                    event.update(model=model, stop_type="limit" if piece.finish_reason == "length" else "eos",
+                                 tokens_predicted=piece.stats.generated_tokens,
+                                 tokens_evaluated=piece.stats.prompt_tokens, timings=timings(piece.stats))
+                yield data(event)
                 continue
-            if piece.text:
-                yield data(chunk(piece.text, None))
+            # A step whose text is held back (a partial character, a possible stop string) still
+            # gets its chunk, with empty content, so that every token's origin is reported.
+            if piece.text or piece.tokens:
+                yield data(chunk(piece.text, None, piece=piece))
             if piece.stats is not None:
                 final = chunk(None, piece.finish_reason)
                 final["timings"] = timings(piece.stats)
