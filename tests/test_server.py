@@ -208,6 +208,35 @@ def test_streamed_completions_carry_the_extension_too(served):
     assert "".join(t["text"] for s in steps for t in s["tokens"]) == plain["content"]
 
 
+def test_the_chat_page_and_its_files_are_served_from_the_package_with_a_strict_policy(served):
+    page = httpx.get(served.url + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'self'" in policy and "connect-src 'self'" in policy
+    assets = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert {"/static/app.js", "/static/style.css", "/static/icon.svg"} <= set(assets)
+    for path in assets:
+        r = httpx.get(served.url + path)
+        assert r.status_code == 200, path
+        assert r.headers["content-security-policy"] == policy
+        # nothing is fetched from anywhere else (the SVG namespace is a name, never fetched)
+        assert not re.findall(r"https?://(?!www\.w3\.org/2000/svg)", r.text), path
+    missing = httpx.get(served.url + "/static/nothing.js")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_the_package_data_ships_every_file_of_the_page():
+    tomllib = pytest.importorskip("tomllib", reason="tomllib (to read pyproject.toml) is in Python >= 3.11")
+    from fnmatch import fnmatch
+
+    from conftest import REPO_ROOT
+
+    data = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    static = REPO_ROOT / "pyllama_spec" / "server" / "static"
+    files = [p.relative_to(static.parent).as_posix() for p in static.rglob("*") if p.is_file()]
+    assert files and all(any(fnmatch(f, pat) for pat in data["pyllama_spec.server"]) for f in files), files
+
+
 def test_completions_routes(served):
     r = httpx.post(served.url + "/v1/completions", json={"prompt": "def main(", "max_tokens": 6}, timeout=60)
     assert r.status_code == 200, r.text
@@ -320,6 +349,9 @@ def test_api_key_guards_every_route_but_health(tiny_dense):
     server = Server(engine, ServerSettings(api_key="s3cret"))
     try:
         assert httpx.get(server.url + "/health").status_code == 200
+        # the page holds no data: it loads without the key, and asks for it
+        assert httpx.get(server.url + "/").status_code == 200
+        assert httpx.get(server.url + "/static/app.js").status_code == 200
         for path in ("/v1/models", "/props", "/metrics"):
             r = httpx.get(server.url + path)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
