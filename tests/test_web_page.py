@@ -81,10 +81,12 @@ def shots(request, tmp_path_factory):
     folder = Path(os.environ.get("PYLLAMA_SPEC_SCREENSHOTS") or tmp_path_factory.mktemp("web-page-screenshots"))
     folder.mkdir(parents=True, exist_ok=True)
     yield folder
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    plugins = request.config.pluginmanager
+    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
     names = ", ".join(sorted(p.name for p in folder.glob("*.png")))
-    if reporter is not None and names:
-        reporter.write_line(f"\nchat page screenshots in {folder}: {names}")
+    if reporter is not None and capture is not None and names:
+        with capture.global_and_fixture_disabled():  # to the terminal, not into the captured output
+            reporter.write_line(f"\nchat page screenshots in {folder}: {names}")
 
 
 class Tab:
