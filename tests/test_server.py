@@ -144,6 +144,99 @@ def test_the_raw_stream_ends_with_done(served):
     assert all(json.loads(ln[6:])["object"] == "chat.completion.chunk" for ln in lines[:-1])
 
 
+def _stream(served, path: str, body: dict) -> list[dict]:
+    """The JSON events of a streamed answer (without the closing [DONE])."""
+    with httpx.stream("POST", served.url + path, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+
+
+def _check_steps(steps: list[dict], n_max: int) -> None:
+    """Each step: accepted draft tokens first, then the target's own; as many as it says it accepted."""
+    for s in steps:
+        flags = [t["draft"] for t in s["tokens"]]
+        assert flags == [True] * s["accepted"] + [False] * (len(flags) - s["accepted"]), s
+        assert 0 <= s["accepted"] <= s["drafted"] <= n_max
+        assert len(s["tokens"]) <= s["accepted"] + 1  # a step adds at most one token of the target's own
+
+
+def test_streamed_chat_chunks_report_each_tokens_text_and_origin(served, reference):
+    png = _png(4)
+    expected = reference("Describe it", png, 40)
+    chunks = _stream(served, "/v1/chat/completions", {"messages": _messages("Describe it", png), "max_tokens": 40})
+    with_text = [c for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert with_text and all("pyllama_spec" in c for c in with_text)
+    for c in with_text:  # the tokens' texts make up the chunk's content
+        assert "".join(t["text"] for t in c["pyllama_spec"]["tokens"]) == c["choices"][0]["delta"]["content"]
+    steps = [c["pyllama_spec"] for c in chunks if "pyllama_spec" in c]
+    assert [t["id"] for s in steps for t in s["tokens"]] == expected.tokens
+    _check_steps(steps, n_max=7)
+    assert steps[0] == {"tokens": steps[0]["tokens"], "drafted": 0, "accepted": 0}  # the prompt's own token
+    timings = next(c["timings"] for c in chunks if "timings" in c)
+    assert 0 < sum(s["accepted"] for s in steps) <= timings["draft_n_accepted"]
+    assert sum(s["drafted"] for s in steps) == timings["draft_n"]  # every step is reported
+    # the usage chunk and the role chunk carry no extension: they are no step
+    assert "pyllama_spec" not in chunks[0] and chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+def test_the_extension_reports_no_draft_tokens_when_drafting_is_off(served):
+    chunks = _stream(served, "/v1/chat/completions",
+                     {"messages": OK_MESSAGES, "max_tokens": 16, "speculative.n_max": 0})
+    steps = [c["pyllama_spec"] for c in chunks if "pyllama_spec" in c]
+    assert sum(len(s["tokens"]) for s in steps) == 16
+    assert all(s["drafted"] == 0 and s["accepted"] == 0 and len(s["tokens"]) == 1 for s in steps)
+    assert not any(t["draft"] for s in steps for t in s["tokens"])
+
+
+def test_the_openai_client_ignores_the_extension_and_keeps_it_in_model_extra(served):
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused")
+    chunks = list(client.chat.completions.create(model="tiny", messages=OK_MESSAGES, max_tokens=12, stream=True))
+    steps = [c.model_extra["pyllama_spec"] for c in chunks if "pyllama_spec" in (c.model_extra or {})]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "".join(t["text"] for s in steps for t in s["tokens"]) and text
+
+
+def test_streamed_completions_carry_the_extension_too(served):
+    plain = httpx.post(served.url + "/completion", json={"prompt": "def main(", "n_predict": 20}, timeout=60).json()
+    llama = _stream(served, "/completion", {"prompt": "def main(", "n_predict": 20})
+    assert all("pyllama_spec" in e for e in llama) and llama[-1]["stop"] is True
+    assert [t["id"] for e in llama for t in e["pyllama_spec"]["tokens"]] == plain["tokens"]
+    assert "".join(t["text"] for e in llama for t in e["pyllama_spec"]["tokens"]) == plain["content"]
+    _check_steps([e["pyllama_spec"] for e in llama], n_max=7)
+    openai_style = _stream(served, "/v1/completions", {"prompt": "def main(", "max_tokens": 20})
+    steps = [c["pyllama_spec"] for c in openai_style if "pyllama_spec" in c]
+    assert "".join(t["text"] for s in steps for t in s["tokens"]) == plain["content"]
+
+
+def test_the_chat_page_and_its_files_are_served_from_the_package_with_a_strict_policy(served):
+    page = httpx.get(served.url + "/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    policy = page.headers["content-security-policy"]
+    assert "default-src 'self'" in policy and "connect-src 'self'" in policy
+    assets = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert {"/static/app.js", "/static/style.css", "/static/icon.svg"} <= set(assets)
+    for path in assets:
+        r = httpx.get(served.url + path)
+        assert r.status_code == 200, path
+        assert r.headers["content-security-policy"] == policy
+        # nothing is fetched from anywhere else (the SVG namespace is a name, never fetched)
+        assert not re.findall(r"https?://(?!www\.w3\.org/2000/svg)", r.text), path
+    missing = httpx.get(served.url + "/static/nothing.js")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_the_package_data_ships_every_file_of_the_page():
+    tomllib = pytest.importorskip("tomllib", reason="tomllib (to read pyproject.toml) is in Python >= 3.11")
+    from fnmatch import fnmatch
+
+    from conftest import REPO_ROOT
+
+    data = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    static = REPO_ROOT / "pyllama_spec" / "server" / "static"
+    files = [p.relative_to(static.parent).as_posix() for p in static.rglob("*") if p.is_file()]
+    assert files and all(any(fnmatch(f, pat) for pat in data["pyllama_spec.server"]) for f in files), files
+
+
 def test_completions_routes(served):
     r = httpx.post(served.url + "/v1/completions", json={"prompt": "def main(", "max_tokens": 6}, timeout=60)
     assert r.status_code == 200, r.text
@@ -256,6 +349,9 @@ def test_api_key_guards_every_route_but_health(tiny_dense):
     server = Server(engine, ServerSettings(api_key="s3cret"))
     try:
         assert httpx.get(server.url + "/health").status_code == 200
+        # the page holds no data: it loads without the key, and asks for it
+        assert httpx.get(server.url + "/").status_code == 200
+        assert httpx.get(server.url + "/static/app.js").status_code == 200
         for path in ("/v1/models", "/props", "/metrics"):
             r = httpx.get(server.url + path)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"

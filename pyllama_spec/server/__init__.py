@@ -5,7 +5,8 @@
 
 ``pyllama-spec serve`` runs it with uvicorn. Routes: ``POST /v1/chat/completions``,
 ``POST /v1/completions``, ``POST /completion`` (llama-server's), ``GET /v1/models``,
-``GET /health``, ``GET /props``, ``GET /metrics``.
+``GET /health``, ``GET /props``, ``GET /metrics``, and the chat page at ``GET /``
+(``static/``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The ASGI application: OpenAI's chat and completion routes, llama-server's /completion,
-/health, /props, /metrics, with API-key checks, body limits and OpenAI-style errors.
+/health, /props, /metrics, with API-key checks, body limits and OpenAI-style errors; the chat
+page at / (static files in ``static/``).
 
 The app holds an ``EngineWorker`` (one thread owning the Engine) and never touches native
 objects itself. Build it with ``create_app(engine, ServerSettings(...))`` and run it with
@@ -22,8 +23,9 @@ from typing import Any, AsyncIterator
 from sse_starlette.sse import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from .. import __version__
 from ..engine import Engine
@@ -34,6 +36,16 @@ from .schema import APIError, GenerationRequest, RequestLimits, bad_request, par
 from .worker import EngineWorker, Job, QueueFullError
 
 log = logging.getLogger("pyllama_spec.server")
+
+#: The chat page's files (HTML, CSS, JavaScript), served at / and /static/.
+STATIC_DIR = Path(__file__).parent / "static"
+# The page loads nothing from anywhere but this server (pictures the user attaches are data: URIs).
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data: blob:; connect-src 'self'; "
+                               "style-src 'self'; script-src 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-cache",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +127,15 @@ def timings(stats) -> dict:
     return out
 
 
+def speculation(piece) -> dict:
+    """The ``pyllama_spec`` extension object of a streamed chunk: each token of the step with the
+    text it released and whether it was an accepted draft token, the tokens the drafter proposed
+    in the step, and how many of the step's tokens are accepted drafts."""
+    tokens = [{"id": int(tok), "text": text, "draft": i < piece.from_draft}
+              for i, (tok, text) in enumerate(zip(piece.tokens, piece.token_texts, strict=True))]
+    return {"tokens": tokens, "drafted": piece.drafted, "accepted": piece.from_draft}
+
+
 def usage(stats) -> dict:
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
             "total_tokens": stats.prompt_tokens + stats.generated_tokens,
@@ -170,13 +191,18 @@ class _Service:
 
     def check_key(self, request: Request) -> None:
         key = self.settings.api_key
-        if key is None or request.url.path == "/health":
+        if key is None or request.url.path in _OPEN_PATHS:
             return
         given = request.headers.get("authorization", "")
         token = given[7:] if given.lower().startswith("bearer ") else ""
         if not hmac.compare_digest(token.encode(), key.encode()):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                            type="authentication_error", code="invalid_api_key")
+
+
+# Routes that need no API key: the health check, and the page (it holds no data; it asks for the
+# key and sends it with each request).
+_OPEN_PATHS = ("/health", "/")
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starlette:
@@ -217,6 +243,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
         route("/health", ["GET"])(lambda r: _health(service)),
         route("/props", ["GET"])(lambda r: _props(service)),
         route("/metrics", ["GET"])(lambda r: _metrics(service)),
+        route("/", ["GET"])(lambda r: _page()),
+        Mount("/static", app=_StaticFiles(directory=STATIC_DIR), name="static"),
     ]
 
     @contextlib.asynccontextmanager
@@ -298,14 +326,17 @@ async def _stream_events(service: _Service, req: GenerationRequest, job: Job) ->
     created, model = int(time.time()), service.settings.alias
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
 
-    def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> dict:
+    def chunk(delta_text: str | None, finish: str | None, role: bool = False, piece=None) -> dict:
         if req.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else
                                                                       {"content": delta_text})
             c = {"index": 0, "delta": delta, "finish_reason": finish}
         else:
             c = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
-        return {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+        out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
+        if piece is not None:
+            out["pyllama_spec"] = speculation(piece)  # an extension: clients ignore unknown fields
+        return out
 
     def data(obj_: dict) -> dict:
         return {"data": json.dumps(obj_, ensure_ascii=False)}
@@ -322,16 +353,18 @@ async def _stream_events(service: _Service, req: GenerationRequest, job: Job) ->
                 break
             piece = value
             if req.kind == "llama":
-                if piece.stats is None:
-                    yield data({"content": piece.text, "tokens": list(piece.tokens), "stop": False})
-                    continue
-                yield data({"content": piece.text, "tokens": list(piece.tokens), "stop": True, "model": model,
-                            "stop_type": "limit" if piece.finish_reason == "length" else "eos",
-                            "tokens_predicted": piece.stats.generated_tokens,
-                            "tokens_evaluated": piece.stats.prompt_tokens, "timings": timings(piece.stats)})
+                event = {"content": piece.text, "tokens": list(piece.tokens), "stop": piece.stats is not None,
+                         "pyllama_spec": speculation(piece)}
+                if piece.stats is not None:
+                    event.update(model=model, stop_type="limit" if piece.finish_reason == "length" else "eos",
+                                 tokens_predicted=piece.stats.generated_tokens,
+                                 tokens_evaluated=piece.stats.prompt_tokens, timings=timings(piece.stats))
+                yield data(event)
                 continue
-            if piece.text:
-                yield data(chunk(piece.text, None))
+            # A step whose text is held back (a partial character, a possible stop string) still
+            # gets its chunk, with empty content, so that every token's origin is reported.
+            if piece.text or piece.tokens:
+                yield data(chunk(piece.text, None, piece=piece))
             if piece.stats is not None:
                 final = chunk(None, piece.finish_reason)
                 final["timings"] = timings(piece.stats)
@@ -346,6 +379,20 @@ async def _stream_events(service: _Service, req: GenerationRequest, job: Job) ->
 
 
 # ----------------------------------------------------------------------------- other routes
+
+
+class _StaticFiles(StaticFiles):
+    """The page's files, with the page's headers (its content security policy among them)."""
+
+    def file_response(self, *args, **kwargs) -> Response:
+        response = super().file_response(*args, **kwargs)
+        response.headers.update(PAGE_HEADERS)
+        return response
+
+
+async def _page() -> Response:
+    return FileResponse(STATIC_DIR / "index.html", headers=PAGE_HEADERS)
+
 
 
 async def _models(service: _Service) -> Response:
