@@ -33,7 +33,7 @@ import re
 import socket
 import struct
 import threading
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import numpy as np
 
