@@ -21,6 +21,7 @@ from .errors import (
     NativeLibraryError,
     ProjectorError,
     PyllamaError,
+    RemoteDeviceError,
 )
 from .embedded import embedded_models
 from .stats import GenerationStats
@@ -53,7 +54,7 @@ __all__ = [
     "MEDIA_MARKER", "ClosedError", "ContextOverflowError", "DecodeError", "EngineBusyError",
     "GenerationCancelledError", "GenerationStats", "ImageError", "IncompatibleModelsError", "InsufficientMemoryError",
     "KVMemoryError", "ModelFileError", "NativeCallError", "NativeLibraryError", "ProjectorError",
-    "PyllamaError", "embedded_models", *_LAZY,
+    "PyllamaError", "RemoteDeviceError", "embedded_models", *_LAZY,
 ]
 
 

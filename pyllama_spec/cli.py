@@ -27,11 +27,13 @@ def main() -> None:
 @click.option("-ub", "--ubatch-size", "n_ubatch", default=512, show_default=True)
 @click.option("-ctk", "--cache-type-k", default="f16", show_default=True)
 @click.option("-ctv", "--cache-type-v", default="f16", show_default=True)
-def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v) -> None:
+@click.option("--rpc", "rpc_servers", default=None, metavar="SERVERS",
+              help="also list the devices of these RPC servers (comma-separated host:port) and their memory")
+def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v, rpc_servers) -> None:
     """Show the native build: libraries, llama.cpp pin, backends, devices, DFlash entry points.
 
     With -m (and --mmproj, -md, -c, -ub, -ctk, -ctv): what that configuration will need, estimated
-    from the files before anything is allocated."""
+    from the files before anything is allocated. With --rpc: the remote devices, reached first."""
     from . import native_build as nb
 
     table = Table(show_header=False, box=None)
@@ -58,6 +60,15 @@ def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v) ->
         table.add_row(f"device {i}", f"{d['name']}: {d['description']} ({d['total'] / 2**30:.1f} GiB, "
                                      f"{d['free'] / 2**30:.1f} free)")
     table.add_row("GPU offload", "yes" if _native.supports_gpu_offload() else "no")
+    from . import devices as devs
+
+    if devs.rpc_available():
+        table.add_row("RPC", "yes (" + (f"{_native.RPC_SERVER_PATH.name} beside the libraries; " if
+                                       _native.RPC_SERVER_PATH.exists() else "") +
+                      ("a lost server is an error: patches/0003)" if devs.loss_detectable() else
+                       "a lost server aborts the process: unpatched llama.cpp)"))
+    else:
+        table.add_row("RPC", "no (rebuild with `python build.py --rpc`)")
     from .mtmd import MEDIA_MARKER
 
     table.add_row("mtmd", f"yes (media marker {MEDIA_MARKER})")
@@ -66,6 +77,8 @@ def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v) ->
     table.add_row("DFlash target archs", ", ".join(record.get("dflash_target_archs", [])) or "?")
     table.add_row("system", _native.system_info())
     console.print(table)
+    if rpc_servers:
+        _print_remote_devices(rpc_servers)
     if model is not None:
         from . import memory
         from .errors import PyllamaError
@@ -84,6 +97,54 @@ def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v) ->
         console.print(mem)
 
 
+def _print_remote_devices(rpc_servers: str) -> None:
+    """doctor --rpc: every server's devices and memory; an unreachable server is named, then exit 1."""
+    from . import devices as devs
+    from .errors import PyllamaError
+
+    remote = Table(title="remote devices (RPC)")
+    for column in ("server", "device", "description", "total", "free"):
+        remote.add_column(column)
+    failed = False
+    try:
+        servers = devs.parse_rpc_servers(rpc_servers)
+    except ValueError as e:
+        err_console.print(f"[red]{e}[/red]")
+        sys.exit(2)
+    for endpoint in servers:
+        try:
+            for d in devs.rpc_devices(endpoint):
+                i = d.info()
+                remote.add_row(endpoint, i.name, i.description, f"{i.total / 2**30:.1f} GiB",
+                               f"{i.free / 2**30:.1f} GiB")
+        except PyllamaError as e:
+            remote.add_row(endpoint, "[red]unreachable[/red]", str(e), "", "")
+            failed = True
+    console.print(remote)
+    if failed:
+        sys.exit(1)
+
+
+@main.command("rpc-server", context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                                              "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def rpc_server(args) -> None:
+    """Run ggml-rpc-server from this build: offer this machine's devices to another's --rpc.
+
+    Its own flags: -H HOST (default 127.0.0.1), -p PORT (50052), -t THREADS, -d DEV1,DEV2, -c (cache
+    weights on disk), -h. It has no authentication: bind it to a trusted network only."""
+    import os
+
+    from . import _native
+
+    path = _native.RPC_SERVER_PATH
+    if not path.exists():
+        err_console.print(f"[red]this build has no ggml-rpc-server[/red] ({path} is missing): rebuild with "
+                          "`python build.py --rpc`")
+        sys.exit(2)
+    os.execv(str(path), [str(path), *args])
+
+
 @main.command()
 @click.option("--cuda", "backend", flag_value="cuda", help="CUDA backend (GGML_CUDA)")
 @click.option("--rocm", "backend", flag_value="rocm", help="ROCm/HIP backend (GGML_HIP)")
@@ -94,8 +155,10 @@ def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v) ->
 @click.option("--llama-cpp", envvar="LLAMA_CPP_DIR", help="your own llama.cpp checkout instead of the pin")
 @click.option("--cmake-arg", multiple=True, help="extra CMake argument (repeatable; $CMAKE_ARGS is read too)")
 @click.option("--tools", is_flag=True, help="also build llama-server (for benchmarks)")
+@click.option("--rpc/--no-rpc", default=True, show_default=True,
+              help="ggml's RPC backend (remote devices) and ggml-rpc-server")
 @click.option("-j", "--jobs", type=int, help="parallel compile jobs")
-def build(backend, cuda_arch, cublas_dir, llama_cpp, cmake_arg, tools, jobs) -> None:
+def build(backend, cuda_arch, cublas_dir, llama_cpp, cmake_arg, tools, rpc, jobs) -> None:
     """Build (or rebuild) the native part in place, from a source checkout."""
     from . import native_build as nb
 
@@ -105,7 +168,7 @@ def build(backend, cuda_arch, cublas_dir, llama_cpp, cmake_arg, tools, jobs) -> 
                           "from the source tree")
         sys.exit(2)
     opts = nb.BuildOptions(backend=backend or "cpu", cuda_arch=cuda_arch, cublas_dir=cublas_dir,
-                           llama_cpp=llama_cpp, cmake_args=tuple(cmake_arg), jobs=jobs, tools=tools)
+                           llama_cpp=llama_cpp, cmake_args=tuple(cmake_arg), jobs=jobs, tools=tools, rpc=rpc)
     try:
         nb.build_in_place(opts)
     except nb.BuildError as e:
@@ -135,6 +198,19 @@ def model_options(f):
         click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", default=0, show_default=True),
         click.option("-ngld", "--n-gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
                      help="layers of the draft on the GPU (default: as -ngl)"),
+        click.option("--rpc", "rpc_servers", default=None, metavar="SERVERS",
+                     help="comma-separated RPC servers (host:port, each running `pyllama-spec rpc-server`): "
+                          "-ngl layers go to their devices, first"),
+        click.option("-dev", "--device", "devices", default=None, metavar="DEV1,DEV2",
+                     help="devices for the target's layers (see doctor; 'none': no offload)"),
+        click.option("-devd", "--device-draft", "device_draft", default=None, metavar="DEV1,DEV2",
+                     help="devices for the draft (default: this machine's)"),
+        click.option("-sm", "--split-mode", "split_mode", type=click.Choice(["none", "layer", "row"]),
+                     default="layer", show_default=True, help="how to split the target across devices"),
+        click.option("-ts", "--tensor-split", "tensor_split", default=None, metavar="N0,N1",
+                     help="proportion of the offloaded layers per device, e.g. 3,1"),
+        click.option("-mg", "--main-gpu", "main_gpu", type=int, default=0, show_default=True,
+                     help="the device with -sm none (its index among the target's devices)"),
         click.option("-ctk", "--cache-type-k", default="f16", show_default=True, type=click.Choice(KV_TYPES)),
         click.option("-ctv", "--cache-type-v", default="f16", show_default=True, type=click.Choice(KV_TYPES),
                      help="a quantized V cache needs -fa on"),
@@ -177,7 +253,9 @@ def _load_engine(o: dict):
                   n_threads_batch=o["n_threads_batch"], draft_n_gpu_layers=o["n_gpu_layers_draft"],
                   cache_type_k=o["cache_type_k"], cache_type_v=o["cache_type_v"],
                   cache_type_k_draft=o["cache_type_k_draft"], cache_type_v_draft=o["cache_type_v_draft"],
-                  mmproj_offload=o["mmproj_offload"], use_mmap=o["use_mmap"], use_mlock=o["use_mlock"])
+                  mmproj_offload=o["mmproj_offload"], use_mmap=o["use_mmap"], use_mlock=o["use_mlock"],
+                  rpc_servers=o["rpc_servers"] or (), devices=o["devices"], device_draft=o["device_draft"],
+                  split_mode=o["split_mode"], tensor_split=o["tensor_split"] or (), main_gpu=o["main_gpu"])
     model, mmproj, draft = o["model"], o["mmproj"], o["draft"]
     if model is None:
         if mmproj or draft:

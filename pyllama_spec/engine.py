@@ -86,6 +86,15 @@ class EngineConfig:
     # llama.cpp's -np: sequences (slots) served at once, each with n_ctx / n_parallel cache rows;
     # above 1, generations run concurrently through Engine.submit (scheduler.py)
     n_parallel: int = 1
+    # Devices (devices.py; llama.cpp's --rpc, -dev, -devd, -sm, -ts, -mg): RPC servers' host:port, the
+    # target's devices by name (None: llama.cpp's choice, remote ones first; "none": no offload), the
+    # draft's (None: this machine's), the split mode, a proportion per device, the main device.
+    rpc_servers: Sequence[str] | str = ()
+    devices: Sequence[str] | str | None = None
+    device_draft: Sequence[str] | str | None = None
+    split_mode: str = "layer"
+    tensor_split: Sequence[float] | str = ()
+    main_gpu: int = 0
 
 
 def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
@@ -97,10 +106,17 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
     draft), "ngram-simple" (prompt lookup, no draft model) or "none" (target only).
     Other keywords are EngineConfig's, named as in llama.cpp: n_ctx, n_batch, n_ubatch,
     n_gpu_layers, draft_max, draft_min, draft_p_min, flash_attn, n_threads,
-    draft_positions ("target" or "sequential").
+    draft_positions ("target" or "sequential"); where layers go: rpc_servers (["host:port", ...]),
+    devices, device_draft, split_mode, tensor_split, main_gpu, draft_n_gpu_layers (also
+    n_gpu_layers_draft).
     """
     if spec_type is None:
         spec_type = "draft-dflash" if draft is not None else "none"
+    if "n_gpu_layers_draft" in kwargs:  # llama.cpp's name (-ngld) for draft_n_gpu_layers
+        ngld = kwargs.pop("n_gpu_layers_draft")
+        if kwargs.get("draft_n_gpu_layers", ngld) != ngld:
+            raise ValueError("n_gpu_layers_draft and draft_n_gpu_layers are one setting: give one of them")
+        kwargs["draft_n_gpu_layers"] = ngld
     cfg = EngineConfig(model=os.fspath(model), mmproj=os.fspath(mmproj) if mmproj else None,
                        draft=os.fspath(draft) if draft else None, spec_type=spec_type, **kwargs)
     return Engine(cfg)
@@ -144,7 +160,7 @@ class Engine:
         self.ctx: Context | None = None
         self._check_before_load()
         self.model = Model(config.model, n_gpu_layers=config.n_gpu_layers, use_mmap=config.use_mmap,
-                           use_mlock=config.use_mlock, role="target")
+                           use_mlock=config.use_mlock, role="target", placement=self.placement.target)
         try:
             self._open()
         except BaseException:
@@ -152,10 +168,10 @@ class Engine:
             raise
 
     def _check_before_load(self) -> None:
-        """Refuse, before allocating anything: a bad file, a context past the training length, and a
-        configuration the device cannot hold (memory.py). Resolves n_ctx=0 to the training length."""
-        from . import memory
-        from ._native import devices
+        """Refuse, before allocating anything: a bad file, a context past the training length, device
+        options that do not fit (devices.py; RPC servers are reached here) and a configuration the
+        devices cannot hold (memory.py). Resolves n_ctx=0 to the training length."""
+        from . import devices, memory
         from .errors import InsufficientMemoryError
         from .gguf_check import read_gguf_shared
         from .llama import check_gguf_file
@@ -172,25 +188,24 @@ class Engine:
             raise ValueError(f"n_ctx {c.n_ctx} is above the target's training length ({n_ctx_train} tokens, "
                              f"{info.arch}.context_length): positions past it were never trained; use -c "
                              f"{n_ctx_train} or less (or -c 0 for exactly that)")
+        self.placement = devices.plan(c)
         draft = c.draft if c.spec_type == "draft-dflash" else None
         est = memory.estimate(c.model, mmproj=c.mmproj, draft=draft, n_ctx=c.n_ctx, n_ubatch=c.n_ubatch,
                               cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v,
                               cache_type_k_draft=c.cache_type_k_draft, cache_type_v_draft=c.cache_type_v_draft)
-        found = devices()
-        gpus = [d for d in found if not d["name"].upper().startswith("CPU")]
-        device = gpus[0] if (c.n_gpu_layers != 0 and gpus) else next((d for d in found
-                                                                      if d["name"].upper().startswith("CPU")), None)
-        if device is not None and device["free"] and not est.fits(device["free"]):
+        budget = self.placement.memory_budget(c.n_gpu_layers)  # (device(s), free bytes)
+        if budget is not None and budget[1] and not est.fits(budget[1]):
             raise InsufficientMemoryError(
-                f"this configuration needs about {est.total / memory.MiB:.0f} MiB but {device['name']} has "
-                f"{device['free'] / memory.MiB:.0f} MiB free: {est.describe()}. Lower -c (n_ctx), use a quantized "
+                f"this configuration needs about {est.total / memory.MiB:.0f} MiB but {budget[0]} has "
+                f"{budget[1] / memory.MiB:.0f} MiB free: {est.describe()}. Lower -c (n_ctx), use a quantized "
                 "KV cache (-ctk/-ctv q8_0 with -fa on), or a smaller -ub")
         self.memory_estimate = est
 
     def _load_draft_model(self) -> Model:
         c = self.config
         return Model(c.draft, role="draft", n_gpu_layers=c.n_gpu_layers if c.draft_n_gpu_layers is None
-                     else c.draft_n_gpu_layers, use_mmap=c.use_mmap, use_mlock=c.use_mlock)
+                     else c.draft_n_gpu_layers, use_mmap=c.use_mmap, use_mlock=c.use_mlock,
+                     placement=self.placement.draft)
 
     def _draft_cache_types(self) -> dict:
         c = self.config

@@ -54,6 +54,17 @@ class InsufficientMemoryError(PyllamaError, MemoryError):
     """The configuration needs more memory than the device has free (estimated before loading)."""
 
 
+class RemoteDeviceError(PyllamaError, ConnectionError):
+    """An RPC server (ggml-rpc-server) cannot be reached, answers wrongly, or its connection was lost.
+
+    ``endpoint`` is the server's host:port.
+    """
+
+    def __init__(self, message: str, endpoint: str | None = None) -> None:
+        self.endpoint = endpoint
+        super().__init__(message)
+
+
 class NativeCallError(PyllamaError, RuntimeError):
     """A native call failed; the message names the call and its arguments."""
 

@@ -26,10 +26,12 @@ from .errors import (
     forget_native_problems,
     with_native_log,
 )
+from .devices import check_connections
 from .gguf_check import validate_gguf
 
 if TYPE_CHECKING:
     from .batch import Batch
+    from .devices import Placement
 
 GGUF_MAGIC = b"GGUF"
 #: KV cache types by llama.cpp's -ctk / -ctv names.
@@ -124,15 +126,19 @@ class Model(NativeHandle):
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, main_gpu: int = 0,
                  vocab_only: bool = False, use_mmap: bool = True, use_mlock: bool = False,
-                 role: str = "target") -> None:
+                 role: str = "target", placement: "Placement | None" = None) -> None:
         self.path = check_gguf_file(path, f"{role} model")
         self.role = role
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
         self.dependents: weakref.WeakSet = weakref.WeakSet()  # other handles bound to this model (projectors)
+        #: RPC servers ("host:port") that hold some of this model's layers (see devices.py).
+        self.endpoints: tuple[str, ...] = ()
+        self._placement = None
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.main_gpu = main_gpu
         params.vocab_only = vocab_only
+        keep_alive = placement.apply(params) if placement is not None else []  # devices, split, overrides
         if use_mlock and not lib.llama_supports_mlock():
             raise ValueError("--mlock is not supported on this system")
         if use_mlock or not use_mmap:  # llama.cpp's --mlock / --no-mmap
@@ -140,8 +146,11 @@ class Model(NativeHandle):
                                 (False, False): lib.LLAMA_LOAD_MODE_NONE}[(use_mmap, use_mlock)]
         forget_native_problems()
         ptr = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        del keep_alive
         try:
             raise_carried()  # Ctrl-C during a load lands in the log callback
+            if placement is not None:
+                check_connections(placement.endpoints)  # a server lost during the load: say which
         except BaseException:
             if ptr != ffi.NULL:
                 lib.llama_model_free(ptr)
@@ -152,11 +161,22 @@ class Model(NativeHandle):
                 "(corrupt or truncated GGUF, or an architecture this build does not know)"))
         self._ptr = ptr
         self._vocab = lib.llama_model_get_vocab(ptr)
+        if placement is not None:
+            placement.acquire()
+            self._placement = placement
+            self.endpoints = placement.endpoints
 
     def _free(self, ptr) -> None:
         for dependent in [*self.dependents, *self._contexts]:
             dependent.close()
         lib.llama_model_free(ptr)
+        if self._placement is not None:
+            self._placement.release()
+
+    def check_remote(self) -> None:
+        """Raise RemoteDeviceError when the connection to a server holding this model's layers was lost."""
+        if self.endpoints:
+            check_connections(self.endpoints)
 
     # --- facts
     def meta(self, key: str) -> str | None:
@@ -384,9 +404,11 @@ class Context(NativeHandle):
             # llama.cpp aborts (split_equal: n_ubatch > n_keep_tail) instead of refusing.
             raise ValueError(f"a recurrent {role} model with n_rs_seq={n_rs_seq} needs n_ubatch > {n_rs_seq + 1}, "
                              f"got {params.n_ubatch}")
+        model.check_remote()
         ptr = lib.llama_init_from_model(model.ptr, params)
         if ptr == ffi.NULL:
             raise_carried()
+            model.check_remote()
             raise NativeCallError("llama_init_from_model", None,
                                   f"could not create the {role} context (n_ctx={n_ctx}, n_batch={n_batch}, "
                                   f"n_ubatch={n_ubatch}); see the 'pyllama_spec.native' log")
@@ -438,9 +460,11 @@ class Context(NativeHandle):
         """Decode a batch into this context; raises DecodeError naming this context."""
         forget_native_problems()
         self.last_decode_rows = 0
+        self.model.check_remote()  # a lost server: no native call on its layers
         arm_interrupts()
         rc = lib.llama_process(self.ptr, lib.LLAMA_PROCESS_TYPE_DECODE, batch.ptr)
         raise_carried()
+        self.model.check_remote()  # lost during this decode: its outputs are zeros, or rc says "failed"
         ctrl_c = rc == 2 and interrupted_during_call()
         check_decode(rc, "llama_process(DECODE)", role=self.role, n_rows=batch.n_rows, offset=batch.first_pos,
                      detail="interrupted (Ctrl-C)" if ctrl_c else "")

@@ -213,6 +213,7 @@ def pyllama_post_decode_callback(view, user_data):
         n, n_embd, n_pos = view.n_tokens, view.n_embd, view.n_pos
         embd = np.frombuffer(ffi.buffer(view.embd, n * n_embd * 4), dtype=np.float32).reshape(n, n_embd)
         pos = np.frombuffer(ffi.buffer(view.pos, n * n_pos * 4), dtype=np.int32).reshape(n_pos, n)
+        state.ctx.model.check_remote()  # a server lost in this slice: stop before anyone reads its outputs
         state.ctx.last_decode_rows = n  # the context's output buffers now hold this slice
         if state.on_batch is not None:
             state.on_batch(EmbeddingBatch(embd, pos, int(view.seq_id)))
@@ -360,11 +361,13 @@ class Projector(NativeHandle):
         new_pos = ffi.new("llama_pos *")
         forget_native_problems()
         ctx.last_decode_rows = 0
+        ctx.model.check_remote()
         arm_interrupts()
         rc = lib.mtmd_helper_decode_image_chunk(
             self.ptr, ctx.ptr, chunk._ptr, ffi.from_buffer("float[]", e), pos0, seq_id, n_batch, new_pos,
             lib.pyllama_post_decode_callback, handle)
         raise_carried()
+        ctx.model.check_remote()  # a server lost during the chunk explains the failure best
         if state.error is not None:
             raise state.error
         ctrl_c = rc != 0 and interrupted_during_call()

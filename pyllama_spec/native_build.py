@@ -47,6 +47,7 @@ PIN_UPSTREAM_DATE = "2026-10-01"
 SDIST_NAME = f"llama_cpp_python-{PIN_VERSION}.tar.gz"
 
 BACKENDS = ("cpu", "cuda", "rocm", "vulkan", "metal")
+RPC_SERVER = "ggml-rpc-server"  # tools/rpc's target and executable at this pin (upstream docs call it rpc-server)
 CFFI_MODULE = "pyllama_spec._native._pyllama_cffi"
 DECL_FILES = ("ggml.h", "llama.h", "mtmd.h", "shim.h")  # order matters: later files use earlier types
 
@@ -228,6 +229,27 @@ class BuildOptions:
     build_type: str = "Release"
     jobs: int | None = None
     tools: bool = False  # also build llama-server (for benchmarks only)
+    # ggml's RPC backend (remote devices) and its ggml-rpc-server: small (two source files), so
+    # part of every build unless turned off here or by -DGGML_RPC=OFF in the CMake arguments
+    rpc: bool = True
+
+
+def _cmake_switch(cmake_args: list[str] | str, flag: str) -> bool | None:
+    """What the last -D<flag>=... among CMake arguments says (None when it is not there)."""
+    text = " ".join(cmake_args) if isinstance(cmake_args, list) else cmake_args
+    found = re.findall(rf"-D{flag}(?::BOOL)?=(\S+)", text)
+    return found[-1].lower() in ("on", "1", "true", "yes") if found else None
+
+
+def rpc_wanted(opts: BuildOptions) -> bool:
+    """Whether this build has ggml's RPC backend: the option, unless CMake arguments say otherwise."""
+    said = _cmake_switch(_extra_cmake_args(opts), "GGML_RPC")
+    return opts.rpc if said is None else said
+
+
+def feature_cmake_args(opts: BuildOptions) -> list[str]:
+    """CMake flags of the optional parts every backend can have (RPC)."""
+    return ["-DGGML_RPC=ON"] if opts.rpc else []
 
 
 def backend_from_cmake_args(cmake_args: str) -> str:
@@ -358,6 +380,7 @@ class NativeBuild:
     backend: str
     cmake_args: tuple[str, ...]
     key: str
+    rpc: bool = False  # ggml's RPC backend and ggml-rpc-server were built
 
     def include_dirs(self) -> list[Path]:
         s = self.source.path
@@ -414,7 +437,7 @@ def build_native(opts: BuildOptions) -> NativeBuild:
     if shutil.which("cmake") is None:
         raise BuildError("cmake (>= 3.21) is needed: pip install cmake, or apt-get install cmake")
     source = user_source(opts.llama_cpp) if opts.llama_cpp else pinned_source()
-    cmake_args = backend_cmake_args(opts) + _extra_cmake_args(opts)
+    cmake_args = backend_cmake_args(opts) + feature_cmake_args(opts) + _extra_cmake_args(opts)
     project = project_snapshot()
     key = build_key(source, opts, cmake_args, project)
     build_dir = cache_root() / "build" / f"{opts.backend}-{key}"
@@ -434,11 +457,13 @@ def build_native(opts: BuildOptions) -> NativeBuild:
         _run_logged(configure, build_dir / "configure.log", "configure")
         stamp.write_text(json.dumps(configure))
     jobs = opts.jobs or os.cpu_count() or 2
-    targets = ["pyllama_native"] + (["llama-server"] if opts.tools else [])
+    targets = (["pyllama_native"] + ([RPC_SERVER] if rpc_wanted(opts) else [])
+               + (["llama-server"] if opts.tools else []))
     for target in targets:
         _run_logged(["cmake", "--build", str(build_dir), "--target", target, "-j", str(jobs)],
                     build_dir / "build.log", f"compile {target}", progress=True)
-    return NativeBuild(build_dir, build_dir / "bin", source, opts.backend, tuple(cmake_args), key)
+    return NativeBuild(build_dir, build_dir / "bin", source, opts.backend, tuple(cmake_args), key,
+                       rpc=rpc_wanted(opts))
 
 
 def find_llama_server() -> Path | None:
@@ -561,6 +586,9 @@ def install_native(build: NativeBuild, package_native_dir: Path) -> Path:
     lib_out.mkdir(parents=True)
     for name, real in shared_libraries(build.lib_dir).items():
         shutil.copy2(real, lib_out / name)
+    if build.rpc and (build.lib_dir / RPC_SERVER).is_file():
+        # beside the libraries it loads through its $ORIGIN rpath; `pyllama-spec rpc-server` runs it
+        shutil.copy2(build.lib_dir / RPC_SERVER, lib_out / RPC_SERVER)
     rpath = "@loader_path/lib" if sys.platform == "darwin" else "$ORIGIN/lib"
     ffi = make_ffibuilder(build, rpath)
     with tempfile.TemporaryDirectory() as tmp:
@@ -607,6 +635,7 @@ def write_build_record(build: NativeBuild, path: Path) -> None:
         "cmake_args": list(build.cmake_args),
         "build_dir": str(build.build_dir),
         "key": build.key,
+        "rpc": build.rpc,
         "dflash_target_archs": dflash_capable_archs(build.source.path),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
@@ -639,10 +668,14 @@ def parse_args(argv: list[str] | None = None) -> BuildOptions:
     ap.add_argument("--debug", action="store_true", help="CMAKE_BUILD_TYPE=Debug")
     ap.add_argument("-j", "--jobs", type=int, help="parallel compile jobs (default: all cores)")
     ap.add_argument("--tools", action="store_true", help="also build llama-server from the same source and flags")
+    ap.add_argument("--rpc", action=argparse.BooleanOptionalAction, default=True,
+                    help="ggml's RPC backend (remote devices) and ggml-rpc-server (default: on; --no-rpc "
+                         "leaves them out, as -DGGML_RPC=OFF in CMAKE_ARGS does)")
     ns = ap.parse_args(argv)
     return BuildOptions(backend=ns.backend or "cpu", cuda_arch=ns.cuda_arch, cublas_dir=ns.cublas_dir,
                         llama_cpp=ns.llama_cpp, cmake_args=tuple(ns.cmake_arg),
-                        build_type="Debug" if ns.debug else "Release", jobs=ns.jobs, tools=ns.tools)
+                        build_type="Debug" if ns.debug else "Release", jobs=ns.jobs, tools=ns.tools,
+                        rpc=ns.rpc)
 
 
 def main(argv: list[str] | None = None) -> int:

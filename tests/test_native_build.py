@@ -152,5 +152,28 @@ def test_an_unpatched_tree_is_recorded_as_unable_to_feed_dflash_from_qwen_vl(tmp
 def test_build_script_help_lists_the_backends():
     out = subprocess.run(["python3", str(nb.PROJECT_ROOT / "build.py"), "--help"], capture_output=True, text=True)
     assert out.returncode == 0
-    for flag in ("--cuda", "--rocm", "--vulkan", "--metal", "--llama-cpp", "--cublas-dir", "--tools"):
+    for flag in ("--cuda", "--rocm", "--vulkan", "--metal", "--llama-cpp", "--cublas-dir", "--tools", "--rpc",
+                 "--no-rpc"):
         assert flag in out.stdout
+
+
+def test_rpc_is_part_of_every_build_unless_turned_off_and_cmake_args_have_the_last_word(monkeypatch):
+    monkeypatch.delenv("CMAKE_ARGS", raising=False)
+    assert nb.rpc_wanted(nb.BuildOptions()) and nb.feature_cmake_args(nb.BuildOptions()) == ["-DGGML_RPC=ON"]
+    assert not nb.rpc_wanted(nb.BuildOptions(rpc=False)) and nb.feature_cmake_args(nb.BuildOptions(rpc=False)) == []
+    assert not nb.rpc_wanted(nb.BuildOptions(cmake_args=("-DGGML_RPC=OFF",)))
+    monkeypatch.setenv("CMAKE_ARGS", "-DGGML_CUDA=on -DGGML_RPC=ON")
+    assert nb.rpc_wanted(nb.BuildOptions(rpc=False))
+    assert nb.parse_args(["--no-rpc"]).rpc is False and nb.parse_args([]).rpc is True
+
+
+def test_the_installed_build_records_rpc_and_carries_its_server():
+    from pyllama_spec import _native
+
+    record = _native.build_record()
+    if not record.get("rpc"):
+        pytest.skip("this build was made without RPC (--no-rpc)")
+    assert "-DGGML_RPC=ON" in record["cmake_args"] or "GGML_RPC" in " ".join(record["cmake_args"])
+    assert _native.RPC_SERVER_PATH.is_file()
+    out = subprocess.run([str(_native.RPC_SERVER_PATH), "--help"], capture_output=True, text=True, timeout=30)
+    assert "--host" in out.stderr + out.stdout and "--port" in out.stderr + out.stdout

@@ -24,6 +24,7 @@ README = (REPO_ROOT / "README.md").read_text()
 PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
 BASH_BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.DOTALL)
 SERVER = "127.0.0.1:8080"
+RPC_HOSTS = ("192.168.1.20:50052", "192.168.1.21:50052")  # the RPC how-to's servers: loopback ones here
 INSTALL_SERVER = 'python3 -m pip install -e ".[server]" && '
 
 
@@ -69,8 +70,21 @@ def test_readme_python_block_runs_as_written(index, tiny_dense, big_image_png, r
     for name, src in (("t.gguf", tiny_dense.target), ("m.gguf", tiny_dense.mmproj), ("d.gguf", tiny_dense.draft),
                       ("photo.png", big_image_png)):
         shutil.copy(src, tmp_path / name)
-    res = run_python(PYTHON_BLOCKS[index], cwd=tmp_path, timeout=300)
-    assert res.returncode == 0, f"README block failed:\n{PYTHON_BLOCKS[index]}\n{res.stderr[-3000:]}"
+    code, servers = PYTHON_BLOCKS[index], []
+    try:
+        if any(h in code for h in RPC_HOSTS):
+            from pyllama_spec.rpc_server import LocalRPCServer, server_binary
+
+            if server_binary() is None:
+                pytest.skip("this build has no ggml-rpc-server (python build.py --rpc) for the RPC how-to")
+            for host in RPC_HOSTS:
+                servers.append(LocalRPCServer(lifetime=300))
+                code = code.replace(host, servers[-1].endpoint)
+        res = run_python(code, cwd=tmp_path, timeout=300)
+    finally:
+        for server in servers:
+            server.kill()
+    assert res.returncode == 0, f"README block failed:\n{code}\n{res.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("index", [i for i, b in enumerate(PYTHON_BLOCKS) if SERVER in b])

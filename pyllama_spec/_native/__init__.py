@@ -35,6 +35,8 @@ if lib.pyllama_shim_abi_version() != SHIM_ABI_VERSION:  # pragma: no cover
         "rebuild with `python build.py`")
 
 LIB_DIR = _HERE / "lib"
+#: ggml-rpc-server from the same build (beside the libraries its $ORIGIN rpath finds), when built with RPC.
+RPC_SERVER_PATH = LIB_DIR / "ggml-rpc-server"
 
 
 def backend_names() -> list[str]:

@@ -26,3 +26,15 @@ enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
 size_t                     ggml_backend_reg_count(void);
 ggml_backend_reg_t         ggml_backend_reg_get(size_t index);
 const char *               ggml_backend_reg_name(ggml_backend_reg_t reg);
+
+/* devices by name and by registry: local ones are registered; remote (RPC) ones come from
+ * the registry ggml_backend_rpc_add_server returns (reached through the RPC registry's
+ * proc address, as llama.cpp's common/arg.cpp does, so a build without RPC still links) */
+typedef struct ggml_backend_buffer_type * ggml_backend_buffer_type_t;
+ggml_backend_reg_t         ggml_backend_reg_by_name(const char * name);
+void *                     ggml_backend_reg_get_proc_address(ggml_backend_reg_t reg, const char * name);
+size_t                     ggml_backend_reg_dev_count(ggml_backend_reg_t reg);
+ggml_backend_dev_t         ggml_backend_reg_dev_get(ggml_backend_reg_t reg, size_t index);
+ggml_backend_reg_t         ggml_backend_dev_backend_reg(ggml_backend_dev_t device);
+ggml_backend_buffer_type_t ggml_backend_dev_buffer_type(ggml_backend_dev_t device);
+ggml_backend_buffer_type_t ggml_backend_cpu_buffer_type(void);

@@ -53,10 +53,23 @@ enum llama_load_mode {
     LLAMA_LOAD_MODE_MMAP_MLOCK, ...
 };
 
+enum llama_split_mode {
+    LLAMA_SPLIT_MODE_NONE, LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_ROW, LLAMA_SPLIT_MODE_TENSOR, ...
+};
+
+struct llama_model_tensor_buft_override {
+    const char * pattern;
+    ggml_backend_buffer_type_t buft;
+};
+
 struct llama_model_params {
+    ggml_backend_dev_t * devices;
+    const struct llama_model_tensor_buft_override * tensor_buft_overrides;
     int32_t n_gpu_layers;
+    enum llama_split_mode split_mode;
     enum llama_load_mode load_mode;
     int32_t main_gpu;
+    const float * tensor_split;
     bool vocab_only;
     bool check_tensors;
     ...;
@@ -98,6 +111,8 @@ void llama_backend_free(void);
 const char * llama_print_system_info(void);
 bool llama_supports_gpu_offload(void);
 bool llama_supports_mlock(void);
+bool llama_supports_rpc(void);
+size_t llama_max_devices(void);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
 
 struct llama_model_params   llama_model_default_params(void);
