@@ -184,10 +184,12 @@ class Engine:
         n_ctx_train = int(info.metadata.get(f"{info.arch}.context_length", 0) or 0)
         if c.n_ctx == 0 and n_ctx_train:  # llama.cpp's -c 0: the model's training length
             c = self.config = dataclasses.replace(c, n_ctx=n_ctx_train)
-        if n_ctx_train and c.n_ctx > n_ctx_train:
-            raise ValueError(f"n_ctx {c.n_ctx} is above the target's training length ({n_ctx_train} tokens, "
-                             f"{info.arch}.context_length): positions past it were never trained; use -c "
-                             f"{n_ctx_train} or less (or -c 0 for exactly that)")
+        per_slot = c.n_ctx // c.n_parallel  # each slot's positions start at 0
+        if n_ctx_train and per_slot > n_ctx_train:
+            slots = "" if c.n_parallel == 1 else f" per slot ({c.n_parallel} slots share n_ctx {c.n_ctx})"
+            raise ValueError(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} "
+                             f"tokens, {info.arch}.context_length): positions past it were never trained; use -c "
+                             f"{n_ctx_train * c.n_parallel} or less (or -c 0 for exactly that)")
         self.placement = devices.plan(c)
         draft = c.draft if c.spec_type == "draft-dflash" else None
         est = memory.estimate(c.model, mmproj=c.mmproj, draft=draft, n_ctx=c.n_ctx, n_ubatch=c.n_ubatch,
@@ -442,8 +444,9 @@ class Engine:
                 seq.reset()  # a step stopped halfway: forget the cache, the next call starts clean
                 raise
 
-    def _generation(self, seq: SlotSequence, request: dict) -> "_PreparedGeneration":
-        """A Generation for ``request`` on ``seq`` (tokenized, with its sampler), as a context manager
+    def _generation(self, seq: SlotSequence | None, request: dict) -> "_PreparedGeneration":
+        """A Generation for ``request`` on ``seq`` (tokenized, with its sampler; a scheduler may give it
+        its sequence later), as a context manager
         that frees the request's native objects (bitmaps, sampler) when it ends."""
         return _PreparedGeneration(self, seq, request)
 
@@ -514,7 +517,7 @@ class _PreparedGeneration:
     """``with engine._generation(seq, request) as gen``: render and tokenize the prompt, load its
     images, make its sampler and verifier; free the bitmaps and the sampler at the end."""
 
-    def __init__(self, engine: Engine, seq: SlotSequence, request: dict) -> None:
+    def __init__(self, engine: Engine, seq: SlotSequence | None, request: dict) -> None:
         self.engine, self.seq, self.request = engine, seq, request
         self._bitmaps: list[Bitmap] = []
         self._sampler: Sampler | None = None
@@ -523,7 +526,6 @@ class _PreparedGeneration:
         e, r = self.engine, self.request
         n_max, n_min, mode = r["drafting"]
         try:
-            self.seq.set_draft_positions(mode)  # the draft's cache is laid out by the mode
             text, image_list, renderer = e._prompt_text(r["prompt"], r["messages"], r["images"],
                                                         r["template_kwargs"])
             self._bitmaps = [Bitmap.load(im) for im in image_list]
@@ -539,7 +541,7 @@ class _PreparedGeneration:
             length = AdaptiveLength(d.n_max, d.n_max_limit) if n_max == "auto" else FixedLength(n_max)
             return Generation(self.seq, e.model, parts, verifier, stats, max_tokens=r["max_tokens"],
                               stop=r["stop"], draft_length=length, draft_min=n_min,
-                              cache_prompt=r["cache_prompt"], progress=r["progress"])
+                              cache_prompt=r["cache_prompt"], progress=r["progress"], draft_positions=mode)
         except BaseException:
             self.__exit__()
             raise

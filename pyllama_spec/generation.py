@@ -54,10 +54,11 @@ class Piece:
 class Generation:
     """One request on one sequence: its prompt parts, sampling, stop rules and stats."""
 
-    def __init__(self, seq: Sequence, model, parts: list, verifier, stats: GenerationStats, *,
+    def __init__(self, seq: Sequence | None, model, parts: list, verifier, stats: GenerationStats, *,
                  max_tokens: int, stop: list[str], draft_length, draft_min: int, cache_prompt: bool = True,
-                 progress: ProgressCallback | None = None) -> None:
-        self.seq = seq
+                 progress: ProgressCallback | None = None, draft_positions: str = "target") -> None:
+        self.seq = seq  # None until a scheduler gives it a slot
+        self.draft_positions = draft_positions
         self.model = model
         self.parts = parts
         self.verifier = verifier
@@ -71,22 +72,28 @@ class Generation:
         self.generated = 0
         self.id_last: int | None = None
         self.finished = False
+        self.prefilled = False
         self._t0 = time.perf_counter()
         self._t1 = self._t0  # when decoding started
         self._prefill_split = (0.0, 0.0)  # target / draft seconds spent in prefill
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, n_batch: int, projector=None) -> Iterator[None]:
-        """Decode what the cache does not hold yet, yielding after every decoded slice."""
+        """Decode what the cache does not hold yet, yielding after every decoded slice; after the
+        last one ``prefilled`` is True (and the target's last decode holds the prompt's logits)."""
         seq, stats = self.seq, self.stats
+        seq.set_draft_positions(self.draft_positions)  # the draft's cache is laid out by the mode
         if self.cache_prompt:
             todo = seq.keep_prefix(self.parts)
         else:
             seq.reset()
             todo = list(self.parts)
         stats.prompt_reused = seq.positions.n_rows
-        yield from prefill_parts(seq, todo, stats, n_batch, projector, self.progress)
-        stats.prompt_tokens, stats.prompt_positions = seq.positions.n_rows, seq.positions.pos_next
+        for rows_left in prefill_parts(seq, todo, stats, n_batch, projector, self.progress):
+            if rows_left == 0:
+                stats.prompt_tokens, stats.prompt_positions = seq.positions.n_rows, seq.positions.pos_next
+                self.prefilled = True  # the last decode holds the prompt's logits: start() must come next
+            yield
 
     # ------------------------------------------------------------------ decoding
     def start(self) -> Piece | None:
@@ -152,8 +159,9 @@ class Generation:
 
 
 def prefill_parts(seq: Sequence, parts: list, stats: GenerationStats, n_batch: int, projector=None,
-                  progress: ProgressCallback | None = None) -> Iterator[None]:
-    """Decode prompt parts after what ``seq`` holds, in slices of n_batch rows, yielding after each:
+                  progress: ProgressCallback | None = None) -> Iterator[int]:
+    """Decode prompt parts after what ``seq`` holds, in slices of n_batch rows, yielding the rows
+    left after each:
     text at consecutive positions from pos_next (logits for the last row only), media encoded and
     then decoded with its own positions. ``progress("encode" | "prefill", rows done, rows total)``."""
     total = sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
@@ -170,15 +178,17 @@ def prefill_parts(seq: Sequence, parts: list, stats: GenerationStats, n_batch: i
                 done += len(tokens)
                 if progress:
                     progress("prefill", done, total)
-                yield
+                yield total - done
         else:
             if progress:
                 progress("encode", done, total)
             for rows in seq.decode_media(projector, part, stats, n_batch=n_batch):
                 if progress:
                     progress("prefill", done + rows, total)
-                yield
+                if rows < part.n_tokens:
+                    yield total - done - rows
             done += part.n_tokens
+            yield total - done  # after the chunk's positions moved on
 
 
 def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation]) -> list[Piece | None]:

@@ -93,25 +93,33 @@ class Sequence:
         pinned = is_pinned(chunk.n_tokens, chunk.n_pos)  # for the whole chunk, whatever its slices
         non_causal = projector.uses_non_causal(chunk)
         batch = self._media_batch()
-        for s in range(0, chunk.n_tokens, n_batch):
-            e = min(s + n_batch, chunk.n_tokens)
-            batch.clear()
-            batch.add_embeddings(embd[s:e], positions[s:e], seq_id=self.seq_id)
-            with Stopwatch(stats, "target_seconds"):
-                if non_causal:
-                    self.ctx.set_causal_attn(False)
-                try:
-                    self.ctx.decode(batch)
-                finally:
+        try:
+            for s in range(0, chunk.n_tokens, n_batch):
+                e = min(s + n_batch, chunk.n_tokens)
+                batch.clear()
+                batch.add_embeddings(embd[s:e], positions[s:e], seq_id=self.seq_id)
+                with Stopwatch(stats, "target_seconds"):
                     if non_causal:
-                        self.ctx.set_causal_attn(True)
+                        self.ctx.set_causal_attn(False)
+                    try:
+                        self.ctx.decode(batch)
+                    finally:
+                        if non_causal:
+                            self.ctx.set_causal_attn(True)
+                if self.drafter is not None:
+                    # (first_draft_pos matters in "sequential" mode only, where every row takes a draft position)
+                    rows = TargetRows(np.ascontiguousarray(positions[s:e].T), True, p.draft_pos_next + s,
+                                      pinned=pinned, seq_id=self.seq_id, draft_positions=p.draft_positions)
+                    with Stopwatch(stats, "draft_seconds"):
+                        self.drafter.process([rows])
+                yield e
+        except BaseException:
+            # Stopped inside the chunk (cancelled between slices, or a slice failed): the positions
+            # never moved, so cut both caches back to where the chunk started.
+            self.ctx.memory.remove(self.seq_id, p.pos_next, -1)
             if self.drafter is not None:
-                # (first_draft_pos matters in "sequential" mode only, where every row takes a draft position)
-                rows = TargetRows(np.ascontiguousarray(positions[s:e].T), True, p.draft_pos_next + s,
-                                  pinned=pinned, seq_id=self.seq_id, draft_positions=p.draft_positions)
-                with Stopwatch(stats, "draft_seconds"):
-                    self.drafter.process([rows])
-            yield e
+                self.drafter.forget(self.seq_id, p.pos_next, p.draft_pos_next)
+            raise
         p.advance_media(chunk.n_tokens, chunk.n_pos)
         self.cached.append(CachedMedia(chunk.id, chunk.n_tokens, chunk.n_pos))
 

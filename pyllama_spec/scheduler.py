@@ -1,0 +1,292 @@
+"""Several generations at once: one slot (sequence) each, every slot's draft verified in one batch.
+
+An engine loaded with ``n_parallel=N`` has N sequences in its target context (and in its
+drafter). A scheduler thread owns them. Each turn of its loop:
+
+1. admits waiting requests into free slots (the free slot whose cache shares the longest
+   prefix with the prompt, so a conversation's next turn lands where its last one is);
+2. advances **one** slice of one prefilling slot (text: up to n_batch rows; an image: one
+   slice of its rows after its encode), so a long prefill does not stall the others;
+3. runs one ``speculative_step`` over every decoding slot: one draft call, one target
+   decode holding every slot's ``[id_last, d1..dk]`` at its own positions, each slot's
+   own verification and commit;
+4. hands each request its piece, and frees the slots of finished or cancelled requests.
+
+Requests are ``Submission`` handles: iterate them for pieces (from any thread), take
+``result()``, or ``cancel()``. A cancelled request stops between two steps (or two prefill
+slices), leaving its slot's cache consistent for the next prompt.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+from typing import Any, Callable, Iterator
+
+from .errors import GenerationCancelledError
+from .generation import Generation, Piece, speculative_step
+
+
+class Submission:
+    """One request in a scheduler: queued, running in a slot, or finished.
+
+    Iterate it for its pieces (the last carries ``finish_reason`` and ``stats``); the
+    iteration raises what the generation raised, and ``GenerationCancelledError`` when it
+    was cancelled. Leaving the iteration early cancels it. With ``on_event`` given (a server
+    pushing into its event loop), events go there instead: ``("piece", Piece)`` ...,
+    then ``("done", None)``, ``("error", exception)`` or ``("cancelled", None)``.
+    """
+
+    def __init__(self, request: dict, on_event: Callable[[str, Any], None] | None = None) -> None:
+        self.request = request
+        self._on_event = on_event
+        self._events: queue.Queue = queue.Queue()
+        self._cancel = threading.Event()
+        self.finished = threading.Event()  # set once its last event was sent
+        self.slot: int | None = None  # the slot it ran in
+
+    # --- the consumer's side
+    def cancel(self) -> None:
+        """Stop at the next step boundary (or drop it from the queue); safe from any thread."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def __iter__(self) -> Iterator[Piece]:
+        if self._on_event is not None:
+            raise TypeError("this submission sends its events to on_event; it cannot also be iterated")
+        return self._pieces()
+
+    def _pieces(self) -> Iterator[Piece]:
+        done = False
+        try:
+            while True:
+                kind, value = self._events.get()
+                if kind == "piece":
+                    yield value
+                elif kind == "done":
+                    done = True
+                    return
+                elif kind == "cancelled":
+                    done = True
+                    raise GenerationCancelledError("the generation was cancelled (Submission.cancel or "
+                                                   "the engine closed) before it finished")
+                else:
+                    done = True
+                    raise value
+        finally:
+            if not done:
+                self.cancel()  # the consumer stopped listening: free the slot
+
+    def result(self):
+        """Wait for the whole generation and return it as a Result."""
+        from .engine import Result
+
+        text, tokens, last = [], [], None
+        for piece in self:
+            text.append(piece.text)
+            tokens.extend(piece.tokens)
+            last = piece
+        assert last is not None and last.stats is not None
+        return Result("".join(text), tokens, last.finish_reason or "stop", last.stats)
+
+    # --- the scheduler's side
+    def _emit(self, kind: str, value: Any = None) -> None:
+        if self._on_event is not None:
+            self._on_event(kind, value)
+        else:
+            self._events.put((kind, value))
+        if kind != "piece":
+            self.finished.set()
+
+
+class _Running:
+    """A submission in a slot: its prepared generation and where it is."""
+
+    def __init__(self, submission: Submission, prepared, gen: Generation) -> None:
+        self.submission = submission
+        self.prepared = prepared  # frees the request's bitmaps and sampler at the end
+        self.gen = gen
+        self.prefill: Iterator[None] | None = None  # set when its prefill starts
+        self.decoding = False
+
+
+class Scheduler:
+    """The thread that runs an engine's slots (see the module docstring)."""
+
+    def __init__(self, engine, *, max_pending: int | None = None) -> None:
+        self.engine = engine
+        self.max_pending = max_pending  # None: no limit on waiting requests
+        self._cond = threading.Condition()
+        self._pending: collections.deque[Submission] = collections.deque()
+        self._slots: list[_Running | None] = [None] * len(engine.sequences)
+        self._stopping = False
+        self._reset_requested: threading.Event | None = None
+        self._turn = 0  # round robin over prefilling slots
+        self.steps = 0  # speculative steps run (each over every decoding slot)
+        self.slots_per_step: collections.Counter = collections.Counter()  # how many slots shared a step
+        self._thread = threading.Thread(target=self._loop, name="pyllama-spec-scheduler", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ from any thread
+    def submit(self, request: dict, on_event: Callable[[str, Any], None] | None = None) -> Submission:
+        sub = Submission(request, on_event)
+        with self._cond:
+            if self._stopping:
+                from .errors import ClosedError
+
+                raise ClosedError("the engine is closed")
+            if self.max_pending is not None and len(self._pending) >= self.max_pending:
+                from .errors import EngineBusyError
+
+                raise EngineBusyError(f"{len(self._pending)} requests are already waiting for a slot")
+            self._pending.append(sub)
+            self._cond.notify_all()
+        return sub
+
+    @property
+    def n_active(self) -> int:
+        return sum(r is not None for r in self._slots)
+
+    @property
+    def n_pending(self) -> int:
+        return len(self._pending)
+
+    def reset_all(self) -> None:
+        """Forget the cached prompts of the idle slots (runs on the scheduler thread; waits for it)."""
+        done = threading.Event()
+        with self._cond:
+            self._reset_requested = done
+            self._cond.notify_all()
+        done.wait()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Cancel everything, waiting and running, and end the thread (after its current step)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the scheduler thread
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._pending or self.n_active or self._reset_requested):
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    reset, self._reset_requested = self._reset_requested, None
+                if reset is not None:
+                    for seq, running in zip(self.engine.sequences, self._slots):
+                        if running is None:
+                            seq.reset()
+                    reset.set()
+                self._drop_cancelled()
+                self._admit()
+                self._prefill_one_slice()
+                self._step()
+        finally:
+            self._cancel_everything()
+
+    def _admit(self) -> None:
+        """Give waiting requests the free slots (the one whose cache shares most with the prompt)."""
+        while True:
+            free = [i for i, r in enumerate(self._slots) if r is None]
+            with self._cond:
+                if not free or not self._pending:
+                    return
+                sub = self._pending.popleft()
+            if sub.cancelled:
+                sub._emit("cancelled")
+                continue
+            prepared = self.engine._generation(None, sub.request)
+            try:
+                gen = prepared.__enter__()
+            except BaseException as e:  # noqa: BLE001 - a bad request fails alone
+                sub._emit("error", e)
+                continue
+            seqs = self.engine.sequences
+            best = max(free, key=lambda i: (seqs[i].prefix_length(gen.parts), -i)) if gen.cache_prompt else free[0]
+            gen.seq = seqs[best]
+            sub.slot = best
+            self._slots[best] = _Running(sub, prepared, gen)
+
+    def _drop_cancelled(self) -> None:
+        for i, running in enumerate(self._slots):
+            if running is not None and running.submission.cancelled:
+                if running.prefill is not None and not running.decoding:
+                    self._close_prefill(i, running)  # cut back to a consistent cache
+                self._finish(i, "cancelled")
+
+    def _prefill_one_slice(self) -> None:
+        waiting = [i for i, r in enumerate(self._slots) if r is not None and not r.decoding]
+        if not waiting:
+            return
+        i = waiting[self._turn % len(waiting)]
+        self._turn += 1
+        running = self._slots[i]
+        engine = self.engine
+        try:
+            if running.prefill is None:
+                running.prefill = running.gen.prefill(engine.ctx.n_batch, engine.projector)
+            next(running.prefill, None)
+            if running.gen.prefilled:  # the prompt is in: its first token, before any other decode
+                running.decoding = True
+                self._deliver(i, running.gen.start())
+        except BaseException as e:  # noqa: BLE001 - a failed prefill fails its request alone
+            running.gen.seq.reset()
+            self._finish(i, "error", e)
+
+    def _step(self) -> None:
+        active = [(i, r) for i, r in enumerate(self._slots) if r is not None and r.decoding and not r.gen.finished]
+        if not active:
+            return
+        engine = self.engine
+        try:
+            pieces = speculative_step(engine.ctx, engine.drafter, [r.gen for _, r in active])
+        except BaseException as e:  # noqa: BLE001 - a shared step failed: every slot in it fails
+            for i, r in active:
+                r.gen.seq.reset()
+                self._finish(i, "error", e)
+            return
+        self.steps += 1
+        self.slots_per_step[len(active)] += 1
+        for (i, _), piece in zip(active, pieces):
+            self._deliver(i, piece)
+
+    def _deliver(self, i: int, piece: Piece | None) -> None:
+        running = self._slots[i]
+        if piece is not None:
+            running.submission._emit("piece", piece)
+        if running.gen.finished:
+            self._finish(i, "done")
+
+    def _close_prefill(self, i: int, running: _Running) -> None:
+        try:
+            running.prefill.close()  # a media chunk cut short removes its rows (sequence.py)
+        except BaseException:  # noqa: BLE001
+            running.gen.seq.reset()
+
+    def _finish(self, i: int, kind: str, value: Any = None) -> None:
+        running = self._slots[i]
+        self._slots[i] = None
+        running.prepared.__exit__(None, None, None)
+        running.submission._emit(kind, value)
+
+    def _cancel_everything(self) -> None:
+        for i, running in enumerate(self._slots):
+            if running is not None:
+                if running.prefill is not None and not running.decoding:
+                    self._close_prefill(i, running)
+                self._finish(i, "cancelled")
+        with self._cond:
+            pending, self._pending = list(self._pending), collections.deque()
+        for sub in pending:
+            sub._emit("cancelled")
+        if self._reset_requested is not None:
+            self._reset_requested.set()
