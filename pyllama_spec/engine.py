@@ -52,6 +52,17 @@ class Result:
     finish_reason: str  # "stop" (end of generation or a stop string) or "length"
     stats: GenerationStats
 
+    @classmethod
+    def from_pieces(cls, pieces) -> "Result":
+        """A whole generation from its streamed pieces (the last carries the stats)."""
+        text, tokens, last = [], [], None
+        for piece in pieces:
+            text.append(piece.text)
+            tokens.extend(piece.tokens)
+            last = piece
+        assert last is not None and last.stats is not None
+        return cls("".join(text), tokens, last.finish_reason or "stop", last.stats)
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -166,6 +177,11 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        if config.n_parallel > 1:
+            from .scheduler import Scheduler
+
+            # Made here, once: threads that submit at the same moment must share one scheduler.
+            self._scheduler = Scheduler(self)
 
     def _check_before_load(self) -> None:
         """Refuse, before allocating anything: a bad file, a context past the training length, device
@@ -290,13 +306,7 @@ class Engine:
     # ------------------------------------------------------------------ public API
     def generate(self, prompt: str | None = None, **kwargs: Any) -> Result:
         """Generate a completion: ``stream``'s arguments, the pieces joined into one Result."""
-        text, tokens, last = [], [], None
-        for piece in self.stream(prompt, **kwargs):
-            text.append(piece.text)
-            tokens.extend(piece.tokens)
-            last = piece
-        assert last is not None and last.stats is not None
-        return Result("".join(text), tokens, last.finish_reason or "stop", last.stats)
+        return Result.from_pieces(self.stream(prompt, **kwargs))
 
     def stream(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None, images=(),
                max_tokens: int = 128, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,
@@ -335,7 +345,7 @@ class Engine:
                                 draft_min=draft_min, draft_positions=draft_positions, verify=verify,
                                 chat_template_kwargs=chat_template_kwargs)
         if self.config.n_parallel > 1:
-            return iter(self._submit(request))
+            return self._scheduled(request)
         return self._owned(self._run(request))
 
     def submit(self, prompt: str | None = None, **kwargs: Any):
@@ -347,16 +357,13 @@ class Engine:
                              "(llama.cpp's -np); with one slot use stream() or generate()")
         return self._submit(self._request(prompt=prompt, **kwargs))
 
+    def _scheduled(self, request: dict) -> Iterator[Piece]:
+        """A stream through the scheduler, submitted at its first step like a single-slot stream
+        (a stream never iterated takes no slot); leaving it early cancels it."""
+        yield from self._submit(request)
+
     def _submit(self, request: dict):
-        from .scheduler import Scheduler
-
-        if self._gate.closed:
-            from .errors import ClosedError
-
-            raise ClosedError("the engine is closed")
-        if self._scheduler is None:
-            self._scheduler = Scheduler(self)
-        return self._scheduler.submit(request)
+        return self._scheduler.submit(request)  # refuses once the engine is closed
 
     def _request(self, *, prompt=None, messages=None, images=(), max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, presence_penalty: float = 0.0,

@@ -85,13 +85,7 @@ class Submission:
         """Wait for the whole generation and return it as a Result."""
         from .engine import Result
 
-        text, tokens, last = [], [], None
-        for piece in self:
-            text.append(piece.text)
-            tokens.extend(piece.tokens)
-            last = piece
-        assert last is not None and last.stats is not None
-        return Result("".join(text), tokens, last.finish_reason or "stop", last.stats)
+        return Result.from_pieces(self)
 
     # --- the scheduler's side
     def _emit(self, kind: str, value: Any = None) -> None:
