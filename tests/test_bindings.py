@@ -287,6 +287,8 @@ def test_decode_media_advances_by_n_pos_and_shows_each_slice(dense_vision, big_i
         # the context's sections are (t, y, x, z): mtmd writes .y to section 1 and .x to section 2,
         # so they are decoder_positions() (t, x, y, z) with the middle columns swapped
         assert np.array_equal(seen.astype(np.uint32), img.decoder_positions(pos0)[:, [0, 2, 1, 3]])
+        # the engine decodes media slice by slice itself (sequence.py), with these same rows
+        assert np.array_equal(seen, proj.media_positions(img, pos0))
 
         # text after the image continues at next_pos
         ctx.decode_tokens(m.tokenize("ok"), [next_pos, next_pos + 1], outputs=[False, True])

@@ -1,0 +1,85 @@
+"""Several requests at once (n_parallel slots, scheduler.py), as users run them: from threads and
+through submit(), checked against the same requests run one at a time."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from conftest import N_THREADS
+
+import pyllama_spec as ps
+
+PROMPTS = ["def f", "class Foo:", "import os\n", "The cat"]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return ps.embedded_models()
+
+
+@pytest.fixture(scope="module")
+def sequential(pair):
+    """Every prompt's greedy answer from a one-slot engine (with the demo image on the last two)."""
+    image = ps.tiny.draw_demo_image(224)
+    with ps.load(pair.target, mmproj=pair.mmproj, draft=pair.draft, n_threads=N_THREADS) as engine:
+        return image, [engine.generate(p, images=[image] if i >= 2 else [], max_tokens=48).tokens
+                       for i, p in enumerate(PROMPTS)]
+
+
+def test_concurrent_requests_equal_their_sequential_answers(pair, sequential):
+    image, expected = sequential
+    with ps.load(pair.target, mmproj=pair.mmproj, draft=pair.draft, n_threads=N_THREADS, n_parallel=4) as engine:
+        subs = [engine.submit(p, images=[image] if i >= 2 else [], max_tokens=48) for i, p in enumerate(PROMPTS)]
+        got = [s.result() for s in subs]
+        shared = {n: c for n, c in engine._scheduler.slots_per_step.items() if n > 1}
+    assert [r.tokens for r in got] == expected
+    assert shared, "no step verified more than one slot"
+    assert all(r.stats.drafted > 0 for r in got)
+
+
+def test_threads_calling_generate_run_concurrently_and_losslessly(pair, sequential):
+    image, expected = sequential
+    out: dict[int, list[int]] = {}
+    with ps.load(pair.target, mmproj=pair.mmproj, draft=pair.draft, n_threads=N_THREADS, n_parallel=2) as engine:
+        def run(i):
+            out[i] = engine.generate(PROMPTS[i], images=[image] if i >= 2 else [], max_tokens=48).tokens
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert [out[i] for i in range(len(PROMPTS))] == expected
+
+
+def test_a_cancelled_request_frees_its_slot_and_the_others_are_unchanged(pair, sequential):
+    _, expected = sequential
+    with ps.load(pair.target, mmproj=pair.mmproj, draft=pair.draft, n_threads=N_THREADS, n_parallel=2) as engine:
+        long = engine.submit(PROMPTS[0], max_tokens=2000)
+        first = next(iter(long))
+        assert first.tokens
+        other = engine.submit(PROMPTS[1], max_tokens=48)
+        long.cancel()
+        with pytest.raises(ps.GenerationCancelledError):
+            for _ in long:
+                pass
+        assert other.result().tokens == expected[1]
+        # the cancelled slot's cache stayed consistent: the same prompt again gives its answer
+        assert engine.generate(PROMPTS[0], max_tokens=48).tokens == expected[0]
+        never = engine.stream(PROMPTS[2], max_tokens=8)  # never iterated: takes no slot
+        assert engine._scheduler.n_active == 0 and engine._scheduler.n_pending == 0
+        never.close()
+
+
+def test_slots_refuse_what_they_cannot_hold(pair):
+    with ps.load(pair.target, n_threads=N_THREADS) as engine:
+        with pytest.raises(ValueError, match="n_parallel > 1"):
+            engine.submit("hi")
+    with pytest.raises(ValueError, match="cannot exceed n_batch"):
+        ps.load(pair.target, n_threads=N_THREADS, n_parallel=8, n_batch=4, n_ubatch=4)
+    with ps.load(pair.target, n_threads=N_THREADS, n_parallel=4, n_ctx=1024) as engine:
+        share = engine.ctx.n_ctx_seq
+        with pytest.raises(ps.ContextOverflowError, match=f"each of the 4 slots has {share}"):
+            engine.generate("word " * share, max_tokens=4)
+        assert engine.generate("def f", max_tokens=4).tokens  # still usable
