@@ -255,7 +255,8 @@ def _load_engine(o: dict):
                   cache_type_k_draft=o["cache_type_k_draft"], cache_type_v_draft=o["cache_type_v_draft"],
                   mmproj_offload=o["mmproj_offload"], use_mmap=o["use_mmap"], use_mlock=o["use_mlock"],
                   rpc_servers=o["rpc_servers"] or (), devices=o["devices"], device_draft=o["device_draft"],
-                  split_mode=o["split_mode"], tensor_split=o["tensor_split"] or (), main_gpu=o["main_gpu"])
+                  split_mode=o["split_mode"], tensor_split=o["tensor_split"] or (), main_gpu=o["main_gpu"],
+                  n_parallel=o.get("n_parallel", 1))
     model, mmproj, draft = o["model"], o["mmproj"], o["draft"]
     if model is None:
         if mmproj or draft:
@@ -620,8 +621,11 @@ def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, 
 @click.option("--port", default=8080, show_default=True)
 @click.option("--api-key", envvar="LLAMA_API_KEY", default=None, help="require 'Authorization: Bearer KEY'")
 @click.option("-a", "--alias", default=None, help="model name clients see (default: the file name)")
-@click.option("-np", "--parallel", default=1, show_default=True, help="sequence slots (1 in this version)")
-@click.option("--queue", "max_queue", default=16, show_default=True, help="requests that may wait; more get 503")
+@click.option("-np", "--parallel", default=1, show_default=True, type=click.IntRange(1, 64),
+              help="sequence slots: requests generated at once, every slot's draft verified in one target "
+                   "batch; each slot gets ctx-size / np of the context")
+@click.option("--queue", "max_queue", default=16, show_default=True,
+              help="requests that may wait for a slot; more get 503")
 @click.option("--allowed-image-dir", type=click.Path(file_okay=False, exists=True), default=None,
               help="allow image_url parts that name local files under this folder")
 @click.option("--max-images", default=8, show_default=True, help="images per request")
@@ -637,18 +641,15 @@ def serve(host, port, api_key, alias, parallel, max_queue, allowed_image_dir, ma
     except ImportError as e:
         err_console.print(f"[red]{e}[/red] (pip install 'pyllama-spec[server]')")
         sys.exit(2)
-    if parallel != 1:
-        err_console.print("[red]-np/--parallel > 1 is not available yet[/red]: one sequence slot per server; "
-                          "requests queue (--queue) and run one at a time")
-        sys.exit(2)
-    engine = _load_engine_or_exit(o)
+    engine = _load_engine_or_exit({**o, "n_parallel": parallel})
     settings = ServerSettings(alias=alias or Path(engine.model.path).stem, api_key=api_key, max_queue=max_queue,
                               default_max_tokens=o["max_tokens"], max_images=max_images,
                               max_image_pixels=max_image_pixels, max_body_bytes=max_body_mib * 2**20,
                               allowed_image_dir=Path(allowed_image_dir) if allowed_image_dir else None)
     mode = _speculative_mode(engine)
+    slots = f"{parallel} slots of {engine.ctx.n_ctx_seq} tokens" if parallel > 1 else "1 slot"
     err_console.print(f"[bold]pyllama-spec serve[/bold] · {engine.model.path.name} as '{settings.alias}' · "
-                      f"speculative: {mode} · images: {'yes' if engine.projector else 'no'} · "
+                      f"speculative: {mode} · images: {'yes' if engine.projector else 'no'} · {slots} · "
                       f"http://{host}:{port}/v1")
     with engine:
         uvicorn.run(create_app(engine, settings), host=host, port=port, log_level="warning")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -348,22 +348,29 @@ class Engine:
             return self._scheduled(request)
         return self._owned(self._run(request))
 
-    def submit(self, prompt: str | None = None, **kwargs: Any):
+    def submit(self, prompt: str | None = None, *, on_event: Callable[[str, Any], None] | None = None,
+               max_waiting: int | None = None, **kwargs: Any):
         """Start a generation in a free slot (or queue it until one frees) and return its handle
         at once: a ``Submission`` (scheduler.py) to iterate for pieces, ``result()`` for the
-        whole Result, or ``cancel()``. ``stream``'s arguments. Needs ``n_parallel > 1``."""
+        whole Result, or ``cancel()``. ``stream``'s arguments. Needs ``n_parallel > 1``.
+
+        ``on_event(kind, value)``, called on the scheduler's thread, receives the events instead
+        of the iteration (a server hands them to its event loop). ``max_waiting`` refuses the
+        request with EngineBusyError when that many already wait for a slot."""
         if self.config.n_parallel < 2:
             raise ValueError("submit() runs generations concurrently in slots: load with n_parallel > 1 "
                              "(llama.cpp's -np); with one slot use stream() or generate()")
-        return self._submit(self._request(prompt=prompt, **kwargs))
+        return self._scheduler.submit(self._request(prompt=prompt, **kwargs), on_event, max_waiting)
+
+    @property
+    def scheduler(self):
+        """The thread that runs the slots (scheduler.py), when loaded with n_parallel > 1; else None."""
+        return self._scheduler
 
     def _scheduled(self, request: dict) -> Iterator[Piece]:
         """A stream through the scheduler, submitted at its first step like a single-slot stream
         (a stream never iterated takes no slot); leaving it early cancels it."""
-        yield from self._submit(request)
-
-    def _submit(self, request: dict):
-        return self._scheduler.submit(request)  # refuses once the engine is closed
+        yield from self._scheduler.submit(request)  # refuses once the engine is closed
 
     def _request(self, *, prompt=None, messages=None, images=(), max_tokens: int = 128, temperature: float = 0.0,
                  top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, presence_penalty: float = 0.0,

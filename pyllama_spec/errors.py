@@ -40,7 +40,8 @@ class ClosedError(PyllamaError, ValueError):
 
 
 class EngineBusyError(PyllamaError, RuntimeError):
-    """The engine was used from inside its own running generation (e.g. from a progress callback)."""
+    """The engine cannot take this request now: it was used from inside its own running
+    generation (e.g. from a progress callback), or its slots' waiting queue is full."""
 
 
 class GenerationCancelledError(PyllamaError, RuntimeError):

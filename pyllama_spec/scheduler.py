@@ -35,7 +35,8 @@ class Submission:
     iteration raises what the generation raised, and ``GenerationCancelledError`` when it
     was cancelled. Leaving the iteration early cancels it. With ``on_event`` given (a server
     pushing into its event loop), events go there instead: ``("piece", Piece)`` ...,
-    then ``("done", None)``, ``("error", exception)`` or ``("cancelled", None)``.
+    then ``("done", None)``, ``("error", exception)`` or ``("cancelled", stats)`` (the
+    GenerationStats of the part it ran, or None when it never reached a slot).
     """
 
     def __init__(self, request: dict, on_event: Callable[[str, Any], None] | None = None) -> None:
@@ -111,9 +112,8 @@ class _Running:
 class Scheduler:
     """The thread that runs an engine's slots (see the module docstring)."""
 
-    def __init__(self, engine, *, max_pending: int | None = None) -> None:
+    def __init__(self, engine) -> None:
         self.engine = engine
-        self.max_pending = max_pending  # None: no limit on waiting requests
         self._cond = threading.Condition()
         self._pending: collections.deque[Submission] = collections.deque()
         self._slots: list[_Running | None] = [None] * len(engine.sequences)
@@ -126,14 +126,17 @@ class Scheduler:
         self._thread.start()
 
     # ------------------------------------------------------------------ from any thread
-    def submit(self, request: dict, on_event: Callable[[str, Any], None] | None = None) -> Submission:
+    def submit(self, request: dict, on_event: Callable[[str, Any], None] | None = None,
+               max_waiting: int | None = None) -> Submission:
+        """Queue a request for a slot. With ``max_waiting``, refuse it (EngineBusyError) when that
+        many requests already wait for a slot (a server's bounded queue)."""
         sub = Submission(request, on_event)
         with self._cond:
             if self._stopping:
                 from .errors import ClosedError
 
                 raise ClosedError("the engine is closed")
-            if self.max_pending is not None and len(self._pending) >= self.max_pending:
+            if max_waiting is not None and len(self._pending) >= max_waiting:
                 from .errors import EngineBusyError
 
                 raise EngineBusyError(f"{len(self._pending)} requests are already waiting for a slot")
@@ -215,7 +218,7 @@ class Scheduler:
             if running is not None and running.submission.cancelled:
                 if running.prefill is not None and not running.decoding:
                     self._close_prefill(i, running)  # cut back to a consistent cache
-                self._finish(i, "cancelled")
+                self._finish(i, "cancelled", running.gen.stats)
 
     def _prefill_one_slice(self) -> None:
         waiting = [i for i, r in enumerate(self._slots) if r is not None and not r.decoding]
@@ -277,7 +280,7 @@ class Scheduler:
             if running is not None:
                 if running.prefill is not None and not running.decoding:
                     self._close_prefill(i, running)
-                self._finish(i, "cancelled")
+                self._finish(i, "cancelled", running.gen.stats)
         with self._cond:
             pending, self._pending = list(self._pending), collections.deque()
         for sub in pending:

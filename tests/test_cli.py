@@ -26,7 +26,9 @@ def test_demo_runs_dflash_on_a_large_image_without_draft_failure(tmp_path, monke
 
 
 def test_serve_refuses_what_it_cannot_do_with_a_message(tmp_path):
-    result = CliRunner().invoke(main, ["serve", "-np", "4"])
+    result = CliRunner().invoke(main, ["serve", "-np", "0"])
     assert result.exit_code == 2 and "--parallel" in result.output
+    result = CliRunner().invoke(main, ["serve", "-np", "8", "-b", "4", "-ub", "4", "--port", "1"])
+    assert result.exit_code == 1 and "n_parallel" in result.output, result.output
     result = CliRunner().invoke(main, ["serve", "-m", str(tmp_path / "none.gguf"), "--port", "1"])
     assert result.exit_code == 1 and "none.gguf" in result.output

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
+
 import pytest
 from conftest import N_THREADS
 
@@ -83,3 +85,37 @@ def test_slots_refuse_what_they_cannot_hold(pair):
         with pytest.raises(ps.ContextOverflowError, match=f"each of the 4 slots has {share}"):
             engine.generate("word " * share, max_tokens=4)
         assert engine.generate("def f", max_tokens=4).tokens  # still usable
+
+
+def test_a_request_cancelled_inside_its_image_prefill_leaves_its_slot_consistent(pair):
+    """Cancelled between two slices of its image (small batches: the image takes several), beside a
+    decoding request: its partial image rows are removed, the slot keeps only the text before the
+    image, the same request later gives its full answer, and the request beside it is unchanged."""
+    image = ps.tiny.draw_demo_image(224)
+    with ps.load(pair.target, mmproj=pair.mmproj, draft=pair.draft, n_threads=N_THREADS, n_parallel=2,
+                 n_batch=16, n_ubatch=16) as engine:
+        with_image = engine.generate(PROMPTS[2], images=[image], max_tokens=24).tokens
+        beside = engine.generate(PROMPTS[1], max_tokens=64).tokens
+        engine.reset_cache()
+
+        seen, handed_out = [], threading.Event()
+
+        def progress(stage, done, total):  # on the scheduler thread
+            handed_out.wait(10)  # `victim` is assigned
+            seen.append(stage)
+            if seen.count("prefill") >= 2 and "encode" in seen:
+                victim.cancel()  # between two slices of the image's rows
+
+        other = engine.submit(PROMPTS[1], max_tokens=64)
+        victim = engine.submit(PROMPTS[2], images=[image], max_tokens=24, progress=progress)
+        handed_out.set()
+        with pytest.raises(ps.GenerationCancelledError):
+            victim.result()
+        seq = engine.sequences[victim.slot]
+        assert seen.count("encode") == 1 and seen[-1] == "prefill"  # it stopped inside the image
+        assert all(isinstance(part, np.ndarray) for part in seq.cached)  # no media: its rows were cut
+        assert seq.positions.n_rows == sum(len(part) for part in seq.cached)
+        assert other.result().tokens == beside
+        again = engine.submit(PROMPTS[2], images=[image], max_tokens=24).result()
+        assert again.tokens == with_image
+        assert again.stats.prompt_reused > 0  # the text before the image was kept

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import io
 import json
 import re
@@ -456,3 +457,115 @@ def test_load_32_clients_4_requests_each(served, reference):
     lat = sorted(latencies)
     print(f"load: {len(plan)} requests ({len(left)} left early) in {wall:.1f} s = {len(plan) / wall:.1f} req/s; "
           f"latency p50 {lat[len(lat) // 2] * 1000:.0f} ms, p95 {lat[int(len(lat) * 0.95)] * 1000:.0f} ms")
+
+
+# --------------------------------------------------------------------------- slots (-np N)
+
+
+@pytest.fixture(scope="module")
+def served_slots(tiny_dense):
+    """A server with 3 slots: requests generated at once, their drafts verified in one target batch."""
+    engine = ps.load(tiny_dense.target, mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_ctx=3 * 4096,
+                     n_batch=64, n_ubatch=64, n_threads=N_THREADS, draft_max=7, flash_attn=False, n_parallel=3)
+    server = Server(engine, ServerSettings(alias="tiny", max_queue=64, max_image_pixels=1024 * 1024))
+    server.engine = engine
+    yield server
+    server.stop()
+    engine.close()
+
+
+def _chat(c, url: str, text: str, png: bytes | None, max_tokens: int, stream: bool) -> str:
+    body = {"messages": _messages(text, png), "max_tokens": max_tokens, "stream": stream}
+    if not stream:
+        r = c.post(url + "/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["message"]["content"]
+    text_out = []
+    with c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        for ln in r.iter_lines():
+            if ln.startswith("data: ") and ln != "data: [DONE]":
+                choices = json.loads(ln[6:])["choices"]
+                if choices:
+                    text_out.append(choices[0]["delta"].get("content") or "")
+    return "".join(text_out)
+
+
+def test_slots_answer_concurrent_requests_as_one_slot_would(served_slots, reference):
+    """9 requests from 9 clients at once on 3 slots, mixed text/image, streamed and not, different
+    lengths: every answer equals its sequential greedy answer, and steps were shared by slots."""
+    sched = served_slots.engine.scheduler
+    shared_before = sum(n for k, n in sched.slots_per_step.items() if k > 1)
+    plan = [("What is in this picture?", _png(20), 24, True), ("Tell me a story", None, 40, False),
+            ("def main(", None, 8, True), ("Describe it", _png(21), 16, False), ("Hi", None, 30, True),
+            ("What is in this picture?", _png(21), 12, False), ("def add(a, b):", None, 20, False),
+            ("Describe it", _png(20), 28, True), ("Tell me a story", None, 5, True)]
+    expected = [reference(text, png, n).text for text, png, n, _ in plan]
+
+    def client(item):
+        with httpx.Client(timeout=120) as c:
+            return _chat(c, served_slots.url, *item)
+
+    with concurrent.futures.ThreadPoolExecutor(len(plan)) as pool:
+        got = list(pool.map(client, plan))
+    assert got == expected
+    assert sum(n for k, n in sched.slots_per_step.items() if k > 1) > shared_before  # verified together
+    props = httpx.get(served_slots.url + "/props").json()
+    assert props["total_slots"] == 3
+    metrics = httpx.get(served_slots.url + "/metrics").text
+    assert "pyllama_spec_slots 3" in metrics and "pyllama_spec_busy 0" in metrics
+
+
+def test_slots_a_client_that_leaves_frees_its_slot_and_the_others_are_unchanged(served_slots, reference):
+    long = {"messages": OK_MESSAGES, "max_tokens": 3000, "stream": True}
+    png = _png(22)
+    expected = reference("Describe it", png, 64).text
+    sched = served_slots.engine.scheduler
+    shared_before = sched.slots_per_step[2]
+    with httpx.Client(timeout=120) as c1, httpx.Client(timeout=120) as c2, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with c1.stream("POST", served_slots.url + "/v1/chat/completions", json=long) as first:
+            lines = first.iter_lines()  # kept: closing this iterator would close the connection
+            next(ln for ln in lines if '"content"' in ln and "assistant" not in ln)  # generating now
+            other = pool.submit(_chat, c2, served_slots.url, "Describe it", png, 64, True)
+            deadline = time.monotonic() + 20
+            while sched.n_active < 2:  # the other request is in its slot
+                assert time.monotonic() < deadline and not other.done()
+                time.sleep(0.01)
+        # the long stream's client left here, while the other was prefilling or decoding beside it
+        assert other.result(timeout=120) == expected
+    deadline = time.monotonic() + 10
+    while "pyllama_spec_busy 0" not in httpx.get(served_slots.url + "/metrics").text:
+        assert time.monotonic() < deadline, "the abandoned slot was not freed"
+        time.sleep(0.05)
+    assert sched.n_active == 0
+
+
+def test_slots_a_full_queue_answers_503_while_the_slots_keep_serving(tiny_dense):
+    engine = ps.load(tiny_dense.target, n_ctx=2 * 4096, n_batch=64, n_ubatch=64, n_threads=N_THREADS,
+                     flash_attn=False, n_parallel=2)
+    server = Server(engine, ServerSettings(max_queue=1))
+    long = {"messages": OK_MESSAGES, "max_tokens": 3000, "stream": True}
+    url = server.url + "/v1/chat/completions"
+    try:
+        with contextlib.ExitStack() as stack:
+            for _ in range(3):  # two in the slots, one waiting
+                c = stack.enter_context(httpx.Client(timeout=60))
+                stack.enter_context(c.stream("POST", url, json=long))  # headers read; generating or queued
+            deadline = time.monotonic() + 20
+            while "pyllama_spec_queue_depth 1" not in (m := httpx.get(server.url + "/metrics").text):
+                assert time.monotonic() < deadline, m
+                time.sleep(0.05)
+            assert "pyllama_spec_busy 2" in m
+            full = httpx.post(url, json={**long, "stream": False})
+            assert full.status_code == 503 and full.headers["retry-after"] == "1"
+            assert full.json()["error"]["code"] == "queue_full"
+        t0 = time.monotonic()  # every client left: their slots free within a step
+        r = httpx.post(url, json={"messages": OK_MESSAGES, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and time.monotonic() - t0 < 10
+        generated = float(re.search(r"^pyllama_spec_generated_tokens_total (\S+)$",
+                                    httpx.get(server.url + "/metrics").text, re.M).group(1))
+        assert 0 < generated < 3000  # the abandoned ones were counted, and stopped early
+    finally:
+        server.stop()
+        engine.close()

@@ -29,11 +29,11 @@ from starlette.staticfiles import StaticFiles
 
 from .. import __version__
 from ..engine import Engine
-from ..errors import ContextOverflowError, ImageError, NativeCallError, ProjectorError
+from ..errors import ContextOverflowError, GenerationCancelledError, ImageError, NativeCallError, ProjectorError
 from .images import ImageLimits
 from .metrics import ServerMetrics
 from .schema import APIError, GenerationRequest, RequestLimits, bad_request, parse_chat, parse_completion
-from .worker import EngineWorker, Job, QueueFullError
+from .worker import Job, QueueFullError, make_worker
 
 log = logging.getLogger("pyllama_spec.server")
 
@@ -76,6 +76,8 @@ def _engine_error(e: BaseException) -> APIError:
         return bad_request(str(e), "messages", code="context_length_exceeded")
     if isinstance(e, (ImageError, ProjectorError)):
         return bad_request(str(e), "messages", code="invalid_image")
+    if isinstance(e, GenerationCancelledError):
+        return APIError(503, str(e), type="server_error", code="cancelled")
     if isinstance(e, NativeCallError):
         return APIError(500, str(e), type="server_error", code="native_error")
     if isinstance(e, ValueError):
@@ -159,7 +161,7 @@ class _Service:
             draft_max=drafter.n_max_limit if drafter else 0,
             images=ImageLimits(max_images=settings.max_images if engine.projector else 0,
                                max_pixels=settings.max_image_pixels, allowed_dir=settings.allowed_image_dir))
-        self.worker: EngineWorker | None = None
+        self.worker = None  # made by start(): one slot, or the engine's slots (-np N)
         # Facts the info routes answer with, read once here: the event loop never calls into
         # native code while the worker thread generates.
         from ..mtmd import MEDIA_MARKER
@@ -171,7 +173,7 @@ class _Service:
                           media_marker=MEDIA_MARKER)
 
     def start(self) -> None:
-        self.worker = EngineWorker(self.engine, self.settings.max_queue, on_finished=self.metrics.add_generation)
+        self.worker = make_worker(self.engine, self.settings.max_queue, on_finished=self.metrics.add_generation)
 
     def stop(self) -> None:
         if self.worker is not None:
@@ -302,6 +304,9 @@ async def _complete(service: _Service, req: GenerationRequest, job: Job, request
                 break
     finally:
         job.cancel()  # no-op once finished; stops the generation if this handler was cancelled
+    if last is None or last.stats is None:  # ended without its last piece: stopped under it
+        raise APIError(503, "the generation was stopped before it finished (the server is stopping)",
+                       type="server_error", code="cancelled")
     stats = last.stats
     content = "".join(text)
     rid, obj = _ids(req)
@@ -415,7 +420,7 @@ async def _props(service: _Service) -> Response:
         "model_alias": service.settings.alias,
         "model_path": f["model_path"],
         "build_info": f"pyllama-spec {__version__}",
-        "total_slots": 1,
+        "total_slots": service.engine.config.n_parallel,
         "chat_template": f["chat_template"],
         "media_marker": f["media_marker"],
         "modalities": {"vision": f["vision"], "audio": f["audio"]},
@@ -431,5 +436,6 @@ async def _props(service: _Service) -> Response:
 async def _metrics(service: _Service) -> Response:
     w = service.worker
     return PlainTextResponse(service.metrics.prometheus(queue_depth=w.queue_depth if w else 0,
-                                                        busy=bool(w and w.busy)),
+                                                        running=w.running if w else 0,
+                                                        slots=service.engine.config.n_parallel),
                              media_type="text/plain; version=0.0.4")

@@ -35,7 +35,7 @@ class ServerMetrics:
             self.prefill_seconds += stats.prefill_seconds
             self.decode_seconds += stats.decode_seconds
 
-    def prometheus(self, *, queue_depth: int, busy: bool) -> str:
+    def prometheus(self, *, queue_depth: int, running: int, slots: int) -> str:
         with self._lock:
             lines = []
 
@@ -57,6 +57,7 @@ class ServerMetrics:
             metric("target_steps_total", "counter", "target verify steps", [("", self.target_steps)])
             metric("prefill_seconds_total", "counter", "time in prefill", [("", self.prefill_seconds)])
             metric("decode_seconds_total", "counter", "time generating", [("", self.decode_seconds)])
-            metric("queue_depth", "gauge", "requests waiting for the engine", [("", queue_depth)])
-            metric("busy", "gauge", "1 while a generation runs", [("", int(busy))])
+            metric("queue_depth", "gauge", "requests waiting for a slot", [("", queue_depth)])
+            metric("busy", "gauge", "generations running (at most the slots)", [("", running)])
+            metric("slots", "gauge", "sequence slots (-np)", [("", slots)])
             return "\n".join(lines) + "\n"

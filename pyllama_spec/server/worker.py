@@ -1,10 +1,17 @@
-"""One thread that owns the engine, a bounded queue of jobs in front of it.
+"""The thread that runs generations for the server, a bounded queue of jobs in front of it.
 
 HTTP handlers run on the event loop; generation is native work that must not block it.
-Each request becomes a ``Job``: queued (or refused when the queue is full), run by the
-worker thread through ``Engine.stream``, its pieces handed back to the event loop as
-they are accepted. A job whose client went away is cancelled: the worker stops it
-between two steps (or between two prefill batches) and moves on.
+Each request becomes a ``Job``: queued (or refused when the queue is full), run on a
+worker thread, its pieces handed back to the event loop as they are accepted. A job
+whose client went away is cancelled: it stops between two steps (or between two
+prefill batches).
+
+Two workers, one interface (``submit``, ``stop``, ``queue_depth``, ``running``):
+
+- ``EngineWorker`` (one slot): its own thread runs the jobs one at a time through
+  ``Engine.stream``;
+- ``SlotWorker`` (``-np N``): the engine's scheduler runs up to N jobs at once, every
+  slot's draft verified in one target batch (``Engine.submit``).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import threading
 from typing import Any
 
 from ..engine import Engine
+from ..errors import EngineBusyError, GenerationCancelledError
 
 
 class QueueFullError(Exception):
@@ -33,6 +41,7 @@ class Job:
         self._loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
+        self.submission = None  # its scheduler handle, under a SlotWorker
 
     def emit(self, kind: str, value: Any = None) -> None:
         """From the worker thread: ("piece", Piece) ..., then ("done", None) or ("error", exception)."""
@@ -43,6 +52,15 @@ class Job:
 
     def cancel(self) -> None:
         self.cancelled.set()
+        if self.submission is not None:
+            self.submission.cancel()
+
+
+def make_worker(engine: Engine, max_queue: int, on_finished=None):
+    """The worker for this engine: slots when it was loaded with n_parallel > 1."""
+    if engine.config.n_parallel > 1:
+        return SlotWorker(engine, max_queue, on_finished)
+    return EngineWorker(engine, max_queue, on_finished)
 
 
 class EngineWorker:
@@ -50,7 +68,7 @@ class EngineWorker:
         self.engine = engine
         self._on_finished = on_finished  # called with each generation's stats, finished or cancelled
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
-        self.busy = False
+        self.running = 0  # generations in progress (0 or 1)
         self._thread = threading.Thread(target=self._run, name="pyllama-spec-engine", daemon=True)
         self._thread.start()
 
@@ -81,12 +99,12 @@ class EngineWorker:
                 return
             if job.cancelled.is_set():
                 continue
-            self.busy = True
+            self.running = 1
             self.engine.last_stats = None
             try:
                 self._generate(job)
             finally:
-                self.busy = False
+                self.running = 0
                 if self._on_finished is not None and self.engine.last_stats is not None:
                     self._on_finished(self.engine.last_stats)
 
@@ -109,3 +127,72 @@ class EngineWorker:
             job.emit("done")
         except Exception as e:  # noqa: BLE001 - handed to the request that caused it
             job.emit("error", e)
+
+
+class SlotWorker:
+    """Jobs run by the engine's scheduler, up to ``n_parallel`` at once (see scheduler.py).
+
+    ``max_queue`` bounds the jobs waiting for a free slot, as llama-server's queue of
+    deferred tasks does; the running ones are not counted.
+    """
+
+    def __init__(self, engine: Engine, max_queue: int, on_finished=None) -> None:
+        self.engine = engine
+        self.max_queue = max_queue
+        self._on_finished = on_finished
+        self._scheduler = engine.scheduler
+        self._live: set[Job] = set()  # submitted, not finished: stop() cancels them
+        self._lock = threading.Lock()
+        self._stopping = False
+
+    @property
+    def queue_depth(self) -> int:
+        return self._scheduler.n_pending
+
+    @property
+    def running(self) -> int:
+        return self._scheduler.n_active
+
+    def submit(self, job: Job) -> None:
+        def on_event(kind: str, value: Any) -> None:  # on the scheduler's thread
+            stats = value.stats if kind == "piece" else value if kind == "cancelled" else None
+            if stats is not None and self._on_finished is not None:
+                self._on_finished(stats)  # finished, or cancelled with the part it ran
+            if kind == "cancelled":
+                if job.cancelled.is_set() and not self._stopping:
+                    kind = "done"  # the client went away: nobody reads the rest
+                else:  # the server (or the engine) is stopping
+                    kind, value = "error", GenerationCancelledError("the server is stopping")
+            elif kind == "done":
+                value = None
+            if kind != "piece":
+                with self._lock:
+                    self._live.discard(job)
+            job.emit(kind, value)
+
+        with self._lock:
+            self._live.add(job)
+        try:
+            job.submission = self.engine.submit(**job.engine_args, on_event=on_event, max_waiting=self.max_queue)
+        except EngineBusyError:
+            with self._lock:
+                self._live.discard(job)
+            raise QueueFullError from None
+        except BaseException:
+            with self._lock:
+                self._live.discard(job)
+            raise
+        if job.cancelled.is_set():  # cancelled before its handle existed
+            job.submission.cancel()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel this server's generations, running and waiting, and wait for their slots to free
+        (the scheduler belongs to the engine, which outlives the server)."""
+        with self._lock:
+            self._stopping = True
+            live = list(self._live)
+        for job in live:
+            job.cancel()
+        for job in live:
+            if job.submission is not None:
+                job.submission.finished.wait(timeout)
