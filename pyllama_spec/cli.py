@@ -182,6 +182,26 @@ def build(backend, cuda_arch, cublas_dir, llama_cpp, cmake_arg, tools, rpc, jobs
 KV_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1"]  # llama.cpp's -ctk names
 
 
+class _DraftMax(click.ParamType):
+    """--draft-max: a count, or "auto"."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value == "auto" or isinstance(value, int):
+            return value
+        try:
+            n = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number nor 'auto'", param, ctx)
+        if n < 0:
+            self.fail(f"{n} is negative", param, ctx)
+        return n
+
+
+DRAFT_MAX = _DraftMax()
+
+
 def model_options(f):
     """The model and sampling flags shared by chat and generate, named as in llama.cpp."""
     options = [
@@ -220,8 +240,9 @@ def model_options(f):
                      help="the projector on the GPU (default: when -ngl offloads layers)"),
         click.option("--mmap/--no-mmap", "use_mmap", default=True, show_default=True),
         click.option("--mlock", "use_mlock", is_flag=True, help="keep the model in RAM"),
-        click.option("--draft-max", "--spec-draft-n-max", "draft_max", default=16, show_default=True,
-                     help="most tokens drafted per step"),
+        click.option("--draft-max", "--spec-draft-n-max", "draft_max", default="16", show_default=True,
+                     type=DRAFT_MAX, help="most tokens drafted per step, or 'auto': a length planned each "
+                                          "step from acceptance and the measured cost of a row"),
         click.option("--draft-positions", type=click.Choice(["target", "sequential"]), default="target",
                      show_default=True),
         click.option("--verify", type=click.Choice(["match", "rejection"]), default="match", show_default=True,
@@ -285,7 +306,8 @@ def _load_engine_or_exit(o: dict):
 
 
 def _speculative_mode(engine) -> str:
-    return engine.config.spec_type + (f" (draft_max {engine.drafter.n_max})" if engine.drafter else "")
+    n_max = "auto" if engine.config.draft_max == "auto" else engine.drafter.n_max if engine.drafter else 0
+    return engine.config.spec_type + (f" (draft_max {n_max})" if engine.drafter else "")
 
 
 def _sampling(o: dict) -> dict:

@@ -27,7 +27,7 @@ from .drafters import Drafter, canonical_spec_type
 from .drafters.dflash import DFlashDrafter, check_dflash_pair
 from .drafters.draft_model import DraftModelDrafter, check_draft_model
 from .drafters.ngram import NgramDrafter
-from .draft_length import AdaptiveLength, FixedLength
+from .draft_length import AdaptiveLength, FixedLength, StepCost
 from .errors import ContextOverflowError, ImageError
 from .gate import EngineGate
 from .generation import Generation, Piece, ProgressCallback, prefill_parts, speculative_step
@@ -75,7 +75,7 @@ class EngineConfig:
     n_ubatch: int = 512
     n_gpu_layers: int = 0
     draft_n_gpu_layers: int | None = None
-    draft_max: int = 16
+    draft_max: int | str = 16  # or "auto": every request's length adapts (draft_length.py)
     draft_min: int = 0
     draft_p_min: float = 0.0
     draft_positions: str = "target"
@@ -154,6 +154,9 @@ class Engine:
             raise ValueError(f"spec_type={config.spec_type!r} needs a draft model (draft=...)")
         if config.n_ubatch > config.n_batch:
             raise ValueError(f"n_ubatch ({config.n_ubatch}) cannot exceed n_batch ({config.n_batch})")
+        dm = config.draft_max
+        if dm != "auto" and (isinstance(dm, bool) or not isinstance(dm, int) or dm < 0):
+            raise ValueError(f'draft_max must be an integer >= 0 or "auto", got {dm!r}')
         if isinstance(config.n_parallel, bool) or not isinstance(config.n_parallel, int) or config.n_parallel < 1:
             raise ValueError(f"n_parallel must be an integer >= 1, got {config.n_parallel!r}")
         if config.n_parallel > config.n_batch:
@@ -162,6 +165,7 @@ class Engine:
         self.config = config
         self._gate = EngineGate()
         self._scheduler = None
+        self._step_cost = StepCost()  # what a speculative step costs here (draft_length.py)
         #: The stats of the latest generation, also while it runs and after it was interrupted.
         self.last_stats: GenerationStats | None = None
         self.sequences: list[SlotSequence] = []
@@ -244,7 +248,8 @@ class Engine:
         # A recurrent/hybrid target rolls back rejected drafts through state snapshots: one per
         # position that may be rolled back (llama.cpp also needs n_ubatch > n_rs_seq + 1).
         limit = dflash.block_size - 1 if dflash else TOKEN_DRAFT_LIMIT
-        draft_max = min(c.draft_max, limit) if c.spec_type != "none" else 0
+        # With "auto" the drafter may draft up to its limit; each step's length is planned (draft_length.py).
+        draft_max = (limit if c.draft_max == "auto" else min(c.draft_max, limit)) if c.spec_type != "none" else 0
         n_rs_seq = 0
         if draft_max and self.model.is_recurrent:
             n_rs_seq = min(draft_max, c.n_ubatch - 2)
@@ -399,7 +404,9 @@ class Engine:
         d = self.drafter
         if draft_max == "auto" and d is None:
             raise ValueError('draft_max="auto" needs a drafter (spec_type other than "none")')
-        n_max = (d.n_max if d else 0) if draft_max is None else draft_max
+        if draft_max is None:  # the engine's setting
+            draft_max = "auto" if d is not None and self.config.draft_max == "auto" else (d.n_max if d else 0)
+        n_max = draft_max
         n_min = (d.n_min if d else 0) if draft_min is None else draft_min
         for name, v in (("draft_max", n_max), ("draft_min", n_min)):
             if v == "auto" and name == "draft_max":
@@ -552,7 +559,12 @@ class _PreparedGeneration:
             verifier = (RejectionVerifier(params, sampling["seed"], e.model.n_vocab)
                         if r["verify"] == "rejection" and not params.greedy else MatchVerifier(self._sampler))
             d = e.drafter
-            length = AdaptiveLength(d.n_max, d.n_max_limit) if n_max == "auto" else FixedLength(n_max)
+            # One cost of a step per engine: its slots share each step, and requests share the hardware.
+            if n_max == "auto":
+                start = min(d.n_max, 7) if e.config.draft_max == "auto" else d.n_max  # d.n_max is the limit then
+                length = AdaptiveLength(start, d.n_max_limit, cost=e._step_cost)
+            else:
+                length = FixedLength(n_max)
             return Generation(self.seq, e.model, parts, verifier, stats, max_tokens=r["max_tokens"],
                               stop=r["stop"], draft_length=length, draft_min=n_min,
                               cache_prompt=r["cache_prompt"], progress=r["progress"], draft_positions=mode)

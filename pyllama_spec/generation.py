@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from .draft_length import AdaptiveLength, plan_lengths
 from .drafters import Drafter, DraftRequest, Proposal
 from .sequence import Sequence
 from .stats import GenerationStats, Stopwatch
@@ -110,14 +111,21 @@ class Generation:
         self._prefill_split = (stats.target_seconds, stats.draft_seconds)
         return self._after_step([id_last], 0)
 
-    def draft_request(self, n_batch_share: int) -> DraftRequest | None:
-        """What this generation asks the drafter for in the next step (None: no draft)."""
+    def draft_limit(self, n_batch_share: int) -> int:
+        """The most this generation may draft in the next step: its tokens left, its cache rows
+        left, its share of the target batch (0 without a drafter)."""
+        if self.seq.drafter is None:
+            return 0
         p = self.seq.positions
         room = self.seq.n_ctx - p.n_rows - 1
         budget = self.max_tokens - self.generated
-        n_max = min(self.draft_length.next(), budget - 1, room, n_batch_share - 1)
+        return max(0, min(budget - 1, room, n_batch_share - 1))
+
+    def draft_request(self, n_max: int) -> DraftRequest | None:
+        """What this generation asks the drafter for in the next step (None: no draft)."""
         if n_max <= 0 or self.seq.drafter is None:
             return None
+        p = self.seq.positions
         return DraftRequest(self.seq.seq_id, self.id_last, p.pos_next, p.draft_pos_next, n_max,
                             self.draft_min, p.n_rows)
 
@@ -199,7 +207,9 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation]) -> li
     """
     start = time.perf_counter()
     share = ctx.n_batch // len(gens)  # every block must fit in one target batch (n_parallel <= n_batch)
-    requests = [g.draft_request(share) for g in gens]
+    rules = [g.draft_length for g in gens]
+    lengths = plan_lengths(rules, [g.draft_limit(share) for g in gens])  # adaptive slots planned together
+    requests = [g.draft_request(n) for g, n in zip(gens, lengths)]
     asked = [r for r in requests if r is not None]
     proposals = iter(())
     if asked:
@@ -246,6 +256,9 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation]) -> li
         g.draft_length.update(len(draft), n_kept - 1, time.perf_counter() - start)
         g.stats.target_steps += 1
         pieces.append(g._after_step(accepted, len(draft)))
+    seconds = time.perf_counter() - start
+    for cost in {id(r.cost): r.cost for r in rules if isinstance(r, AdaptiveLength) and not r.owns_cost}.values():
+        cost.update(row, seconds)  # a shared cost learns from the whole step: all its rows, all its time
     return pieces
 
 

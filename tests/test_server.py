@@ -569,3 +569,16 @@ def test_slots_a_full_queue_answers_503_while_the_slots_keep_serving(tiny_dense)
     finally:
         server.stop()
         engine.close()
+
+
+def test_cache_prompt_false_decodes_the_whole_prompt_again(served):
+    body = {"messages": [{"role": "user", "content": "Tell me about the cache"}], "max_tokens": 4}
+    url = served.url + "/v1/chat/completions"
+    assert httpx.post(url, json=body, timeout=60).status_code == 200
+    again = httpx.post(url, json=body, timeout=60).json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    fresh = httpx.post(url, json={**body, "cache_prompt": False}, timeout=60).json()
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert fresh["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
+    bad = httpx.post(url, json={**body, "cache_prompt": "no"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_prompt"

@@ -93,6 +93,7 @@ def _sampling(body: dict, max_tokens_limit: int, default_max_tokens: int) -> dic
         presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
         seed=int(seed) & 0xFFFFFFFF,
         stop=_stop(body),
+        cache_prompt=_bool(body, "cache_prompt", True),  # llama-server's key: reuse the cached prefix
     )
 
 

@@ -1,0 +1,313 @@
+#!/usr/bin/env python3
+"""N concurrent greedy chats (half with an image) against `pyllama-spec serve -np N` and
+`llama-server -np N`: the same files, flags, draft and requests, side by side in one run.
+
+    python bench/concurrent_chats.py --models trained --concurrency 1,2,4,8 --repeats 5 --max-tokens 96
+    python bench/concurrent_chats.py --models large --concurrency 1,2,4,8 --repeats 3 --max-tokens 48
+
+For each N both servers run at once (idle while the other is measured); each round sends one
+batch of N streamed chat requests to one server, then the same batch to the other (which goes
+first alternates). Per server and N:
+
+- aggregate tokens/s: completion tokens of the batch / its wall time (first request sent to
+  last answer received, prefills included): what the hardware serves;
+- per-request tokens/s: a request's completion tokens / (its end - its first token);
+- p95 time per token: each streamed chunk's gap since the previous one, spread over the tokens
+  it carries (llama-server streams one token per chunk, pyllama-spec one step per chunk, its
+  ``pyllama_spec.tokens`` say how many), 95th percentile over every token after the first;
+- acceptance: drafted tokens accepted, summed over the batch (timings.draft_n*).
+
+Losslessness: before the batches, every request is answered alone on the N=1 server of the
+same kind (one at a time); every batched answer is compared with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import concurrent.futures
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+import httpx  # noqa: E402
+
+from pyllama_spec import native_build, tiny  # noqa: E402
+from pyllama_spec.benchmark import demo_png, free_port, peak_rss_mib  # noqa: E402
+
+CODE_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n", "def parse_args():", "for i in range(",
+                "def merge_sort(xs):", "with open(", "def main():"]
+
+
+@dataclasses.dataclass
+class Answer:
+    text: str
+    tokens: int
+    start: float
+    first: float  # first content chunk
+    end: float
+    gaps: list[float]  # seconds per token, for every token after the first chunk
+    drafted: int
+    accepted: int
+
+
+class ServerProcess:
+    """A server on 127.0.0.1 in its own process, its log in a file."""
+
+    def __init__(self, name: str, args: list[str], port: int, env: dict | None = None) -> None:
+        self.name = name
+        self.port = port
+        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"{name.split()[0]}-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env)
+        deadline = time.monotonic() + 180
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited: {Path(self.log.name).read_text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not come up")
+            time.sleep(0.2)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> float:
+        rss = peak_rss_mib(self.proc.pid)
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+        Path(self.log.name).unlink(missing_ok=True)
+        return rss
+
+
+def start_servers(kind: str, n: int, files, flags: dict, llama_server: Path) -> dict[str, ServerProcess]:
+    common = ["-c", str(flags["ctx_per_slot"] * n), "-b", str(flags["n_batch"]), "-ub", str(flags["n_batch"]),
+              "-t", str(flags["threads"]), "-np", str(n), "--host", "127.0.0.1", "-fa", "off",
+              "-m", str(files.target), "--mmproj", str(files.mmproj), "-md", str(files.draft),
+              "--spec-type", "draft-dflash", "--spec-draft-n-max", str(flags["draft_max"])]
+    servers = {}
+    port = free_port()
+    servers["llama-server"] = ServerProcess(
+        f"llama-server -np {n}", [str(llama_server), *common, "--port", str(port), "--spec-draft-n-min", "0",
+                                  "-td", str(flags["threads"]), "--no-warmup", "--jinja"], port)
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    servers["pyllama-spec"] = ServerProcess(
+        f"pyllama-spec -np {n}", [sys.executable, "-m", "pyllama_spec", "serve", *common, "--port", str(port),
+                                  "--queue", "64"], port, env)
+    servers["pyllama-spec auto"] = servers["pyllama-spec"]  # the same server, requests with n_max "auto"
+    warm_up(servers)
+    return servers
+
+
+def warm_up(servers: dict[str, ServerProcess]) -> None:
+    """One text and one image request per server, not measured: a server's first request pays
+    one-time costs (pyllama-spec: imports, compiling the chat template; llama-server: its graphs)."""
+    uri = "data:image/png;base64," + base64.b64encode(demo_png(64)).decode()
+    for engine, server in servers.items():
+        for content in ("Hello", [{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "Hi"}]):
+            chat(server.url, content, 4, engine)
+
+
+def chat(url: str, content, max_tokens: int, engine: str) -> Answer:
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
+            "top_k": 1, "stream": True, "cache_prompt": False, "stream_options": {"include_usage": True}}
+    if engine.endswith("auto"):
+        body["speculative.n_max"] = "auto"  # pyllama-spec's planned draft length, per request
+    text, gaps, n_tokens, first, last, timings, usage = [], [], 0, None, None, {}, {}
+    start = time.perf_counter()
+    with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{engine}: HTTP {r.status_code}: {r.read()[:500]!r}")
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.perf_counter()
+            event = json.loads(line[6:])
+            timings = event.get("timings", timings)
+            usage = event.get("usage") or usage
+            if not event.get("choices"):
+                continue
+            piece = event["choices"][0].get("delta", {}).get("content") or ""
+            k = len(event["pyllama_spec"]["tokens"]) if "pyllama_spec" in event else (1 if piece else 0)
+            if k == 0:
+                continue
+            text.append(piece)
+            if first is None:
+                first = now
+            else:
+                gaps.extend([(now - last) / k] * k)
+            last = now
+            n_tokens += k
+    end = time.perf_counter()
+    n_tokens = usage.get("completion_tokens", n_tokens)
+    return Answer("".join(text), n_tokens, start, first or end, end, gaps, int(timings.get("draft_n", 0)),
+                  int(timings.get("draft_n_accepted", 0)))
+
+
+def contents(kind: str, n_chats: int, round_: int, png: bytes) -> list:
+    """Chat i of a round has an image when (i + round) is even: half the chats, every chat
+    both ways over the rounds."""
+    if kind == "trained":
+        from measure_trained_pair import held_out_prompts
+
+        texts = held_out_prompts(8, chars=200)
+    else:
+        texts = [f"Write a long story about the sea, part {i}." for i in range(8)]
+    uri = "data:image/png;base64," + base64.b64encode(png).decode()
+    out = []
+    for i in range(n_chats):
+        text = texts[i % len(texts)]
+        if (i + round_) % 2 == 0:
+            out.append([{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": text}])
+        else:
+            out.append(text)
+    return out
+
+
+def run_batch(server: ServerProcess, engine: str, batch: list, max_tokens: int) -> tuple[list[Answer], float]:
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(len(batch)) as pool:
+        answers = list(pool.map(lambda c: chat(server.url, c, max_tokens, engine), batch))
+    return answers, time.perf_counter() - t0
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", choices=["trained", "large"], default="trained")
+    ap.add_argument("--concurrency", default="1,2,4,8")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--n-batch", type=int, default=512)
+    ap.add_argument("--draft-max", type=int, default=None, help="default: 16 (trained), 7 (large)")
+    ap.add_argument("--image-size", type=int, default=224)
+    ap.add_argument("--json-out")
+    args = ap.parse_args()
+    llama_server = native_build.find_llama_server()
+    if llama_server is None:
+        sys.exit("no llama-server: python build.py --tools")
+    if args.models == "trained":
+        from pyllama_spec.embedded import embedded_models
+
+        files = embedded_models()
+    else:
+        files = tiny.make_bench_set(native_build.cache_root() / "tiny-models")
+    flags = dict(ctx_per_slot=2048, n_batch=args.n_batch, threads=args.threads,
+                 draft_max=args.draft_max or (16 if args.models == "trained" else 7))
+    png = demo_png(args.image_size)
+    levels = [int(x) for x in args.concurrency.split(",")]
+    rounds_needed = max(args.repeats, 2)
+    results: dict = {"settings": {**vars(args), **flags}, "levels": {}}
+
+    # The sequential answers: every request alone, on one-slot servers.
+    reference: dict[str, dict] = {"pyllama-spec": {}, "llama-server": {}, "pyllama-spec auto": {}}
+    servers = start_servers(args.models, 1, files, flags, llama_server)
+    try:
+        for content in contents(args.models, max(levels), 0, png) + contents(args.models, max(levels), 1, png):
+            key = json.dumps(content)
+            for engine, server in servers.items():
+                if key not in reference[engine]:
+                    reference[engine][key] = chat(server.url, content, args.max_tokens, engine).text
+    finally:
+        for s in set(servers.values()):
+            s.close()
+    print(f"sequential answers: {len(reference['pyllama-spec'])} requests; pyllama-spec and llama-server "
+          f"equal on {sum(reference['pyllama-spec'][k] == reference['llama-server'][k] for k in reference['pyllama-spec'])}",
+          flush=True)
+
+    for n in levels:
+        servers = start_servers(args.models, n, files, flags, llama_server)
+        per = {e: dict(agg=[], per_request=[], gaps=[], drafted=0, accepted=0, lossless=0, total=0, ttft=[])
+               for e in servers}
+        try:
+            for rnd in range(args.repeats if n > 1 else rounds_needed):
+                batch = contents(args.models, n, rnd, png)
+                order = list(servers.items()) if rnd % 2 == 0 else list(reversed(list(servers.items())))
+                for engine, server in order:
+                    answers, wall = run_batch(server, engine, batch, args.max_tokens)
+                    p = per[engine]
+                    p["agg"].append(sum(a.tokens for a in answers) / wall)
+                    for a, content in zip(answers, batch):
+                        if a.tokens > 1:
+                            p["per_request"].append((a.tokens - 1) / max(a.end - a.first, 1e-9))
+                        p["gaps"].extend(a.gaps)
+                        p["ttft"].append(a.first - a.start)
+                        p["drafted"] += a.drafted
+                        p["accepted"] += a.accepted
+                        p["total"] += 1
+                        p["lossless"] += a.text == reference[engine][json.dumps(content)]
+            rss = {id(s): s.close() for s in set(servers.values())}
+            for engine, s in servers.items():
+                per[engine]["rss_mib"] = rss[id(s)]
+        except BaseException:
+            for s in set(servers.values()):
+                s.close()
+            raise
+        results["levels"][n] = per
+        for engine, p in per.items():
+            agg = sorted(p["agg"])
+            print(f"N={n} {engine:13s} aggregate tok/s {agg[0]:.0f} / {statistics.median(agg):.0f} / {agg[-1]:.0f}  "
+                  f"per-request {statistics.median(p['per_request']):.0f}  p95 ms/token "
+                  f"{pct(p['gaps'], 0.95) * 1e3:.1f}  TTFT p50 {statistics.median(p['ttft']) * 1e3:.0f} ms  "
+                  f"acceptance {p['accepted'] / max(p['drafted'], 1):.3f}  equal to sequential "
+                  f"{p['lossless']}/{p['total']}", flush=True)
+
+    print()
+    print(markdown(results))
+    if args.json_out:
+        for per in results["levels"].values():
+            for p in per.values():
+                p["gaps"] = [pct(p["gaps"], q) for q in (0.5, 0.9, 0.95, 0.99)]
+        Path(args.json_out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def markdown(results: dict) -> str:
+    lines = ["| N | server | aggregate tok/s min / median / max | × its N=1 | per-request tok/s (median) | "
+             "p95 ms/token | TTFT p50 ms | acceptance | equal to sequential | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    levels = results["levels"]
+    base = {e: statistics.median(p["agg"]) for e, p in levels[min(levels)].items()}
+    for n, per in levels.items():
+        for engine, p in per.items():
+            agg = sorted(p["agg"])
+            lines.append(
+                f"| {n} | {engine} | {agg[0]:.0f} / {statistics.median(agg):.0f} / {agg[-1]:.0f} | "
+                f"{statistics.median(agg) / base[engine]:.2f} | {statistics.median(p['per_request']):.0f} | "
+                f"{pct(p['gaps'], 0.95) * 1e3:.1f} | {statistics.median(p['ttft']) * 1e3:.0f} | "
+                f"{p['accepted'] / max(p['drafted'], 1):.3f} | {p['lossless']}/{p['total']} | {p['rss_mib']:.0f} |")
+        ls_ = per.get("llama-server")
+        for name in ("pyllama-spec", "pyllama-spec auto"):
+            if per.get(name) and ls_:
+                ratios = sorted(a / b for a, b in zip(per[name]["agg"], ls_["agg"]))
+                lines.append(f"| {n} | ratio {name} / llama-server (per round) | {ratios[0]:.2f} / "
+                             f"{statistics.median(ratios):.2f} / {ratios[-1]:.2f} | | | | | | | |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
