@@ -5,8 +5,9 @@ drafter). A scheduler thread owns them. Each turn of its loop:
 
 1. admits waiting requests into free slots (the free slot whose cache shares the longest
    prefix with the prompt, so a conversation's next turn lands where its last one is);
-2. advances **one** slice of one prefilling slot (text: up to n_batch rows; an image: one
-   slice of its rows after its encode), so a long prefill does not stall the others;
+2. advances the prefilling slots one slice each in turn (text: up to n_batch rows; an image:
+   one slice of its rows after its encode) until n_batch prompt rows were decoded this turn, so
+   requests that arrive together start together, and a long prefill does not stall the others;
 3. runs one ``speculative_step`` over every decoding slot: one draft call, one target
    decode holding every slot's ``[id_last, d1..dk]`` at its own positions, each slot's
    own verification and commit;
@@ -185,7 +186,7 @@ class Scheduler:
                     reset.set()
                 self._drop_cancelled()
                 self._admit()
-                self._prefill_one_slice()
+                self._prefill_slices()
                 self._step()
         finally:
             self._cancel_everything()
@@ -220,24 +221,37 @@ class Scheduler:
                     self._close_prefill(i, running)  # cut back to a consistent cache
                 self._finish(i, "cancelled", running.gen.stats)
 
-    def _prefill_one_slice(self) -> None:
-        waiting = [i for i, r in enumerate(self._slots) if r is not None and not r.decoding]
-        if not waiting:
-            return
-        i = waiting[self._turn % len(waiting)]
-        self._turn += 1
-        running = self._slots[i]
+    def _prefill_slices(self) -> None:
+        """Advance the prefilling slots, one slice each in turn, until this turn decoded n_batch
+        prompt rows (llama-server's batch budget): requests that arrive together start decoding
+        together, while a long prompt or a big image still yields to the decoding slots after
+        n_batch rows."""
+        budget = self.engine.ctx.n_batch
+        while budget > 0:
+            waiting = [i for i, r in enumerate(self._slots)
+                       if r is not None and not r.decoding and not r.submission.cancelled]  # dropped next turn
+            if not waiting:
+                return
+            i = waiting[self._turn % len(waiting)]
+            self._turn += 1
+            budget -= self._prefill_slice(i, self._slots[i])
+
+    def _prefill_slice(self, i: int, running: _Running) -> int:
+        """One slice of slot i's prefill; the prompt rows it decoded (at least 1, so turns end)."""
         engine = self.engine
         try:
             if running.prefill is None:
                 running.prefill = running.gen.prefill(engine.ctx.n_batch, engine.projector)
+            before = running.gen.seq.positions.n_rows
             next(running.prefill, None)
             if running.gen.prefilled:  # the prompt is in: its first token, before any other decode
                 running.decoding = True
                 self._deliver(i, running.gen.start())
+            return max(1, running.gen.seq.positions.n_rows - before)
         except BaseException as e:  # noqa: BLE001 - a failed prefill fails its request alone
             running.gen.seq.reset()
             self._finish(i, "error", e)
+            return 1
 
     def _step(self) -> None:
         active = [(i, r) for i, r in enumerate(self._slots) if r is not None and r.decoding and not r.gen.finished]

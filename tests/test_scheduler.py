@@ -119,3 +119,34 @@ def test_a_request_cancelled_inside_its_image_prefill_leaves_its_slot_consistent
         again = engine.submit(PROMPTS[2], images=[image], max_tokens=24).result()
         assert again.tokens == with_image
         assert again.stats.prompt_reused > 0  # the text before the image was kept
+
+
+def test_requests_that_arrive_together_start_decoding_together(pair, sequential):
+    """Prompts waiting at the same turn are all prefilled in that turn (n_batch rows of budget),
+    so they get their first tokens before the same step, and share every step after it."""
+    _, expected = sequential
+    with ps.load(pair.target, draft=pair.draft, n_threads=N_THREADS, n_parallel=4) as engine:
+        held, go = threading.Event(), threading.Event()
+        first_at: dict[int, int] = {}  # request -> scheduler steps run when its first token came
+        pieces: dict[int, list] = {i: [] for i in range(3)}
+
+        def hold(stage, n, total):  # on the scheduler thread, inside the first request's prefill
+            held.set()
+            go.wait(10)
+
+        def events(i):
+            def on_event(kind, value):  # on the scheduler thread
+                if kind == "piece":
+                    first_at.setdefault(i, engine.scheduler.steps)
+                    pieces[i].append(value)
+            return on_event
+
+        first = engine.submit(PROMPTS[0], max_tokens=48, progress=hold)
+        assert held.wait(10)
+        others = [engine.submit(p, max_tokens=48, on_event=events(i)) for i, p in enumerate(PROMPTS[1:])]
+        go.set()
+        head = first.result()
+        assert all(s.finished.wait(60) for s in others)
+    assert head.tokens == expected[0]
+    assert ps.engine.Result.from_pieces(pieces[0]).tokens == expected[1]
+    assert len(set(first_at.values())) == 1, first_at  # all three started in one turn
