@@ -12,8 +12,9 @@ first alternates). Per server and N:
 - aggregate tokens/s: completion tokens of the batch / its wall time (first request sent to
   last answer received, prefills included): what the hardware serves;
 - per-request tokens/s: a request's completion tokens / (its end - its first token);
-- p95 time per token: each streamed chunk's gap since the previous one, spread over the tokens
-  it carries (llama-server streams one token per chunk, pyllama-spec one step per chunk, its
+- p95 time per token: each arrival's gap since the previous one, spread over the tokens it
+  brings (llama-server streams a step's tokens one chunk each, back to back: chunks within a
+  millisecond are one arrival; pyllama-spec streams a step per chunk, its
   ``pyllama_spec.tokens`` say how many), 95th percentile over every token after the first;
 - acceptance: drafted tokens accepted, summed over the batch (timings.draft_n*).
 
@@ -132,7 +133,7 @@ def chat(url: str, content, max_tokens: int, engine: str) -> Answer:
             "top_k": 1, "stream": True, "cache_prompt": False, "stream_options": {"include_usage": True}}
     if engine.endswith("auto"):
         body["speculative.n_max"] = "auto"  # pyllama-spec's planned draft length, per request
-    text, gaps, n_tokens, first, last, timings, usage = [], [], 0, None, None, {}, {}
+    text, arrivals, timings, usage = [], [], {}, {}  # arrivals: [time, tokens]
     start = time.perf_counter()
     with httpx.Client(timeout=600) as c, c.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
@@ -151,14 +152,18 @@ def chat(url: str, content, max_tokens: int, engine: str) -> Answer:
             if k == 0:
                 continue
             text.append(piece)
-            if first is None:
-                first = now
+            # Chunks within a millisecond are one arrival (llama-server sends a step's tokens one
+            # chunk each, back to back; pyllama-spec sends them in one chunk).
+            if arrivals and now - arrivals[-1][0] < 1e-3:
+                arrivals[-1][1] += k
             else:
-                gaps.extend([(now - last) / k] * k)
-            last = now
-            n_tokens += k
+                arrivals.append([now, k])
     end = time.perf_counter()
-    n_tokens = usage.get("completion_tokens", n_tokens)
+    gaps = []  # each arrival's gap since the one before, spread over the tokens it brought
+    for (t0, _), (t1, k) in zip(arrivals, arrivals[1:]):
+        gaps.extend([(t1 - t0) / k] * k)
+    n_tokens = usage.get("completion_tokens", sum(k for _, k in arrivals))
+    first = arrivals[0][0] if arrivals else None
     return Answer("".join(text), n_tokens, start, first or end, end, gaps, int(timings.get("draft_n", 0)),
                   int(timings.get("draft_n_accepted", 0)))
 
