@@ -368,6 +368,12 @@ class Engine:
         return self._scheduler.submit(self._request(prompt=prompt, **kwargs), on_event, max_waiting)
 
     @property
+    def step_cost(self) -> StepCost:
+        """What a speculative step costs on this engine's hardware, fitted to every drafting step
+        (draft_length.py); adaptive draft lengths plan with it."""
+        return self._step_cost
+
+    @property
     def scheduler(self):
         """The thread that runs the slots (scheduler.py), when loaded with n_parallel > 1; else None."""
         return self._scheduler
@@ -458,7 +464,7 @@ class Engine:
                         yield piece
                     if gen.finished:
                         return
-                    piece = speculative_step(self.ctx, self.drafter, [gen])[0]
+                    piece = speculative_step(self.ctx, self.drafter, [gen], self._step_cost)[0]
             except GeneratorExit:
                 raise  # the consumer stopped between two steps: the cache is consistent, keep it
             except BaseException:

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .draft_length import AdaptiveLength, plan_lengths
+from .draft_length import AdaptiveLength, StepCost, plan_lengths
 from .drafters import Drafter, DraftRequest, Proposal
 from .sequence import Sequence
 from .stats import GenerationStats, Stopwatch
@@ -199,8 +199,12 @@ def prefill_parts(seq: Sequence, parts: list, stats: GenerationStats, n_batch: i
             yield total - done  # after the chunk's positions moved on
 
 
-def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation]) -> list[Piece | None]:
+def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
+                     step_cost: StepCost | None = None) -> list[Piece | None]:
     """One draft / verify / accept step for every generation in ``gens`` (one target decode for all).
+
+    ``step_cost`` (the engine's) learns from every step that drafted: its rows and its time,
+    whatever rule chose the lengths, so adaptive requests start with what earlier ones measured.
 
     Returns each generation's piece (None where a step streams nothing). Raises what a native
     call raises; the caller resets the sequences of a step that did not finish.
@@ -256,9 +260,13 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation]) -> li
         g.draft_length.update(len(draft), n_kept - 1, time.perf_counter() - start)
         g.stats.target_steps += 1
         pieces.append(g._after_step(accepted, len(draft)))
-    seconds = time.perf_counter() - start
-    for cost in {id(r.cost): r.cost for r in rules if isinstance(r, AdaptiveLength) and not r.owns_cost}.values():
-        cost.update(row, seconds)  # a shared cost learns from the whole step: all its rows, all its time
+    if asked:  # a step without a draft call costs less than the fit's base: it would mislead it
+        seconds = time.perf_counter() - start
+        costs = {id(r.cost): r.cost for r in rules if isinstance(r, AdaptiveLength) and not r.owns_cost}
+        if step_cost is not None:
+            costs[id(step_cost)] = step_cost
+        for cost in costs.values():
+            cost.update(row, seconds)  # a shared cost learns from the whole step: all its rows, all its time
     return pieces
 
 

@@ -259,7 +259,8 @@ class Scheduler:
             return
         engine = self.engine
         try:
-            pieces = speculative_step(engine.ctx, engine.drafter, [r.gen for _, r in active])
+            pieces = speculative_step(engine.ctx, engine.drafter, [r.gen for _, r in active],
+                                      engine.step_cost)
         except BaseException as e:  # noqa: BLE001 - a shared step failed: every slot in it fails
             for i, r in active:
                 r.gen.seq.reset()
