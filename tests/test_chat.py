@@ -222,3 +222,13 @@ def test_interactive_chat_in_a_pseudo_terminal(tiny_dense, big_image_png, tmp_pa
         child.close(force=True)
     assert child.exitstatus == 0
     assert "Exception ignored" not in screen.getvalue()  # no interrupt was swallowed by a callback
+
+
+def test_generate_with_draft_max_auto_and_a_bad_draft_max(tiny_dense):
+    args = [a for a in _model_args(tiny_dense) if a not in ("--draft-max", "7")]
+    result = CliRunner().invoke(main, ["generate", *args, "--draft-max", "auto", "-p", "x", "-n", "12", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["stats"]["drafted"] > 0
+    for bad in ("fast", "-2"):
+        result = CliRunner().invoke(main, ["generate", *args, "--draft-max", bad, "-p", "x"])
+        assert result.exit_code == 2 and "--draft-max" in result.output, result.output
