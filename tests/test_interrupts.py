@@ -67,6 +67,38 @@ elif case in ("image-encode", "image-prefill"):
         out["at"] = at
         out["same_after"] = engine.generate(prompt, images=[img], max_tokens=8).tokens == expected.tokens
 
+elif case == "slots":
+    # Two slots: the main thread reads one long submission, a worker thread reads another.
+    with ps.load(target, mmproj=mmproj, draft=draft, n_ctx=8192, n_batch=64, n_ubatch=64, n_threads=1,
+                 draft_max=7, n_parallel=2) as engine:
+        expected = engine.generate("Tell me", max_tokens=16).tokens
+        expected_other = engine.generate("Another one", max_tokens=3000).tokens
+        engine.reset_cache()
+        other_outcome = []
+
+        def read_other(sub):
+            try:
+                got = sub.result().tokens
+                other_outcome.append("finished" if got == expected_other else "finished with other tokens")
+            except BaseException as e:  # what a thread sharing the engine sees
+                other_outcome.append(type(e).__name__)
+
+        other = engine.submit("Another one", max_tokens=3000)
+        reader = threading.Thread(target=read_other, args=(other,))
+        reader.start()
+        mine = engine.submit("Tell me", max_tokens=100_000)
+        it = iter(mine)
+        next(it)
+        interrupt_after(0.3)
+        out["outcome"], out["elapsed"] = timed(lambda: [None for _ in it])
+        reader.join(60)
+        out["other"] = other_outcome
+        t0 = time.perf_counter()
+        while engine.scheduler.n_active and time.perf_counter() - t0 < 10:
+            time.sleep(0.01)
+        out["slots_freed"] = engine.scheduler.n_active == 0
+        out["same_after"] = engine.generate("Tell me", max_tokens=16).tokens == expected
+
 elif case == "own-handler":
     seen = []
     signal.signal(signal.SIGINT, lambda *a: seen.append(1))
@@ -114,6 +146,17 @@ def test_ctrl_c_during_an_image_prompt_reaches_the_caller_and_the_engine_goes_on
         assert out["elapsed"] - out["at"] < 0.6 * out["encode_seconds"], out
     assert out["elapsed"] < out["full"] + 1.0, out
     assert out["same_after"]
+
+
+def test_ctrl_c_while_slots_generate_reaches_the_reader_and_the_slots_go_on(tiny_dense, run_python):
+    """The main thread's reader gets KeyboardInterrupt within moments; a thread reading another
+    slot sees its generation end cleanly (finished, cancelled, or failed with the interrupted
+    step), never a hang; the slots free and the next request gives its sequential answer."""
+    out = _run(run_python, tiny_dense, "slots")
+    assert out["outcome"] == "interrupted" and out["elapsed"] < 5, out
+    assert out["other"] and out["other"][0] in ("finished", "GenerationCancelledError", "KeyboardInterrupt",
+                                                "NativeCallError"), out
+    assert out["slots_freed"] and out["same_after"], out
 
 
 def test_a_program_with_its_own_sigint_handler_keeps_its_decode(tiny_dense, run_python):
