@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import dataclasses
 import time
+from concurrent.futures import Future
 from typing import Callable, Iterator
 
 import numpy as np
@@ -79,9 +80,10 @@ class Generation:
         self._prefill_split = (0.0, 0.0)  # target / draft seconds spent in prefill
 
     # ------------------------------------------------------------------ prefill
-    def prefill(self, n_batch: int, projector=None) -> Iterator[None]:
-        """Decode what the cache does not hold yet, yielding after every decoded slice; after the
-        last one ``prefilled`` is True (and the target's last decode holds the prompt's logits)."""
+    def prefill(self, n_batch: int, projector=None, encode_async=None) -> Iterator[Future | None]:
+        """Decode what the cache does not hold yet, yielding after every decoded slice (or, with
+        ``encode_async``, the Future of a media encode still running: see prefill_parts); after
+        the last one ``prefilled`` is True (and the target's last decode holds the prompt's logits)."""
         seq, stats = self.seq, self.stats
         seq.set_draft_positions(self.draft_positions)  # the draft's cache is laid out by the mode
         if self.cache_prompt:
@@ -90,7 +92,10 @@ class Generation:
             seq.reset()
             todo = list(self.parts)
         stats.prompt_reused = seq.positions.n_rows
-        for rows_left in prefill_parts(seq, todo, stats, n_batch, projector, self.progress):
+        for rows_left in prefill_parts(seq, todo, stats, n_batch, projector, self.progress, encode_async):
+            if isinstance(rows_left, Future):
+                yield rows_left
+                continue
             if rows_left == 0:
                 stats.prompt_tokens, stats.prompt_positions = seq.positions.n_rows, seq.positions.pos_next
                 self.prefilled = True  # the last decode holds the prompt's logits: start() must come next
@@ -167,11 +172,15 @@ class Generation:
 
 
 def prefill_parts(seq: Sequence, parts: list, stats: GenerationStats, n_batch: int, projector=None,
-                  progress: ProgressCallback | None = None) -> Iterator[int]:
+                  progress: ProgressCallback | None = None, encode_async=None) -> Iterator[int | Future]:
     """Decode prompt parts after what ``seq`` holds, in slices of n_batch rows, yielding the rows
     left after each:
     text at consecutive positions from pos_next (logits for the last row only), media encoded and
-    then decoded with its own positions. ``progress("encode" | "prefill", rows done, rows total)``."""
+    then decoded with its own positions. ``progress("encode" | "prefill", rows done, rows total)``.
+
+    With ``encode_async(chunk) -> Future`` (a scheduler's encoder thread), a media chunk's encode
+    runs there: until it is done this yields the Future (nothing decoded), so other sequences
+    keep decoding meanwhile."""
     total = sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
     done = 0
     for i, part in enumerate(parts):
@@ -190,7 +199,14 @@ def prefill_parts(seq: Sequence, parts: list, stats: GenerationStats, n_batch: i
         else:
             if progress:
                 progress("encode", done, total)
-            for rows in seq.decode_media(projector, part, stats, n_batch=n_batch):
+            embd = None
+            if encode_async is not None:
+                encoding = encode_async(part)
+                while not encoding.done():
+                    yield encoding
+                embd, seconds = encoding.result()  # raises what the encode raised
+                stats.target_seconds += seconds
+            for rows in seq.decode_media(projector, part, stats, n_batch=n_batch, embd=embd):
                 if progress:
                     progress("prefill", done + rows, total)
                 if rows < part.n_tokens:

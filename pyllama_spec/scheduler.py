@@ -6,8 +6,9 @@ drafter). A scheduler thread owns them. Each turn of its loop:
 1. admits waiting requests into free slots (the free slot whose cache shares the longest
    prefix with the prompt, so a conversation's next turn lands where its last one is);
 2. advances the prefilling slots one slice each in turn (text: up to n_batch rows; an image:
-   one slice of its rows after its encode) until n_batch prompt rows were decoded this turn, so
-   requests that arrive together start together, and a long prefill does not stall the others;
+   one slice of its rows once encoded) until n_batch prompt rows were decoded this turn, so
+   requests that arrive together start together, and a long prefill does not stall the others.
+   An image's encode runs on the encoder thread meanwhile: its slot waits, the others decode;
 3. runs one ``speculative_step`` over every decoding slot: one draft call, one target
    decode holding every slot's ``[id_last, d1..dk]`` at its own positions, each slot's
    own verification and commit;
@@ -23,6 +24,8 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 from .errors import GenerationCancelledError
@@ -106,8 +109,13 @@ class _Running:
         self.submission = submission
         self.prepared = prepared  # frees the request's bitmaps and sampler at the end
         self.gen = gen
-        self.prefill: Iterator[None] | None = None  # set when its prefill starts
+        self.prefill: Iterator[Future | None] | None = None  # set when its prefill starts
+        self.encoding: Future | None = None  # its media encode, while it runs on the encoder thread
         self.decoding = False
+
+    @property
+    def waits_for_encode(self) -> bool:
+        return self.encoding is not None and not self.encoding.done()
 
 
 class Scheduler:
@@ -123,6 +131,10 @@ class Scheduler:
         self._turn = 0  # round robin over prefilling slots
         self.steps = 0  # speculative steps run (each over every decoding slot)
         self.slots_per_step: collections.Counter = collections.Counter()  # how many slots shared a step
+        # Media encodes run on their own thread (one at a time: one projector), so the other slots
+        # keep decoding while an image is encoded.
+        self._encoder = (ThreadPoolExecutor(1, thread_name_prefix="pyllama-spec-encode")
+                         if engine.projector is not None else None)
         self._thread = threading.Thread(target=self._loop, name="pyllama-spec-scheduler", daemon=True)
         self._thread.start()
 
@@ -188,8 +200,11 @@ class Scheduler:
                 self._admit()
                 self._prefill_slices()
                 self._step()
+                self._wait_while_only_encodes_run()
         finally:
             self._cancel_everything()
+            if self._encoder is not None:
+                self._encoder.shutdown(wait=True)
 
     def _admit(self) -> None:
         """Give waiting requests the free slots (the one whose cache shares most with the prompt)."""
@@ -228,8 +243,8 @@ class Scheduler:
         n_batch rows."""
         budget = self.engine.ctx.n_batch
         while budget > 0:
-            waiting = [i for i, r in enumerate(self._slots)
-                       if r is not None and not r.decoding and not r.submission.cancelled]  # dropped next turn
+            waiting = [i for i, r in enumerate(self._slots)  # cancelled ones are dropped next turn
+                       if r is not None and not r.decoding and not r.submission.cancelled and not r.waits_for_encode]
             if not waiting:
                 return
             i = waiting[self._turn % len(waiting)]
@@ -241,9 +256,13 @@ class Scheduler:
         engine = self.engine
         try:
             if running.prefill is None:
-                running.prefill = running.gen.prefill(engine.ctx.n_batch, engine.projector)
+                running.prefill = running.gen.prefill(engine.ctx.n_batch, engine.projector,
+                                                      self._encode_async if self._encoder else None)
             before = running.gen.seq.positions.n_rows
-            next(running.prefill, None)
+            out = next(running.prefill, None)
+            running.encoding = out if isinstance(out, Future) else None
+            if running.encoding is not None:
+                return 0  # its image is being encoded: the others go on
             if running.gen.prefilled:  # the prompt is in: its first token, before any other decode
                 running.decoding = True
                 self._deliver(i, running.gen.start())
@@ -252,6 +271,27 @@ class Scheduler:
             running.gen.seq.reset()
             self._finish(i, "error", e)
             return 1
+
+    def _encode_async(self, chunk) -> Future:
+        def encode():
+            t = time.perf_counter()
+            return self.engine.projector.encode(chunk), time.perf_counter() - t
+
+        future = self._encoder.submit(encode)
+        future.add_done_callback(lambda _: self._wake())
+        return future
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _wait_while_only_encodes_run(self) -> None:
+        """Nothing to decode but encodes running: sleep until one ends or a request comes."""
+        active = [r for r in self._slots if r is not None]
+        if active and all(r.waits_for_encode for r in active):
+            with self._cond:
+                if not (self._pending or self._stopping or self._reset_requested):
+                    self._cond.wait(0.1)
 
     def _step(self) -> None:
         active = [(i, r) for i, r in enumerate(self._slots) if r is not None and r.decoding and not r.gen.finished]
@@ -287,6 +327,11 @@ class Scheduler:
     def _finish(self, i: int, kind: str, value: Any = None) -> None:
         running = self._slots[i]
         self._slots[i] = None
+        if running.encoding is not None:
+            try:  # its chunk must outlive the encode that reads it
+                running.encoding.result()
+            except BaseException:  # noqa: BLE001 - the request ends anyway
+                pass
         running.prepared.__exit__(None, None, None)
         running.submission._emit(kind, value)
 

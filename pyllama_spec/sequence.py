@@ -82,13 +82,16 @@ class Sequence:
         if n_kept:
             self._remember_text(np.asarray(tokens[:n_kept], dtype=np.int32))
 
-    def decode_media(self, projector, chunk, stats: GenerationStats, *, n_batch: int) -> Iterator[int]:
-        """Encode a media chunk, then decode its rows in slices of n_batch, yielding after each
-        slice (the rows of the chunk decoded so far), so that a scheduler can run other
-        sequences' steps in between. Positions advance when the last slice is in."""
+    def decode_media(self, projector, chunk, stats: GenerationStats, *, n_batch: int,
+                     embd: np.ndarray | None = None) -> Iterator[int]:
+        """Encode a media chunk (unless its embeddings ``embd`` are given: encoded elsewhere), then
+        decode its rows in slices of n_batch, yielding after each slice (the rows of the chunk
+        decoded so far), so that a scheduler can run other sequences' steps in between.
+        Positions advance when the last slice is in."""
         p = self.positions
-        with Stopwatch(stats, "target_seconds"):
-            embd = projector.encode(chunk)
+        if embd is None:
+            with Stopwatch(stats, "target_seconds"):
+                embd = projector.encode(chunk)
         positions = projector.media_positions(chunk, p.pos_next)  # [n_tokens, n_pos]
         pinned = is_pinned(chunk.n_tokens, chunk.n_pos)  # for the whole chunk, whatever its slices
         non_causal = projector.uses_non_causal(chunk)

@@ -4,6 +4,7 @@ through submit(), checked against the same requests run one at a time."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 
@@ -150,3 +151,55 @@ def test_requests_that_arrive_together_start_decoding_together(pair, sequential)
     assert head.tokens == expected[0]
     assert ps.engine.Result.from_pieces(pieces[0]).tokens == expected[1]
     assert len(set(first_at.values())) == 1, first_at  # all three started in one turn
+
+
+def test_other_slots_keep_decoding_while_an_image_is_encoded(tiny_dense):
+    """A big image's encode runs on the encoder thread: the slot beside it streams tokens during
+    the encode (with the encode inline it would stream none), and both answers stay exact."""
+    side = 1344
+    img = (np.random.default_rng(0).random((side, side, 3)) * 255).astype(np.uint8)
+    prompt = f"Look: {ps.MEDIA_MARKER} and say"
+    kw = dict(mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_batch=64, n_ubatch=64, n_threads=N_THREADS,
+              draft_max=7)
+    with ps.load(tiny_dense.target, n_ctx=8192, **kw) as one:
+        expected_image = one.generate(prompt, images=[img], max_tokens=8).tokens
+        expected_text = one.generate("Tell me", max_tokens=1500).tokens
+    with ps.load(tiny_dense.target, n_ctx=2 * 8192, n_parallel=2, **kw) as engine:
+        arrivals, phases, pieces = [], [], []
+
+        def on_event(kind, value):
+            if kind == "piece":
+                arrivals.append(time.perf_counter())
+                pieces.append(value)
+
+        text = engine.submit("Tell me", max_tokens=1500, on_event=on_event)
+        while not arrivals:
+            time.sleep(0.001)
+        image = engine.submit(prompt, images=[img], max_tokens=8,
+                              progress=lambda stage, d, t: phases.append((stage, time.perf_counter())))
+        got_image = image.result().tokens
+        assert text.finished.wait(120)
+    start = next(t for stage, t in phases if stage == "encode")
+    end = next(t for stage, t in phases if stage == "prefill" and t > start)  # its first slice: encoded
+    during = [t for t in arrivals if start < t < end]
+    assert end - start > 0.05  # a real encode, long enough to see
+    assert len(during) >= 3, (len(during), end - start)
+    assert got_image == expected_image
+    assert ps.engine.Result.from_pieces(pieces).tokens == expected_text
+
+
+def test_a_request_cancelled_while_its_image_is_encoded_ends_cleanly(tiny_dense):
+    img = (np.random.default_rng(1).random((1344, 1344, 3)) * 255).astype(np.uint8)
+    with ps.load(tiny_dense.target, mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_ctx=2 * 8192,
+                 n_batch=64, n_ubatch=64, n_threads=N_THREADS, draft_max=7, n_parallel=2) as engine:
+        encoding = threading.Event()
+        sub = engine.submit(f"Look: {ps.MEDIA_MARKER} and say", images=[img], max_tokens=8,
+                            progress=lambda stage, d, t: encoding.set() if stage == "encode" else None)
+        assert encoding.wait(30)
+        sub.cancel()  # while the encoder thread holds its chunk
+        with pytest.raises(ps.GenerationCancelledError):
+            sub.result()
+        assert engine.scheduler.n_active == 0
+        assert engine.sequences[sub.slot].positions.n_rows == sum(
+            len(p) for p in engine.sequences[sub.slot].cached)  # only whole text parts
+        assert engine.generate("Tell me", max_tokens=8).tokens  # the engine goes on
