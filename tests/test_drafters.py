@@ -108,6 +108,23 @@ def test_ngram_proposes_what_followed_the_latest_match():
     assert _draft(d, 42) == []  # nothing ends like this
 
 
+def test_ngram_keeps_copying_a_repetition_past_the_end_of_the_history():
+    """A loop of period 2 (and 3): the continuation of the latest match reaches the end of the
+    history after one period, and the draft goes on copying its own tokens up to n_max."""
+    d = NgramDrafter(n_max=8)
+    d.process(_text([5, 6, 97, 31, 97, 31, 97], 0))
+    assert _draft(d, 31, n_max=8) == [97, 31, 97, 31, 97, 31, 97, 31]
+    d3 = NgramDrafter(n_max=7)
+    d3.process(_text([9, 1, 2, 3, 1, 2, 3, 1], 0))
+    assert _draft(d3, 2, n_max=7) == [3, 1, 2, 3, 1, 2, 3]
+    # The copy still stops at an image: a period that holds one is not repeated across it.
+    d4 = NgramDrafter(n_max=6)
+    d4.process(_text([7, 1, 2], 0))
+    d4.process(_media(3, 10))
+    d4.process(_text([1], 4))
+    assert _draft(d4, 2, n_max=6) == []  # [1, 2] was followed by the image
+
+
 def test_ngram_does_not_match_across_an_image():
     d = NgramDrafter(n_max=4)
     d.process(_text([7, 1, 2], 0))
@@ -125,7 +142,7 @@ def test_ngram_rolls_back_rejected_rows_and_truncates_by_position():
     d.process(_text([1, 2, 3, 1, 2], 0))
     d.process(_text([3, 4, 5], 5))  # a verify batch: id_last + two drafts
     d.forget(0, 6, 6)  # only its first row stays: [1, 2, 3, 1, 2, 3]
-    assert _draft(d, 1) == [2, 3, 1]
+    assert _draft(d, 1) == [2, 3, 1, 2]  # after [3, 1]: [2, 3, 1] to the end, then copied on
     d.forget(0, 3, 3)
     assert _draft(d, 1) == []  # the history is [1, 2, 3] + the key [3, 1]: no earlier "3 1"
     d.forget(0, 0, 0)

@@ -4,6 +4,11 @@ shines where answers copy the prompt (OCR, document QA, code edits).
 
 The drafter keeps the sequence's tokens with their target positions; a media chunk is
 one separator that no n-gram matches across. Lookup is vectorised over the history.
+
+When the continuation of the match runs into the end of the history (the key repeats with a
+short period: a loop, repeated rows, indentation), the draft goes on copying its own tokens,
+as an overlapping LZ77 copy does: the period repeated up to n_max. llama.cpp's ngram-simple
+stops at the end of the history, so on a period-2 loop it drafts one or two tokens a step.
 """
 
 from __future__ import annotations
@@ -84,7 +89,9 @@ class NgramDrafter:
             if len(hits) == 0:
                 continue
             start = int(hits[-1]) + k
-            follow = ctx[start:start + n_draft]
+            # ctx[start:] is one period of the repetition; past the history's end the draft copies
+            # its own tokens, i.e. that period again (an overlapping copy).
+            follow = np.resize(ctx[start:], n_draft) if start + n_draft > len(ctx) else ctx[start:start + n_draft]
             cut = np.flatnonzero(follow == _SEPARATOR)
             if len(cut):
                 follow = follow[:cut[0]]
