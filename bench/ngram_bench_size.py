@@ -30,39 +30,20 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
 import httpx  # noqa: E402
-import numpy as np  # noqa: E402
 from concurrent_chats import ServerProcess, free_port  # noqa: E402
 
 import pyllama_spec as ps  # noqa: E402
 from pyllama_spec import native_build, tiny  # noqa: E402
-from pyllama_spec.drafters.ngram import _SEPARATOR, NgramDrafter  # noqa: E402
 
 PROMPT = "Write a long story about the sea."
 
 
-def llama_cpp_rule(self, ctx: np.ndarray, n_draft: int) -> list[int]:
-    """NgramDrafter._lookup as llama.cpp's ngram-simple copies: never past the end of the history."""
-    for k in range(min(self.ngram_max, len(ctx) - 1), self.ngram_min - 1, -1):
-        key = ctx[-k:]
-        if (key == _SEPARATOR).any():
-            continue
-        windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], k)
-        hits = np.flatnonzero((windows == key).all(axis=1))
-        if len(hits):
-            follow = ctx[int(hits[-1]) + k:][:n_draft]
-            cut = np.flatnonzero(follow == _SEPARATOR)
-            follow = follow[:cut[0]] if len(cut) else follow
-            if len(follow):
-                return follow.tolist()
-    return []
-
-
 class Local:
-    def __init__(self, files, spec: str, rule=None) -> None:
+    def __init__(self, files, spec: str, copy_past_end: bool = True) -> None:
         self.engine = ps.load(files.target, n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=1, spec_type=spec,
                               draft_max=15, flash_attn=False)
-        if rule is not None:
-            self.engine.drafter._lookup = rule.__get__(self.engine.drafter, NgramDrafter)
+        if self.engine.drafter is not None:
+            self.engine.drafter.copy_past_end = copy_past_end
 
     def run(self, max_tokens: int) -> dict:
         r = self.engine.generate(PROMPT, max_tokens=max_tokens, cache_prompt=False)
@@ -106,7 +87,7 @@ def main() -> int:
     engines = {
         "pyllama-spec target-only": Local(files, "none"),
         "pyllama-spec ngram-simple": Local(files, "ngram-simple"),
-        "pyllama-spec ngram-simple, stopping at the history's end": Local(files, "ngram-simple", llama_cpp_rule),
+        "pyllama-spec ngram-simple, stopping at the history's end": Local(files, "ngram-simple", copy_past_end=False),
         "llama-server target-only": Remote(files, False),
         "llama-server ngram-simple": Remote(files, True),
     }

@@ -123,6 +123,9 @@ def test_ngram_keeps_copying_a_repetition_past_the_end_of_the_history():
     d4.process(_media(3, 10))
     d4.process(_text([1], 4))
     assert _draft(d4, 2, n_max=6) == []  # [1, 2] was followed by the image
+    stops = NgramDrafter(n_max=8, copy_past_end=False)  # llama.cpp's rule: only what the history holds
+    stops.process(_text([5, 6, 97, 31, 97, 31, 97], 0))
+    assert _draft(stops, 31, n_max=8) == [97, 31]  # the history after the latest [97, 31, 97, 31]
 
 
 def test_ngram_does_not_match_across_an_image():

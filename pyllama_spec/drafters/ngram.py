@@ -27,19 +27,21 @@ class NgramDrafter:
     """The ``ngram-simple`` method behind the drafter protocol (see drafters/__init__.py).
 
     ``ngram_max`` .. ``ngram_min``: the longest key tried first, down to the shortest.
-    Each sequence has a history of its own.
+    ``copy_past_end``: continue a repetition past the end of the history (False: stop there,
+    as llama.cpp does). Each sequence has a history of its own.
     """
 
     name = "ngram-simple"
 
     def __init__(self, *, n_max: int, n_min: int = 0, n_max_limit: int = 32, ngram_min: int = 2,
-                 ngram_max: int = 4) -> None:
+                 ngram_max: int = 4, copy_past_end: bool = True) -> None:
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         self.n_max_limit = n_max_limit
         self.n_max = max(1, min(n_max, n_max_limit))
         self.n_min = min(n_min, self.n_max)
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.copy_past_end = copy_past_end
         # seq_id -> (tokens, the target position of each history entry)
         self._history: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
@@ -91,7 +93,8 @@ class NgramDrafter:
             start = int(hits[-1]) + k
             # ctx[start:] is one period of the repetition; past the history's end the draft copies
             # its own tokens, i.e. that period again (an overlapping copy).
-            follow = np.resize(ctx[start:], n_draft) if start + n_draft > len(ctx) else ctx[start:start + n_draft]
+            past_end = start + n_draft > len(ctx) and self.copy_past_end
+            follow = np.resize(ctx[start:], n_draft) if past_end else ctx[start:start + n_draft]
             cut = np.flatnonzero(follow == _SEPARATOR)
             if len(cut):
                 follow = follow[:cut[0]]
