@@ -34,7 +34,7 @@ MEDIA_MARKER = "<__media__>"
 # Names whose modules load the native part, imported on first use.
 _LAZY = {
     "load": "engine", "Engine": "engine", "EngineConfig": "engine", "Result": "engine", "Piece": "engine",
-    "Conversation": "chat",
+    "Conversation": "chat", "Submission": "scheduler",
     "Model": "llama", "Context": "llama", "Memory": "llama", "Sampler": "llama",
     "Batch": "batch",
     "Projector": "mtmd", "Bitmap": "mtmd", "Chunks": "mtmd", "Chunk": "mtmd",

@@ -306,8 +306,7 @@ def _load_engine_or_exit(o: dict):
 
 
 def _speculative_mode(engine) -> str:
-    n_max = "auto" if engine.config.draft_max == "auto" else engine.drafter.n_max if engine.drafter else 0
-    return engine.config.spec_type + (f" (draft_max {n_max})" if engine.drafter else "")
+    return engine.config.spec_type + (f" (draft_max {engine.draft_max})" if engine.drafter else "")
 
 
 def _sampling(o: dict) -> dict:

@@ -368,6 +368,13 @@ class Engine:
         return self._scheduler.submit(self._request(prompt=prompt, **kwargs), on_event, max_waiting)
 
     @property
+    def draft_max(self) -> int | str:
+        """The engine's draft length: "auto", the drafter's n_max, or 0 without a drafter."""
+        if self.drafter is None:
+            return 0
+        return "auto" if self.config.draft_max == "auto" else self.drafter.n_max
+
+    @property
     def step_cost(self) -> StepCost:
         """What a speculative step costs on this engine's hardware, fitted to every drafting step
         (draft_length.py); adaptive draft lengths plan with it."""
@@ -410,9 +417,7 @@ class Engine:
         d = self.drafter
         if draft_max == "auto" and d is None:
             raise ValueError('draft_max="auto" needs a drafter (spec_type other than "none")')
-        if draft_max is None:  # the engine's setting
-            draft_max = "auto" if d is not None and self.config.draft_max == "auto" else (d.n_max if d else 0)
-        n_max = draft_max
+        n_max = self.draft_max if draft_max is None else draft_max
         n_min = (d.n_min if d else 0) if draft_min is None else draft_min
         for name, v in (("draft_max", n_max), ("draft_min", n_min)):
             if v == "auto" and name == "draft_max":

@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .draft_length import AdaptiveLength, StepCost, plan_lengths
+from .draft_length import StepCost, plan_lengths
 from .drafters import Drafter, DraftRequest, Proposal
 from .sequence import Sequence
 from .stats import GenerationStats, Stopwatch
@@ -127,8 +127,9 @@ class Generation:
         return max(0, min(budget - 1, room, n_batch_share - 1))
 
     def draft_request(self, n_max: int) -> DraftRequest | None:
-        """What this generation asks the drafter for in the next step (None: no draft)."""
-        if n_max <= 0 or self.seq.drafter is None:
+        """What this generation asks the drafter for in the next step (None: no draft; ``n_max``
+        within ``draft_limit``, which is 0 without a drafter)."""
+        if n_max <= 0:
             return None
         p = self.seq.positions
         return DraftRequest(self.seq.seq_id, self.id_last, p.pos_next, p.draft_pos_next, n_max,
@@ -219,8 +220,9 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
                      step_cost: StepCost | None = None) -> list[Piece | None]:
     """One draft / verify / accept step for every generation in ``gens`` (one target decode for all).
 
-    ``step_cost`` (the engine's) learns from every step that drafted: its rows and its time,
-    whatever rule chose the lengths, so adaptive requests start with what earlier ones measured.
+    ``step_cost`` (the engine's, shared by its adaptive rules) learns from every step that
+    drafted: its rows and its time, whatever rule chose the lengths, so adaptive requests start
+    with what earlier ones measured.
 
     Returns each generation's piece (None where a step streams nothing). Raises what a native
     call raises; the caller resets the sequences of a step that did not finish.
@@ -276,13 +278,8 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
         g.draft_length.update(len(draft), n_kept - 1, time.perf_counter() - start)
         g.stats.target_steps += 1
         pieces.append(g._after_step(accepted, len(draft)))
-    if asked:  # a step without a draft call costs less than the fit's base: it would mislead it
-        seconds = time.perf_counter() - start
-        costs = {id(r.cost): r.cost for r in rules if isinstance(r, AdaptiveLength) and not r.owns_cost}
-        if step_cost is not None:
-            costs[id(step_cost)] = step_cost
-        for cost in costs.values():
-            cost.update(row, seconds)  # a shared cost learns from the whole step: all its rows, all its time
+    if asked and step_cost is not None:  # a step without a draft call costs less than the fit's base
+        step_cost.update(row, time.perf_counter() - start)  # the whole step: all its rows, all its time
     return pieces
 
 

@@ -39,7 +39,7 @@ def test_the_documented_names_are_importable_from_the_package():
                  "MEDIA_MARKER", "PyllamaError", "ModelFileError", "DecodeError", "ContextOverflowError",
                  "IncompatibleModelsError", "ImageError", "ProjectorError", "ClosedError", "KVMemoryError",
                  "EngineBusyError", "GenerationCancelledError", "Model", "Context", "Batch", "Projector",
-                 "Bitmap", "Chunks"):
+                 "Bitmap", "Chunks", "Submission"):
         assert getattr(ps, name) is not None, name
     assert set(ps.__all__) <= set(dir(ps))
     from pyllama_spec.engine import load

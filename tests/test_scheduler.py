@@ -149,7 +149,7 @@ def test_requests_that_arrive_together_start_decoding_together(pair, sequential)
         head = first.result()
         assert all(s.finished.wait(60) for s in others)
     assert head.tokens == expected[0]
-    assert ps.engine.Result.from_pieces(pieces[0]).tokens == expected[1]
+    assert ps.Result.from_pieces(pieces[0]).tokens == expected[1]
     assert len(set(first_at.values())) == 1, first_at  # all three started in one turn
 
 
@@ -185,7 +185,7 @@ def test_other_slots_keep_decoding_while_an_image_is_encoded(tiny_dense):
     assert end - start > 0.05  # a real encode, long enough to see
     assert len(during) >= 3, (len(during), end - start)
     assert got_image == expected_image
-    assert ps.engine.Result.from_pieces(pieces).tokens == expected_text
+    assert ps.Result.from_pieces(pieces).tokens == expected_text
 
 
 def test_a_request_cancelled_while_its_image_is_encoded_ends_cleanly(tiny_dense):

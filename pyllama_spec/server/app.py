@@ -426,7 +426,7 @@ async def _props(service: _Service) -> Response:
         "modalities": {"vision": f["vision"], "audio": f["audio"]},
         "default_generation_settings": {
             "n_ctx": f["n_ctx"], "max_tokens": service.settings.default_max_tokens,
-            "speculative": {"type": service.engine.config.spec_type, "n_max": ("auto" if service.engine.config.draft_max == "auto" else d.n_max) if d else 0,
+            "speculative": {"type": service.engine.config.spec_type, "n_max": service.engine.draft_max,
                             "n_min": d.n_min if d else 0, "n_max_limit": d.n_max_limit if d else 0,
                             "draft_positions": service.engine.positions.draft_positions},
         },

@@ -163,8 +163,6 @@ class SlotWorker:
                     kind = "done"  # the client went away: nobody reads the rest
                 else:  # the server (or the engine) is stopping
                     kind, value = "error", GenerationCancelledError("the server is stopping")
-            elif kind == "done":
-                value = None
             if kind != "piece":
                 with self._lock:
                     self._live.discard(job)
@@ -174,13 +172,11 @@ class SlotWorker:
             self._live.add(job)
         try:
             job.submission = self.engine.submit(**job.engine_args, on_event=on_event, max_waiting=self.max_queue)
-        except EngineBusyError:
+        except BaseException as e:
             with self._lock:
                 self._live.discard(job)
-            raise QueueFullError from None
-        except BaseException:
-            with self._lock:
-                self._live.discard(job)
+            if isinstance(e, EngineBusyError):
+                raise QueueFullError from None
             raise
         if job.cancelled.is_set():  # cancelled before its handle existed
             job.submission.cancel()
