@@ -77,6 +77,31 @@ class Batch(NativeHandle):
         self._check_add(rc, n)
         self._pos0.append(pos)
 
+    def add_tree_tokens(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
+                        seq_ids: Sequence[Sequence[int]]) -> None:
+        """Token rows that each belong to several sequences (``seq_ids[i]``, ascending: a row
+        attends by its first), all with logits: the nodes of a draft tree (tree.py)."""
+        tok = np.ascontiguousarray(tokens, dtype=np.int32)
+        pos = np.ascontiguousarray(positions, dtype=np.int32)
+        n = len(tok)
+        if pos.shape != (n,) or len(seq_ids) != n:
+            raise ValueError(f"{n} tokens need {n} positions and {n} sequence-id lists")
+        one = ffi.new("llama_pos[1]")
+        for i in range(n):
+            ids = seq_ids[i]
+            idx = lib.llama_batch_ext_add_token(self.ptr, int(ids[0]), int(tok[i]))
+            if idx < 0:
+                self._check_add(idx, n)
+            one[0] = int(pos[i])
+            ok = lib.llama_batch_ext_set_pos(self.ptr, idx, one)
+            for s in ids[1:]:
+                ok = ok and lib.llama_batch_ext_add_seq(self.ptr, idx, int(s))
+            if not ok:
+                self._check_add(-3 if len(ids) > 1 else -4, n)
+            lib.llama_batch_ext_set_output_logits(self.ptr, idx, True)
+        self.n_rows += n
+        self._pos0.append(pos)
+
     def add_embeddings(self, embd: np.ndarray, positions: np.ndarray, *,
                        outputs: Sequence[bool] | np.ndarray | bool = False, seq_id: int = 0) -> None:
         """Embedding rows: embd float32 [n, n_embd]; positions int32 [n, n_pos] (or [n] when n_pos is 1)."""

@@ -245,6 +245,9 @@ def model_options(f):
                                           "step from acceptance and the measured cost of a row"),
         click.option("--draft-positions", type=click.Choice(["target", "sequential"]), default="target",
                      show_default=True),
+        click.option("--draft-tree", type=click.IntRange(0, 255), default=0, show_default=True,
+                     help="verify a tree of up to N drafted tokens per step instead of one chain (DFlash, "
+                          "one slot, --verify match): the same tokens, more accepted at --temp > 0"),
         click.option("--verify", type=click.Choice(["match", "rejection"]), default="match", show_default=True,
                      help="acceptance at temperature > 0: rejection sampling, or llama.cpp's exact match"),
         click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="off",
@@ -270,7 +273,7 @@ def _load_engine(o: dict):
     flash = {"on": True, "off": False, "auto": None}[o["flash_attn"]]
     kwargs = dict(n_ctx=o["n_ctx"], n_batch=o["n_batch"], n_ubatch=min(o["n_ubatch"], o["n_batch"]),
                   n_gpu_layers=o["n_gpu_layers"], draft_max=o["draft_max"], draft_positions=o["draft_positions"],
-                  verify=o["verify"], flash_attn=flash, n_threads=o["n_threads"],
+                  verify=o["verify"], draft_tree=o["draft_tree"], flash_attn=flash, n_threads=o["n_threads"],
                   n_threads_batch=o["n_threads_batch"], draft_n_gpu_layers=o["n_gpu_layers_draft"],
                   cache_type_k=o["cache_type_k"], cache_type_v=o["cache_type_v"],
                   cache_type_k_draft=o["cache_type_k_draft"], cache_type_v_draft=o["cache_type_v_draft"],
@@ -306,7 +309,8 @@ def _load_engine_or_exit(o: dict):
 
 
 def _speculative_mode(engine) -> str:
-    return engine.config.spec_type + (f" (draft_max {engine.draft_max})" if engine.drafter else "")
+    tree = f", tree {engine.config.draft_tree}" if engine.config.draft_tree else ""
+    return engine.config.spec_type + (f" (draft_max {engine.draft_max}{tree})" if engine.drafter else "")
 
 
 def _sampling(o: dict) -> dict:

@@ -79,6 +79,9 @@ class EngineConfig:
     draft_min: int = 0
     draft_p_min: float = 0.0
     draft_positions: str = "target"
+    # > 0: verify a tree of up to this many drafted tokens per step instead of one chain (tree.py;
+    # DFlash drafts, one sequence, llama.cpp's "match" rule: the same tokens as target-only for a seed)
+    draft_tree: int = 0
     # At temperature > 0: llama.cpp's exact "match" (the default until rejection sampling's gain is
     # consistent: see bench/RESULTS.md), or "rejection" sampling.
     verify: str = "match"
@@ -106,6 +109,33 @@ class EngineConfig:
     split_mode: str = "layer"
     tensor_split: Sequence[float] | str = ()
     main_gpu: int = 0
+
+
+#: The most drafted tokens in a tree: each leaf takes a sequence id, and llama.cpp has 256.
+DRAFT_TREE_LIMIT = 255
+
+
+def _check_draft_tree(c: EngineConfig) -> None:
+    """Refuse, before loading, a draft tree the engine cannot verify."""
+    t = c.draft_tree
+    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= DRAFT_TREE_LIMIT:
+        raise ValueError(f"draft_tree must be an integer from 0 to {DRAFT_TREE_LIMIT}, got {t!r}")
+    if not t:
+        return
+    if c.spec_type != "draft-dflash":
+        raise ValueError(f"draft_tree needs a DFlash draft (spec_type 'draft-dflash'), whose block gives the "
+                         f"draft's distribution at every position; got spec_type {c.spec_type!r}")
+    if t + 1 > c.n_batch:
+        raise ValueError(f"draft_tree {t} needs n_batch >= {t + 1}: the whole tree and its root are verified "
+                         f"in one target batch (n_batch is {c.n_batch})")
+    if c.n_parallel != 1:
+        raise ValueError("draft_tree works with one sequence (n_parallel=1): its branches use the "
+                         "sequence ids that slots would")
+    if c.draft_max == "auto":
+        raise ValueError('draft_tree needs a fixed draft_max (the tree\'s depth), not "auto"')
+    if c.verify == "rejection":
+        raise ValueError('draft_tree verifies with the "match" rule; rejection sampling over a tree is '
+                         'not implemented')
 
 
 def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
@@ -162,6 +192,7 @@ class Engine:
         if config.n_parallel > config.n_batch:
             raise ValueError(f"n_parallel ({config.n_parallel}) cannot exceed n_batch ({config.n_batch}): every "
                              "slot's verify rows go in one target batch")
+        _check_draft_tree(config)
         self.config = config
         self._gate = EngineGate()
         self._scheduler = None
@@ -257,8 +288,16 @@ class Engine:
                 raise ValueError(f"a recurrent target needs n_ubatch >= 3 to roll back drafts, got {c.n_ubatch}")
             draft_max = n_rs_seq
         n_seq = c.n_parallel
+        if c.draft_tree:
+            if self.model.is_recurrent:
+                raise ValueError("draft_tree needs an attention-only target: a recurrent state cannot hold "
+                                 "several branches at once")
+            if dflash.is_dflash2:
+                raise ValueError("draft_tree needs a DFlash draft with per-position logits; a DFlash2 draft "
+                                 "walks its own lattice")
+        # A draft tree gives every leaf a sequence id of its own, sharing the cells of one cache.
         self.ctx = Context(self.model, n_ctx=c.n_ctx, n_batch=c.n_batch, n_ubatch=c.n_ubatch, n_rs_seq=n_rs_seq,
-                           n_seq_max=n_seq,
+                           n_seq_max=n_seq + c.draft_tree, kv_unified=c.draft_tree > 0,
                            n_threads=c.n_threads, n_threads_batch=c.n_threads_batch, type_k=c.cache_type_k,
                            type_v=c.cache_type_v, flash_attn=c.flash_attn, role="target")
         if c.mmproj:
@@ -319,7 +358,8 @@ class Engine:
                stop: Sequence[str] | str = (), cache_prompt: bool = True,
                progress: ProgressCallback | None = None, draft_max: int | None = None,
                draft_min: int | None = None, draft_positions: str | None = None,
-               verify: str | None = None, chat_template_kwargs: dict | None = None) -> Iterator[Piece]:
+               verify: str | None = None, draft_tree: int | None = None,
+               chat_template_kwargs: dict | None = None) -> Iterator[Piece]:
         """Yield pieces of text as the target accepts them; the last piece carries the stats.
 
         ``prompt`` is used as is, with ``MEDIA_MARKER`` where each image goes; ``messages``
@@ -338,7 +378,9 @@ class Engine:
         ``verify`` (default: the engine's, "match") decides acceptance at temperature > 0:
         "rejection" sampling follows the target's distribution exactly and accepts more;
         "match" is llama.cpp's rule, with the same tokens as a target-only run for a seed.
-        Greedy decoding is the same under both.
+        Greedy decoding is the same under both. ``draft_tree`` (up to the engine's, loaded
+        with ``draft_tree=N``; 0: one chain) verifies a tree of that many drafted tokens per
+        step under the "match" rule: the same tokens, more of them accepted (tree.py).
 
         The generation owns the engine from its first step to its end (see ``Engine``);
         with n_parallel > 1 it runs in a slot of the scheduler instead (see ``submit``).
@@ -348,7 +390,7 @@ class Engine:
                                 presence_penalty=presence_penalty, seed=seed, stop=stop,
                                 cache_prompt=cache_prompt, progress=progress, draft_max=draft_max,
                                 draft_min=draft_min, draft_positions=draft_positions, verify=verify,
-                                chat_template_kwargs=chat_template_kwargs)
+                                draft_tree=draft_tree, chat_template_kwargs=chat_template_kwargs)
         if self.config.n_parallel > 1:
             return self._scheduled(request)
         return self._owned(self._run(request))
@@ -395,7 +437,7 @@ class Engine:
                  seed: int = 0, stop: Sequence[str] | str = (), cache_prompt: bool = True,
                  progress: ProgressCallback | None = None, draft_max: int | None = None,
                  draft_min: int | None = None, draft_positions: str | None = None, verify: str | None = None,
-                 chat_template_kwargs: dict | None = None) -> dict:
+                 draft_tree: int | None = None, chat_template_kwargs: dict | None = None) -> dict:
         """One call's arguments, checked (before anything runs) and normalised."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
@@ -405,8 +447,17 @@ class Engine:
         verify = verify or self.config.verify
         if verify not in VERIFY_RULES:
             raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
+        tree = self.config.draft_tree if draft_tree is None else draft_tree
+        if isinstance(tree, bool) or not isinstance(tree, (int, np.integer)) or not 0 <= tree <= self.config.draft_tree:
+            raise ValueError(f"draft_tree must be an integer from 0 to the engine's draft_tree "
+                             f"({self.config.draft_tree}; load with draft_tree=N for trees), got {draft_tree!r}")
+        if tree and verify == "rejection" and temperature > 0:
+            raise ValueError('draft_tree verifies with the "match" rule; rejection sampling over a tree is '
+                             'not implemented (pass draft_tree=0 or verify="match")')
+        if tree and drafting[0] == "auto":
+            raise ValueError('draft_tree needs a fixed draft_max (the tree\'s depth), not "auto"')
         return dict(prompt=prompt, messages=messages, images=images, max_tokens=int(max_tokens),
-                    drafting=drafting, verify=verify,
+                    drafting=drafting, verify=verify, draft_tree=int(tree),
                     sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                   presence_penalty=presence_penalty, seed=seed),
                     stop=[stop] if isinstance(stop, str) else list(stop), cache_prompt=cache_prompt,
@@ -578,7 +629,8 @@ class _PreparedGeneration:
                 length = FixedLength(n_max)
             return Generation(self.seq, e.model, parts, verifier, stats, max_tokens=r["max_tokens"],
                               stop=r["stop"], draft_length=length, draft_min=n_min,
-                              cache_prompt=r["cache_prompt"], progress=r["progress"], draft_positions=mode)
+                              cache_prompt=r["cache_prompt"], progress=r["progress"], draft_positions=mode,
+                              draft_tree=r["draft_tree"])
         except BaseException:
             self.__exit__()
             raise

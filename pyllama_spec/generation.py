@@ -28,6 +28,7 @@ from .draft_length import StepCost, plan_lengths
 from .drafters import Drafter, DraftRequest, Proposal
 from .sequence import Sequence
 from .stats import GenerationStats, Stopwatch
+from .tree import TreeSeqs, build_tree
 
 ProgressCallback = Callable[[str, int, int], None]
 
@@ -58,8 +59,10 @@ class Generation:
 
     def __init__(self, seq: Sequence | None, model, parts: list, verifier, stats: GenerationStats, *,
                  max_tokens: int, stop: list[str], draft_length, draft_min: int, cache_prompt: bool = True,
-                 progress: ProgressCallback | None = None, draft_positions: str = "target") -> None:
+                 progress: ProgressCallback | None = None, draft_positions: str = "target",
+                 draft_tree: int = 0) -> None:
         self.seq = seq  # None until a scheduler gives it a slot
+        self.draft_tree = draft_tree  # > 0: verify a tree of up to this many drafted tokens (tree.py)
         self.draft_positions = draft_positions
         self.model = model
         self.parts = parts
@@ -125,6 +128,12 @@ class Generation:
         room = self.seq.n_ctx - p.n_rows - 1
         budget = self.max_tokens - self.generated
         return max(0, min(budget - 1, room, n_batch_share - 1))
+
+    def tree_limit(self, n_batch: int) -> int:
+        """The most tree nodes (drafted tokens) the next step may verify: the tree budget, the free
+        cache rows (every node takes a cell during the decode) and the target batch."""
+        room = self.seq.n_ctx - self.seq.positions.n_rows - 1
+        return max(0, min(self.draft_tree, room, n_batch - 1))
 
     def draft_request(self, n_max: int) -> DraftRequest | None:
         """What this generation asks the drafter for in the next step (None: no draft; ``n_max``
@@ -241,6 +250,11 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
             if r is not None:
                 g.stats.draft_seconds += time.perf_counter() - t
         proposals = iter(made)
+    if len(gens) == 1 and gens[0].draft_tree and requests[0] is not None:
+        proposal = next(proposals)
+        if proposal.logits is not None and len(proposal):
+            return [_tree_step(ctx, drafter, gens[0], proposal, start, step_cost)]
+        proposals = iter([proposal])
     drafts, verify_rows, offsets = [], [], []
     row = 0
     for g, r in zip(gens, requests):
@@ -281,6 +295,48 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
     if asked and step_cost is not None:  # a step without a draft call costs less than the fit's base
         step_cost.update(row, time.perf_counter() - start)  # the whole step: all its rows, all its time
     return pieces
+
+
+def _tree_step(ctx, drafter: Drafter, g: Generation, proposal: Proposal, start: float,
+               step_cost: StepCost | None) -> Piece | None:
+    """The verify half of a step with a draft tree (tree.py), for a generation alone on its context.
+
+    The tree's nodes are decoded in one batch with tree attention: every leaf has a sequence
+    id of its own (the prompt shared into it), every node carries the leaves below it. The
+    target's sampler walks down the tree; the accepted path's cells are then given to the
+    sequence and every leaf sequence is dropped, which frees the other nodes' cells (also when
+    the decode fails: the sequence's own cells are never touched before the walk is done).
+    """
+    seq, stats = g.seq, g.stats
+    p, mem, main = seq.positions, ctx.memory, seq.seq_id
+    tree = build_tree(g.id_last, proposal.logits[:len(proposal)], g.tree_limit(ctx.n_batch))
+    seqs = TreeSeqs.assign(tree, first_seq=main + 1)
+    t = time.perf_counter()
+    batch = ctx.shared_token_batch()
+    batch.clear()
+    try:
+        for s in seqs.leaf_seqs:
+            mem.copy(main, s)
+        batch.add_tree_tokens(tree.tokens, p.pos_next + tree.depth, seqs.node_seqs)
+        ctx.decode(batch)  # every node's logits
+        nodes, last = g.verifier.walk_tree(ctx, tree)
+        mem.copy(seqs.seq_through(nodes[-1] if nodes else 0), main, p.pos_next, p.pos_next + len(nodes) + 1)
+    finally:
+        for s in seqs.leaf_seqs:
+            mem.remove(s, -1, -1)
+    path = np.asarray([0, *nodes])
+    tokens = tree.tokens[path]
+    stats.target_seconds += time.perf_counter() - t
+    t = time.perf_counter()
+    drafter.process([dataclasses.replace(seq.text_rows(tokens), row_index=path)])  # the path's features only
+    stats.draft_seconds += time.perf_counter() - t
+    seq.commit(tokens, len(tokens))  # the memory already holds exactly the path
+    stats.record_step(tree.n_drafted, len(nodes), tree.max_depth)
+    stats.target_steps += 1
+    g.draft_length.update(tree.max_depth, len(nodes), time.perf_counter() - start)
+    if step_cost is not None:
+        step_cost.update(len(tree), time.perf_counter() - start)
+    return g._after_step([*tokens[1:].tolist(), last], tree.n_drafted)
 
 
 class _TextAssembler:

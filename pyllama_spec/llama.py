@@ -361,7 +361,7 @@ class Context(NativeHandle):
                  n_seq_max: int = 1, n_rs_seq: int = 0, n_threads: int | None = None,
                  n_threads_batch: int | None = None, type_k: str = "f16", type_v: str = "f16",
                  flash_attn: bool | None = False, swa_full: bool = False, embeddings: bool = False,
-                 ctx_other: "Context | None" = None, role: str = "target") -> None:
+                 kv_unified: bool = False, ctx_other: "Context | None" = None, role: str = "target") -> None:
         self.model = model
         self.role = role
         self._other = ctx_other  # keeps the borrowed context alive as long as this one
@@ -374,6 +374,10 @@ class Context(NativeHandle):
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         params.n_ubatch = min(n_ubatch, n_batch)
+        if n_seq_max > n_batch:
+            # llama.cpp reserves an output row per sequence within n_batch, and aborts past it.
+            raise ValueError(f"the {role} context cannot hold {n_seq_max} sequences with n_batch {n_batch}: "
+                             "n_batch must be at least the number of sequences")
         params.n_seq_max = n_seq_max
         params.n_rs_seq = n_rs_seq
         threads = n_threads or max(1, (os.cpu_count() or 2))
@@ -396,6 +400,7 @@ class Context(NativeHandle):
                                   lib.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else
                                   lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         params.swa_full = swa_full
+        params.kv_unified = kv_unified  # one cache for all sequences (draft trees share its cells)
         params.embeddings = embeddings
         params.no_perf = True
         if ctx_other is not None:
@@ -574,6 +579,12 @@ class Memory:
             raise KVMemoryError("llama_memory_seq_rm", None,
                                 f"{self._ctx.role} context cannot remove positions [{p0}, {p1}) of sequence "
                                 f"{seq_id} (a recurrent model needs n_rs_seq > 0 to roll back)")
+
+    def copy(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Let sequence ``dst`` also hold the cells of ``src`` at positions [p0, p1) (-1: open end).
+
+        In a unified cache this shares the cells (no data is copied)."""
+        lib.llama_memory_seq_cp(self._mem(), src, dst, p0, p1)
 
     def pos_min(self, seq_id: int = 0) -> int:
         """Smallest position held for the sequence, -1 when empty."""

@@ -67,11 +67,14 @@ class GenerationStats:
         """Time outside native target and draft calls."""
         return max(0.0, self.total_seconds - self.target_seconds - self.draft_seconds)
 
-    def record_step(self, n_drafted: int, n_accepted: int) -> None:
-        while len(self.per_position_drafted) < n_drafted:
+    def record_step(self, n_drafted: int, n_accepted: int, n_positions: int | None = None) -> None:
+        """One verify step: tokens drafted and accepted; ``n_positions``: the draft positions it
+        covered (a tree drafts several tokens per position; a chain one, the default)."""
+        n_positions = n_drafted if n_positions is None else n_positions
+        while len(self.per_position_drafted) < n_positions:
             self.per_position_drafted.append(0)
             self.per_position_accepted.append(0)
-        for i in range(n_drafted):
+        for i in range(n_positions):
             self.per_position_drafted[i] += 1
             if i < n_accepted:
                 self.per_position_accepted[i] += 1

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from .sampling import Dist
+from .tree import walk
 
 VERIFY_RULES = ("match", "rejection")
 
@@ -87,6 +88,12 @@ class MatchVerifier:
             if i >= len(draft) or tok != draft[i]:
                 break
         return accepted
+
+
+    def walk_tree(self, ctx, tree, row: int = 0) -> tuple[list[int], int]:
+        """Verify a draft tree whose nodes are output rows ``row``.. of ctx's last decode: sample at
+        each node of the path, in order, as target-only sampling would (tree.walk)."""
+        return walk(tree, lambda node: self.sampler.sample(ctx, row + node))
 
 
 class RejectionVerifier:

@@ -232,3 +232,20 @@ def test_generate_with_draft_max_auto_and_a_bad_draft_max(tiny_dense):
     for bad in ("fast", "-2"):
         result = CliRunner().invoke(main, ["generate", *args, "--draft-max", bad, "-p", "x"])
         assert result.exit_code == 2 and "--draft-max" in result.output, result.output
+
+
+def test_generate_with_a_draft_tree_gives_the_target_only_text(tmp_path):
+    """`generate --draft-tree N` on the embedded pair at --temp 0.8: the text of --draft-max 0, more
+    drafts accepted than the chain's; a tree it cannot verify ends with a message."""
+    def run(*extra):
+        result = CliRunner().invoke(main, ["generate", "-t", "1", "-b", "64", "-ub", "64", "-p", "def add(a, b):\n",
+                                           "-n", "40", "--temp", "0.8", "--seed", "3", "--json", *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output[result.output.index("{"):])  # after the embedded-pair line
+
+    plain, chain = run("--draft-max", "0"), run("--draft-max", "15")
+    tree = run("--draft-max", "15", "--draft-tree", "24")
+    assert tree["text"] == plain["text"] == chain["text"]
+    assert tree["stats"]["accepted"] > chain["stats"]["accepted"]
+    bad = CliRunner().invoke(main, ["generate", "-t", "1", "-p", "x", "--draft-tree", "8", "--verify", "rejection"])
+    assert bad.exit_code == 1 and "draft_tree" in bad.output, bad.output

@@ -582,3 +582,28 @@ def test_cache_prompt_false_decodes_the_whole_prompt_again(served):
     assert fresh["choices"][0]["message"]["content"] == again["choices"][0]["message"]["content"]
     bad = httpx.post(url, json={**body, "cache_prompt": "no"}, timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_prompt"
+
+
+def test_a_draft_tree_server_answers_as_target_only_and_reports_it():
+    """`serve --draft-tree N` on the trained pair: sampled answers equal target-only answers for a
+    seed (`speculative.tree` per request, 0 = a chain), /props says the tree size, bad sizes are 400."""
+    m = ps.embedded_models()
+    engine = ps.load(m.target, mmproj=m.mmproj, draft=m.draft, n_ctx=2048, n_batch=64, n_ubatch=64,
+                     n_threads=N_THREADS, draft_max=15, draft_tree=24)
+    server = Server(engine, ServerSettings(alias="trained"))
+    try:
+        url = server.url + "/v1/completions"
+        base = {"prompt": ps.embedded.PROMPT, "max_tokens": 40, "temperature": 0.8, "seed": 7}
+        plain = httpx.post(url, json={**base, "speculative.n_max": 0}, timeout=60).json()
+        tree = httpx.post(url, json=base, timeout=60).json()
+        chain = httpx.post(url, json={**base, "speculative.tree": 0}, timeout=60).json()
+        assert tree["choices"][0]["text"] == plain["choices"][0]["text"] == chain["choices"][0]["text"]
+        assert tree["timings"]["draft_n"] > chain["timings"]["draft_n"] > 0
+        assert httpx.get(server.url + "/props").json()["default_generation_settings"]["speculative"]["tree"] == 24
+        bad = httpx.post(url, json={**base, "speculative.tree": 25}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative.tree"
+        rejection = httpx.post(url, json={**base, "speculative.verify": "rejection"}, timeout=60)
+        assert rejection.status_code == 400 and "tree" in rejection.json()["error"]["message"]
+    finally:
+        server.stop()
+        engine.close()

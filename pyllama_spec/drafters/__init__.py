@@ -42,6 +42,8 @@ class TargetRows:
     ``seq_id``: the sequence they belong to; ``row_offset``: where they start among the rows
     of the target's last decode (several sequences' rows share one verify decode).
     ``draft_positions``: the sequence's position mode ("target" or "sequential").
+    ``row_index``: where each row is among the rows of the target's last decode, when they
+    are not the ``n_rows`` rows from ``row_offset`` on (the accepted path of a draft tree).
     """
 
     positions: np.ndarray
@@ -52,6 +54,13 @@ class TargetRows:
     seq_id: int = 0
     row_offset: int = 0
     draft_positions: str = "target"
+    row_index: np.ndarray | None = None
+
+    def decoded_rows(self) -> np.ndarray | slice:
+        """These rows' indices among the rows of the target's last decode."""
+        if self.row_index is not None:
+            return self.row_index
+        return slice(self.row_offset, self.row_offset + self.n_rows)
 
     @property
     def n_rows(self) -> int:

@@ -144,8 +144,9 @@ class DFlashDrafter:
             if self._skip_pinned_media and mode_target and r.pinned:
                 self._log("skip", int(r.section0[0]), r.n_rows)
                 continue
-            n, at = r.n_rows, r.row_offset
-            feats.append(np.concatenate([self.target_ctx.layer_input(lid, at + n)[at:]
+            n, rows_of = r.n_rows, r.decoded_rows()
+            n_decoded = r.row_offset + n if r.row_index is None else int(np.max(r.row_index)) + 1
+            feats.append(np.concatenate([self.target_ctx.layer_input(lid, n_decoded)[rows_of]
                                          for lid in self.config.target_layers], axis=1))
             pos0 = r.section0 if mode_target else r.first_draft_pos + np.arange(n, dtype=np.int32)
             positions.append(self._draft_positions(pos0))

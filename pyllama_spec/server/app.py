@@ -158,7 +158,7 @@ class _Service:
         drafter = engine.drafter
         self.limits = RequestLimits(
             max_tokens=settings.max_tokens, default_max_tokens=settings.default_max_tokens,
-            draft_max=drafter.n_max_limit if drafter else 0,
+            draft_max=drafter.n_max_limit if drafter else 0, draft_tree=engine.config.draft_tree,
             images=ImageLimits(max_images=settings.max_images if engine.projector else 0,
                                max_pixels=settings.max_image_pixels, allowed_dir=settings.allowed_image_dir))
         self.worker = None  # made by start(): one slot, or the engine's slots (-np N)
@@ -428,7 +428,8 @@ async def _props(service: _Service) -> Response:
             "n_ctx": f["n_ctx"], "max_tokens": service.settings.default_max_tokens,
             "speculative": {"type": service.engine.config.spec_type, "n_max": service.engine.draft_max,
                             "n_min": d.n_min if d else 0, "n_max_limit": d.n_max_limit if d else 0,
-                            "draft_positions": service.engine.positions.draft_positions},
+                            "draft_positions": service.engine.positions.draft_positions,
+                            "tree": service.engine.config.draft_tree},
         },
     })
 

@@ -97,10 +97,12 @@ def _sampling(body: dict, max_tokens_limit: int, default_max_tokens: int) -> dic
     )
 
 
-def _speculative(body: dict, engine_limit: int) -> dict:
-    """llama-server's per-request keys (speculative.n_max / n_min), plus speculative.draft_positions
-    and speculative.verify."""
+def _speculative(body: dict, engine_limit: int, tree_limit: int = 0) -> dict:
+    """llama-server's per-request keys (speculative.n_max / n_min), plus speculative.draft_positions,
+    speculative.verify and speculative.tree (drafted tokens verified as a tree; 0: a chain)."""
     out = {}
+    if "speculative.tree" in body:
+        out["draft_tree"] = _number(body, "speculative.tree", None, 0, tree_limit, integer=True)
     if body.get("speculative.n_max") == "auto":
         out["draft_max"] = "auto"  # the adaptive schedule (draft_length.py)
     elif "speculative.n_max" in body:
@@ -142,6 +144,7 @@ class RequestLimits:
     default_max_tokens: int
     draft_max: int  # largest speculative.n_max accepted (what the engine can draft)
     images: ImageLimits
+    draft_tree: int = 0  # largest speculative.tree accepted (the engine's draft_tree)
 
 
 def _content_parts(content: Any, where: str, limits: RequestLimits, images: list) -> Any:
@@ -201,7 +204,7 @@ def parse_chat(body: Any, limits: RequestLimits) -> GenerationRequest:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     args = dict(messages=out, **_sampling(body, limits.max_tokens, limits.default_max_tokens),
-                **_speculative(body, limits.draft_max), chat_template_kwargs=kwargs)
+                **_speculative(body, limits.draft_max, limits.draft_tree), chat_template_kwargs=kwargs)
     return GenerationRequest("chat", stream, include_usage, args, len(images))
 
 
@@ -218,5 +221,5 @@ def parse_completion(body: Any, limits: RequestLimits, *, llama_style: bool = Fa
         body = dict(body, max_tokens=None if body["n_predict"] == -1 else body["n_predict"])
     stream, include_usage = _n_and_stream(body)
     args = dict(prompt=prompt, **_sampling(body, limits.max_tokens, limits.default_max_tokens),
-                **_speculative(body, limits.draft_max))
+                **_speculative(body, limits.draft_max, limits.draft_tree))
     return GenerationRequest("llama" if llama_style else "completion", stream, include_usage, args, 0)

@@ -193,6 +193,7 @@ void llama_batch_ext_free(struct llama_batch_ext * batch);
 void llama_batch_ext_clear(struct llama_batch_ext * batch);
 int32_t llama_batch_ext_add_token(struct llama_batch_ext * batch, llama_seq_id seq_id, llama_token id);
 int32_t llama_batch_ext_add_embd(struct llama_batch_ext * batch, llama_seq_id seq_id, struct llama_embd embd);
+bool llama_batch_ext_add_seq(struct llama_batch_ext * batch, int32_t idx, llama_seq_id seq_id);
 bool llama_batch_ext_set_pos(struct llama_batch_ext * batch, int32_t idx, const llama_pos * pos);
 bool llama_batch_ext_set_output_logits(struct llama_batch_ext * batch, int32_t idx, bool value);
 int32_t llama_process(struct llama_context * ctx, enum llama_process_type type, struct llama_batch_ext * batch);
