@@ -99,6 +99,21 @@ elif case == "slots":
         out["slots_freed"] = engine.scheduler.n_active == 0
         out["same_after"] = engine.generate("Tell me", max_tokens=16).tokens == expected
 
+elif case == "tree":
+    # A draft tree on the trained pair: Ctrl-C lands in a step (its decode, its walk or the
+    # branch cleanup); the branches must not stay in the cache.
+    m = ps.embedded_models()
+    with ps.load(m.target, draft=m.draft, n_ctx=4096, n_batch=128, n_ubatch=128, n_threads=1, draft_max=15,
+                 draft_tree=64) as engine:
+        kw = dict(temperature=0.8, seed=2)
+        expected = engine.generate(ps.embedded.PROMPT, max_tokens=24, draft_max=0, **kw).tokens
+        interrupt_after(0.5)
+        out["outcome"], out["elapsed"] = timed(
+            lambda: engine.generate(ps.embedded.PROMPT, max_tokens=3800, cache_prompt=False, **kw))
+        mem = engine.ctx.memory
+        out["branches_left"] = [s for s in range(1, 65) if mem.pos_max(s) >= 0]
+        out["same_after"] = engine.generate(ps.embedded.PROMPT, max_tokens=24, **kw).tokens == expected
+
 elif case == "own-handler":
     seen = []
     signal.signal(signal.SIGINT, lambda *a: seen.append(1))
@@ -157,6 +172,12 @@ def test_ctrl_c_while_slots_generate_reaches_the_reader_and_the_slots_go_on(tiny
     assert out["other"] and out["other"][0] in ("finished", "GenerationCancelledError", "KeyboardInterrupt",
                                                 "NativeCallError"), out
     assert out["slots_freed"] and out["same_after"], out
+
+
+def test_ctrl_c_during_draft_tree_steps_leaves_no_branch_in_the_cache(tiny_dense, run_python):
+    out = _run(run_python, tiny_dense, "tree")
+    assert out["outcome"] == "interrupted" and out["elapsed"] < 5, out
+    assert out["branches_left"] == [] and out["same_after"], out
 
 
 def test_a_program_with_its_own_sigint_handler_keeps_its_decode(tiny_dense, run_python):
