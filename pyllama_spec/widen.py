@@ -1,0 +1,292 @@
+"""The trained tiny pair at the cost of a 142M-parameter model: zero padding, same function.
+
+``widen_trained_pair`` writes the embedded trained pair (``pyllama_spec/models``: a 4-layer,
+64-wide ``hunyuan_vl`` target, its ``qwen2vl_merger`` mmproj and a 2-layer DFlash draft) in the
+shapes of ``tiny.make_bench_set``: by default n_embd 1024, 12 layers, n_ff 2816, 16 heads of 64
+with 8 KV heads, f16 matrices: 142,135,808 target parameters (the draft: 26,745,088).  Every
+weight that is not a trained one is zero, and the trained ones are placed (and scaled by powers
+of two) so that the wide files compute **the trained pair's function** -- the same logits, the
+same draft proposals, so the trained acceptance (about 0.53 at draft_max 7 on held-out code) --
+while every decode costs what a dense 142M f16 model costs (ggml's matmuls do not skip zeros).
+It is a benchmark fixture, not a better model: nothing is learned, the extra width and layers
+carry zeros.
+
+How the function is kept (checked against the pinned llama.cpp: ``src/models/hunyuan-vl.cpp``,
+``src/models/dflash.cpp``, ``ggml_mrope_cache_init`` / ``rotate_pairs`` in ggml-cpu):
+
+* residual: the trained 64 dims are wide dims 0..63, scaled by ``s_r = sqrt(n_embd / 64)``
+  (4 at 1024): the token embedding, the merger's output (image rows) and every layer's output
+  projection (``attn_output``, ``ffn_down``) are multiplied by s_r.  An RMS norm over n_embd
+  then sees ``mean(x^2)`` exactly as the trained model did (``s_r^2 * sum / n_embd = sum / 64``,
+  epsilon included), and its output is s_r times larger: every residual norm weight
+  (``attn_norm``, ``ffn_norm``, ``output_norm``, the draft's ``enc.output_norm``) is divided by
+  s_r.  The draft's ``fc`` reads target layer inputs (s_r times the trained ones) and is left
+  unscaled, so its output is s_r times the trained one, as its norm expects.
+* heads: trained query head h is wide head h, trained KV head h is wide KV head h (the GQA
+  ratio is 2 in both, and ggml maps query head h to KV head h // ratio).  ggml's M-RoPE and NeoX
+  rope rotate pair i = (dim i, dim i + n_rot / 2) at ``base^(-2i / n_rot)``, the section chosen
+  by pair index: trained pair i (head dim 16) goes to wide pair ``k * i`` (k = 64 / 16 = 4),
+  same frequency, and the sections are scaled by k ([2, 3, 3, 0] -> [8, 12, 12, 0]; the draft's
+  [8, 0, 0, 0] -> [32, 0, 0, 0]), so pair k*i falls in the same section.  The q and k
+  projections are scaled by ``s_h = sqrt(64 / 16) = 2``: the per-head RMS norm over 64 dims then
+  sees the trained mean (epsilon included) and gives the trained normalised vector times s_h;
+  the k_norm weight is divided by s_h (the K cache holds the trained values) and the q_norm
+  weight kept, so q.k is s_h times the trained one, which the wider head's attention scale
+  1/sqrt(64) = 1/sqrt(16) / s_h cancels.  Heads the trained model does not have are zero:
+  zero q and k, uniform attention over zero values, zero output.
+* feed-forward: the trained 256 units are units 0..255 of 2816; layers past the trained four
+  are all zero (including their norms): the residual passes through them unchanged.
+* draft: the same padding; its ``fc`` (3 x n_embd -> n_embd) holds each trained 64 x 64 block
+  at the matching wide block; it reads target layers (1, 2, 3) as trained.
+* mmproj: the vision tower as trained (f32), the merger's last projection padded to n_embd.
+
+All the scale factors are powers of two at widths 256 and 1024, so they are exact in f32 and
+f16.  In f32 the wide pair gives the trained logits up to summation order (about 1e-6); in f16
+the matrices are rounded to f16 (and ggml rounds matmul inputs to f16 too), so logits move by
+about 1e-3 and a greedy continuation can part from the trained one at a near tie
+(``tests/test_widen.py``; ``bench/dflash_bench_size.py`` reports how many tokens agree).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import numpy as np
+
+from . import tiny
+from .embedded import DRAFT, MMPROJ, MODELS_DIR, TARGET
+from .gguf_check import GGUFInfo, ValueType, read_gguf, read_tensor
+from .gguf_writer import GGUFWriter
+
+#: Bump when the written files change (cache names carry it).
+WIDEN_VERSION = 1
+
+
+class _Layout:
+    """Where trained rows/columns go in the wide tensors, and the two scales."""
+
+    def __init__(self, t: GGUFInfo, *, n_embd: int, n_ff: int):
+        arch = t.arch
+        m = t.metadata
+        self.n_embd_t = int(m[f"{arch}.embedding_length"])
+        self.n_head_t = int(m[f"{arch}.attention.head_count"])
+        self.n_kv_t = int(m[f"{arch}.attention.head_count_kv"])
+        self.hd_t = int(m[f"{arch}.attention.key_length"])
+        g = tiny._geometry(n_embd)
+        self.n_embd, self.n_head, self.n_kv, self.hd = g.n_embd, g.n_head, g.n_head_kv, g.head_dim
+        self.n_ff = n_ff
+        if self.n_embd < self.n_embd_t or self.n_head < self.n_head_t or self.n_kv < self.n_kv_t:
+            raise ValueError(f"n_embd {n_embd} gives {self.n_head} heads / {self.n_kv} KV heads of {self.hd}: "
+                             f"fewer than the trained {self.n_head_t} / {self.n_kv_t}")
+        if self.n_head // self.n_kv != self.n_head_t // self.n_kv_t:
+            raise ValueError("the GQA ratio must stay the same")
+        if self.hd % self.hd_t or self.hd_t % 2:
+            raise ValueError(f"head dim {self.hd} is not a multiple of the trained {self.hd_t}")
+        self.k = self.hd // self.hd_t  # trained rope pair i -> wide pair k * i
+        self.s_r = math.sqrt(self.n_embd / self.n_embd_t)  # residual scale
+        self.s_h = math.sqrt(self.hd / self.hd_t)  # q/k scale
+        self.res = np.arange(self.n_embd_t)  # trained residual dims -> wide dims 0..n_embd_t-1
+        half_t, half_w = self.hd_t // 2, self.hd // 2
+        d = np.arange(self.hd_t)
+        self.head_map = np.where(d < half_t, self.k * d, self.k * (d - half_t) + half_w)  # dim in a head
+
+    def head_rows(self, n_heads: int) -> np.ndarray:
+        """Wide row of each trained row of a [n_heads x head_dim] projection output."""
+        return (np.arange(n_heads)[:, None] * self.hd + self.head_map[None, :]).reshape(-1)
+
+
+def _copy_metadata(w: GGUFWriter, info: GGUFInfo, overrides: dict) -> None:
+    """Every key of ``info`` in its order and type, with ``overrides`` (key -> value) applied."""
+    for key, value in info.metadata.items():
+        vtype, elem = info.types[key]
+        value = overrides.get(key, value)
+        if vtype == ValueType.ARRAY:
+            w.add_array(key, elem, value.tolist() if isinstance(value, np.ndarray) else list(value))
+        else:
+            w.add_value(key, vtype, value)
+
+
+def _pad(shape: tuple[int, ...], dtype, rows=None, cols=None, value=None) -> np.ndarray:
+    """A zero array of ``shape`` with ``value`` at [rows][:, cols] (either may be None: the first ones)."""
+    out = np.zeros(shape, dtype)
+    if value is None:
+        return out
+    value = np.asarray(value, np.float32)
+    rows = np.arange(value.shape[0]) if rows is None else rows
+    if out.ndim == 1:
+        out[rows] = value
+    else:
+        cols = np.arange(value.shape[1]) if cols is None else cols
+        out[np.ix_(rows, cols)] = value
+    return out
+
+
+def _add_layers(w: GGUFWriter, info: GGUFInfo, L: _Layout, *, n_layer: int, n_ff_t: int, n_ff: int, mat) -> None:
+    """Attention + FFN blocks: the trained ones padded, the rest zero."""
+    n_layer_t = sum(1 for n in info.tensors if n.endswith(".attn_norm.weight"))
+    qrows, kvrows, res, f32 = L.head_rows(L.n_head_t), L.head_rows(L.n_kv_t), L.res, np.float32
+    q_out, kv_out = L.n_head * L.hd, L.n_kv * L.hd
+    ff_t = np.arange(n_ff_t)
+    for i in range(n_layer):
+        p = f"blk.{i}"
+        trained = i < n_layer_t
+        t = (lambda name: read_tensor(info, f"{p}.{name}.weight")) if trained else (lambda name: None)
+        sc = lambda v, s: None if v is None else v * np.float32(s)  # noqa: E731
+        w.add_tensor(f"{p}.attn_norm.weight", _pad((L.n_embd,), f32, res, value=sc(t("attn_norm"), 1 / L.s_r)))
+        w.add_tensor(f"{p}.attn_q.weight", _pad((q_out, L.n_embd), mat, qrows, res, sc(t("attn_q"), L.s_h)))
+        w.add_tensor(f"{p}.attn_k.weight", _pad((kv_out, L.n_embd), mat, kvrows, res, sc(t("attn_k"), L.s_h)))
+        w.add_tensor(f"{p}.attn_v.weight", _pad((kv_out, L.n_embd), mat, kvrows, res, t("attn_v")))
+        w.add_tensor(f"{p}.attn_output.weight",
+                     _pad((L.n_embd, q_out), mat, res, qrows, sc(t("attn_output"), L.s_r)))
+        w.add_tensor(f"{p}.attn_q_norm.weight", _pad((L.hd,), f32, L.head_map, value=t("attn_q_norm")))
+        w.add_tensor(f"{p}.attn_k_norm.weight",
+                     _pad((L.hd,), f32, L.head_map, value=sc(t("attn_k_norm"), 1 / L.s_h)))
+        w.add_tensor(f"{p}.ffn_norm.weight", _pad((L.n_embd,), f32, res, value=sc(t("ffn_norm"), 1 / L.s_r)))
+        w.add_tensor(f"{p}.ffn_gate.weight", _pad((n_ff, L.n_embd), mat, ff_t, res, t("ffn_gate")))
+        w.add_tensor(f"{p}.ffn_up.weight", _pad((n_ff, L.n_embd), mat, ff_t, res, t("ffn_up")))
+        w.add_tensor(f"{p}.ffn_down.weight", _pad((L.n_embd, n_ff), mat, res, ff_t, sc(t("ffn_down"), L.s_r)))
+
+
+def _attention_overrides(arch: str, L: _Layout, *, n_layer: int, n_ff: int, sections) -> dict:
+    return {f"{arch}.embedding_length": L.n_embd, f"{arch}.block_count": n_layer,
+            f"{arch}.feed_forward_length": n_ff, f"{arch}.attention.head_count": L.n_head,
+            f"{arch}.attention.head_count_kv": L.n_kv, f"{arch}.attention.key_length": L.hd,
+            f"{arch}.attention.value_length": L.hd, f"{arch}.rope.dimension_count": L.hd,
+            f"{arch}.rope.dimension_sections": [int(s) * L.k for s in sections]}
+
+
+def _check_trained(info: GGUFInfo, arch: str) -> None:
+    if info.arch != arch:
+        raise ValueError(f"{info.path}: expected a {arch!r} file, got {info.arch!r}")
+    bad = [t.name for t in info.tensors.values() if t.ggml_type not in (0, 1)]
+    if bad:
+        raise ValueError(f"{info.path}: only F32/F16 tensors can be widened, not {bad[:3]}")
+    hd = info.metadata[f"{arch}.attention.key_length"]
+    if info.metadata[f"{arch}.rope.dimension_count"] != hd:
+        raise ValueError(f"{info.path}: rope must span the head")
+    if int(np.sum(info.metadata[f"{arch}.rope.dimension_sections"])) != hd // 2:
+        raise ValueError(f"{info.path}: rope sections must cover the head's {hd // 2} pairs")
+
+
+def write_widened_target(path: Path, trained: Path, *, n_embd: int, n_layer: int, n_ff: int, dtype: str) -> Path:
+    info = read_gguf(trained, "trained target")
+    _check_trained(info, "hunyuan_vl")
+    arch, m = info.arch, info.metadata
+    n_layer_t, n_ff_t = int(m[f"{arch}.block_count"]), int(m[f"{arch}.feed_forward_length"])
+    if n_layer < n_layer_t or n_ff < n_ff_t:
+        raise ValueError(f"n_layer {n_layer} / n_ff {n_ff} below the trained {n_layer_t} / {n_ff_t}")
+    L, mat = _Layout(info, n_embd=n_embd, n_ff=n_ff), tiny._np_dtype(dtype)
+    w = GGUFWriter()
+    over = _attention_overrides(arch, L, n_layer=n_layer, n_ff=n_ff, sections=m[f"{arch}.rope.dimension_sections"])
+    over["general.name"] = f"widened-{m.get('general.name', arch)}-{n_embd}x{n_layer}"
+    _copy_metadata(w, info, over)
+    n_vocab = info.tensors["token_embd.weight"].dims[1]
+    w.add_tensor("token_embd.weight", _pad((n_vocab, L.n_embd), mat, None, L.res,
+                                           read_tensor(info, "token_embd.weight") * np.float32(L.s_r)))
+    w.add_tensor("output_norm.weight", _pad((L.n_embd,), np.float32, L.res,
+                                            value=read_tensor(info, "output_norm.weight") / np.float32(L.s_r)))
+    w.add_tensor("output.weight", _pad((n_vocab, L.n_embd), mat, None, L.res, read_tensor(info, "output.weight")))
+    _add_layers(w, info, L, n_layer=n_layer, n_ff_t=n_ff_t, n_ff=n_ff, mat=mat)
+    w.write(path)
+    return path
+
+
+def write_widened_draft(path: Path, trained: Path, trained_target: Path, *, n_embd: int, n_ff: int,
+                        dtype: str) -> Path:
+    info = read_gguf(trained, "trained draft")
+    _check_trained(info, "dflash")
+    arch, m = info.arch, info.metadata
+    n_layer, n_ff_t = int(m[f"{arch}.block_count"]), int(m[f"{arch}.feed_forward_length"])
+    if n_ff < n_ff_t:
+        raise ValueError(f"draft n_ff {n_ff} below the trained {n_ff_t}")
+    if int(m[f"{arch}.embedding_length"]) != read_gguf(trained_target).metadata["hunyuan_vl.embedding_length"]:
+        raise ValueError("draft and target widths differ")
+    L, mat = _Layout(info, n_embd=n_embd, n_ff=n_ff), tiny._np_dtype(dtype)
+    w = GGUFWriter()
+    over = _attention_overrides(arch, L, n_layer=n_layer, n_ff=n_ff, sections=m[f"{arch}.rope.dimension_sections"])
+    over["general.name"] = f"widened-{m.get('general.name', arch)}-{n_embd}"
+    _copy_metadata(w, info, over)
+    fc_t = read_tensor(info, "fc.weight")  # numpy (n_embd_t, n_feat * n_embd_t)
+    n_feat = fc_t.shape[1] // L.n_embd_t
+    assert n_feat == len(m["dflash.target_layers"])
+    cols = np.concatenate([j * L.n_embd + L.res for j in range(n_feat)])
+    # features arrive s_r times the trained ones: fc unscaled, its norm weight / s_r
+    w.add_tensor("fc.weight", _pad((L.n_embd, n_feat * L.n_embd), mat, L.res, cols, fc_t))
+    for name in ("enc.output_norm.weight", "output_norm.weight"):
+        w.add_tensor(name, _pad((L.n_embd,), np.float32, L.res, value=read_tensor(info, name) / np.float32(L.s_r)))
+    _add_layers(w, info, L, n_layer=n_layer, n_ff_t=n_ff_t, n_ff=n_ff, mat=mat)
+    extra = set(info.tensors) - set(w._tensors)
+    if extra:
+        raise ValueError(f"{trained}: tensors widen.py does not know how to pad: {sorted(extra)[:5]}")
+    w.write(path)
+    return path
+
+
+def write_widened_mmproj(path: Path, trained: Path, *, n_embd: int) -> Path:
+    """The trained mmproj with its merger's last projection (``mm.2``) padded to ``n_embd``
+    and scaled by s_r (image rows enter the residual); everything else as it is (f32)."""
+    info = read_gguf(trained, "trained mmproj")
+    if info.metadata.get("clip.projector_type") != "qwen2vl_merger":
+        raise ValueError(f"{trained}: only a qwen2vl_merger mmproj can be widened")
+    n_t = int(info.metadata["clip.vision.projection_dim"])
+    s_r = np.float32(math.sqrt(n_embd / n_t))
+    w = GGUFWriter()
+    _copy_metadata(w, info, {"clip.vision.projection_dim": n_embd,
+                             "general.name": f"widened-{info.metadata.get('general.name', 'mmproj')}-{n_embd}"})
+    res = np.arange(n_t)
+    for name in info.tensors:
+        x = read_tensor(info, name)
+        if name == "mm.2.weight":
+            x = _pad((n_embd, x.shape[1]), x.dtype, res, None, x * s_r)
+        elif name == "mm.2.bias":
+            x = _pad((n_embd,), x.dtype, res, value=x * s_r)
+        w.add_tensor(name, x)
+    w.write(path)
+    return path
+
+
+def _digest(paths) -> str:
+    h = hashlib.sha256()
+    for p in paths:
+        h.update(Path(p).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def widen_trained_pair(folder: str | Path, *, trained: str | Path = MODELS_DIR, n_embd: int = 1024,
+                       n_layer: int = 12, n_ff: int = 2816, draft_n_ff: int | None = None,
+                       dtype: str = "f16") -> tiny.TinyModels:
+    """Write (or reuse) the trained tiny pair widened by zero padding, in ``folder``.
+
+    The trained tiny function at the cost of a 142M model: with the defaults the target has
+    ``make_bench_set``'s shapes (``hunyuan_vl``, n_embd 1024 = 16 heads of 64 / 8 KV heads,
+    12 layers, n_ff 2816, f16 matrices; 142,135,808 parameters as ``Model.n_params`` counts
+    them, ``tiny.bench_n_params()``), the 2-layer draft n_ff ``draft_n_ff`` (default n_ff:
+    26,745,088 parameters), and both compute what the trained pair in ``trained``
+    (default: the embedded ``pyllama_spec/models``) computes; see the module docstring for
+    the construction and for what f16 changes.  ``n_embd`` is 64 (no widening: only the
+    dtype changes) or a multiple of 128 from 256 up (heads of 64); ``n_layer`` and ``n_ff``
+    at least the trained 4 and 256.
+
+    Files are named ``widened-hunyuan_vl-{hash}-{target,mmproj,draft}.gguf`` by a hash of the
+    parameters, ``WIDEN_VERSION`` and the trained files' bytes, and written atomically (a
+    temporary name, then a rename), so a second call reuses them.  Writing the default set
+    takes a few seconds (peak memory under 1 GB).
+    """
+    trained = Path(trained)
+    src = tiny.TinyModels(target=trained / TARGET, mmproj=trained / MMPROJ, draft=trained / DRAFT)
+    draft_n_ff = n_ff if draft_n_ff is None else draft_n_ff
+    tiny._np_dtype(dtype)
+    params = dict(v=WIDEN_VERSION, kind="widened", trained=_digest([src.target, src.mmproj, src.draft]),
+                  n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, draft_n_ff=draft_n_ff, dtype=dtype)
+    models = tiny._set_paths(folder, "widened", "hunyuan_vl", params)
+    if not models.target.exists():
+        tiny._write_atomic(lambda p: write_widened_target(p, src.target, n_embd=n_embd, n_layer=n_layer,
+                                                          n_ff=n_ff, dtype=dtype), models.target)
+    if not models.mmproj.exists():
+        tiny._write_atomic(lambda p: write_widened_mmproj(p, src.mmproj, n_embd=n_embd), models.mmproj)
+    if not models.draft.exists():
+        tiny._write_atomic(lambda p: write_widened_draft(p, src.draft, src.target, n_embd=n_embd, n_ff=draft_n_ff,
+                                                         dtype=dtype), models.draft)
+    return models
