@@ -510,11 +510,14 @@ def generate(prompt, images, raw, as_json, **o) -> None:
 @click.option("-n", "--max-tokens", default=64, show_default=True)
 @click.option("--repeats", default=3, show_default=True)
 @click.option("--large", is_flag=True, help="use the ~142M-parameter f16 random bench models (made once, cached)")
+@click.option("--widened", is_flag=True,
+              help="use the embedded trained pair zero-padded to the same 142M f16 shapes: its acceptance at "
+                   "the cost of a 142M model (pyllama_spec.widen; made once, cached)")
 @click.option("--json-out", type=click.Path(), help="write every sample and the summary as JSON")
 @click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", default=0, show_default=True,
               help="layers on the GPU, target and draft, both engines")
-def bench(model, mmproj, draft, server, n_batch, n_ubatch, draft_max, threads, max_tokens, repeats, large, json_out,
-          n_gpu_layers):
+def bench(model, mmproj, draft, server, n_batch, n_ubatch, draft_max, threads, max_tokens, repeats, large, widened,
+          json_out, n_gpu_layers):
     """pyllama-spec vs llama-server on the same files and settings, alternating, medians and ratios."""
     import json
 
@@ -527,9 +530,17 @@ def bench(model, mmproj, draft, server, n_batch, n_ubatch, draft_max, threads, m
         err_console.print("[red]no llama-server found[/red]: build it with `python build.py --tools` "
                           "(or pass --server PATH)")
         sys.exit(2)
+    if large and widened:
+        err_console.print("[red]--large and --widened are two model sets: pick one[/red]")
+        sys.exit(2)
     if model is None:
         folder = nb.cache_root() / "tiny-models"
-        models = tiny.make_bench_set(folder) if large else tiny.make_tiny_set(folder, predictable=0.5)
+        if widened:
+            from .widen import widen_trained_pair
+
+            models = widen_trained_pair(folder)
+        else:
+            models = tiny.make_bench_set(folder) if large else tiny.make_tiny_set(folder, predictable=0.5)
         model, mmproj, draft = str(models.target), str(models.mmproj), str(models.draft)
     if mmproj is None:
         err_console.print("[red]--mmproj is needed (the benchmark has an image prompt)[/red]")

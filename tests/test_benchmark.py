@@ -36,3 +36,9 @@ def test_bench_without_a_server_says_how_to_build_one(monkeypatch):
     monkeypatch.setattr(native_build, "find_llama_server", lambda: None)
     result = CliRunner().invoke(main, ["bench"])
     assert result.exit_code == 2 and "build.py --tools" in result.output
+
+
+def test_bench_refuses_two_model_sets_at_once(monkeypatch):
+    monkeypatch.setattr(native_build, "find_llama_server", lambda: "/bin/true")
+    result = CliRunner().invoke(main, ["bench", "--large", "--widened"])
+    assert result.exit_code == 2 and "pick one" in result.output
