@@ -11,9 +11,9 @@ per second of the next step, from two running estimates:
 
 It needs no tuning per temperature or model: a draft that is rarely right, or verify rows
 that are expensive (a small model on a CPU), shorten the drafts; a draft that keeps being
-right and cheap rows (a large model on a GPU) lengthen them. Until it has seen a few steps
-it explores with HF transformers' schedule (two more after a fully accepted block, one
-fewer after a rejection).
+right and cheap rows (a large model on a GPU) lengthen them. For its first three steps it
+explores from a draft of 3 with HF transformers' schedule (two more after a fully accepted
+block, one fewer after a rejection).
 
 With several slots in one step (scheduler.py) the rows of every slot share one target
 decode, so a row's cost is the step's, not the slot's: ``plan_lengths`` hands out the
@@ -68,7 +68,10 @@ class AdaptiveLength:
     shared one (every slot of an engine), the steps update that cost and ``plan_lengths``
     plans the slots together."""
 
-    WARMUP_STEPS = 6
+    # Explore from a short draft for a few steps: long warm-up drafts cost most where the best
+    # length is 1 (high temperature); a draft that keeps being right grows by 2 a step meanwhile.
+    START = 3
+    WARMUP_STEPS = 3
     DECAY = 0.9  # weight of the past in the acceptance estimates
 
     def __init__(self, start: int, limit: int, cost: StepCost | None = None) -> None:

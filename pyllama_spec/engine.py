@@ -623,8 +623,7 @@ class _PreparedGeneration:
             d = e.drafter
             # One cost of a step per engine: its slots share each step, and requests share the hardware.
             if n_max == "auto":
-                start = min(d.n_max, 7) if e.config.draft_max == "auto" else d.n_max  # d.n_max is the limit then
-                length = AdaptiveLength(start, d.n_max_limit, cost=e._step_cost)
+                length = AdaptiveLength(AdaptiveLength.START, d.n_max_limit, cost=e._step_cost)
             else:
                 length = FixedLength(n_max)
             return Generation(self.seq, e.model, parts, verifier, stats, max_tokens=r["max_tokens"],
