@@ -131,11 +131,16 @@ def _check_draft_tree(c: EngineConfig) -> None:
     if c.n_parallel != 1:
         raise ValueError("draft_tree works with one sequence (n_parallel=1): its branches use the "
                          "sequence ids that slots would")
-    if c.draft_max == "auto":
+    _check_tree_settings(c.draft_max, c.verify)
+
+
+def _check_tree_settings(draft_max, verify: str) -> None:
+    """What a tree needs of the draft settings, at load and for each call that uses one."""
+    if draft_max == "auto":
         raise ValueError('draft_tree needs a fixed draft_max (the tree\'s depth), not "auto"')
-    if c.verify == "rejection":
+    if verify == "rejection":
         raise ValueError('draft_tree verifies with the "match" rule; rejection sampling over a tree is '
-                         'not implemented')
+                         'not implemented (pass draft_tree=0 or verify="match")')
 
 
 def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
@@ -451,11 +456,8 @@ class Engine:
         if isinstance(tree, bool) or not isinstance(tree, (int, np.integer)) or not 0 <= tree <= self.config.draft_tree:
             raise ValueError(f"draft_tree must be an integer from 0 to the engine's draft_tree "
                              f"({self.config.draft_tree}; load with draft_tree=N for trees), got {draft_tree!r}")
-        if tree and verify == "rejection" and temperature > 0:
-            raise ValueError('draft_tree verifies with the "match" rule; rejection sampling over a tree is '
-                             'not implemented (pass draft_tree=0 or verify="match")')
-        if tree and drafting[0] == "auto":
-            raise ValueError('draft_tree needs a fixed draft_max (the tree\'s depth), not "auto"')
+        if tree:  # greedy decoding verifies by "match" whatever the rule
+            _check_tree_settings(drafting[0], verify if temperature > 0 else "match")
         return dict(prompt=prompt, messages=messages, images=images, max_tokens=int(max_tokens),
                     drafting=drafting, verify=verify, draft_tree=int(tree),
                     sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,

@@ -119,21 +119,22 @@ class Generation:
         self._prefill_split = (stats.target_seconds, stats.draft_seconds)
         return self._after_step([id_last], 0)
 
+    def _room(self) -> int:
+        """Cache rows left for drafts after the next token's."""
+        return self.seq.n_ctx - self.seq.positions.n_rows - 1
+
     def draft_limit(self, n_batch_share: int) -> int:
         """The most this generation may draft in the next step: its tokens left, its cache rows
         left, its share of the target batch (0 without a drafter)."""
         if self.seq.drafter is None:
             return 0
-        p = self.seq.positions
-        room = self.seq.n_ctx - p.n_rows - 1
         budget = self.max_tokens - self.generated
-        return max(0, min(budget - 1, room, n_batch_share - 1))
+        return max(0, min(budget - 1, self._room(), n_batch_share - 1))
 
     def tree_limit(self, n_batch: int) -> int:
         """The most tree nodes (drafted tokens) the next step may verify: the tree budget, the free
         cache rows (every node takes a cell during the decode) and the target batch."""
-        room = self.seq.n_ctx - self.seq.positions.n_rows - 1
-        return max(0, min(self.draft_tree, room, n_batch - 1))
+        return max(0, min(self.draft_tree, self._room(), n_batch - 1))
 
     def draft_request(self, n_max: int) -> DraftRequest | None:
         """What this generation asks the drafter for in the next step (None: no draft; ``n_max``
@@ -242,19 +243,16 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
     lengths = plan_lengths(rules, [g.draft_limit(share) for g in gens])  # adaptive slots planned together
     requests = [g.draft_request(n) for g, n in zip(gens, lengths)]
     asked = [r for r in requests if r is not None]
-    proposals = iter(())
+    made: list[Proposal] = []
     if asked:
         t = time.perf_counter()
         made = drafter.draft(asked)
         for g, r in zip(gens, requests):  # a shared call costs every generation that waited for it
             if r is not None:
                 g.stats.draft_seconds += time.perf_counter() - t
-        proposals = iter(made)
-    if len(gens) == 1 and gens[0].draft_tree and requests[0] is not None:
-        proposal = next(proposals)
-        if proposal.logits is not None and len(proposal):
-            return [_tree_step(ctx, drafter, gens[0], proposal, start, step_cost)]
-        proposals = iter([proposal])
+    if gens[0].draft_tree and made and made[0].logits is not None and len(made[0]):
+        return [_tree_step(ctx, drafter, gens[0], made[0], start, step_cost)]  # trees: one generation
+    proposals = iter(made)
     drafts, verify_rows, offsets = [], [], []
     row = 0
     for g, r in zip(gens, requests):
@@ -309,7 +307,7 @@ def _tree_step(ctx, drafter: Drafter, g: Generation, proposal: Proposal, start: 
     """
     seq, stats = g.seq, g.stats
     p, mem, main = seq.positions, ctx.memory, seq.seq_id
-    tree = build_tree(g.id_last, proposal.logits[:len(proposal)], g.tree_limit(ctx.n_batch))
+    tree = build_tree(g.id_last, proposal.logits, g.tree_limit(ctx.n_batch))
     seqs = TreeSeqs.assign(tree, first_seq=main + 1)
     t = time.perf_counter()
     batch = ctx.shared_token_batch()

@@ -189,8 +189,16 @@ def write_widened_target(path: Path, trained: Path, *, n_embd: int, n_layer: int
                                             value=read_tensor(info, "output_norm.weight") / np.float32(L.s_r)))
     w.add_tensor("output.weight", _pad((n_vocab, L.n_embd), mat, None, L.res, read_tensor(info, "output.weight")))
     _add_layers(w, info, L, n_layer=n_layer, n_ff_t=n_ff_t, n_ff=n_ff, mat=mat)
+    _check_all_padded(info, w, trained)
     w.write(path)
     return path
+
+
+def _check_all_padded(info: GGUFInfo, w: GGUFWriter, trained: Path) -> None:
+    """Every trained tensor has its wide counterpart (a tensor left out would change the function)."""
+    extra = set(info.tensors) - set(w._tensors)
+    if extra:
+        raise ValueError(f"{trained}: tensors widen.py does not know how to pad: {sorted(extra)[:5]}")
 
 
 def write_widened_draft(path: Path, trained: Path, trained_target: Path, *, n_embd: int, n_ff: int,
@@ -217,9 +225,7 @@ def write_widened_draft(path: Path, trained: Path, trained_target: Path, *, n_em
     for name in ("enc.output_norm.weight", "output_norm.weight"):
         w.add_tensor(name, _pad((L.n_embd,), np.float32, L.res, value=read_tensor(info, name) / np.float32(L.s_r)))
     _add_layers(w, info, L, n_layer=n_layer, n_ff_t=n_ff_t, n_ff=n_ff, mat=mat)
-    extra = set(info.tensors) - set(w._tensors)
-    if extra:
-        raise ValueError(f"{trained}: tensors widen.py does not know how to pad: {sorted(extra)[:5]}")
+    _check_all_padded(info, w, trained)
     w.write(path)
     return path
 
