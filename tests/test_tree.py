@@ -152,6 +152,32 @@ def test_per_request_tree_size_and_a_chain_on_the_same_engine(engines):
         chain.generate(PROMPT, max_tokens=4, draft_tree=4)  # loaded without trees
 
 
+def test_two_threads_sharing_a_tree_engine_each_get_target_only_tokens(engines):
+    """One engine, two threads generating at once (the gate runs them one after the other):
+    each thread's answer is its target-only answer, and no branch is left in the cache."""
+    import threading
+
+    chain, tree = engines
+    prompts = [PROMPT, "def add(a, b):\n"]
+    kw = dict(max_tokens=40, temperature=0.8, cache_prompt=False)
+    expected = [chain.generate(p, draft_max=0, seed=i, **kw).tokens for i, p in enumerate(prompts)]
+    got, errors = [None, None], []
+
+    def run(i):
+        try:
+            got[i] = tree.generate(prompts[i], seed=i, **kw).tokens
+        except BaseException as e:  # what the thread saw, for the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and got == expected
+    _clean(tree)
+
+
 def test_a_failed_tree_decode_leaves_a_working_engine(engines, monkeypatch):
     chain, tree = engines
     expected = chain.generate(PROMPT, max_tokens=24, draft_max=0).tokens
