@@ -432,38 +432,134 @@ def build_key(source: Source, opts: BuildOptions, cmake_args: list[str], project
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+@dataclasses.dataclass(frozen=True)
+class BuildTools:
+    """The cmake and ninja a build folder is configured and built with, as absolute paths.
+
+    A build folder remembers the tools that configured it (CMakeCache.txt: CMAKE_COMMAND,
+    CMAKE_MAKE_PROGRAM). Inside ``pip install`` they live in pip's temporary build environment,
+    which pip deletes afterwards, so every configure names them explicitly and a folder whose
+    tools changed (moved, or gone) is configured again with the ones found now.
+    """
+
+    cmake: str
+    ninja: str | None  # None: CMake's default generator (Unix Makefiles)
+
+    @classmethod
+    def find(cls) -> "BuildTools":
+        """The first cmake (>= 3.21) and ninja on PATH, preferring ones outside pip's temporary
+        build environment: a build folder configured with those never needs configuring again."""
+        cmake = _find_tool("cmake", usable=_cmake_is_recent)
+        if cmake is None:
+            raise BuildError("cmake (>= 3.21) is needed: pip install cmake, or apt-get install cmake")
+        ninja = _find_tool("ninja")
+        return cls(cmake, ninja)
+
+    @property
+    def generator(self) -> str:
+        return "Ninja" if self.ninja else "Unix Makefiles"
+
+    def configure_args(self) -> list[str]:
+        args = [self.cmake, "-G", self.generator]
+        if self.ninja:
+            args.append(f"-DCMAKE_MAKE_PROGRAM={self.ninja}")
+        return args
+
+
+def _find_tool(name: str, usable=lambda path: True) -> str | None:
+    found = []
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        cand = shutil.which(name, path=folder) if folder else None
+        if cand and str(Path(cand).absolute()) not in found and usable(cand):
+            found.append(str(Path(cand).absolute()))
+    lasting = [c for c in found if "pip-build-env-" not in c]
+    return (lasting or found or [None])[0]
+
+
+def _cmake_is_recent(cmake: str) -> bool:
+    try:
+        out = subprocess.run([cmake, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    version = re.search(r"cmake version (\d+)\.(\d+)", out)
+    return bool(version) and (int(version.group(1)), int(version.group(2))) >= (3, 21)
+
+
+def _cached_generator(cache: Path) -> str | None:
+    found = re.search(r"^CMAKE_GENERATOR:INTERNAL=(.*)$", cache.read_text(errors="replace"), re.MULTILINE)
+    return found.group(1).strip() if found else None
+
+
+def configure_and_build(tools: BuildTools, project: Path, build_dir: Path, cmake_args: list[str],
+                        targets: list[str], jobs: int) -> dict[str, bool]:
+    """Configure ``build_dir`` for ``project`` when needed, then build ``targets`` in it.
+
+    Configures again when the arguments or the tools differ from the last configure (the
+    stamp ``configure-args.json``), keeping what was compiled: ninja compiles nothing whose
+    command line is unchanged. Returns {target: whether anything was compiled or linked}.
+    """
+    build_dir.mkdir(parents=True, exist_ok=True)
+    configure = [*tools.configure_args(), "-S", str(project), "-B", str(build_dir), *cmake_args]
+    stamp, cache = build_dir / "configure-args.json", build_dir / "CMakeCache.txt"
+    previous = json.loads(stamp.read_text()) if stamp.exists() else None
+    if previous != configure or not cache.exists():
+        if cache.exists() and _cached_generator(cache) != tools.generator:
+            # CMake refuses to switch a folder's generator: start this folder again
+            _say(f"the build folder was made with another generator ({_cached_generator(cache)}); rebuilding it")
+            shutil.rmtree(build_dir)
+            build_dir.mkdir(parents=True)
+        elif previous is not None and previous[:3] != configure[:3]:
+            _say(f"the tools that configured {build_dir} changed or are gone; configuring again")
+        else:
+            _say(f"configuring in {build_dir}")
+        stamp.unlink(missing_ok=True)  # a configure that fails halfway leaves no stamp
+        _run_logged(configure, build_dir / "configure.log", "configure")
+        stamp.write_text(json.dumps(configure))
+    compiled = {}
+    for target in targets:
+        log = _run_logged([tools.cmake, "--build", str(build_dir), "--target", target, "-j", str(jobs)],
+                          build_dir / f"build-{target}.log", f"compile {target}", progress=True)
+        compiled[target] = not _nothing_to_do(log)
+    return compiled
+
+
+def _nothing_to_do(build_output: str) -> bool:
+    """Whether a `cmake --build` compiled and linked nothing (ninja and make say so differently)."""
+    if "ninja: no work to do." in build_output:
+        return True
+    return not re.search(r"^\[\d+/\d+\]|Building (C|CXX|CUDA)|Linking", build_output, re.MULTILINE)
+
+
 def build_native(opts: BuildOptions) -> NativeBuild:
     """Configure and build llama + mtmd + the shim (incremental inside a cached build dir)."""
-    if shutil.which("cmake") is None:
-        raise BuildError("cmake (>= 3.21) is needed: pip install cmake, or apt-get install cmake")
+    tools = BuildTools.find()
     source = user_source(opts.llama_cpp) if opts.llama_cpp else pinned_source()
     cmake_args = backend_cmake_args(opts) + feature_cmake_args(opts) + _extra_cmake_args(opts)
     project = project_snapshot()
     key = build_key(source, opts, cmake_args, project)
     build_dir = cache_root() / "build" / f"{opts.backend}-{key}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-    configure = ["cmake", *generator, "-S", str(project), "-B", str(build_dir),
-                 f"-DCMAKE_BUILD_TYPE={opts.build_type}", f"-DLLAMA_CPP_DIR={source.path}"]
+    configure = [f"-DCMAKE_BUILD_TYPE={opts.build_type}", f"-DLLAMA_CPP_DIR={source.path}"]
     if source.origin == "pinned":
         configure.append(f"-DLLAMA_BUILD_COMMIT={PIN_UPSTREAM_COMMIT}")
     # llama-server's targets are always configured (not built unless asked for), so that
     # `--tools` reuses the same build folder and compiled libraries.
     configure += ["-DPYLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
     configure += cmake_args
-    stamp = build_dir / "configure-args.json"
-    if not stamp.exists() or json.loads(stamp.read_text()) != configure or not (build_dir / "CMakeCache.txt").exists():
-        _say(f"configuring ({opts.backend}) in {build_dir}")
-        _run_logged(configure, build_dir / "configure.log", "configure")
-        stamp.write_text(json.dumps(configure))
-    jobs = opts.jobs or os.cpu_count() or 2
     targets = (["pyllama_native"] + ([RPC_SERVER] if rpc_wanted(opts) else [])
                + (["llama-server"] if opts.tools else []))
-    for target in targets:
-        _run_logged(["cmake", "--build", str(build_dir), "--target", target, "-j", str(jobs)],
-                    build_dir / "build.log", f"compile {target}", progress=True)
+    compiled = configure_and_build(tools, project, build_dir, configure, targets, opts.jobs or os.cpu_count() or 2)
+    _write_build_summary(build_dir, compiled=compiled)
     return NativeBuild(build_dir, build_dir / "bin", source, opts.backend, tuple(cmake_args), key,
                        rpc=rpc_wanted(opts))
+
+
+def _write_build_summary(build_dir: Path, **facts) -> None:
+    """``last-build.json`` in the build folder: what the latest build compiled (CI reads it to
+    check that a second install compiles nothing)."""
+    path = build_dir / "last-build.json"
+    summary = json.loads(path.read_text()) if path.exists() and "cffi" in facts else {}
+    summary.update(facts, at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    path.write_text(json.dumps(summary, indent=2) + "\n")
 
 
 def find_llama_server() -> Path | None:
@@ -475,8 +571,9 @@ def find_llama_server() -> Path | None:
 _STEP = re.compile(r"^\[(\d+)/(\d+)\]|^\[\s*(\d+)%\]")
 
 
-def _run_logged(cmd: list[str], log_path: Path, what: str, progress: bool = False) -> None:
-    """Run a build step, keep its whole output in a log, show progress, explain failure."""
+def _run_logged(cmd: list[str], log_path: Path, what: str, progress: bool = False) -> str:
+    """Run a build step, keep its whole output in a log, show progress, explain failure;
+    returns the step's output."""
     started = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
@@ -496,7 +593,12 @@ def _run_logged(cmd: list[str], log_path: Path, what: str, progress: bool = Fals
     if rc != 0:
         tail = "".join(Path(log_path).read_text().splitlines(keepends=True)[-40:])
         raise BuildError(f"{what} failed (exit {rc}); full log: {log_path}\n{tail}")
-    _say(f"{what}: done in {time.monotonic() - started:.0f} s")
+    output = Path(log_path).read_text(errors="replace")
+    if progress and _nothing_to_do(output):
+        _say(f"{what}: up to date")
+    else:
+        _say(f"{what}: done in {time.monotonic() - started:.0f} s")
+    return output
 
 
 class _Progress:
@@ -590,15 +692,42 @@ def install_native(build: NativeBuild, package_native_dir: Path) -> Path:
         # beside the libraries it loads through its $ORIGIN rpath; `pyllama-spec rpc-server` runs it
         shutil.copy2(build.lib_dir / RPC_SERVER, lib_out / RPC_SERVER)
     rpath = "@loader_path/lib" if sys.platform == "darwin" else "$ORIGIN/lib"
+    built, compiled = _cffi_module(build, rpath)
+    for old in package_native_dir.glob("_pyllama_cffi*"):
+        old.unlink()
+    target = package_native_dir / built.name
+    shutil.copy2(built, target)
+    _write_build_summary(build.build_dir, cffi="compiled" if compiled else "cached")
+    write_build_record(build, package_native_dir / "build_record.json")
+    return target
+
+
+def _cffi_module(build: NativeBuild, rpath: str) -> tuple[Path, bool]:
+    """The compiled cffi module for this build and this Python, compiled once and kept in the
+    build folder (keyed by the declarations, headers' folders, rpath and the interpreter's ABI),
+    so that reinstalling compiles nothing. Returns (its path, whether it was compiled now)."""
+    import sysconfig
+
+    import cffi
+
+    digest = hashlib.sha256()
+    for part in (read_declarations(), rpath, cffi.__version__, *map(str, build.include_dirs()), str(build.lib_dir),
+                 sysconfig.get_config_var("EXT_SUFFIX") or "", sys.version, build.key):
+        digest.update(part.encode() + b"\0")
+    cached_dir = build.build_dir / "cffi" / digest.hexdigest()[:16]
+    found = sorted(cached_dir.glob("_pyllama_cffi*")) if cached_dir.is_dir() else []
+    if found:
+        return found[0], False
     ffi = make_ffibuilder(build, rpath)
     with tempfile.TemporaryDirectory() as tmp:
         built = Path(ffi.compile(tmpdir=tmp, verbose=False))
-        for old in package_native_dir.glob("_pyllama_cffi*"):
-            old.unlink()
-        target = package_native_dir / built.name
-        shutil.copy2(built, target)
-    write_build_record(build, package_native_dir / "build_record.json")
-    return target
+        staging = Path(tempfile.mkdtemp(dir=_mkdir(cached_dir.parent)))
+        shutil.copy2(built, staging / built.name)
+        try:
+            os.replace(staging, cached_dir)  # atomic: a concurrent build's copy is as good
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+    return cached_dir / built.name, True
 
 
 def dflash_capable_archs(source_dir: Path) -> list[str]:

@@ -177,3 +177,67 @@ def test_the_installed_build_records_rpc_and_carries_its_server():
     assert _native.RPC_SERVER_PATH.is_file()
     out = subprocess.run([str(_native.RPC_SERVER_PATH), "--help"], capture_output=True, text=True, timeout=30)
     assert "--host" in out.stderr + out.stdout and "--port" in out.stderr + out.stdout
+
+
+def _movable_tools(dest: Path) -> "nb.BuildTools | None":
+    """Copies of this machine's cmake and ninja binaries under ``dest`` (cmake finds its modules
+    beside itself), as pip's temporary build environment has them: usable until ``dest`` goes."""
+    import shutil
+
+    cmake, ninja = shutil.which("cmake"), shutil.which("ninja")
+    if not cmake or not ninja:
+        return None
+    cmake_real, ninja_real = Path(cmake).resolve(), Path(ninja).resolve()
+    shares = sorted(cmake_real.parent.parent.glob("share/cmake-*"))
+    if not shares or cmake_real.read_bytes()[:4] != b"\x7fELF" or ninja_real.read_bytes()[:4] != b"\x7fELF":
+        return None  # e.g. the pip wheels' launcher scripts: not copyable this way
+    (dest / "bin").mkdir(parents=True)
+    (dest / "share").mkdir()
+    shutil.copy2(cmake_real, dest / "bin" / "cmake")
+    shutil.copy2(ninja_real, dest / "bin" / "ninja")
+    for share in shares:
+        (dest / "share" / share.name).symlink_to(share)
+    return nb.BuildTools(str(dest / "bin" / "cmake"), str(dest / "bin" / "ninja"))
+
+
+def test_a_build_folder_outlives_the_tools_that_configured_it_and_rebuilds_nothing(tmp_path):
+    """`pip install -e .` configures with pip's temporary cmake and ninja, then deletes them:
+    the next install (or build.py) must configure again with the tools it has, compiling nothing."""
+    import shutil
+
+    temporary = tmp_path / "pip-build-env" / "overlay"
+    tools = _movable_tools(temporary)
+    if tools is None:
+        pytest.skip("needs cmake and ninja binaries (not the pip wheels' launchers) to copy")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "CMakeLists.txt").write_text("cmake_minimum_required(VERSION 3.21)\nproject(p C)\n"
+                                            "add_library(thing SHARED thing.c)\n")
+    (project / "thing.c").write_text("int thing(void) { return 42; }\n")
+    build = tmp_path / "build"
+
+    first = nb.configure_and_build(tools, project, build, [], ["thing"], 1)
+    assert first == {"thing": True}
+    assert str(temporary) in (build / "CMakeCache.txt").read_text()
+    shutil.rmtree(temporary.parent)  # what pip does when the install ends
+
+    again = nb.configure_and_build(nb.BuildTools.find(), project, build, [], ["thing"], 1)
+    assert again == {"thing": False}, (build / "build-thing.log").read_text()
+    assert str(temporary) not in (build / "CMakeCache.txt").read_text()
+    # and a third build with the same tools does not even configure again
+    stamp = (build / "configure-args.json").stat().st_mtime_ns
+    assert nb.configure_and_build(nb.BuildTools.find(), project, build, [], ["thing"], 1) == {"thing": False}
+    assert (build / "configure-args.json").stat().st_mtime_ns == stamp
+
+
+def test_a_changed_source_file_is_compiled_again(tmp_path):
+    tools = nb.BuildTools.find()
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "CMakeLists.txt").write_text("cmake_minimum_required(VERSION 3.21)\nproject(p C)\n"
+                                            "add_library(thing SHARED thing.c)\n")
+    (project / "thing.c").write_text("int thing(void) { return 42; }\n")
+    build = tmp_path / "build"
+    assert nb.configure_and_build(tools, project, build, [], ["thing"], 1) == {"thing": True}
+    (project / "thing.c").write_text("int thing(void) { return 43; }\n")
+    assert nb.configure_and_build(tools, project, build, [], ["thing"], 1) == {"thing": True}
