@@ -60,6 +60,8 @@ class Bitmap(NativeHandle):
             return cls(image)
         from PIL import Image, UnidentifiedImageError
 
+        from .image_convert import to_rgb8
+
         source = "image"
         try:
             if isinstance(image, (str, os.PathLike)):
@@ -67,14 +69,14 @@ class Bitmap(NativeHandle):
                 if not Path(image).exists():
                     raise ImageError(f"image not found: {image}")
                 with Image.open(image) as im:
-                    rgb = np.asarray(im.convert("RGB"))
+                    rgb = to_rgb8(im)  # scales 16-bit and float modes (convert clips them)
             elif isinstance(image, (bytes, bytearray, memoryview)):
                 source = f"{len(image)} bytes"
                 with Image.open(io.BytesIO(bytes(image))) as im:
-                    rgb = np.asarray(im.convert("RGB"))
+                    rgb = to_rgb8(im)  # scales 16-bit and float modes (convert clips them)
             elif isinstance(image, Image.Image):
                 source = f"PIL image {image.size[0]}x{image.size[1]}"
-                rgb = np.asarray(image.convert("RGB"))
+                rgb = to_rgb8(image)
             else:
                 raise ImageError(f"unsupported image input of type {type(image).__name__}: "
                                  "give a path, bytes, a PIL image or an RGB array")
