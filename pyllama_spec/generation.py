@@ -17,6 +17,7 @@ A ``Generation`` runs on one ``Sequence``: it prefills the prompt slice by slice
 from __future__ import annotations
 
 import codecs
+import collections
 import dataclasses
 import time
 from concurrent.futures import Future
@@ -337,15 +338,82 @@ def _tree_step(ctx, drafter: Drafter, g: Generation, proposal: Proposal, start: 
     return g._after_step([*tokens[1:].tolist(), last], tree.n_drafted)
 
 
+class _StopMatcher:
+    """Where one stop string stands in the text streamed so far (Knuth-Morris-Pratt, fed a chunk at a time).
+
+    ``k`` is the length of the longest prefix of the stop string that is a suffix of the text so far.
+    The failure function is built lazily, only as far as ``k`` has reached: the work per request is
+    linear in the text generated and the memory is bounded by it, however long the stop string is.
+    """
+
+    __slots__ = ("s", "k", "fail")
+
+    def __init__(self, s: str) -> None:
+        self.s = s
+        self.k = 0
+        self.fail = [0]  # fail[i]: the longest proper prefix of s[:i+1] that is also its suffix
+
+    def _extend(self, m: int) -> None:
+        """Fill in ``fail[:m]`` (fail[i] needs only fail[:i] and s[:i+1]); amortized O(1) an entry."""
+        s, fail = self.s, self.fail
+        j = fail[-1]
+        for i in range(len(fail), m):
+            c = s[i]
+            while j > 0 and s[j] != c:
+                j = fail[j - 1]
+            if s[j] == c:
+                j += 1
+            fail.append(j)
+
+    def feed(self, text: str, end: int) -> int:
+        """Advance over ``text[:end]``; the index just past the character that completes the stop
+        string (where it stops reading), or -1."""
+        s, k, fail = self.s, self.k, self.fail
+        n, first, i = len(s), s[0], 0
+        while i < end:
+            if k == 0:
+                i = text.find(first, i, end)  # skip, at C speed, what cannot start the stop string
+                if i < 0:
+                    break
+                k, i = 1, i + 1
+            else:
+                c = text[i]
+                while k > 0 and s[k] != c:
+                    k = fail[k - 1]
+                if s[k] == c:
+                    k += 1
+                i += 1
+            if k == n:
+                self.k = k
+                return i
+            if k > len(fail):
+                self._extend(k)  # a mismatch at state k falls back to fail[k - 1]
+        self.k = k
+        return -1
+
+
 class _TextAssembler:
-    """Token bytes -> text, holding back partial UTF-8 and any tail that may start a stop string."""
+    """Token bytes -> text, holding back partial UTF-8 and any tail that may start a stop string.
+
+    Text is released as soon as it cannot be the start of any stop string. When several stop strings
+    could match, the first to complete (character by character) wins, and of those completing at the
+    same character the one that starts earliest; the output ends right before its first character.
+    """
 
     def __init__(self, model, stop: list[str]) -> None:
         self.model = model
         self.stop = [s for s in stop if s]
+        self._matchers = [_StopMatcher(s) for s in self.stop]
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.held = ""
+        self._held: collections.deque[str] = collections.deque()  # chunks; the first from _held_off
+        self._held_off = 0
+        self._held_len = 0
         self.stopped = False
+
+    @property
+    def held(self) -> str:
+        """The text held back (a possible start of a stop string)."""
+        return "".join(self._held)[self._held_off:]
 
     def push_each(self, tokens: list[int]) -> tuple[tuple[str, ...], bool]:
         """``push`` token by token: the text released at each token, and whether a stop string was hit."""
@@ -355,19 +423,47 @@ class _TextAssembler:
     def push(self, tokens: list[int]) -> tuple[str, bool]:
         if self.stopped:
             return "", True
-        text = self.held + "".join(self.decoder.decode(self.model.token_to_bytes(t)) for t in tokens)
-        for s in self.stop:
-            at = text.find(s)
-            if at >= 0:
-                self.stopped = True
-                self.held = ""
-                return text[:at], True
-        keep = max((k for s in self.stop for k in range(len(s) - 1, 0, -1) if text.endswith(s[:k])), default=0)
-        self.held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep], False
+        new = "".join(self.decoder.decode(self.model.token_to_bytes(t)) for t in tokens)
+        if not new:
+            return "", False
+        if not self._matchers:
+            return new, False
+        end, longest = len(new), 0  # the earliest completion so far: its end in ``new``, its length
+        for m in self._matchers:
+            at = m.feed(new, end)
+            if at >= 0 and (at < end or len(m.s) > longest):
+                end, longest = at, len(m.s)
+        self._held.append(new)
+        self._held_len += len(new)
+        if longest:  # a stop string ends at new[end - 1]: release what comes before its first character
+            self.stopped = True
+            out = self._release(self._held_len - (len(new) - end) - longest)
+            self._held.clear()
+            self._held_off = self._held_len = 0
+            return out, True
+        keep = max(m.k for m in self._matchers)  # those chars are s[:keep] of a stop string s
+        return self._release(self._held_len - keep), False
+
+    def _release(self, n: int) -> str:
+        """Take the first ``n`` characters held (in time linear in ``n`` plus the chunks taken)."""
+        if n <= 0:
+            return ""
+        out, held = [], self._held
+        self._held_len -= n
+        while n:
+            chunk, off = held[0], self._held_off
+            take = min(n, len(chunk) - off)
+            out.append(chunk[off:off + take] if off or take < len(chunk) else chunk)
+            n -= take
+            if off + take == len(chunk):
+                held.popleft()
+                self._held_off = 0
+            else:
+                self._held_off = off + take
+        return "".join(out)
 
     def flush(self) -> str:
         if self.stopped:
             return ""
-        rest, self.held = self.held + self.decoder.decode(b"", final=True), ""
+        rest = self._release(self._held_len) + self.decoder.decode(b"", final=True)
         return rest
