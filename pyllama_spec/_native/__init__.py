@@ -89,7 +89,12 @@ _LEVELS = {
     lib.GGML_LOG_LEVEL_WARN: logging.WARNING,
     lib.GGML_LOG_LEVEL_ERROR: logging.ERROR,
 }
-_pending = {"level": logging.INFO, "text": ""}  # native logs arrive in pieces; emit whole lines
+# Native logs arrive in pieces (a message, then GGML_LOG_LEVEL_CONT pieces); whole lines are
+# emitted. The line being assembled is kept as a list of pieces, so assembling costs the size of
+# its pieces (mtmd logs a whole prompt at debug level: megabytes, one line per prompt line).
+_pending: dict = {"level": logging.INFO, "pieces": [], "size": 0}
+#: A logged line longer than this is cut (only a prompt echoed at debug level gets near it).
+MAX_LOG_LINE = 16 * 1024
 
 
 # ----------------------------------------------------------------------------- callbacks and Ctrl-C
@@ -151,20 +156,51 @@ def abort_after(n_checks: int) -> None:
 
 @ffi.def_extern(onerror=carry)
 def pyllama_log_callback(level, text, user_data):  # noqa: ARG001 - signature fixed by ggml
+    """Runs on every native log call, inside native code: O(size of the piece), nothing decoded
+    for a level nobody listens to."""
     if text == ffi.NULL:
         return
-    piece = ffi.string(text).decode("utf-8", errors="replace")
     if level != lib.GGML_LOG_LEVEL_CONT:
+        _flush_pending()  # a new message: an unterminated previous line ends here
         _pending["level"] = _LEVELS.get(level, logging.INFO)
-    _pending["text"] += piece
-    while "\n" in _pending["text"]:
-        line, _pending["text"] = _pending["text"].split("\n", 1)
-        if not line:
-            continue
-        if _pending["level"] >= logging.WARNING:
-            _recent_problems.append(line.strip())
-        if native_logger.isEnabledFor(_pending["level"]):
-            native_logger.log(_pending["level"], line)
+    current = _pending["level"]
+    if current < logging.WARNING and not native_logger.isEnabledFor(current):
+        return  # neither logged nor kept for errors: skip without reading the text
+    piece = ffi.string(text).decode("utf-8", errors="replace")
+    if "\n" not in piece:
+        _add_to_line(piece)
+        return
+    first, *middle, rest = piece.split("\n")
+    _add_to_line(first)
+    _flush_pending()
+    for line in middle:
+        _emit(current, line)
+    _add_to_line(rest)
+
+
+def _add_to_line(piece: str) -> None:
+    room = MAX_LOG_LINE - _pending["size"]
+    if piece and room > 0:
+        _pending["pieces"].append(piece[:room])
+        _pending["size"] += min(len(piece), room)
+
+
+def _flush_pending() -> None:
+    if _pending["pieces"]:
+        line = "".join(_pending["pieces"])
+        _pending["pieces"], _pending["size"] = [], 0
+        _emit(_pending["level"], line)
+
+
+def _emit(level: int, line: str) -> None:
+    if not line:
+        return
+    if len(line) > MAX_LOG_LINE:
+        line = line[:MAX_LOG_LINE] + f" ... ({len(line) - MAX_LOG_LINE} more characters)"
+    if level >= logging.WARNING:
+        _recent_problems.append(line.strip())
+    if native_logger.isEnabledFor(level):
+        native_logger.log(level, line)
 
 
 def take_native_problems() -> list[str]:
