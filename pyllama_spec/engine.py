@@ -64,6 +64,39 @@ class Result:
         return cls("".join(text), tokens, last.finish_reason or "stop", last.stats)
 
 
+# Counting a long prompt's tokens piece by piece before tokenizing it whole (see
+# Engine._refuse_a_prompt_that_cannot_fit): above this many bytes per context row, in pieces of
+# about this many characters, each piece allowed this many tokens more than the whole would have.
+_COUNT_PIECES_ABOVE = 8
+_COUNT_PIECE_CHARS = 64 * 1024
+_COUNT_SLACK_PER_PIECE = 16
+
+
+def _pieces_at_line_starts(segments: list[str], size: int) -> Iterator[str]:
+    """The text of ``segments`` in pieces of at most ``size`` characters, each cut just before a
+    line that starts with a non-space character, else just before any line, else at ``size``."""
+    for seg in segments:
+        start = 0
+        while start < len(seg):
+            end = min(start + size, len(seg))
+            if end < len(seg):
+                cut = _line_start_before(seg, start, end)
+                end = cut if cut > start else end
+            yield seg[start:end]
+            start = end
+
+
+def _line_start_before(text: str, start: int, end: int) -> int:
+    """The last index in (start, end] just after a newline, preferring one at a non-space character
+    (a word boundary for BPE pre-tokenizers); -1 when there is no newline."""
+    last = at = text.rfind("\n", start, end)
+    while at >= start:
+        if at + 1 < len(text) and not text[at + 1].isspace():
+            return at + 1
+        at = text.rfind("\n", start, at)
+    return last + 1 if last >= start else -1
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -555,6 +588,7 @@ class Engine:
     def _tokenize(self, text: str, bitmaps: list[Bitmap]) -> list:
         """The prompt as parts: int32 token arrays (text) and Chunk objects (media); checked against
         a sequence's share of the context."""
+        self._refuse_a_prompt_that_cannot_fit(text)
         if self.projector is not None:
             chunks = self.projector.tokenize(text, bitmaps)
             parts: list = [c.tokens if c.is_text else c for c in chunks]  # media chunks keep `chunks` alive
@@ -568,13 +602,43 @@ class Engine:
         if not isinstance(parts[-1], np.ndarray):
             raise ValueError("the prompt must end with text after the last image")
         rows = sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
-        n_ctx = self.ctx.n_ctx_seq
-        if rows + 1 > n_ctx:
-            share = (f"n_ctx is {self.ctx.n_ctx}" if self.config.n_parallel == 1 else
-                     f"each of the {self.config.n_parallel} slots has {n_ctx} of n_ctx {self.ctx.n_ctx}")
-            raise ContextOverflowError(f"the prompt needs {rows} cache rows (+1 to generate) but {share}; "
-                                       "raise n_ctx or shorten the prompt / use smaller images")
+        if rows + 1 > self.ctx.n_ctx_seq:
+            raise self._overflow(f"{rows} cache rows")
         return parts
+
+    def _overflow(self, what: str) -> ContextOverflowError:
+        n_ctx = self.ctx.n_ctx_seq
+        share = (f"n_ctx is {self.ctx.n_ctx}" if self.config.n_parallel == 1 else
+                 f"each of the {self.config.n_parallel} slots has {n_ctx} of n_ctx {self.ctx.n_ctx}")
+        return ContextOverflowError(f"the prompt needs {what} (+1 to generate) but {share}; "
+                                    "raise n_ctx or shorten the prompt / use smaller images")
+
+    def _refuse_a_prompt_that_cannot_fit(self, text: str) -> None:
+        """Refuse, before tokenizing it, a prompt whose text alone cannot fit the context.
+
+        Tokenizing costs many times the text in memory (llama.cpp's tokenizer: about 90 bytes a
+        byte) and its time runs inside one native call, so a prompt far over the context is
+        refused by what it must cost at least: its bytes over the longest token, or, for a long
+        text, the tokens of its first pieces (cut where a line starts, which is a word boundary
+        for the BPE pre-tokenizers) once they alone pass the context. Images only add rows.
+        """
+        n_ctx = self.ctx.n_ctx_seq
+        segments = text.split(MEDIA_MARKER)
+        n_bytes = sum(len(seg.encode("utf-8", errors="surrogatepass")) for seg in segments)
+        if n_bytes < n_ctx:  # fewer bytes than rows: the exact check after tokenizing decides
+            return
+        at_least = self.model.tokens_at_least(n_bytes)
+        if at_least + 1 > n_ctx:
+            raise self._overflow(f"at least {at_least} cache rows ({n_bytes} bytes of text)")
+        if n_bytes < _COUNT_PIECES_ABOVE * n_ctx:
+            return
+        counted, pieces = 0, 0
+        for piece in _pieces_at_line_starts(segments, _COUNT_PIECE_CHARS):
+            counted += len(self.model.tokenize(piece, add_special=False))
+            pieces += 1
+            if counted > n_ctx + _COUNT_SLACK_PER_PIECE * pieces:
+                raise self._overflow(f"more than {counted - _COUNT_SLACK_PER_PIECE * pieces} cache rows "
+                                     f"(counted over the first {pieces} pieces of its {n_bytes} bytes of text)")
 
     # ------------------------------------------------------------------ the cache
     def reset_cache(self) -> None:

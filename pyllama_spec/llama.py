@@ -161,6 +161,7 @@ class Model(NativeHandle):
                 "(corrupt or truncated GGUF, or an architecture this build does not know)"))
         self._ptr = ptr
         self._vocab = lib.llama_model_get_vocab(ptr)
+        self._max_token_bytes: int | None = None
         if placement is not None:
             placement.acquire()
             self._placement = placement
@@ -289,6 +290,24 @@ class Model(NativeHandle):
 
     def token_text(self, token: int) -> str:
         return ffi.string(lib.llama_vocab_get_text(self._vocab_ptr(), token)).decode("utf-8", errors="replace")
+
+    @property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text any one token stands for (special tokens by their text); read
+        once, on first use (one native call per vocabulary entry: about 0.3 s for 150k tokens)."""
+        if self._max_token_bytes is None:
+            self._max_token_bytes = max((len(self.token_to_bytes(t, special=True)) for t in range(self.n_vocab)),
+                                        default=1) or 1
+        return self._max_token_bytes
+
+    def tokens_at_least(self, n_bytes: int) -> int:
+        """A lower bound on the tokens of any text of ``n_bytes`` UTF-8 bytes, known without
+        tokenizing it: a token covers at most ``max_token_bytes``. Only for the tokenizers that
+        never shrink the text before splitting it (BPE, SentencePiece); 0 for the others (Unigram
+        and WordPiece normalise: collapsed whitespace, compatibility forms)."""
+        if self.meta("tokenizer.ggml.model") not in ("gpt2", "llama"):
+            return 0
+        return n_bytes // self.max_token_bytes
 
     def apply_chat_template(self, messages: Sequence[tuple[str, str]], *, add_assistant: bool = True) -> str:
         """(role, text) messages through this model's chat template (llama.cpp's built-in renderer)."""
