@@ -50,6 +50,9 @@ class Submission:
         self._cancel = threading.Event()
         self.finished = threading.Event()  # set once its last event was sent
         self.slot: int | None = None  # the slot it ran in
+        self._seen: list[Piece] = []  # the pieces read so far, for result() and a second iteration
+        self._ended = False  # its last event was read
+        self._outcome: BaseException | None = None  # what it raised, if it did
 
     # --- the consumer's side
     def cancel(self) -> None:
@@ -66,31 +69,42 @@ class Submission:
         return self._pieces()
 
     def _pieces(self) -> Iterator[Piece]:
+        if self._ended:  # iterated (or waited for) already: the same pieces and outcome again
+            yield from list(self._seen)
+            if self._outcome is not None:
+                raise self._outcome
+            return
         done = False
         try:
             while True:
                 kind, value = self._events.get()
                 if kind == "piece":
+                    self._seen.append(value)
                     yield value
-                elif kind == "done":
-                    done = True
+                    continue
+                done = self._ended = True
+                if kind == "done":
                     return
-                elif kind == "cancelled":
-                    done = True
-                    raise GenerationCancelledError("the generation was cancelled (Submission.cancel or "
-                                                   "the engine closed) before it finished")
-                else:
-                    done = True
-                    raise value
+                if kind == "cancelled":
+                    value = GenerationCancelledError("the generation was cancelled (Submission.cancel or "
+                                                     "the engine closed) before it finished")
+                self._outcome = value
+                raise value
         finally:
             if not done:
                 self.cancel()  # the consumer stopped listening: free the slot
 
     def result(self):
-        """Wait for the whole generation and return it as a Result."""
+        """Wait for the whole generation and return it as a Result (again on a later call; pieces
+        already read from the submission are part of it)."""
         from .engine import Result
 
-        return Result.from_pieces(self)
+        if not self._ended:
+            for _ in self._pieces():
+                pass
+        if self._outcome is not None:
+            raise self._outcome
+        return Result.from_pieces(self._seen)
 
     # --- the scheduler's side
     def _emit(self, kind: str, value: Any = None) -> None:

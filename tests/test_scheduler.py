@@ -203,3 +203,19 @@ def test_a_request_cancelled_while_its_image_is_encoded_ends_cleanly(tiny_dense)
         assert engine.sequences[sub.slot].positions.n_rows == sum(
             len(p) for p in engine.sequences[sub.slot].cached)  # only whole text parts
         assert engine.generate("Tell me", max_tokens=8).tokens  # the engine goes on
+
+
+def test_a_submissions_result_can_be_asked_for_again_and_after_reading_its_pieces(pair, sequential):
+    _, expected = sequential
+    with ps.load(pair.target, mmproj=pair.mmproj, draft=pair.draft, n_threads=N_THREADS, n_parallel=2) as engine:
+        first, second = engine.submit(PROMPTS[0], max_tokens=48), engine.submit(PROMPTS[1], max_tokens=48)
+        assert first.result().tokens == expected[0]
+        assert first.result().tokens == expected[0]  # it waited forever: the pieces were consumed
+        head = next(iter(second))  # a piece read by the caller is still part of the result
+        assert head.tokens and second.result().tokens == expected[1]
+        assert [t for piece in second for t in piece.tokens] == expected[1]  # and iterating replays it
+        cancelled = engine.submit(PROMPTS[0], max_tokens=400)
+        cancelled.cancel()
+        for _ in range(2):
+            with pytest.raises(ps.GenerationCancelledError):
+                cancelled.result()
