@@ -59,8 +59,9 @@ def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v, rp
     for i, d in enumerate(_native.devices()):
         table.add_row(f"device {i}", f"{d['name']}: {d['description']} ({d['total'] / 2**30:.1f} GiB, "
                                      f"{d['free'] / 2**30:.1f} free)")
-    table.add_row("GPU offload", "yes" if _native.supports_gpu_offload() else "no")
     from . import devices as devs
+
+    table.add_row("GPU offload", _gpu_offload(_native.backend_names(), devs.local_devices()))
 
     if devs.rpc_available():
         table.add_row("RPC", "yes (" + (f"{_native.RPC_SERVER_PATH.name} beside the libraries; " if
@@ -95,6 +96,23 @@ def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v, rp
         for row in est.table():
             mem.add_row(*row)
         console.print(mem)
+
+
+#: ggml backends that run on this machine's CPU (BLAS: CPU matrix libraries) or on others' devices (RPC).
+_NOT_GPU_BACKENDS = {"CPU", "BLAS", "RPC"}
+
+
+def _gpu_offload(backends: list[str], local: list) -> str:
+    """doctor's GPU offload line, from the backends the build registered and the devices they found
+    (not llama_supports_gpu_offload(), which is true whenever any backend could offload: RPC too)."""
+    gpu_backends = [b for b in backends if b not in _NOT_GPU_BACKENDS]
+    gpus = [d.name for d in local if d.kind in ("gpu", "igpu")]
+    rpc = "; -ngl can offload to RPC servers' devices, --rpc" if "RPC" in backends else ""
+    if gpus:
+        return f"yes: {', '.join(gpus)} ({', '.join(gpu_backends) or 'GPU'} backend)"
+    if gpu_backends:
+        return f"no: the {', '.join(gpu_backends)} backend found no device{rpc}"
+    return f"no GPU backend in this build (CPU only{rpc})"
 
 
 def _print_remote_devices(rpc_servers: str) -> None:
@@ -241,8 +259,10 @@ def model_options(f):
         click.option("--mmap/--no-mmap", "use_mmap", default=True, show_default=True),
         click.option("--mlock", "use_mlock", is_flag=True, help="keep the model in RAM"),
         click.option("--draft-max", "--spec-draft-n-max", "draft_max", default="16", show_default=True,
-                     type=DRAFT_MAX, help="most tokens drafted per step, or 'auto': a length planned each "
-                                          "step from acceptance and the measured cost of a row"),
+                     type=DRAFT_MAX, help="most tokens drafted per step, capped by a DFlash draft's block "
+                                          "size minus one (15 for the embedded draft, block size 16), or 'auto': "
+                                          "a length planned each step from acceptance and the measured cost "
+                                          "of a row, up to that cap"),
         click.option("--draft-positions", type=click.Choice(["target", "sequential"]), default="target",
                      show_default=True),
         click.option("--draft-tree", type=click.IntRange(0, 255), default=0, show_default=True,
@@ -308,9 +328,20 @@ def _load_engine_or_exit(o: dict):
         sys.exit(1)
 
 
-def _speculative_mode(engine) -> str:
+def _speculative_mode(engine, asked=None) -> str:
+    """The speculative method and its draft length; with ``asked`` (chat's --draft-max), also why
+    the length in use is below the one asked for (a DFlash draft drafts at most its block size - 1)."""
     tree = f", tree {engine.config.draft_tree}" if engine.config.draft_tree else ""
-    return engine.config.spec_type + (f" (draft_max {engine.draft_max}{tree})" if engine.drafter else "")
+    if not engine.drafter:
+        return engine.config.spec_type
+    block = getattr(getattr(engine.drafter, "config", None), "block_size", None)
+    cap = ""
+    if asked == "auto" and block:
+        cap = f", at most {block - 1}: the draft's block size {block} minus one"
+    elif isinstance(asked, int) and asked > engine.draft_max:
+        cap = (f", capped by the draft's block size {block}" if block and engine.draft_max == block - 1
+               else f", capped from {asked}")
+    return engine.config.spec_type + f" (draft_max {engine.draft_max}{cap}{tree})"
 
 
 def _sampling(o: dict) -> dict:
@@ -369,7 +400,7 @@ def chat(system, **o) -> None:
 
     engine = _load_engine_or_exit(o)
     conv = Conversation(engine, system=system, max_tokens=o["max_tokens"], **_sampling(o))
-    mode = _speculative_mode(engine)
+    mode = _speculative_mode(engine, asked=o["draft_max"])
     console.print(f"[bold]pyllama-spec chat[/bold] · {engine.model.path.name} · speculative: {mode} · "
                   f"/help for commands")
     progress = _PrefillProgress(console)
@@ -457,7 +488,8 @@ def _chat_command(line: str, conv) -> bool:
 
 @main.command()
 @model_options
-@click.option("-p", "--prompt", required=True, help="the prompt (a chat message; --raw to use it as is)")
+@click.option("-p", "--prompt", required=True,
+              help="the prompt, sent as one user message through the model's chat template (--raw: as is)")
 @click.option("--image", "images", multiple=True, type=click.Path(), help="image to attach (repeatable)")
 @click.option("--raw", is_flag=True, help="send the prompt as is, without the chat template")
 @click.option("--json", "as_json", is_flag=True, help="print text and stats as one JSON object")

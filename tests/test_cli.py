@@ -1,8 +1,11 @@
-"""The command line: doctor and demo (click's CliRunner, real native build, real tiny models)."""
+"""The command line: doctor, chat's banner, generate's help and demo (click's CliRunner, real native
+build, real tiny models)."""
+
+from types import SimpleNamespace
 
 from click.testing import CliRunner
 
-from pyllama_spec.cli import main
+from pyllama_spec.cli import _gpu_offload, main
 
 
 def test_doctor_reports_the_pin_backend_and_dflash_entry_points():
@@ -10,6 +13,39 @@ def test_doctor_reports_the_pin_backend_and_dflash_entry_points():
     assert result.exit_code == 0, result.output
     for needle in ("0c1e57098", "llama-cpp-python 0.3.36", "cpu", "DFlash entry points", "hunyuan_vl", "mtmd"):
         assert needle in result.output
+
+
+def test_doctor_says_gpu_offload_from_the_backends_built_not_from_rpc():
+    from pyllama_spec import _native
+
+    result = CliRunner().invoke(main, ["doctor"])
+    assert result.exit_code == 0, result.output
+    line = next(ln for ln in result.output.splitlines() if "GPU offload" in ln)
+    if not [b for b in _native.backend_names() if b not in ("CPU", "BLAS", "RPC")]:
+        # llama_supports_gpu_offload() is true here when RPC is built in: doctor must not say yes
+        assert "no GPU backend in this build" in line, result.output
+
+
+def test_gpu_offload_line_names_the_gpus_or_says_there_are_none():
+    cpu, cuda0 = SimpleNamespace(name="CPU", kind="cpu"), SimpleNamespace(name="CUDA0", kind="gpu")
+    assert _gpu_offload(["RPC", "CPU"], [cpu]) == \
+        "no GPU backend in this build (CPU only; -ngl can offload to RPC servers' devices, --rpc)"
+    assert _gpu_offload(["CPU"], [cpu]) == "no GPU backend in this build (CPU only)"
+    assert _gpu_offload(["BLAS", "CPU"], [SimpleNamespace(name="BLAS", kind="accel"), cpu]).startswith("no GPU")
+    assert _gpu_offload(["CUDA", "RPC", "CPU"], [cuda0, cpu]) == "yes: CUDA0 (CUDA backend)"
+    assert _gpu_offload(["CUDA", "CPU"], [cpu]).startswith("no: the CUDA backend found no device")
+
+
+def test_chat_banner_says_the_draft_block_caps_draft_max_and_help_says_so_too():
+    result = CliRunner().invoke(main, ["chat", "-t", "1"], input="/quit\n", terminal_width=200)
+    assert result.exit_code == 0, result.output
+    banner = " ".join(result.output.split())  # rich wraps the line at the console's width
+    assert "draft_max 15, capped by the draft's block size 16" in banner, result.output
+    result = CliRunner().invoke(main, ["chat", "-t", "1", "--draft-max", "4"], input="/quit\n")
+    assert "(draft_max 4)" in " ".join(result.output.split()), result.output
+    help_text = " ".join(CliRunner().invoke(main, ["generate", "--help"]).output.split())
+    assert "capped by a DFlash draft's block size minus one" in help_text
+    assert "chat template" in help_text and "--raw" in help_text
 
 
 def test_demo_runs_dflash_on_a_large_image_without_draft_failure(tmp_path, monkeypatch):

@@ -5,10 +5,15 @@ Python blocks run in a fresh interpreter, in a folder where the file names they 
 to the server at 127.0.0.1:8080 gets a `pyllama-spec serve` on the embedded pair (on a
 free port, written into the block). The server's bash block runs as written too, less its
 install step (the test extra already installed the server extra).
+
+Every block on the embedded pair (``ps.embedded_models()``, the server) must print code the
+pair wrote: words that are not in the block itself, so an answer of whitespace (or one that
+only echoes the prompt) fails.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -26,6 +31,27 @@ BASH_BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.DOTALL)
 SERVER = "127.0.0.1:8080"
 RPC_HOSTS = ("192.168.1.20:50052", "192.168.1.21:50052")  # the RPC how-to's servers: loopback ones here
 INSTALL_SERVER = 'python3 -m pip install -e ".[server]" && '
+EMBEDDED = "ps.embedded_models()"
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def written_words(printed: str, source: str) -> set[str]:
+    """The identifiers in ``printed`` that ``source`` does not contain: what the model wrote
+    (none when it answered with whitespace or only the prompt came back)."""
+    source = source.replace("\\n", "\n")  # an escaped newline in a literal ends the word before it
+    return set(IDENTIFIER.findall(printed)) - set(IDENTIFIER.findall(source))
+
+
+def assert_writes_code(printed: str, source: str) -> None:
+    words = written_words(printed, source)
+    assert len(words) >= 2, f"the block printed no code of the pair's ({sorted(words)}):\n{printed!r}"
+
+
+def test_written_words_tell_code_from_whitespace():
+    block = 'code = "def fibonacci(n):\\n    if n"\nprint(code + text)'
+    assert not written_words("def fibonacci(n):\n    if n" + " " * 48, block)
+    assert written_words("def fibonacci(n):\n    if not isinstance(object):", block) == {"not", "isinstance", "object"}
+    assert not written_words("class Stack:", 'print("<__media__>\\nclass Stack:")')
 
 
 def _free_port() -> int:
@@ -63,6 +89,10 @@ def test_the_readme_has_the_blocks_it_should():
     assert any("ps.load" in b for b in PYTHON_BLOCKS)
     assert any(SERVER in b for b in PYTHON_BLOCKS)
     assert any("pyllama-spec serve" in b and "curl" in b for b in BASH_BLOCKS)
+    # the first example (Python API) and the slots example run on files a newcomer has
+    first = next(b for b in PYTHON_BLOCKS if "ps.load" in b)
+    assert EMBEDDED in first and "t.gguf" not in first and "photo.png" not in first
+    assert any(EMBEDDED in b and "n_parallel" in b and "t.gguf" not in b for b in PYTHON_BLOCKS)
 
 
 @pytest.mark.parametrize("index", [i for i, b in enumerate(PYTHON_BLOCKS) if SERVER not in b])
@@ -85,6 +115,8 @@ def test_readme_python_block_runs_as_written(index, tiny_dense, big_image_png, r
         for server in servers:
             server.kill()
     assert res.returncode == 0, f"README block failed:\n{code}\n{res.stderr[-3000:]}"
+    if EMBEDDED in code:  # the trained pair writes Python: the block must show some
+        assert_writes_code(res.stdout, code)
 
 
 @pytest.mark.parametrize("index", [i for i, b in enumerate(PYTHON_BLOCKS) if SERVER in b])
@@ -93,6 +125,9 @@ def test_readme_client_block_runs_against_the_server(index, served_embedded, run
     res = run_python(code, timeout=120)
     assert res.returncode == 0, f"README block failed:\n{code}\n{res.stderr[-3000:]}"
     assert "draft_n" in res.stdout
+    # the answer's text, not the timings dict printed after it (its keys are words too)
+    text = "\n".join(line for line in res.stdout.splitlines() if not line.startswith("{"))
+    assert_writes_code(text, code)
 
 
 def test_readme_server_bash_block_runs_as_written(tmp_path):
@@ -104,3 +139,5 @@ def test_readme_server_bash_block_runs_as_written(tmp_path):
     res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     assert '"chat.completion"' in res.stdout and '"draft_n"' in res.stdout, res.stdout[-2000:]
+    answer = json.loads(next(line for line in res.stdout.splitlines() if '"chat.completion"' in line))
+    assert_writes_code(answer["choices"][0]["message"]["content"], block)
