@@ -30,6 +30,24 @@ class _RaisedByTemplate(Exception):
     pass
 
 
+#: The names the render path sets itself, which extra variables cannot: ``render``'s own
+#: parameters, the variables it gives every template, the helper functions templates call,
+#: and ``self`` (jinja2's ``Template.render(self, ...)``).
+RESERVED_VARIABLES = frozenset({"template", "messages", "add_generation_prompt", "bos_token", "eos_token",
+                                "media_marker", "tools", "raise_exception", "strftime_now", "self"})
+
+
+def check_variables(variables: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` (not a ``TemplateRenderError``: there is nothing to fall back from) when
+    extra template variables have a name that is not a string or that the renderer sets itself."""
+    for key in variables:
+        if not isinstance(key, str):
+            raise ValueError(f"chat template variable names must be strings, got {key!r}")
+        if key in RESERVED_VARIABLES:
+            raise ValueError(f"chat template variable {key!r} is set by the renderer; it cannot be passed as an "
+                             f"extra variable (reserved: {', '.join(sorted(RESERVED_VARIABLES))})")
+
+
 def _raise_exception(message: str):
     raise _RaisedByTemplate(message)
 
@@ -62,14 +80,18 @@ def _compiled(template: str):
     return _ENVIRONMENTS[template]
 
 
-def render(template: str, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+def render(template: str, messages: Sequence[Mapping[str, Any]], /, *, add_generation_prompt: bool = True,
            bos_token: str = "", eos_token: str = "", media_marker: str, **variables: Any) -> str:
     """Render ``messages`` (text content, or lists of text / image parts) through ``template``.
 
     Image parts (``{"type": "image", ...}``) become ``{"type": "text", "text": media_marker}``.
-    Raises ``TemplateRenderError`` when the template fails or raises on these messages.
+    Raises ``TemplateRenderError`` when the template fails or raises on these messages (or on
+    the values of ``variables``), and ``ValueError`` when ``variables`` names one of the
+    ``RESERVED_VARIABLES``.
     """
     from jinja2 import TemplateError
+
+    check_variables(variables)
 
     prepared = []
     for m in messages:
@@ -78,10 +100,16 @@ def render(template: str, messages: Sequence[Mapping[str, Any]], *, add_generati
             content = [{"type": "text", "text": media_marker} if p.get("type") in ("image", "image_url") else dict(p)
                        for p in content]
         prepared.append({**m, "content": content})
+    compiled = _compiled(template)
+    # one dict, not keywords: no variable name can collide with a parameter of Template.render
+    context = {**variables, "messages": prepared, "add_generation_prompt": add_generation_prompt,
+               "bos_token": bos_token, "eos_token": eos_token, "tools": None}
     try:
-        return _compiled(template).render(messages=prepared, add_generation_prompt=add_generation_prompt,
-                                          bos_token=bos_token, eos_token=eos_token, tools=None, **variables)
+        return compiled.render(context)
     except _RaisedByTemplate as e:
         raise TemplateRenderError(f"the chat template refused these messages: {e}") from e
-    except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as e:
+    # what a template can raise on values it was not written for (10 // 0, a list compared with
+    # an int, a string repeated a huge number of times, a deep recursion)
+    except (TemplateError, TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError,
+            MemoryError) as e:
         raise TemplateRenderError(f"the chat template failed to render: {type(e).__name__}: {e}") from e

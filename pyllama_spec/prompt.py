@@ -58,8 +58,10 @@ def render_messages(model: Model, messages: Sequence[Message], *, add_assistant:
     The model's own Jinja template is rendered first ("jinja"); when the model has none that
     jinja2 can render, or it fails on these messages, llama.cpp's built-in renderer is used
     ("builtin") and a warning says why. ``template_kwargs`` are extra variables the template
-    may read (for example ``enable_thinking=False`` for Qwen3).
+    may read (for example ``enable_thinking=False`` for Qwen3); one that names a variable the
+    renderer sets itself (``chat_template.RESERVED_VARIABLES``) raises ``ValueError``.
     """
+    chat_template.check_variables(template_kwargs or {})  # a ValueError: no fallback for a wrong call
     turns, images = [], []
     for m in messages:
         if "role" not in m or "content" not in m:

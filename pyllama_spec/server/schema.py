@@ -8,9 +8,20 @@ the parameter at fault, before anything reaches the engine.
 from __future__ import annotations
 
 import dataclasses
+import json
+import reprlib
 from typing import Any
 
+from ..chat_template import RESERVED_VARIABLES
 from .images import ImageLimits, decode_image_url
+
+#: How deeply a request body may nest arrays and objects (an OpenAI request needs a handful of
+#: levels, a tool's JSON schema a few dozen): deeper is a 400, whatever Python's stack would allow.
+MAX_JSON_DEPTH = 100
+#: Arrays and objects one request body may hold. Parsing costs about 60 bytes of memory and
+#: some 0.3 us of the GIL per container, so a 64 MiB body of "[]," would take 1.5 GB and
+#: seconds of every thread; no real request comes near this.
+MAX_JSON_CONTAINERS = 100_000
 
 
 class APIError(Exception):
@@ -28,6 +39,82 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 80
+_SHOW.maxlevel = 3
+
+
+def _show(value: Any) -> str:
+    """A request value for an error message: its repr, shortened (a value can be 60 MB long or
+    nested a hundred levels deep; the message stays short)."""
+    return _SHOW.repr(value)
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists and dicts more than ``limit`` levels deep (level by level,
+    without recursion)."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > limit:
+            return True
+        children = []
+        for v in level:
+            items = v.values() if type(v) is dict else v
+            children += [c for c in items if type(c) is list or type(c) is dict]
+        level = children
+    return False
+
+
+def _containers_at_least(raw: bytes, enough: int) -> int:
+    """A number that is at least ``enough`` exactly when ``raw`` opens at least ``enough`` arrays
+    and objects ('[' and '{' outside strings). Brackets are counted at C speed; only when there
+    are that many in all are strings skipped, one bytes.find per string (a regex over strings
+    took 22 s on one 60 MB string)."""
+    total = raw.count(b"[") + raw.count(b"{")
+    if total < enough:
+        return total
+    found, at, n = 0, 0, len(raw)
+    while at < n:
+        quote = raw.find(b'"', at)
+        end = n if quote < 0 else quote
+        found += raw.count(b"[", at, end) + raw.count(b"{", at, end)
+        if found >= enough or quote < 0:
+            return found
+        at = quote + 1
+        while True:  # the closing quote: one not escaped by an odd run of backslashes
+            close = raw.find(b'"', at)
+            if close < 0:
+                return found  # an unterminated string: json.loads will say so
+            k = close - 1
+            while k >= at and raw[k] == 0x5C:  # each backslash is looked at once, by the quote after it
+                k -= 1
+            at = close + 1
+            if (close - 1 - k) % 2 == 0:
+                break
+    return found
+
+
+def parse_json_body(raw: bytes) -> Any:
+    """A request body as a JSON value; anything json.loads refuses (or would need more stack
+    for) is a 400."""
+    too_deep = f"the request body nests too deeply (more than {MAX_JSON_DEPTH} levels of arrays and objects)"
+    if _containers_at_least(raw, MAX_JSON_CONTAINERS + 1) > MAX_JSON_CONTAINERS:
+        raise bad_request(f"the request body holds more than {MAX_JSON_CONTAINERS} arrays and objects")
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise bad_request(too_deep) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except ValueError as e:  # an integer of more than sys.get_int_max_str_digits() digits
+        raise bad_request(f"the request body is not valid JSON: {str(e).split(';')[0]}") from None
+    # A body deep enough to nest this far has at least as many brackets: most bodies are not walked.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _too_deep(value, MAX_JSON_DEPTH):
+        raise bad_request(too_deep)
+    return value
 
 
 @dataclasses.dataclass
@@ -52,7 +139,7 @@ def _number(body: dict, name: str, default, lo: float, hi: float, *, integer: bo
         raise bad_request(f"'{name}' must be {'an integer' if integer else 'a number'}, got {type(v).__name__}",
                           name)
     if not lo <= v <= hi:
-        raise bad_request(f"'{name}' must be between {lo} and {hi}, got {v}", name)
+        raise bad_request(f"'{name}' must be between {lo} and {hi}, got {_show(v)}", name)
     return v
 
 
@@ -73,7 +160,7 @@ def _stop(body: dict) -> list[str]:
         return [stop]
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
         return list(stop)
-    raise bad_request("'stop' must be a string or a list of at most 4 strings", "stop")
+    raise bad_request(f"'stop' must be a string or a list of at most 4 strings, got {_show(stop)}", "stop")
 
 
 def _sampling(body: dict, max_tokens_limit: int, default_max_tokens: int) -> dict:
@@ -82,7 +169,8 @@ def _sampling(body: dict, max_tokens_limit: int, default_max_tokens: int) -> dic
     if max_tokens is None:
         max_tokens = default_max_tokens
     elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 0 <= max_tokens <= max_tokens_limit:
-        raise bad_request(f"'{name}' must be an integer between 0 and {max_tokens_limit}, got {max_tokens!r}", name)
+        raise bad_request(f"'{name}' must be an integer between 0 and {max_tokens_limit}, got {_show(max_tokens)}",
+                          name)
     seed = _number(body, "seed", 0, -(2**63), 2**64 - 1, integer=True)
     return dict(
         max_tokens=max_tokens,
@@ -174,7 +262,7 @@ def _content_parts(content: Any, where: str, limits: RequestLimits, images: list
             images.append(data)
             parts.append({"type": "image", "image": data})
         else:
-            raise bad_request(f"{where}.content[{k}] has unsupported type {kind!r} (use 'text' or 'image_url')",
+            raise bad_request(f"{where}.content[{k}] has unsupported type {_show(kind)} (use 'text' or 'image_url')",
                               f"{where}.content")
     return parts
 
@@ -193,7 +281,8 @@ def parse_chat(body: Any, limits: RequestLimits) -> GenerationRequest:
             raise bad_request(f"{where} must be an object", "messages")
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool"):
-            raise bad_request(f"{where}.role must be system, user or assistant, got {role!r}", "messages")
+            raise bad_request(f"{where}.role must be system, developer, user, assistant or tool, got {_show(role)}",
+                              "messages")
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
@@ -203,6 +292,12 @@ def parse_chat(body: Any, limits: RequestLimits) -> GenerationRequest:
     kwargs = body.get("chat_template_kwargs")
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
+    for key in kwargs or ():
+        if not isinstance(key, str):  # never from JSON; from a caller of parse_chat
+            raise bad_request(f"'chat_template_kwargs' names must be strings, got {_show(key)}", "chat_template_kwargs")
+        if key in RESERVED_VARIABLES:
+            raise bad_request(f"'chat_template_kwargs' cannot set {_show(key)}: it is set by the server "
+                              f"(reserved: {', '.join(sorted(RESERVED_VARIABLES))})", "chat_template_kwargs")
     args = dict(messages=out, **_sampling(body, limits.max_tokens, limits.default_max_tokens),
                 **_speculative(body, limits.draft_max, limits.draft_tree), chat_template_kwargs=kwargs)
     return GenerationRequest("chat", stream, include_usage, args, len(images))
