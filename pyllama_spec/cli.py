@@ -699,11 +699,14 @@ def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, 
 @click.option("--max-images", default=8, show_default=True, help="images per request")
 @click.option("--max-image-pixels", default=4096 * 4096, show_default=True, help="pixels per image")
 @click.option("--max-body-mib", default=64, show_default=True, help="largest request body, MiB")
+@click.option("-to", "--timeout", "body_timeout", default=60.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="seconds a request body may take to arrive (then 408); a request head must arrive "
+                   "within 10 s")
 def serve(host, port, api_key, alias, parallel, max_queue, allowed_image_dir, max_images, max_image_pixels,
-          max_body_mib, **o):
+          max_body_mib, body_timeout, **o):
     """OpenAI-compatible HTTP server (chat with images, speculative stats); needs the 'server' extra."""
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 - the server extra is there
 
         from .server import ServerSettings, create_app
     except ImportError as e:
@@ -713,14 +716,17 @@ def serve(host, port, api_key, alias, parallel, max_queue, allowed_image_dir, ma
     settings = ServerSettings(alias=alias or Path(engine.model.path).stem, api_key=api_key, max_queue=max_queue,
                               default_max_tokens=o["max_tokens"], max_images=max_images,
                               max_image_pixels=max_image_pixels, max_body_bytes=max_body_mib * 2**20,
-                              allowed_image_dir=Path(allowed_image_dir) if allowed_image_dir else None)
+                              allowed_image_dir=Path(allowed_image_dir) if allowed_image_dir else None,
+                              body_timeout=body_timeout)
     mode = _speculative_mode(engine)
     slots = f"{parallel} slots of {engine.ctx.n_ctx_seq} tokens" if parallel > 1 else "1 slot"
     err_console.print(f"[bold]pyllama-spec serve[/bold] · {engine.model.path.name} as '{settings.alias}' · "
                       f"speculative: {mode} · images: {'yes' if engine.projector else 'no'} · {slots} · "
                       f"http://{host}:{port}/v1")
+    from .server.run import serve as serve_app
+
     with engine:
-        uvicorn.run(create_app(engine, settings), host=host, port=port, log_level="warning")
+        serve_app(create_app(engine, settings), host=host, port=port)
 
 
 if __name__ == "__main__":  # python -m pyllama_spec.cli

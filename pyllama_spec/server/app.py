@@ -59,6 +59,7 @@ class ServerSettings:
     max_images: int = 8
     max_image_pixels: int = 4096 * 4096
     allowed_image_dir: Path | None = None
+    body_timeout: float = 60.0  # seconds a request body may take to arrive; then 408
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -86,23 +87,33 @@ def _engine_error(e: BaseException) -> APIError:
     return APIError(500, f"internal error ({type(e).__name__})", type="server_error")
 
 
-async def _read_json(request: Request, limit: int) -> Any:
+async def _read_json(request: Request, limit: int, timeout: float) -> Any:
+    """The request's JSON body: at most ``limit`` bytes, all of it within ``timeout`` seconds
+    (a client sending its body a byte at a time holds nothing longer), parsed by
+    ``parse_json_body`` (every way it can fail is a 400)."""
+    from .schema import parse_json_body
+
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
-    chunks, size = [], 0
-    try:
+
+    async def body() -> bytes:
+        chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
             chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        raw = await asyncio.wait_for(body(), timeout)
     except ClientDisconnect:
         raise APIError(400, "the client disconnected while sending the request") from None
-    try:
-        return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+    return parse_json_body(raw)
 
 
 def timings(stats) -> dict:
@@ -179,6 +190,12 @@ class _Service:
         if self.worker is not None:
             self.worker.stop()
 
+    def cancel_all(self) -> None:
+        """Cancel every generation, running or waiting (the server is stopping: from a signal
+        handler, so it only sets flags); each stops within one step."""
+        if self.worker is not None:
+            self.worker.cancel_all()
+
     def submit(self, req: GenerationRequest) -> Job:
         if req.n_images and self.engine.projector is None:
             raise bad_request("this server has no projector (--mmproj): it cannot read images", "messages",
@@ -229,7 +246,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
         return wrap
 
     async def generation(request: Request, parse) -> Response:
-        req = parse(await _read_json(request, service.settings.max_body_bytes), service.limits)
+        body = await _read_json(request, service.settings.max_body_bytes, service.settings.body_timeout)
+        req = parse(body, service.limits)
         job = service.submit(req)
         if req.stream:
             return EventSourceResponse(_stream_events(service, req, job), ping=15)
@@ -278,30 +296,45 @@ def _ids(req: GenerationRequest) -> tuple[str, str]:
                                                  "llama": "completion"}[req.kind]
 
 
-async def _next_event(job: Job, request: Request | None = None) -> tuple[str, Any]:
-    """The job's next event; while waiting, a client that went away cancels the job."""
-    while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), timeout=0.25)
-        except asyncio.TimeoutError:
-            if request is not None and await request.is_disconnected():
+async def _next_event(job: Job) -> tuple[str, Any]:
+    return await job.events.get()
+
+
+async def _until_disconnected(request: Request) -> None:
+    """Returns when the client has gone (ASGI's http.disconnect; the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events_while_connected(job: Job, request: Request) -> AsyncIterator[tuple[str, Any]]:
+    """The job's events; the moment its client disconnects, the job is cancelled (a 499)."""
+    gone = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        while True:
+            event = asyncio.ensure_future(job.events.get())
+            await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not event.done():
+                event.cancel()
                 job.cancel()
-                raise APIError(499, "the client disconnected") from None
+                raise APIError(499, "the client disconnected")
+            yield event.result()
+    finally:
+        gone.cancel()
 
 
 async def _complete(service: _Service, req: GenerationRequest, job: Job, request: Request) -> Response:
     text, tokens, last = [], [], None
     try:
-        while True:
-            kind, value = await _next_event(job, request)
-            if kind == "piece":
-                text.append(value.text)
-                tokens.extend(value.tokens)
-                last = value
-            elif kind == "error":
-                raise _engine_error(value)
-            else:
-                break
+        async with contextlib.aclosing(_events_while_connected(job, request)) as events:
+            async for kind, value in events:
+                if kind == "piece":
+                    text.append(value.text)
+                    tokens.extend(value.tokens)
+                    last = value
+                elif kind == "error":
+                    raise _engine_error(value)
+                else:
+                    break
     finally:
         job.cancel()  # no-op once finished; stops the generation if this handler was cancelled
     if last is None or last.stats is None:  # ended without its last piece: stopped under it

@@ -69,6 +69,7 @@ class EngineWorker:
         self._on_finished = on_finished  # called with each generation's stats, finished or cancelled
         self._jobs: queue.Queue = queue.Queue(maxsize=max_queue)
         self.running = 0  # generations in progress (0 or 1)
+        self._current: Job | None = None  # the job in progress
         self._thread = threading.Thread(target=self._run, name="pyllama-spec-engine", daemon=True)
         self._thread.start()
 
@@ -86,11 +87,25 @@ class EngineWorker:
         """Finish the job in progress, drop the queued ones, end the thread."""
         while True:
             try:
-                self._jobs.get_nowait().cancel()
+                job = self._jobs.get_nowait()
             except queue.Empty:
                 break
+            if job is not None:
+                job.cancel()
+                job.emit("done")
         self._jobs.put(None)
         self._thread.join(timeout)
+
+    def cancel_all(self) -> None:
+        """Cancel the job in progress and the queued ones (safe from a signal handler: flags only)."""
+        current = self._current
+        if current is not None:
+            current.cancel()
+        # a copy of the deque (atomic under the GIL), not the queue's lock: a signal handler may
+        # have interrupted this very thread inside put_nowait()
+        for job in list(self._jobs.queue):
+            if job is not None:
+                job.cancel()
 
     def _run(self) -> None:
         while True:
@@ -98,13 +113,16 @@ class EngineWorker:
             if job is None:
                 return
             if job.cancelled.is_set():
+                job.emit("done")  # its handler may still wait (the server is stopping): it ends now
                 continue
             self.running = 1
+            self._current = job
             self.engine.last_stats = None
             try:
                 self._generate(job)
             finally:
                 self.running = 0
+                self._current = None
                 if self._on_finished is not None and self.engine.last_stats is not None:
                     self._on_finished(self.engine.last_stats)
 
@@ -180,6 +198,12 @@ class SlotWorker:
             raise
         if job.cancelled.is_set():  # cancelled before its handle existed
             job.submission.cancel()
+
+    def cancel_all(self) -> None:
+        """Cancel this server's generations, running and waiting, without waiting for them."""
+        self._stopping = True  # their requests get "the server is stopping"
+        for job in list(self._live):  # a copy without the lock: a signal handler must not block
+            job.cancel()
 
     def stop(self, timeout: float = 30.0) -> None:
         """Cancel this server's generations, running and waiting, and wait for their slots to free

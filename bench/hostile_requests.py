@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""What a hostile client costs `pyllama-spec serve`, measured on loopback.
+
+    python bench/hostile_requests.py [--tree DIR] [--out FILE.json]
+
+Starts `pyllama-spec serve -np 2` on the tiny test models (from ``--tree``: a source checkout
+with its native part built; default this one) and measures, one server per item:
+
+- ``newlines``: a 4 MiB prompt of short lines (`"x = 1\\n" * 700000`): seconds to its answer,
+  and the latency of a 1-token request sent 0.5 s later to the other slot;
+- ``long_stop``: four stop strings of 1,000,000 characters, 4 tokens: seconds, and the other
+  slot's latency as above;
+- ``client_leaves``: a non-streamed 8000-token completion whose client closes at 0.3 s: seconds
+  the server stays busy after the close;
+- ``huge_prompt``: a 60 MiB prompt without newlines: seconds to its answer and the server's peak
+  resident memory (VmHWM) before and after;
+- ``sigterm``: SIGTERM while two 8000-token completions run: seconds to exit.
+
+Run it on two trees to compare (e.g. ``git worktree add /tmp/old REV`` and copy
+``pyllama_spec/_native/`` build outputs into it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(port: int, path: str, body: dict | bytes, timeout: float = 600) -> tuple[int, float]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                 headers={"Content-Type": "application/json"})
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            r.read()
+            status = r.status
+    except urllib.error.HTTPError as e:
+        status = e.code
+    return status, time.monotonic() - start
+
+
+def busy(port: int) -> int:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("pyllama_spec_busy "):
+                return int(float(line.split()[1]))
+    return 0
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Server:
+    def __init__(self, tree: Path, models, *extra: str) -> None:
+        self.port = free_port()
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pyllama_spec.cli", "serve", "--port", str(self.port), "-t", "1", "-c", "16384",
+             "-np", "2", "-m", str(models.target), "--mmproj", str(models.mmproj), "-md", str(models.draft), *extra],
+            env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1).read()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the server did not start")
+                time.sleep(0.2)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def beside(port: int, body: dict) -> dict:
+    """``body`` on one slot; 0.5 s later a 1-token request on the other: both timed."""
+    out = {}
+
+    def hostile():
+        out["status"], out["seconds"] = post(port, "/v1/completions", body)
+
+    t = threading.Thread(target=hostile)
+    t.start()
+    time.sleep(0.5)
+    _, out["other_slot_seconds"] = post(port, "/v1/completions", {"prompt": "def add(a, b):", "max_tokens": 1})
+    t.join()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tree", type=Path, default=ROOT)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from pyllama_spec import tiny
+
+    models = tiny.make_tiny_set(Path(tempfile.mkdtemp()), arch="hunyuan_vl", seed=0, window=32, predictable=0.5)
+    results: dict = {"tree": str(args.tree)}
+
+    def item(name, fn):
+        server = Server(args.tree, models)
+        try:
+            results[name] = fn(server)
+        finally:
+            server.close()
+        print(name, json.dumps(results[name]), flush=True)
+
+    item("newlines", lambda s: beside(s.port, {"prompt": "x = 1\n" * 700_000, "max_tokens": 4}))
+    item("long_stop", lambda s: beside(s.port, {"prompt": "def f(", "max_tokens": 4,
+                                                "stop": [c * 1_000_000 for c in "qzwv"]}))
+
+    def client_leaves(s):
+        body = json.dumps({"prompt": "def main(", "max_tokens": 8000}).encode()
+        sock = socket.create_connection(("127.0.0.1", s.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        time.sleep(0.3)
+        sock.close()
+        closed = time.monotonic()
+        while busy(s.port):
+            time.sleep(0.05)
+        return {"busy_seconds_after_close": round(time.monotonic() - closed, 2)}
+
+    item("client_leaves", client_leaves)
+
+    def huge_prompt(s):
+        before = peak_rss_mib(s.proc.pid)
+        status, seconds = post(s.port, "/v1/completions", {"prompt": "y" * (60 * 2**20), "max_tokens": 4})
+        return {"status": status, "seconds": round(seconds, 2), "peak_rss_mib_before": round(before),
+                "peak_rss_mib_after": round(peak_rss_mib(s.proc.pid))}
+
+    item("huge_prompt", huge_prompt)
+
+    def sigterm(s):
+        body = json.dumps({"prompt": "def main(", "max_tokens": 8000}).encode()
+        socks = []
+        for _ in range(2):
+            sock = socket.create_connection(("127.0.0.1", s.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            socks.append(sock)
+        time.sleep(1.0)
+        start = time.monotonic()
+        s.proc.send_signal(signal.SIGTERM)
+        try:
+            s.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pass
+        for sock in socks:
+            sock.close()
+        return {"exit_seconds": round(time.monotonic() - start, 2), "exited": s.proc.poll() is not None}
+
+    item("sigterm", sigterm)
+    for name in ("newlines", "long_stop"):
+        results[name] = {k: round(v, 2) if isinstance(v, float) else v for k, v in results[name].items()}
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""A hostile client on loopback cannot stall the server: a client that leaves a non-streamed
+request, a connection that sends its headers a byte at a time, a shutdown while generating, and
+the worst requests of all at once beside a normal one on another slot.
+
+Servers here are started the way `pyllama-spec serve` starts them (server/run.py's make_server),
+on 127.0.0.1 and a free port.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from conftest import N_THREADS, REPO_ROOT
+
+import pyllama_spec as ps
+
+httpx = pytest.importorskip("httpx", reason="the test extra brings httpx")
+pytest.importorskip("uvicorn", reason="the server extra brings uvicorn")
+from pyllama_spec.server import ServerSettings, create_app  # noqa: E402
+from pyllama_spec.server.run import ServeLimits, make_server  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    def __init__(self, engine, settings: ServerSettings, limits: ServeLimits = ServeLimits()) -> None:
+        self.engine, self.port = engine, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(engine, settings)
+        self._server = make_server(self.app, host="127.0.0.1", port=self.port, limits=limits, log_level="error")
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    @property
+    def busy(self) -> int:
+        return self.app.state.service.worker.running
+
+    def wait_idle(self, within: float) -> float:
+        start = time.monotonic()
+        while self.busy:
+            if time.monotonic() - start > within:
+                raise AssertionError(f"still generating {within} s later")
+            time.sleep(0.01)
+        return time.monotonic() - start
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+
+
+def _load(models, n_parallel: int = 1):
+    return ps.load(models.target, mmproj=models.mmproj, draft=models.draft, n_ctx=n_parallel * 8192,
+                   n_batch=64, n_ubatch=64, n_threads=N_THREADS, draft_max=7, flash_attn=False,
+                   n_parallel=n_parallel)
+
+
+def _raw_request(port: int, path: str, body: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+LONG = json.dumps({"prompt": "def main(", "max_tokens": 6000}).encode()
+
+
+@pytest.fixture(scope="module")
+def one_slot(tiny_dense):
+    engine = _load(tiny_dense)
+    served = Served(engine, ServerSettings(alias="tiny", max_tokens=8000, body_timeout=1.0),
+                    ServeLimits(header_timeout=1.0, keep_alive=1.0))
+    yield served
+    served.stop()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def two_slots(tiny_dense):
+    engine = _load(tiny_dense, n_parallel=2)
+    served = Served(engine, ServerSettings(alias="tiny", max_tokens=8000),
+                    ServeLimits(header_timeout=2.0, keep_alive=2.0))
+    yield served
+    served.stop()
+    engine.close()
+
+
+@pytest.mark.parametrize("served_name", ["one_slot", "two_slots"])
+def test_a_non_streamed_request_stops_generating_when_its_client_leaves(served_name, request):
+    served = request.getfixturevalue(served_name)
+    sock = _raw_request(served.port, "/v1/completions", LONG)
+    deadline = time.monotonic() + 20
+    while not served.busy:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(0.3)
+    sock.close()  # the client leaves while pieces keep arriving (they did hide the disconnect)
+    assert served.wait_idle(within=2.0) < 2.0  # within a step; it generated on for 14.7 s
+    r = httpx.post(served.url + "/v1/completions", json={"prompt": "def main(", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 200
+
+
+def test_a_connection_that_sends_its_headers_a_byte_at_a_time_is_closed(one_slot):
+    sock = socket.create_connection(("127.0.0.1", one_slot.port))
+    sock.settimeout(10)
+    start, head = time.monotonic(), b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+    closed_after = None
+    for byte in head:
+        try:
+            sock.sendall(bytes([byte]))
+        except OSError:  # reset: closed by the server
+            closed_after = time.monotonic() - start
+            break
+        time.sleep(0.05)
+        sock.setblocking(False)
+        try:
+            if sock.recv(1) == b"":
+                closed_after = time.monotonic() - start
+                break
+        except BlockingIOError:
+            pass
+        finally:
+            sock.setblocking(True)
+    sock.close()
+    assert closed_after is not None and closed_after < 3.0  # the deadline is 1 s here
+    assert httpx.get(one_slot.url + "/health").json() == {"status": "ok"}
+
+
+def test_a_body_sent_a_byte_at_a_time_gets_a_408_at_the_deadline(one_slot):
+    sock = socket.create_connection(("127.0.0.1", one_slot.port))
+    sock.settimeout(10)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n{")
+    start, answer = time.monotonic(), b""
+    try:
+        for _ in range(50):
+            sock.sendall(b" ")
+            time.sleep(0.1)
+            sock.setblocking(False)
+            try:
+                answer += sock.recv(65536)
+                if answer:
+                    break
+            except BlockingIOError:
+                pass
+            finally:
+                sock.setblocking(True)
+    except OSError:
+        pass
+    sock.close()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert time.monotonic() - start < 3.0 and b"request_timeout" in answer
+
+
+def test_an_idle_connection_is_closed_and_a_normal_keep_alive_client_is_served(one_slot):
+    sock = socket.create_connection(("127.0.0.1", one_slot.port))
+    sock.settimeout(10)
+    start = time.monotonic()
+    assert sock.recv(1) == b""  # a connection that never sends anything is closed at the deadline
+    assert time.monotonic() - start < 3.0
+    with httpx.Client(base_url=one_slot.url) as c:  # keep-alive between requests still works
+        assert c.get("/health").status_code == 200
+        assert c.get("/health").status_code == 200
+
+
+def _time_normal_request(url: str) -> float:
+    start = time.monotonic()
+    r = httpx.post(url + "/v1/completions", json={"prompt": "def add(a, b):", "max_tokens": 8}, timeout=120)
+    assert r.status_code == 200, r.text
+    return time.monotonic() - start
+
+
+def test_the_worst_requests_at_once_do_not_stall_a_normal_request_on_the_other_slot(two_slots):
+    """Items 6-10 of the hostile-client report sent together, beside a normal request."""
+    url = two_slots.url
+    unloaded = statistics.median(_time_normal_request(url) for _ in range(5))
+    hostile = [
+        ("/v1/completions", {"prompt": "x = 1\n" * 700_000, "max_tokens": 4}),  # 4 MiB of lines
+        ("/v1/completions", {"prompt": "def f(", "max_tokens": 4,
+                             "stop": ["q" * 1_000_000, "z" * 1_000_000, "w" * 1_000_000, "v" * 1_000_000]}),
+        ("/v1/completions", {"prompt": "y" * (50 * 2**20), "max_tokens": 4}),  # 50 MiB, no newline
+        ("/v1/completions", "[" * 100_000 + "]" * 100_000),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                  "chat_template_kwargs": {"add_generation_prompt": False}}),
+    ]
+    statuses, errors = [], []
+
+    def send(path, body):
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        try:
+            r = httpx.post(url + path, content=data, headers={"Content-Type": "application/json"}, timeout=120)
+            statuses.append(r.status_code)
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    leaver = _raw_request(two_slots.port, "/v1/completions", LONG)  # non-streamed, abandoned below
+    slow = socket.create_connection(("127.0.0.1", two_slots.port))
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\n")  # a head that never ends
+    with concurrent.futures.ThreadPoolExecutor(len(hostile)) as pool:
+        futures = [pool.submit(send, p, b) for p, b in hostile]
+        time.sleep(0.2)
+        leaver.close()
+        loaded = [_time_normal_request(url) for _ in range(3)]
+        concurrent.futures.wait(futures, timeout=180)
+    slow.close()
+    assert not errors
+    assert all(400 <= s < 500 or s == 200 for s in statuses), statuses
+    # the normal request keeps its latency within a small factor (JSON parsing of the 50 MiB body
+    # and the big prompts' scans run on 2 shared cores beside it)
+    assert max(loaded) < max(10 * unloaded, unloaded + 3.0), (unloaded, loaded)
+    two_slots.wait_idle(within=5)
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+
+
+def _start_cli_server(port: int, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.Popen([sys.executable, "-m", "pyllama_spec.cli", "serve", "--port", str(port), "-t", "1",
+                             "-c", "16384", *extra], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 60
+    while True:
+        assert proc.poll() is None, proc.stdout.read().decode()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("slots", ["1", "2"])
+def test_sigterm_stops_a_busy_server_at_once(slots, tiny_dense):
+    port = _free_port()  # the tiny models: 8000 tokens take about 11 s
+    proc = _start_cli_server(port, "-m", str(tiny_dense.target), "--mmproj", str(tiny_dense.mmproj),
+                             "-md", str(tiny_dense.draft), "-np", slots)
+    try:
+        body = json.dumps({"prompt": "def main(", "max_tokens": 8000}).encode()
+        socks = [_raw_request(port, "/v1/completions", body) for _ in range(2)]
+        time.sleep(1.0)  # generating (and one waiting, with one slot)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        assert time.monotonic() - start < 5  # it waited for the whole generation
+        for s in socks:
+            s.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
