@@ -496,7 +496,7 @@ def configure_and_build(tools: BuildTools, project: Path, build_dir: Path, cmake
 
     Configures again when the arguments or the tools differ from the last configure (the
     stamp ``configure-args.json``), keeping what was compiled: ninja compiles nothing whose
-    command line is unchanged. Returns {target: whether anything was compiled or linked}.
+    command line is unchanged. Returns {target: whether any source file was compiled}.
     """
     build_dir.mkdir(parents=True, exist_ok=True)
     configure = [*tools.configure_args(), "-S", str(project), "-B", str(build_dir), *cmake_args]
@@ -524,10 +524,9 @@ def configure_and_build(tools: BuildTools, project: Path, build_dir: Path, cmake
 
 
 def _nothing_to_do(build_output: str) -> bool:
-    """Whether a `cmake --build` compiled and linked nothing (ninja and make say so differently)."""
-    if "ninja: no work to do." in build_output:
-        return True
-    return not re.search(r"^\[\d+/\d+\]|Building (C|CXX|CUDA)|Linking", build_output, re.MULTILINE)
+    """Whether a `cmake --build` compiled no source file (ninja and make both say "Building ...
+    object" for each; a folder configured again may still relink or refresh library links)."""
+    return not re.search(r"Building (C|CXX|CUDA|HIP|ASM) object", build_output)
 
 
 def build_native(opts: BuildOptions) -> NativeBuild:

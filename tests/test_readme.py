@@ -141,3 +141,19 @@ def test_readme_server_bash_block_runs_as_written(tmp_path):
     assert '"chat.completion"' in res.stdout and '"draft_n"' in res.stdout, res.stdout[-2000:]
     answer = json.loads(next(line for line in res.stdout.splitlines() if '"chat.completion"' in line))
     assert_writes_code(answer["choices"][0]["message"]["content"], block)
+
+
+def test_the_two_commands_ci_runs_are_the_readmes_first_two():
+    """.ci/run runs tools/readme_commands.py's commands, read from the README's "Two commands"."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_commands", REPO_ROOT / "tools" / "readme_commands.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    first, second = module.readme_commands(README)
+    assert first == BASH_BLOCKS[0].strip() and second == BASH_BLOCKS[1].strip()
+    assert first.startswith("python3 -m pip install -e .") and "pyllama-spec demo" in first
+    assert second.startswith('python3 -m pip install -e ".[test]"') and "pytest" in second
+    ci = (REPO_ROOT / ".ci" / "run").read_text()
+    assert "tools/readme_commands.py 1" in ci and "tools/readme_commands.py 2" in ci
+    assert ci.index("readme_commands.py 1") < ci.index("readme_commands.py 2") < ci.index("build.py --tools")
