@@ -200,6 +200,16 @@ def _movable_tools(dest: Path) -> "nb.BuildTools | None":
     return nb.BuildTools(str(dest / "bin" / "cmake"), str(dest / "bin" / "ninja"))
 
 
+def _tiny_cmake_project(tmp_path: Path) -> Path:
+    """A CMake project of one C file (target "thing")."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "CMakeLists.txt").write_text("cmake_minimum_required(VERSION 3.21)\nproject(p C)\n"
+                                            "add_library(thing SHARED thing.c)\n")
+    (project / "thing.c").write_text("int thing(void) { return 42; }\n")
+    return project
+
+
 def test_a_build_folder_outlives_the_tools_that_configured_it_and_rebuilds_nothing(tmp_path):
     """`pip install -e .` configures with pip's temporary cmake and ninja, then deletes them:
     the next install (or build.py) must configure again with the tools it has, compiling nothing."""
@@ -209,12 +219,7 @@ def test_a_build_folder_outlives_the_tools_that_configured_it_and_rebuilds_nothi
     tools = _movable_tools(temporary)
     if tools is None:
         pytest.skip("needs cmake and ninja binaries (not the pip wheels' launchers) to copy")
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "CMakeLists.txt").write_text("cmake_minimum_required(VERSION 3.21)\nproject(p C)\n"
-                                            "add_library(thing SHARED thing.c)\n")
-    (project / "thing.c").write_text("int thing(void) { return 42; }\n")
-    build = tmp_path / "build"
+    project, build = _tiny_cmake_project(tmp_path), tmp_path / "build"
 
     first = nb.configure_and_build(tools, project, build, [], ["thing"], 1)
     assert first == {"thing": True}
@@ -232,12 +237,7 @@ def test_a_build_folder_outlives_the_tools_that_configured_it_and_rebuilds_nothi
 
 def test_a_changed_source_file_is_compiled_again(tmp_path):
     tools = nb.BuildTools.find()
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "CMakeLists.txt").write_text("cmake_minimum_required(VERSION 3.21)\nproject(p C)\n"
-                                            "add_library(thing SHARED thing.c)\n")
-    (project / "thing.c").write_text("int thing(void) { return 42; }\n")
-    build = tmp_path / "build"
+    project, build = _tiny_cmake_project(tmp_path), tmp_path / "build"
     assert nb.configure_and_build(tools, project, build, [], ["thing"], 1) == {"thing": True}
     (project / "thing.c").write_text("int thing(void) { return 43; }\n")
     assert nb.configure_and_build(tools, project, build, [], ["thing"], 1) == {"thing": True}

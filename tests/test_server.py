@@ -12,8 +12,6 @@ import contextlib
 import io
 import json
 import re
-import socket
-import threading
 import time
 
 import numpy as np
@@ -25,7 +23,8 @@ import pyllama_spec as ps
 httpx = pytest.importorskip("httpx", reason="the test extra brings httpx")
 openai = pytest.importorskip("openai", reason="the test extra brings the openai client")
 uvicorn = pytest.importorskip("uvicorn", reason="the server extra brings uvicorn")
-from pyllama_spec.server import ServerSettings, create_app  # noqa: E402
+from pyllama_spec.server import ServerSettings  # noqa: E402
+from serving import LocalServer as Server  # noqa: E402
 
 
 def _engine(models):
@@ -43,27 +42,6 @@ def _png(seed: int, side: int = 224) -> bytes:
 
 def _data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode()
-
-
-class Server:
-    def __init__(self, engine, settings: ServerSettings) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(engine, settings), host="127.0.0.1", port=self.port, log_level="error")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
-        assert not self._thread.is_alive()
 
 
 @pytest.fixture(scope="module")

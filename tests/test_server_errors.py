@@ -8,8 +8,6 @@ One server on 127.0.0.1 (a free port), stopped by its fixture.
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 import pytest
@@ -22,7 +20,8 @@ from pyllama_spec.mtmd import MEDIA_MARKER
 
 httpx = pytest.importorskip("httpx", reason="the test extra brings httpx")
 uvicorn = pytest.importorskip("uvicorn", reason="the server extra brings uvicorn")
-from pyllama_spec.server import ServerSettings, create_app  # noqa: E402
+from pyllama_spec.server import ServerSettings  # noqa: E402
+from serving import LocalServer  # noqa: E402
 
 OK_MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -32,32 +31,11 @@ RESERVED = ("add_generation_prompt", "bos_token", "eos_token", "media_marker", "
             "strftime_now", "template", "tools")
 
 
-class _Server:
-    def __init__(self, engine, settings: ServerSettings) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(engine, settings), host="127.0.0.1", port=self.port, log_level="error")
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
-        assert not self._thread.is_alive()
-
-
 @pytest.fixture(scope="module")
 def served(tiny_dense):
     engine = ps.load(tiny_dense.target, mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_ctx=512, n_batch=64,
                      n_ubatch=64, n_threads=N_THREADS, draft_max=4, flash_attn=False)
-    server = _Server(engine, ServerSettings(alias="tiny", max_tokens=8, default_max_tokens=4))
+    server = LocalServer(engine, ServerSettings(alias="tiny", max_tokens=8, default_max_tokens=4))
     yield server
     server.stop()
     engine.close()

@@ -16,7 +16,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -26,44 +25,9 @@ import pyllama_spec as ps
 
 httpx = pytest.importorskip("httpx", reason="the test extra brings httpx")
 pytest.importorskip("uvicorn", reason="the server extra brings uvicorn")
-from pyllama_spec.server import ServerSettings, create_app  # noqa: E402
-from pyllama_spec.server.run import ServeLimits, make_server  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Served:
-    def __init__(self, engine, settings: ServerSettings, limits: ServeLimits = ServeLimits()) -> None:
-        self.engine, self.port = engine, _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.app = create_app(engine, settings)
-        self._server = make_server(self.app, host="127.0.0.1", port=self.port, limits=limits, log_level="error")
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-    @property
-    def busy(self) -> int:
-        return self.app.state.service.worker.running
-
-    def wait_idle(self, within: float) -> float:
-        start = time.monotonic()
-        while self.busy:
-            if time.monotonic() - start > within:
-                raise AssertionError(f"still generating {within} s later")
-            time.sleep(0.01)
-        return time.monotonic() - start
-
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
+from pyllama_spec.server import ServerSettings  # noqa: E402
+from pyllama_spec.server.run import ServeLimits  # noqa: E402
+from serving import LocalServer, free_port  # noqa: E402
 
 
 def _load(models, n_parallel: int = 1):
@@ -85,7 +49,7 @@ LONG = json.dumps({"prompt": "def main(", "max_tokens": 6000}).encode()
 @pytest.fixture(scope="module")
 def one_slot(tiny_dense):
     engine = _load(tiny_dense)
-    served = Served(engine, ServerSettings(alias="tiny", max_tokens=8000, body_timeout=1.0),
+    served = LocalServer(engine, ServerSettings(alias="tiny", max_tokens=8000, body_timeout=1.0),
                     ServeLimits(header_timeout=1.0, keep_alive=1.0))
     yield served
     served.stop()
@@ -95,7 +59,7 @@ def one_slot(tiny_dense):
 @pytest.fixture(scope="module")
 def two_slots(tiny_dense):
     engine = _load(tiny_dense, n_parallel=2)
-    served = Served(engine, ServerSettings(alias="tiny", max_tokens=8000),
+    served = LocalServer(engine, ServerSettings(alias="tiny", max_tokens=8000),
                     ServeLimits(header_timeout=2.0, keep_alive=2.0))
     yield served
     served.stop()
@@ -247,7 +211,7 @@ def _start_cli_server(port: int, *extra: str) -> subprocess.Popen:
 
 @pytest.mark.parametrize("slots", ["1", "2"])
 def test_sigterm_stops_a_busy_server_at_once(slots, tiny_dense):
-    port = _free_port()  # the tiny models: 8000 tokens take about 11 s
+    port = free_port()  # the tiny models: 8000 tokens take about 11 s
     proc = _start_cli_server(port, "-m", str(tiny_dense.target), "--mmproj", str(tiny_dense.mmproj),
                              "-md", str(tiny_dense.draft), "-np", slots)
     try:

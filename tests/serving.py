@@ -1,0 +1,50 @@
+"""A server for tests: the app served on 127.0.0.1 and a free port the way `pyllama-spec serve`
+serves it (server/run.py's make_server), on a thread, stopped by ``stop()``."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from pyllama_spec.server import ServerSettings, create_app
+from pyllama_spec.server.run import ServeLimits, make_server
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    def __init__(self, engine, settings: ServerSettings, limits: ServeLimits = ServeLimits()) -> None:
+        self.engine, self.port = engine, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.app = create_app(engine, settings)
+        self._server = make_server(self.app, host="127.0.0.1", port=self.port, limits=limits, log_level="error")
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+
+    @property
+    def busy(self) -> int:
+        """Generations running now."""
+        return self.app.state.service.worker.running
+
+    def wait_idle(self, within: float) -> float:
+        """Seconds until no generation runs; fails after ``within``."""
+        start = time.monotonic()
+        while self.busy:
+            if time.monotonic() - start > within:
+                raise AssertionError(f"still generating {within} s later")
+            time.sleep(0.01)
+        return time.monotonic() - start
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=30)
+        assert not self._thread.is_alive()
