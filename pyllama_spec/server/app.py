@@ -62,6 +62,9 @@ class ServerSettings:
     body_timeout: float = 60.0  # seconds a request body may take to arrive; then 408
 
 
+#: Request bodies larger than this (bytes) are checked on a thread, not on the event loop.
+_PARSE_ON_A_THREAD_ABOVE = 256 * 1024
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -87,9 +90,9 @@ def _engine_error(e: BaseException) -> APIError:
     return APIError(500, f"internal error ({type(e).__name__})", type="server_error")
 
 
-async def _read_json(request: Request, limit: int, timeout: float) -> Any:
-    """The request's JSON body: at most ``limit`` bytes, all of it within ``timeout`` seconds
-    (a client sending its body a byte at a time holds nothing longer), parsed by
+async def _read_json(request: Request, limit: int, timeout: float) -> tuple[Any, int]:
+    """The request's JSON body and its size: at most ``limit`` bytes, all of it within ``timeout``
+    seconds (a client sending its body a byte at a time holds nothing longer), parsed by
     ``parse_json_body`` (every way it can fail is a 400)."""
     from .schema import parse_json_body
 
@@ -113,7 +116,7 @@ async def _read_json(request: Request, limit: int, timeout: float) -> Any:
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s",
                        code="request_timeout", headers={"Connection": "close"}) from None
-    return parse_json_body(raw)
+    return parse_json_body(raw), len(raw)
 
 
 def timings(stats) -> dict:
@@ -246,8 +249,13 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
         return wrap
 
     async def generation(request: Request, parse) -> Response:
-        body = await _read_json(request, service.settings.max_body_bytes, service.settings.body_timeout)
-        req = parse(body, service.limits)
+        body, size = await _read_json(request, service.settings.max_body_bytes, service.settings.body_timeout)
+        if size > _PARSE_ON_A_THREAD_ABOVE:
+            # images are decoded (and checked) while parsing: off the event loop, which other
+            # requests' streams share (Pillow releases the GIL while it decodes)
+            req = await asyncio.get_running_loop().run_in_executor(None, parse, body, service.limits)
+        else:
+            req = parse(body, service.limits)
         job = service.submit(req)
         if req.stream:
             return EventSourceResponse(_stream_events(service, req, job), ping=15)
