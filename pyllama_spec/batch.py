@@ -7,13 +7,16 @@ positions so that errors and drafters can say where it was.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from ._native import ffi, lib
 from .errors import NativeCallError
-from .llama import Context, NativeHandle
+from .handle import NativeHandle
+
+if TYPE_CHECKING:
+    from .llama import Context
 
 _ADD_ERRORS = {-1: "batch is full", -2: "invalid token or embedding size", -3: "invalid sequence id",
                -4: "invalid position"}

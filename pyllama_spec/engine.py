@@ -30,12 +30,13 @@ from .drafters.ngram import NgramDrafter
 from .draft_length import AdaptiveLength, FixedLength, StepCost
 from .errors import ContextOverflowError, ImageError
 from .gate import EngineGate
-from .generation import Generation, Piece, ProgressCallback, prefill_parts, speculative_step
+from .generation import Generation, Piece, ProgressCallback, Result, prefill_parts, speculative_step
 from .llama import Context, Model, Sampler
 from .mtmd import MEDIA_MARKER, Bitmap, Projector
 from .positions import SequencePositions
 from .prompt import as_list, render_messages
 from .sampling import SamplingParams
+from .scheduler import Scheduler
 from .sequence import Sequence as SlotSequence
 from .stats import GenerationStats
 from .verify import VERIFY_RULES, MatchVerifier, RejectionVerifier
@@ -43,25 +44,6 @@ from .verify import VERIFY_RULES, MatchVerifier, RejectionVerifier
 __all__ = ["Engine", "EngineConfig", "Piece", "Result", "load", "ProgressCallback"]
 
 TOKEN_DRAFT_LIMIT = 32  # the most tokens an n-gram or draft-model draft proposes in one step
-
-
-@dataclasses.dataclass
-class Result:
-    text: str
-    tokens: list[int]
-    finish_reason: str  # "stop" (end of generation or a stop string) or "length"
-    stats: GenerationStats
-
-    @classmethod
-    def from_pieces(cls, pieces) -> "Result":
-        """A whole generation from its streamed pieces (the last carries the stats)."""
-        text, tokens, last = [], [], None
-        for piece in pieces:
-            text.append(piece.text)
-            tokens.extend(piece.tokens)
-            last = piece
-        assert last is not None and last.stats is not None
-        return cls("".join(text), tokens, last.finish_reason or "stop", last.stats)
 
 
 # Counting a long prompt's tokens piece by piece before tokenizing it whole (see
@@ -251,8 +233,6 @@ class Engine:
             self.close()
             raise
         if config.n_parallel > 1:
-            from .scheduler import Scheduler
-
             # Made here, once: threads that submit at the same moment must share one scheduler.
             self._scheduler = Scheduler(self)
 

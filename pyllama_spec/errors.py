@@ -79,12 +79,19 @@ class NativeCallError(PyllamaError, RuntimeError):
         super().__init__(msg)
 
 
+# Where the native warnings/errors logged since the last failure come from: _native sets it
+# when it loads (errors.py imports nothing native, so it can describe a missing native part).
+_native_problem_source = None
+
+
+def set_native_problem_source(take) -> None:
+    """Called once by ``_native``: ``take()`` returns (and forgets) the native problems logged."""
+    global _native_problem_source
+    _native_problem_source = take
+
+
 def _native_problems() -> list[str]:
-    try:
-        from ._native import take_native_problems
-    except ImportError:
-        return []
-    return take_native_problems()
+    return _native_problem_source() if _native_problem_source is not None else []
 
 
 # What llama_decode / llama_process return codes mean (include/llama.h).

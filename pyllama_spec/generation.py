@@ -55,6 +55,25 @@ class Piece:
     drafted: int = 0
 
 
+@dataclasses.dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    finish_reason: str  # "stop" (end of generation or a stop string) or "length"
+    stats: GenerationStats
+
+    @classmethod
+    def from_pieces(cls, pieces) -> "Result":
+        """A whole generation from its streamed pieces (the last carries the stats)."""
+        text, tokens, last = [], [], None
+        for piece in pieces:
+            text.append(piece.text)
+            tokens.extend(piece.tokens)
+            last = piece
+        assert last is not None and last.stats is not None
+        return cls("".join(text), tokens, last.finish_reason or "stop", last.stats)
+
+
 class Generation:
     """One request on one sequence: its prompt parts, sampling, stop rules and stats."""
 

@@ -17,7 +17,6 @@ import numpy as np
 
 from ._native import arm_interrupts, ffi, interrupted_during_call, lib, raise_carried
 from .errors import (
-    ClosedError,
     check_decode,
     IncompatibleModelsError,
     KVMemoryError,
@@ -28,6 +27,7 @@ from .errors import (
 )
 from .devices import check_connections
 from .gguf_check import validate_gguf
+from .handle import NativeHandle
 
 if TYPE_CHECKING:
     from .batch import Batch
@@ -41,45 +41,6 @@ KV_CACHE_TYPES = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16, "bf16": li
 _UNQUANTIZED_KV = ("f32", "f16", "bf16")
 _KV_BLOCK = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "iq4_nl": 32, "q5_0": 32, "q5_1": 32}  # rows per quant block
 _MROPE_TYPES = {lib.LLAMA_ROPE_TYPE_MROPE, lib.LLAMA_ROPE_TYPE_IMROPE}
-
-
-class NativeHandle:
-    """Owns one native pointer; subclasses say how to free it in ``_free``."""
-
-    _ptr = ffi.NULL
-    _what = "object"
-
-    def _free(self, ptr) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    @property
-    def closed(self) -> bool:
-        return self._ptr == ffi.NULL
-
-    @property
-    def ptr(self):
-        """The native pointer; raises ClosedError after close(). For the wrapper layer only."""
-        if self._ptr == ffi.NULL:
-            raise ClosedError(f"{self._what} is closed")
-        return self._ptr
-
-    def close(self) -> None:
-        ptr, self._ptr = self._ptr, ffi.NULL
-        if ptr != ffi.NULL:
-            self._free(ptr)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # Interpreter shutdown may already have torn down the module globals.
-        try:
-            self.close()
-        except Exception:  # noqa: BLE001 - a finalizer must never raise
-            pass
 
 
 def check_gguf_file(path: str | os.PathLike, what: str) -> Path:

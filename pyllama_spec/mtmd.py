@@ -19,7 +19,8 @@ import numpy as np
 
 from ._native import arm_interrupts, carry, ffi, interrupted_during_call, lib, raise_carried
 from .errors import ImageError, NativeCallError, ProjectorError, check_decode, forget_native_problems, with_native_log
-from .llama import Context, Model, NativeHandle, check_gguf_file
+from .handle import NativeHandle
+from .llama import Context, Model, check_gguf_file
 
 MEDIA_MARKER = ffi.string(lib.mtmd_default_marker()).decode()
 

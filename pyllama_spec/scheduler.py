@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 from .errors import GenerationCancelledError
-from .generation import Generation, Piece, speculative_step
+from .generation import Generation, Piece, Result, speculative_step
 
 
 class Submission:
@@ -97,8 +97,6 @@ class Submission:
     def result(self):
         """Wait for the whole generation and return it as a Result (again on a later call; pieces
         already read from the submission are part of it)."""
-        from .engine import Result
-
         if not self._ended:
             for _ in self._pieces():
                 pass

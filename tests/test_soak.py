@@ -24,7 +24,7 @@ import gc, json, sys
 import numpy as np
 import pyllama_spec as ps
 from pyllama_spec.chat import Conversation
-from pyllama_spec.llama import NativeHandle
+from pyllama_spec.handle import NativeHandle
 
 target, mmproj, draft = sys.argv[1:4]
 

@@ -15,7 +15,7 @@ import signal
 import threading
 from pathlib import Path
 
-from ..errors import NativeLibraryError
+from ..errors import NativeLibraryError, set_native_problem_source
 
 SHIM_ABI_VERSION = 2
 _HERE = Path(__file__).resolve().parent
@@ -211,6 +211,7 @@ def take_native_problems() -> list[str]:
 
 
 def _install_logging() -> None:
+    set_native_problem_source(take_native_problems)
     lib.llama_log_set(lib.pyllama_log_callback, ffi.NULL)
     lib.mtmd_helper_log_set(lib.pyllama_log_callback, ffi.NULL)
 

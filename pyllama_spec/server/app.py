@@ -32,7 +32,8 @@ from ..engine import Engine
 from ..errors import ContextOverflowError, GenerationCancelledError, ImageError, NativeCallError, ProjectorError
 from .images import ImageLimits
 from .metrics import ServerMetrics
-from .schema import APIError, GenerationRequest, RequestLimits, bad_request, parse_chat, parse_completion
+from .errors import APIError, bad_request
+from .schema import GenerationRequest, RequestLimits, parse_chat, parse_completion
 from .worker import Job, QueueFullError, make_worker
 
 log = logging.getLogger("pyllama_spec.server")

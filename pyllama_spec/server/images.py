@@ -16,6 +16,8 @@ import os
 import stat
 from pathlib import Path
 
+from .errors import bad_request
+
 _MIME_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP"}
 
 
@@ -28,8 +30,6 @@ class ImageLimits:
 
 
 def _error(message: str, param: str):
-    from .schema import bad_request
-
     return bad_request(message, param, code="invalid_image")
 
 

@@ -13,6 +13,7 @@ import reprlib
 from typing import Any
 
 from ..chat_template import RESERVED_VARIABLES
+from .errors import APIError, bad_request
 from .images import ImageLimits, decode_image_url
 
 #: How deeply a request body may nest arrays and objects (an OpenAI request needs a handful of
@@ -22,23 +23,6 @@ MAX_JSON_DEPTH = 100
 #: some 0.3 us of the GIL per container, so a 64 MiB body of "[]," would take 1.5 GB and
 #: seconds of every thread; no real request comes near this.
 MAX_JSON_CONTAINERS = 100_000
-
-
-class APIError(Exception):
-    """An error answered as ``{"error": {"message", "type", "code", "param"}}`` with ``status``."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",  # noqa: A002
-                 code: str | None = None, param: str | None = None, headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.code, self.param = status, message, type, code, param
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
 
 
 _SHOW = reprlib.Repr()
