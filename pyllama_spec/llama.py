@@ -26,14 +26,13 @@ from .errors import (
     with_native_log,
 )
 from .devices import check_connections
-from .gguf_check import validate_gguf
+from .gguf_check import GGUF_MAGIC, validate_gguf
 from .handle import NativeHandle
 
 if TYPE_CHECKING:
     from .batch import Batch
     from .devices import Placement
 
-GGUF_MAGIC = b"GGUF"
 #: KV cache types by llama.cpp's -ctk / -ctv names.
 KV_CACHE_TYPES = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16, "bf16": lib.GGML_TYPE_BF16,
                   "q8_0": lib.GGML_TYPE_Q8_0, "q4_0": lib.GGML_TYPE_Q4_0, "q4_1": lib.GGML_TYPE_Q4_1,
