@@ -43,8 +43,9 @@ sys.path.insert(0, str(REPO / "tools"))
 
 import httpx  # noqa: E402
 
-from pyllama_spec import native_build, tiny  # noqa: E402
-from pyllama_spec.benchmark import demo_png, free_port, peak_rss_mib  # noqa: E402
+from pyllama_spec import native_build  # noqa: E402
+from pyllama_spec.devtools import tiny
+from pyllama_spec.devtools.benchmark import demo_png, free_port, peak_rss_mib  # noqa: E402
 
 CODE_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n", "def parse_args():", "for i in range(",
                 "def merge_sort(xs):", "with open(", "def main():"]

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """DFlash at a size where Python is not the cost: the trained tiny pair widened to the 142M f16
-bench shapes (``pyllama_spec.widen``: same function, zero padding, so it accepts what the trained
+bench shapes (``pyllama_spec.devtools.widen``: same function, zero padding, so it accepts what the trained
 pair accepts), greedy, one thread, pyllama-spec and llama-server side by side in one run.
 
     python bench/dflash_bench_size.py --repeats 3 --max-tokens 128 --draft-max 3,7,15
@@ -54,8 +54,9 @@ import httpx  # noqa: E402
 from concurrent_chats import ServerProcess, free_port  # noqa: E402
 
 import pyllama_spec as ps  # noqa: E402
-from pyllama_spec import native_build, widen  # noqa: E402
-from pyllama_spec.benchmark import demo_png  # noqa: E402
+from pyllama_spec import native_build  # noqa: E402
+from pyllama_spec.devtools import widen
+from pyllama_spec.devtools.benchmark import demo_png  # noqa: E402
 from pyllama_spec.embedded import PROMPT  # noqa: E402
 
 # held-out-style code prefixes (tests/test_trained_pair.py's and the embedded demo prompt)

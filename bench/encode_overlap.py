@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 import pyllama_spec as ps  # noqa: E402
-from pyllama_spec import native_build, tiny  # noqa: E402
+from pyllama_spec import native_build  # noqa: E402
+from pyllama_spec.devtools import tiny
 
 
 def main() -> int:

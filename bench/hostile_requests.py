@@ -118,7 +118,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from pyllama_spec import tiny
+    from pyllama_spec.devtools import tiny
 
     models = tiny.make_tiny_set(Path(tempfile.mkdtemp()), arch="hunyuan_vl", seed=0, window=32, predictable=0.5)
     results: dict = {"tree": str(args.tree)}

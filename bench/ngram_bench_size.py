@@ -33,7 +33,8 @@ import httpx  # noqa: E402
 from concurrent_chats import ServerProcess, free_port  # noqa: E402
 
 import pyllama_spec as ps  # noqa: E402
-from pyllama_spec import native_build, tiny  # noqa: E402
+from pyllama_spec import native_build  # noqa: E402
+from pyllama_spec.devtools import tiny
 
 PROMPT = "Write a long story about the sea."
 

@@ -15,8 +15,8 @@ import tempfile
 import numpy as np
 
 import pyllama_spec as ps
-from pyllama_spec import tiny
-from pyllama_spec.engine import load
+from pyllama_spec.devtools import tiny
+from pyllama_spec.serving.engine import load
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Draft trees against a chain at bench size: the widened trained pair (pyllama_spec.widen, 142M
+"""Draft trees against a chain at bench size: the widened trained pair (pyllama_spec.devtools.widen, 142M
 f16 target), pyllama-spec only, one thread, three held-out prompts x 128 tokens, greedy and at
 temperature 0.8 (prompt i with seed i), 2 rounds with the order reversed in the second.
 
@@ -16,9 +16,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
 
-import pyllama_spec as ps  # noqa: E402
 from measure_trained_pair import held_out_prompts  # noqa: E402
-from pyllama_spec import native_build, widen  # noqa: E402
+
+import pyllama_spec as ps  # noqa: E402
+from pyllama_spec import native_build  # noqa: E402
+from pyllama_spec.devtools import widen
 
 CONFIGS = [("target-only", dict(draft_max=0, draft_tree=0)), ("chain 7", dict(draft_max=7, draft_tree=0)),
            ("tree 8", dict(draft_tree=8)), ("tree 16", dict(draft_tree=16)), ("tree 32", dict(draft_tree=32))]

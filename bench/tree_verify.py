@@ -40,7 +40,7 @@ from measure_trained_pair import held_out_prompts  # noqa: E402
 
 import pyllama_spec as ps  # noqa: E402
 from pyllama_spec import native_build  # noqa: E402
-from pyllama_spec.tiny import draw_demo_image  # noqa: E402
+from pyllama_spec.devtools.tiny import draw_demo_image  # noqa: E402
 
 SAMPLING = dict(top_k=40, top_p=0.95, min_p=0.05)
 TREES = (16, 32, 64, 128)

@@ -18,9 +18,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
-import pyllama_spec as ps  # noqa: E402
 from measure_trained_pair import held_out_prompts  # noqa: E402
-from pyllama_spec.tiny import draw_demo_image  # noqa: E402
+
+import pyllama_spec as ps  # noqa: E402
+from pyllama_spec.devtools.tiny import draw_demo_image  # noqa: E402
 
 
 def main() -> int:

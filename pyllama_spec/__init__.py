@@ -6,7 +6,8 @@ The native part loads on first use of anything that needs it, so that
 
 from __future__ import annotations
 
-from .errors import (
+from pyllama_spec.embedded import embedded_models
+from pyllama_spec.errors import (
     ClosedError,
     ContextOverflowError,
     DecodeError,
@@ -23,8 +24,7 @@ from .errors import (
     PyllamaError,
     RemoteDeviceError,
 )
-from .embedded import embedded_models
-from .stats import GenerationStats
+from pyllama_spec.spec.stats import GenerationStats
 
 __version__ = "0.1.0"
 
@@ -33,11 +33,12 @@ MEDIA_MARKER = "<__media__>"
 
 # Names whose modules load the native part, imported on first use.
 _LAZY = {
-    "load": "engine", "Engine": "engine", "EngineConfig": "engine", "Result": "engine", "Piece": "engine",
-    "Conversation": "chat", "Submission": "scheduler",
-    "Model": "llama", "Context": "llama", "Memory": "llama", "Sampler": "llama",
-    "Batch": "batch",
-    "Projector": "mtmd", "Bitmap": "mtmd", "Chunks": "mtmd", "Chunk": "mtmd",
+    "load": "serving.engine", "Engine": "serving.engine", "EngineConfig": "serving.engine",
+    "Result": "spec.generation", "Piece": "spec.generation",
+    "Conversation": "serving.chat", "Submission": "serving.scheduler",
+    "Model": "bindings.llama", "Context": "bindings.llama", "Memory": "bindings.llama", "Sampler": "bindings.llama",
+    "Batch": "bindings.batch",
+    "Projector": "bindings.mtmd", "Bitmap": "bindings.mtmd", "Chunks": "bindings.mtmd", "Chunk": "bindings.mtmd",
 }
 
 

@@ -1,3 +1,3 @@
-from .cli import main
+from pyllama_spec.cli import main
 
 main()

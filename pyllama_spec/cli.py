@@ -34,55 +34,55 @@ def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v, rp
 
     With -m (and --mmproj, -md, -c, -ub, -ctk, -ctv): what that configuration will need, estimated
     from the files before anything is allocated. With --rpc: the remote devices, reached first."""
-    from . import native_build as nb
+    from pyllama_spec import native_build as nb
 
     table = Table(show_header=False, box=None)
     table.add_row("pinned source", f"{nb.PIN_PACKAGE} {nb.PIN_VERSION} = llama.cpp {nb.PIN_UPSTREAM_COMMIT} "
                                    f"({nb.PIN_UPSTREAM_DATE})")
     table.add_row("build cache", str(nb.cache_root()))
     try:
-        from . import _native
+        from pyllama_spec.bindings import native_info
     except ImportError as e:
         table.add_row("native part", f"[red]not loadable[/red]: {e}")
         console.print(table)
         sys.exit(1)
-    record = _native.build_record()
-    table.add_row("native part", str(_native.LIB_DIR.parent))
-    libs = sorted(p.name for p in _native.LIB_DIR.iterdir()) if _native.LIB_DIR.exists() else []
+    record = native_info.build_record()
+    table.add_row("native part", str(native_info.LIB_DIR.parent))
+    libs = sorted(p.name for p in native_info.LIB_DIR.iterdir()) if native_info.LIB_DIR.exists() else []
     table.add_row("libraries", ", ".join(libs))
     src = record.get("source", {})
     table.add_row("source used", f"{src.get('origin', '?')}: {src.get('path', '?')}")
     table.add_row("patches applied", ", ".join(record.get("patches", [])) or "none")
     table.add_row("backend", record.get("backend", "?") + (f"  (cmake: {' '.join(record['cmake_args'])})"
                                                           if record.get("cmake_args") else ""))
-    table.add_row("ggml backends", ", ".join(_native.backend_names()))
-    for i, d in enumerate(_native.devices()):
+    table.add_row("ggml backends", ", ".join(native_info.backend_names()))
+    for i, d in enumerate(native_info.devices()):
         table.add_row(f"device {i}", f"{d['name']}: {d['description']} ({d['total'] / 2**30:.1f} GiB, "
                                      f"{d['free'] / 2**30:.1f} free)")
-    from . import devices as devs
+    from pyllama_spec.bindings import devices as devs
 
-    table.add_row("GPU offload", _gpu_offload(_native.backend_names(), devs.local_devices()))
+    table.add_row("GPU offload", _gpu_offload(native_info.backend_names(), devs.local_devices()))
 
     if devs.rpc_available():
-        table.add_row("RPC", "yes (" + (f"{_native.RPC_SERVER_PATH.name} beside the libraries; " if
-                                       _native.RPC_SERVER_PATH.exists() else "") +
+        table.add_row("RPC", "yes (" + (f"{native_info.RPC_SERVER_PATH.name} beside the libraries; " if
+                                       native_info.RPC_SERVER_PATH.exists() else "") +
                       ("a lost server is an error: patches/0003)" if devs.loss_detectable() else
                        "a lost server aborts the process: unpatched llama.cpp)"))
     else:
         table.add_row("RPC", "no (rebuild with `python build.py --rpc`)")
-    from .mtmd import MEDIA_MARKER
+    from pyllama_spec.bindings.mtmd import MEDIA_MARKER
 
     table.add_row("mtmd", f"yes (media marker {MEDIA_MARKER})")
     table.add_row("DFlash entry points", "yes (shim ABI "
-                  f"{_native.shim_abi_version()}: layer inputs, nextn, target layer ids, bulk batch fill)")
+                  f"{native_info.shim_abi_version()}: layer inputs, nextn, target layer ids, bulk batch fill)")
     table.add_row("DFlash target archs", ", ".join(record.get("dflash_target_archs", [])) or "?")
-    table.add_row("system", _native.system_info())
+    table.add_row("system", native_info.system_info())
     console.print(table)
     if rpc_servers:
         _print_remote_devices(rpc_servers)
     if model is not None:
-        from . import memory
-        from .errors import PyllamaError
+        from pyllama_spec.errors import PyllamaError
+        from pyllama_spec.gguf import memory
 
         try:
             est = memory.estimate(model, mmproj=mmproj, draft=draft, n_ctx=n_ctx, n_ubatch=n_ubatch,
@@ -117,8 +117,8 @@ def _gpu_offload(backends: list[str], local: list) -> str:
 
 def _print_remote_devices(rpc_servers: str) -> None:
     """doctor --rpc: every server's devices and memory; an unreachable server is named, then exit 1."""
-    from . import devices as devs
-    from .errors import PyllamaError
+    from pyllama_spec.bindings import devices as devs
+    from pyllama_spec.errors import PyllamaError
 
     remote = Table(title="remote devices (RPC)")
     for column in ("server", "device", "description", "total", "free"):
@@ -153,9 +153,9 @@ def rpc_server(args) -> None:
     weights on disk), -h. It has no authentication: bind it to a trusted network only."""
     import os
 
-    from . import _native
+    from pyllama_spec.bindings import native_info
 
-    path = _native.RPC_SERVER_PATH
+    path = native_info.RPC_SERVER_PATH
     if not path.exists():
         err_console.print(f"[red]this build has no ggml-rpc-server[/red] ({path} is missing): rebuild with "
                           "`python build.py --rpc`")
@@ -178,7 +178,7 @@ def rpc_server(args) -> None:
 @click.option("-j", "--jobs", type=int, help="parallel compile jobs")
 def build(backend, cuda_arch, cublas_dir, llama_cpp, cmake_arg, tools, rpc, jobs) -> None:
     """Build (or rebuild) the native part in place, from a source checkout."""
-    from . import native_build as nb
+    from pyllama_spec import native_build as nb
 
     if not (nb.PROJECT_ROOT / "CMakeLists.txt").exists():
         err_console.print("[red]build needs a source checkout[/red] (CMakeLists.txt and native/ are not installed "
@@ -288,7 +288,7 @@ def model_options(f):
 
 
 def _load_engine(o: dict):
-    from .engine import load
+    from pyllama_spec.serving.engine import load
 
     flash = {"on": True, "off": False, "auto": None}[o["flash_attn"]]
     kwargs = dict(n_ctx=o["n_ctx"], n_batch=o["n_batch"], n_ubatch=min(o["n_ubatch"], o["n_batch"]),
@@ -306,7 +306,7 @@ def _load_engine(o: dict):
         if mmproj or draft:
             # half an embedded pair with a file of the user's would not fit: refuse rather than guess
             raise ValueError("--mmproj and -md go with -m (without -m the embedded pair is used whole)")
-        from .embedded import embedded_models
+        from pyllama_spec.embedded import embedded_models
 
         embedded = embedded_models()
         model, mmproj = embedded.target, embedded.mmproj
@@ -318,7 +318,7 @@ def _load_engine(o: dict):
 
 def _load_engine_or_exit(o: dict):
     """_load_engine with a spinner; a model that cannot be loaded ends the command with a message."""
-    from .errors import PyllamaError
+    from pyllama_spec.errors import PyllamaError
 
     try:
         with console.status("loading models ..."):
@@ -395,8 +395,8 @@ CHAT_HELP = """[bold]commands[/bold]
 @click.option("--system", default=None, help="system message")
 def chat(system, **o) -> None:
     """Interactive multi-turn chat with images; the answer streams as it is accepted (no -m: the embedded pair)."""
-    from .chat import Conversation
-    from .errors import PyllamaError
+    from pyllama_spec.errors import PyllamaError
+    from pyllama_spec.serving.chat import Conversation
 
     engine = _load_engine_or_exit(o)
     conv = Conversation(engine, system=system, max_tokens=o["max_tokens"], **_sampling(o))
@@ -448,7 +448,7 @@ def _stream_reply(conv, line: str, progress: "_PrefillProgress"):
 
 def _chat_command(line: str, conv) -> bool:
     """Run a /command; True means leave."""
-    from .errors import PyllamaError
+    from pyllama_spec.errors import PyllamaError
 
     cmd, _, arg = line.partition(" ")
     arg = arg.strip()
@@ -497,7 +497,7 @@ def generate(prompt, images, raw, as_json, **o) -> None:
     """One-shot generation, scriptable."""
     import json
 
-    from .errors import PyllamaError
+    from pyllama_spec.errors import PyllamaError
 
     try:
         with _load_engine(o) as engine:
@@ -544,7 +544,7 @@ def generate(prompt, images, raw, as_json, **o) -> None:
 @click.option("--large", is_flag=True, help="use the ~142M-parameter f16 random bench models (made once, cached)")
 @click.option("--widened", is_flag=True,
               help="use the embedded trained pair zero-padded to the same 142M f16 shapes: its acceptance at "
-                   "the cost of a 142M model (pyllama_spec.widen; made once, cached)")
+                   "the cost of a 142M model (pyllama_spec.devtools.widen; made once, cached)")
 @click.option("--json-out", type=click.Path(), help="write every sample and the summary as JSON")
 @click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", default=0, show_default=True,
               help="layers on the GPU, target and draft, both engines")
@@ -553,9 +553,9 @@ def bench(model, mmproj, draft, server, n_batch, n_ubatch, draft_max, threads, m
     """pyllama-spec vs llama-server on the same files and settings, alternating, medians and ratios."""
     import json
 
-    from . import native_build as nb
-    from . import tiny
-    from .benchmark import BenchSettings, run, to_markdown
+    from pyllama_spec import native_build as nb
+    from pyllama_spec.devtools import tiny
+    from pyllama_spec.devtools.benchmark import BenchSettings, run, to_markdown
 
     server = server or nb.find_llama_server()
     if server is None:
@@ -568,7 +568,7 @@ def bench(model, mmproj, draft, server, n_batch, n_ubatch, draft_max, threads, m
     if model is None:
         folder = nb.cache_root() / "tiny-models"
         if widened:
-            from .widen import widen_trained_pair
+            from pyllama_spec.devtools.widen import widen_trained_pair
 
             models = widen_trained_pair(folder)
         else:
@@ -606,13 +606,13 @@ def bench(model, mmproj, draft, server, n_batch, n_ubatch, draft_max, threads, m
 @click.option("--window", default=32, show_default=True, help="the random tiny draft's sliding window (--random-tiny)")
 def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, random_tiny, window) -> None:
     """One turn with a large image through DFlash, on the embedded trained pair (or --random-tiny)."""
-    from . import MEDIA_MARKER
-    from . import native_build as nb
-    from . import tiny
-    from .errors import ModelFileError, NativeLibraryError
+    from pyllama_spec import MEDIA_MARKER
+    from pyllama_spec import native_build as nb
+    from pyllama_spec.devtools import tiny
+    from pyllama_spec.errors import ModelFileError, NativeLibraryError
 
     try:
-        from . import _native  # noqa: F401
+        from pyllama_spec.bindings import native_info  # noqa: F401 - loads the native part
     except NativeLibraryError:
         if not (nb.PROJECT_ROOT / "CMakeLists.txt").exists():
             raise
@@ -622,8 +622,8 @@ def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, 
         except nb.BuildError as e:
             err_console.print(f"[red]build failed:[/red] {e}")
             sys.exit(1)
-    from .embedded import PROMPT, embedded_models
-    from .engine import load
+    from pyllama_spec.embedded import PROMPT, embedded_models
+    from pyllama_spec.serving.engine import load
 
     image = tiny.draw_demo_image(image_size)
     if random_tiny:
@@ -708,7 +708,7 @@ def serve(host, port, api_key, alias, parallel, max_queue, allowed_image_dir, ma
     try:
         import uvicorn  # noqa: F401 - the server extra is there
 
-        from .server import ServerSettings, create_app
+        from pyllama_spec.server import ServerSettings, create_app
     except ImportError as e:
         err_console.print(f"[red]{e}[/red] (pip install 'pyllama-spec[server]')")
         sys.exit(2)
@@ -723,7 +723,7 @@ def serve(host, port, api_key, alias, parallel, max_queue, allowed_image_dir, ma
     err_console.print(f"[bold]pyllama-spec serve[/bold] · {engine.model.path.name} as '{settings.alias}' · "
                       f"speculative: {mode} · images: {'yes' if engine.projector else 'no'} · {slots} · "
                       f"http://{host}:{port}/v1")
-    from .server.run import serve as serve_app
+    from pyllama_spec.server.run import serve as serve_app
 
     with engine:
         serve_app(create_app(engine, settings), host=host, port=port)

@@ -34,8 +34,8 @@ def embedded_models():
     >>> with ps.load(m.target, mmproj=m.mmproj, draft=m.draft, n_threads=1) as engine:   # doctest: +SKIP
     ...     print(engine.generate("def add(a, b):\\n", max_tokens=16).text)
     """
-    from .errors import ModelFileError
-    from .tiny import TinyModels
+    from pyllama_spec.devtools.tiny import TinyModels
+    from pyllama_spec.errors import ModelFileError
 
     models = TinyModels(target=MODELS_DIR / TARGET, mmproj=MODELS_DIR / MMPROJ, draft=MODELS_DIR / DRAFT)
     missing = [p.name for p in (models.target, models.mmproj, models.draft) if not p.is_file()]

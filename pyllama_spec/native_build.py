@@ -609,7 +609,12 @@ class _Progress:
         self.bar = None
         if sys.stderr.isatty():
             try:
-                from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+                from rich.progress import (
+                    BarColumn,
+                    Progress,
+                    TextColumn,
+                    TimeElapsedColumn,
+                )
 
                 self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(),
                                     TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),

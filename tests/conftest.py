@@ -39,7 +39,7 @@ try:  # run from a source checkout without installing: `python -m pytest tests` 
 except ImportError:
     sys.path.insert(0, str(REPO_ROOT))
 
-from pyllama_spec import tiny  # noqa: E402
+from pyllama_spec.devtools import tiny  # noqa: E402
 
 #: Threads for every context and projector made in tests.
 N_THREADS = 1

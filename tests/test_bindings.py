@@ -10,16 +10,16 @@ import logging
 
 import numpy as np
 import pytest
+from conftest import BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, N_THREADS
+from conftest import explain_child as explain
 
 import pyllama_spec
-from pyllama_spec import tiny
-from pyllama_spec._native import build_record
-from pyllama_spec.batch import Batch
+from pyllama_spec.bindings.native_info import build_record
+from pyllama_spec.bindings.batch import Batch
+from pyllama_spec.bindings.llama import Context, Model, Sampler
+from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
+from pyllama_spec.devtools import tiny
 from pyllama_spec.errors import ClosedError, KVMemoryError
-from pyllama_spec.llama import Context, Model, Sampler
-from pyllama_spec.mtmd import MEDIA_MARKER, Bitmap, Projector
-
-from conftest import explain_child as explain, BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, N_THREADS
 
 PROMPT = "hello there, the answer is"
 LONG_PROMPT = PROMPT + " not in the tiny models"  # > 17 tokens
@@ -478,8 +478,8 @@ def test_projector_is_unusable_after_its_model_closes(tiny_dense, run_python):
     # in a child process: today this is undefined behaviour in native code
     res = run_python("""
         import sys, numpy as np
-        from pyllama_spec.llama import Model
-        from pyllama_spec.mtmd import Projector, Bitmap, MEDIA_MARKER
+        from pyllama_spec.bindings.llama import Model
+        from pyllama_spec.bindings.mtmd import Projector, Bitmap, MEDIA_MARKER
         from pyllama_spec.errors import ClosedError
         m = Model(sys.argv[1])
         p = Projector(sys.argv[2], m, n_threads=1)

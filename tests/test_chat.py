@@ -13,9 +13,9 @@ import pytest
 from click.testing import CliRunner
 from conftest import N_THREADS
 
-from pyllama_spec.chat import Conversation
 from pyllama_spec.cli import main
-from pyllama_spec.engine import load
+from pyllama_spec.serving.chat import Conversation
+from pyllama_spec.serving.engine import load
 
 
 def _engine(models, **kw):

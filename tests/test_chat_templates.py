@@ -12,8 +12,8 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec import tiny
-from pyllama_spec.chat_template import TemplateRenderError, render
+from pyllama_spec.devtools import tiny
+from pyllama_spec.serving.chat_template import TemplateRenderError, render
 
 pytest.importorskip("jinja2", reason="chat templates are rendered with jinja2")
 
@@ -78,7 +78,7 @@ MESSAGES = [
 
 def _prepared(messages):
     """The messages as the engine hands them to a template (images as placeholders)."""
-    from pyllama_spec.prompt import normalize_content
+    from pyllama_spec.serving.prompt import normalize_content
 
     return [{"role": m["role"], "content": normalize_content(m["content"])[0]} for m in messages]
 

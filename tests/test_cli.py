@@ -16,12 +16,12 @@ def test_doctor_reports_the_pin_backend_and_dflash_entry_points():
 
 
 def test_doctor_says_gpu_offload_from_the_backends_built_not_from_rpc():
-    from pyllama_spec import _native
+    from pyllama_spec.bindings import native_info
 
     result = CliRunner().invoke(main, ["doctor"])
     assert result.exit_code == 0, result.output
     line = next(ln for ln in result.output.splitlines() if "GPU offload" in ln)
-    if not [b for b in _native.backend_names() if b not in ("CPU", "BLAS", "RPC")]:
+    if not [b for b in native_info.backend_names() if b not in ("CPU", "BLAS", "RPC")]:
         # llama_supports_gpu_offload() is true here when RPC is built in: doctor must not say yes
         assert "no GPU backend in this build" in line, result.output
 

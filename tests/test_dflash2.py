@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import N_THREADS
-from pyllama_spec import tiny
-from pyllama_spec.gguf_writer import read_gguf_metadata
 
 import pyllama_spec
-import pyllama_spec.engine
+import pyllama_spec.serving.engine
+from pyllama_spec.devtools import tiny
+from pyllama_spec.gguf.writer import read_gguf_metadata
 
 K = tiny.DFLASH2_SELECTOR_TOP_K
 RANK = tiny.DFLASH2_SELECTOR_RANK
@@ -111,7 +110,7 @@ def _walk(lattice: np.ndarray, n: int, k: int) -> list[int]:
 
 
 def _engine(models, **kw):
-    return pyllama_spec.engine.load(models.target, mmproj=models.mmproj, n_batch=64, n_ubatch=64,
+    return pyllama_spec.serving.engine.load(models.target, mmproj=models.mmproj, n_batch=64, n_ubatch=64,
                                     n_threads=N_THREADS, draft_max=DRAFT_MAX, **kw)
 
 

@@ -9,7 +9,13 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec.draft_length import AdaptiveLength, FixedLength, StepCost, plan_lengths
+from pyllama_spec.devtools import tiny
+from pyllama_spec.spec.draft_length import (
+    AdaptiveLength,
+    FixedLength,
+    StepCost,
+    plan_lengths,
+)
 
 
 def _cost(base: float, per_row: float) -> StepCost:
@@ -89,7 +95,7 @@ def test_fixed_warming_up_and_limited_slots_keep_their_own_length():
 def test_planned_lengths_across_slots_are_lossless():
     """Auto lengths planned across 3 slots (text and image) give each request its greedy answer."""
     pair = ps.embedded_models()
-    image = ps.tiny.draw_demo_image(224)
+    image = tiny.draw_demo_image(224)
     prompts = [("def f", []), ("import os\n", [image]), ("class Foo:", [])]
     with ps.load(pair.target, mmproj=pair.mmproj, draft=pair.draft, n_threads=N_THREADS) as one:
         expected = [one.generate(p, images=im, max_tokens=64).tokens for p, im in prompts]

@@ -8,7 +8,7 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec.drafters import DraftRequest, Drafter, TargetRows, canonical_spec_type
+from pyllama_spec.drafters import Drafter, DraftRequest, TargetRows, canonical_spec_type
 from pyllama_spec.drafters.ngram import NgramDrafter
 
 PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
@@ -18,7 +18,7 @@ COPY_PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a 
 @pytest.fixture(scope="module")
 def small_draft_model(tiny_dir):
     """A 2-layer model with the tiny targets' vocabulary (another seed): a draft-simple draft."""
-    from pyllama_spec import tiny
+    from pyllama_spec.devtools import tiny
 
     return tiny.make_tiny_set(tiny_dir, arch="hunyuan_vl", seed=1, n_layer=2, target_layers=(1,),
                               predictable=0.5).target

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from conftest import N_THREADS, REPO_ROOT
 
 import pyllama_spec as ps
-from conftest import N_THREADS, REPO_ROOT
 from pyllama_spec import embedded
 from pyllama_spec.cli import main
 

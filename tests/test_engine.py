@@ -10,10 +10,10 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec import tiny
+from pyllama_spec.devtools import tiny
 from pyllama_spec.drafters import DraftRequest, TargetRows
-from pyllama_spec.engine import load
-from pyllama_spec.positions import SequencePositions, is_pinned
+from pyllama_spec.serving.engine import load
+from pyllama_spec.spec.positions import SequencePositions, is_pinned
 
 PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
 
@@ -159,7 +159,7 @@ def test_old_token_count_placement_loses_the_context(tiny_dense, big_image):
 
 
 def ps_stats():
-    from pyllama_spec.stats import GenerationStats
+    from pyllama_spec.spec.stats import GenerationStats
 
     return GenerationStats()
 
@@ -282,7 +282,7 @@ def test_refuses_a_draft_of_another_width_or_vocabulary(tiny_dense, override, ma
 
 
 def test_refuses_a_draft_without_a_mask_token(tiny_dense, tmp_path):
-    from pyllama_spec.gguf_writer import read_gguf_metadata  # noqa: F401  (the writer is ours)
+    from pyllama_spec.gguf.writer import read_gguf_metadata  # noqa: F401  (the writer is ours)
 
     path = tmp_path / "nomask.gguf"
     tiny.write_draft(path)

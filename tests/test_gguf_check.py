@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import N_THREADS, explain_child
-from pyllama_spec import tiny
+
+from pyllama_spec.devtools import tiny
 from pyllama_spec.embedded import embedded_models
 from pyllama_spec.errors import ModelFileError, PyllamaError
-from pyllama_spec.gguf_check import GGUFInfo, ValueType, read_gguf, validate_gguf
-from pyllama_spec.gguf_writer import GGUFWriter, read_gguf_metadata
+from pyllama_spec.gguf.check import GGUFInfo, ValueType, read_gguf, validate_gguf
+from pyllama_spec.gguf.writer import GGUFWriter, read_gguf_metadata
 
 _TRAINED = embedded_models()  # the trained pair shipped in the package
 TARGET, MMPROJ, DRAFT = _TRAINED.target, _TRAINED.mmproj, _TRAINED.draft
@@ -504,9 +504,9 @@ import faulthandler
 import sys
 import numpy as np
 import pyllama_spec as ps
-import pyllama_spec.llama
+import pyllama_spec.bindings.llama
 if sys.argv[3] == "off":
-    pyllama_spec.llama.validate_gguf = lambda path, what: None  # what llama.cpp sees without the check
+    pyllama_spec.bindings.llama.validate_gguf = lambda path, what: None  # what llama.cpp sees without the check
 faulthandler.enable()  # a SIGSEGV says so on stderr
 kind, path, target = sys.argv[1], sys.argv[2], sys.argv[4]
 kw = dict(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=int(sys.argv[5]))
@@ -537,7 +537,7 @@ def test_the_check_prevents_a_native_crash(case, tmp_path, run_python):
 
 
 def test_a_file_rewritten_in_place_is_read_again_not_served_from_the_cache(tmp_path):
-    from pyllama_spec.gguf_check import validate_gguf
+    from pyllama_spec.gguf.check import validate_gguf
 
     src = embedded_models().target.read_bytes()
     path = tmp_path / "rewritten.gguf"

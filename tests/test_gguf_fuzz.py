@@ -36,6 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import N_THREADS, REPO_ROOT  # noqa: E402
+
 from pyllama_spec.embedded import embedded_models  # noqa: E402
 
 _TRAINED = embedded_models()  # the trained pair shipped in the package
@@ -178,9 +179,9 @@ def _worker_main() -> None:
     from pyllama_spec.errors import PyllamaError
 
     if os.environ.get("PYLLAMA_FUZZ_NO_VALIDATE"):
-        import pyllama_spec.llama
+        import pyllama_spec.bindings.llama
 
-        pyllama_spec.llama.validate_gguf = lambda path, what: None
+        pyllama_spec.bindings.llama.validate_gguf = lambda path, what: None
     load = ps.load
     image = np.zeros((56, 56, 3), np.uint8)
     image[::2, ::3] = (200, 30, 90)

@@ -13,9 +13,9 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec import _native
+from pyllama_spec.bindings import native_info
 
-GPU = [d for d in _native.devices() if d["name"].upper() not in ("CPU",) and not d["name"].upper().startswith("CPU")]
+GPU = [d for d in native_info.devices() if d["name"].upper() not in ("CPU",) and not d["name"].upper().startswith("CPU")]
 pytestmark = pytest.mark.skipif(not GPU, reason="no GPU device in this build on this machine (the CPU backend only)")
 
 PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."

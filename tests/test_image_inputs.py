@@ -16,10 +16,10 @@ import pytest
 from conftest import N_THREADS
 from PIL import Image
 
-from pyllama_spec.image_convert import to_rgb8
+from pyllama_spec.bindings.image_convert import to_rgb8
 from pyllama_spec.server import images
+from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.images import ImageLimits, decode_image_url
-from pyllama_spec.server.schema import APIError
 
 WHERE = "messages[0].content[0]"
 
@@ -171,7 +171,7 @@ def gray16_png(tmp_path) -> tuple[Path, np.ndarray]:
 
 
 def test_bitmap_load_scales_a_16_bit_png_given_as_bytes_a_path_or_a_pil_image(gray16_png):
-    from pyllama_spec.mtmd import Bitmap, image_id
+    from pyllama_spec.bindings.mtmd import Bitmap, image_id
 
     path, expected = gray16_png
     # a Bitmap's id is a hash of the exact pixels it was given, so equal ids mean equal pixels

@@ -9,7 +9,8 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec import memory, tiny
+from pyllama_spec.devtools import tiny
+from pyllama_spec.gguf import memory
 
 _SIZE = re.compile(r"(model buffer size|KV buffer size|compute buffer size) =\s+([0-9.]+) MiB")
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 from pathlib import Path
-
-import importlib.util
 
 import pytest
 
@@ -115,7 +114,7 @@ def test_installed_libraries_are_one_copy_each_under_their_soname(tmp_path):
 
 
 def test_dflash_capable_archs_are_read_from_the_built_source():
-    from pyllama_spec._native import build_record
+    from pyllama_spec.bindings.native_info import build_record
 
     record = build_record()
     source = Path(record["source"]["path"])
@@ -128,7 +127,7 @@ def test_dflash_capable_archs_are_read_from_the_built_source():
 
 def test_an_unpatched_tree_is_recorded_as_unable_to_feed_dflash_from_qwen_vl(tmp_path):
     """What the engine's load check reads for a user's own (unpatched) checkout."""
-    from pyllama_spec._native import build_record
+    from pyllama_spec.bindings.native_info import build_record
 
     source = Path(build_record()["source"]["path"])
     if not source.exists():
@@ -168,14 +167,14 @@ def test_rpc_is_part_of_every_build_unless_turned_off_and_cmake_args_have_the_la
 
 
 def test_the_installed_build_records_rpc_and_carries_its_server():
-    from pyllama_spec import _native
+    from pyllama_spec.bindings import native_info
 
-    record = _native.build_record()
+    record = native_info.build_record()
     if not record.get("rpc"):
         pytest.skip("this build was made without RPC (--no-rpc)")
     assert "-DGGML_RPC=ON" in record["cmake_args"] or "GGML_RPC" in " ".join(record["cmake_args"])
-    assert _native.RPC_SERVER_PATH.is_file()
-    out = subprocess.run([str(_native.RPC_SERVER_PATH), "--help"], capture_output=True, text=True, timeout=30)
+    assert native_info.RPC_SERVER_PATH.is_file()
+    out = subprocess.run([str(native_info.RPC_SERVER_PATH), "--help"], capture_output=True, text=True, timeout=30)
     assert "--host" in out.stderr + out.stdout and "--port" in out.stderr + out.stdout
 
 

@@ -21,7 +21,7 @@ def _engine(models, **kw):
 @pytest.fixture(scope="module")
 def wide_target(tiny_dir):
     """A tiny target with 64-wide heads: quantized KV blocks of 32 divide them."""
-    from pyllama_spec import tiny
+    from pyllama_spec.devtools import tiny
 
     path = tiny_dir / "wide-target.gguf"
     if not path.exists():

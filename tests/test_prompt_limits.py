@@ -13,10 +13,10 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec.engine import _pieces_at_line_starts
-from pyllama_spec.llama import Model
+from pyllama_spec.bindings.llama import Model
+from pyllama_spec.serving.engine import _pieces_at_line_starts
 
-SOURCE = (Path(__file__).resolve().parents[1] / "pyllama_spec" / "engine.py").read_text()
+SOURCE = (Path(__file__).resolve().parents[1] / "pyllama_spec" / "serving" / "engine.py").read_text()
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ VOCABS = ["ggml-vocab-qwen2.gguf", "ggml-vocab-llama-bpe.gguf", "ggml-vocab-llam
 
 
 def _vocab(name: str) -> Path:
-    from pyllama_spec._native import build_record
+    from pyllama_spec.bindings.native_info import build_record
 
     src = build_record().get("source", {}).get("path")
     path = Path(src or "/nonexistent") / "models" / name
@@ -86,7 +86,7 @@ def test_counting_by_pieces_never_exceeds_the_whole_count_by_more_than_the_slack
     """The piece count refuses a prompt only when it passes n_ctx by the slack per piece: on real
     vocabularies, over source code, a piece count is the whole count (BPE pre-tokenizers split at
     a line start) or within a few tokens of it (SentencePiece)."""
-    from pyllama_spec.engine import _COUNT_SLACK_PER_PIECE
+    from pyllama_spec.serving.engine import _COUNT_SLACK_PER_PIECE
 
     model = Model(_vocab(name), vocab_only=True)
     try:

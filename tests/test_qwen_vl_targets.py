@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from conftest import BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, N_THREADS
 
-from pyllama_spec import tiny
-from pyllama_spec.engine import load
-from pyllama_spec.llama import Context, Model
-from pyllama_spec.mtmd import MEDIA_MARKER, Bitmap, Projector
+from pyllama_spec.bindings.llama import Context, Model
+from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
+from pyllama_spec.devtools import tiny
+from pyllama_spec.serving.engine import load
 
 N_BATCH = 64
 WINDOW = 32

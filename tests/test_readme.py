@@ -103,7 +103,7 @@ def test_readme_python_block_runs_as_written(index, tiny_dense, big_image_png, r
     code, servers = PYTHON_BLOCKS[index], []
     try:
         if any(h in code for h in RPC_HOSTS):
-            from pyllama_spec.rpc_server import LocalRPCServer, server_binary
+            from pyllama_spec.devtools.rpc_server import LocalRPCServer, server_binary
 
             if server_binary() is None:
                 pytest.skip("this build has no ggml-rpc-server (python build.py --rpc) for the RPC how-to")

@@ -19,9 +19,9 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec import engine as engine_module
-from pyllama_spec.sampling import SamplingParams, distributions
-from pyllama_spec.verify import RejectionVerifier, accept_by_rejection
+from pyllama_spec.serving import engine as engine_module
+from pyllama_spec.spec.sampling import SamplingParams, distributions
+from pyllama_spec.spec.verify import RejectionVerifier, accept_by_rejection
 
 scipy_stats = pytest.importorskip("scipy.stats", reason="the chi-square test uses scipy (test extra)")
 

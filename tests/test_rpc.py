@@ -1,6 +1,6 @@
 """A target split across this machine and ggml-rpc-server processes on loopback (127.0.0.1 only).
 
-Servers come from this build (``pyllama_spec.rpc_server.LocalRPCServer``: a free port, its own
+Servers come from this build (``pyllama_spec.devtools.rpc_server.LocalRPCServer``: a free port, its own
 process group, a bounded lifetime, ended by the fixtures even when a test fails). Greedy output
 split across the local CPU and one or two servers must be the target-only local output token for
 token, with an image and with DFlash; bad options are refused before anything native runs; a
@@ -20,9 +20,9 @@ from click.testing import CliRunner
 from conftest import N_THREADS, explain_child
 
 import pyllama_spec as ps
-from pyllama_spec import devices
+from pyllama_spec.bindings import devices
+from pyllama_spec.devtools.rpc_server import LocalRPCServer, free_port, server_binary
 from pyllama_spec.embedded import PROMPT as CODE_PROMPT
-from pyllama_spec.rpc_server import LocalRPCServer, free_port, server_binary
 
 pytestmark = pytest.mark.skipif(
     server_binary() is None or not devices.rpc_available(),
@@ -121,7 +121,7 @@ def test_the_local_server_helper_binds_to_loopback_only():
 def test_the_handshake_constants_match_the_built_ggml_rpc_header():
     from pathlib import Path
 
-    from pyllama_spec._native import build_record
+    from pyllama_spec.bindings.native_info import build_record
 
     header = Path(build_record().get("source", {}).get("path", "/nonexistent")) / "ggml/include/ggml-rpc.h"
     if not header.exists():
@@ -250,7 +250,7 @@ def test_two_engines_in_one_process_share_a_server(tiny_dense, rpc_servers):
 LOST_SERVER_CHILD = """
 import sys, time
 import pyllama_spec as ps
-from pyllama_spec.rpc_server import LocalRPCServer
+from pyllama_spec.devtools.rpc_server import LocalRPCServer
 from pyllama_spec.embedded import PROMPT
 
 m = ps.embedded_models()

@@ -7,11 +7,11 @@ import threading
 import time
 
 import numpy as np
-
 import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
+from pyllama_spec.devtools import tiny
 
 PROMPTS = ["def f", "class Foo:", "import os\n", "The cat"]
 
@@ -24,7 +24,7 @@ def pair():
 @pytest.fixture(scope="module")
 def sequential(pair):
     """Every prompt's greedy answer from a one-slot engine (with the demo image on the last two)."""
-    image = ps.tiny.draw_demo_image(224)
+    image = tiny.draw_demo_image(224)
     with ps.load(pair.target, mmproj=pair.mmproj, draft=pair.draft, n_threads=N_THREADS) as engine:
         return image, [engine.generate(p, images=[image] if i >= 2 else [], max_tokens=48).tokens
                        for i, p in enumerate(PROMPTS)]
@@ -92,7 +92,7 @@ def test_a_request_cancelled_inside_its_image_prefill_leaves_its_slot_consistent
     """Cancelled between two slices of its image (small batches: the image takes several), beside a
     decoding request: its partial image rows are removed, the slot keeps only the text before the
     image, the same request later gives its full answer, and the request beside it is unchanged."""
-    image = ps.tiny.draw_demo_image(224)
+    image = tiny.draw_demo_image(224)
     with ps.load(pair.target, mmproj=pair.mmproj, draft=pair.draft, n_threads=N_THREADS, n_parallel=2,
                  n_batch=16, n_ubatch=16) as engine:
         with_image = engine.generate(PROMPTS[2], images=[image], max_tokens=24).tokens

@@ -23,8 +23,9 @@ import pyllama_spec as ps
 httpx = pytest.importorskip("httpx", reason="the test extra brings httpx")
 openai = pytest.importorskip("openai", reason="the test extra brings the openai client")
 uvicorn = pytest.importorskip("uvicorn", reason="the server extra brings uvicorn")
-from pyllama_spec.server import ServerSettings  # noqa: E402
 from serving import LocalServer as Server  # noqa: E402
+
+from pyllama_spec.server import ServerSettings  # noqa: E402
 
 
 def _engine(models):

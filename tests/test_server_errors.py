@@ -14,14 +14,16 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec import chat_template, tiny
-from pyllama_spec.chat_template import TemplateRenderError
-from pyllama_spec.mtmd import MEDIA_MARKER
+from pyllama_spec.bindings.mtmd import MEDIA_MARKER
+from pyllama_spec.devtools import tiny
+from pyllama_spec.serving import chat_template
+from pyllama_spec.serving.chat_template import TemplateRenderError
 
 httpx = pytest.importorskip("httpx", reason="the test extra brings httpx")
 uvicorn = pytest.importorskip("uvicorn", reason="the server extra brings uvicorn")
-from pyllama_spec.server import ServerSettings  # noqa: E402
 from serving import LocalServer  # noqa: E402
+
+from pyllama_spec.server import ServerSettings  # noqa: E402
 
 OK_MESSAGES = [{"role": "user", "content": "Hi"}]
 
@@ -186,8 +188,8 @@ def strict_template_model(tiny_dir):
 
 @pytest.mark.parametrize("key", RESERVED)
 def test_render_messages_refuses_its_own_variables_with_a_value_error(strict_template_model, key):
-    from pyllama_spec.llama import Model
-    from pyllama_spec.prompt import render_messages
+    from pyllama_spec.bindings.llama import Model
+    from pyllama_spec.serving.prompt import render_messages
 
     with Model(strict_template_model) as model:
         with pytest.raises(ValueError, match=repr(key)) as info:
@@ -205,8 +207,8 @@ def test_render_messages_refuses_its_own_variables_with_a_value_error(strict_tem
     (1e-300, "builtin"),  # 'think ' * 1e301: a float count
 ])
 def test_a_template_that_raises_on_a_value_falls_back_to_the_builtin_renderer(strict_template_model, value, renderer):
-    from pyllama_spec.llama import Model
-    from pyllama_spec.prompt import render_messages
+    from pyllama_spec.bindings.llama import Model
+    from pyllama_spec.serving.prompt import render_messages
 
     with Model(strict_template_model) as model:
         text, images, used = render_messages(model, OK_MESSAGES, template_kwargs={"enable_thinking": value})
@@ -228,7 +230,8 @@ def test_a_body_of_millions_of_tiny_arrays_is_refused_before_it_is_parsed():
     (a prompt full of code) do not count."""
     import json
 
-    from pyllama_spec.server.schema import MAX_JSON_CONTAINERS, APIError, parse_json_body
+    from pyllama_spec.server.errors import APIError
+    from pyllama_spec.server.schema import MAX_JSON_CONTAINERS, parse_json_body
 
     start = time.perf_counter()
     with pytest.raises(APIError, match="more than .* arrays and objects") as e:

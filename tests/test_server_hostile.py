@@ -25,9 +25,10 @@ import pyllama_spec as ps
 
 httpx = pytest.importorskip("httpx", reason="the test extra brings httpx")
 pytest.importorskip("uvicorn", reason="the server extra brings uvicorn")
+from serving import LocalServer, free_port  # noqa: E402
+
 from pyllama_spec.server import ServerSettings  # noqa: E402
 from pyllama_spec.server.run import ServeLimits  # noqa: E402
-from serving import LocalServer, free_port  # noqa: E402
 
 
 def _load(models, n_parallel: int = 1):

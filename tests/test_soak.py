@@ -23,8 +23,8 @@ CHILD = r"""
 import gc, json, sys
 import numpy as np
 import pyllama_spec as ps
-from pyllama_spec.chat import Conversation
-from pyllama_spec.handle import NativeHandle
+from pyllama_spec.serving.chat import Conversation
+from pyllama_spec.bindings.handle import NativeHandle
 
 target, mmproj, draft = sys.argv[1:4]
 

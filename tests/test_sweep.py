@@ -16,7 +16,7 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec import tiny
+from pyllama_spec.devtools import tiny
 
 IMAGE_SIZES = [(1, 1), (2048, 512), (512, 2048), (37, 1000), (300, 17), (224, 224), (672, 672), (1023, 97)]
 BATCHES = [1, 7, 64, 115, 512]

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from pyllama_spec import tiny
-from pyllama_spec.gguf_writer import GGUFWriter, ValueType, read_gguf_metadata
+from pyllama_spec.devtools import tiny
+from pyllama_spec.gguf.writer import GGUFWriter, ValueType, read_gguf_metadata
 
 
 def test_gguf_writer_round_trips_values_and_aligns_data(tmp_path):

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import CTX_KWARGS, N_THREADS, REPO_ROOT
-from pyllama_spec import engine as engine_mod
-from pyllama_spec.batch import Batch
+
+from pyllama_spec.bindings.batch import Batch
+from pyllama_spec.bindings.llama import Context, Model
 from pyllama_spec.embedded import MODELS_DIR
-from pyllama_spec.llama import Context, Model
+from pyllama_spec.serving import engine as engine_mod
 
 MODELS = Path(os.environ.get("PYLLAMA_SPEC_TRAINED_MODELS", MODELS_DIR))
 TARGET = MODELS / "trained-target.gguf"
@@ -108,7 +108,7 @@ def _image_prompt_through_llama_cpp(image: np.ndarray, text: str):
     """Decode [<image>, text] with the trained target in llama.cpp: the rows as PyTorch's target
     takes them (tokens, -1 on image rows; projector embeddings; M-RoPE positions [T, 4]) and
     llama.cpp's logits and layer inputs for the text rows after the image."""
-    from pyllama_spec.mtmd import MEDIA_MARKER, Bitmap, Projector
+    from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
 
     with Model(TARGET) as m, Projector(MMPROJ, m, n_threads=N_THREADS) as proj, Context(m, **BIG_BATCH) as ctx:
         ctx.enable_layer_inputs(range(1, m.n_layer))

@@ -15,13 +15,13 @@ import itertools
 
 import numpy as np
 import pytest
+from conftest import N_THREADS
 
 import pyllama_spec as ps
-from conftest import N_THREADS
+from pyllama_spec.bindings.llama import Context
+from pyllama_spec.devtools.tiny import draw_demo_image
 from pyllama_spec.errors import DecodeError
-from pyllama_spec.llama import Context
-from pyllama_spec.tiny import draw_demo_image
-from pyllama_spec.tree import DraftTree, TreeSeqs, build_tree, chain_tree, walk
+from pyllama_spec.spec.tree import DraftTree, TreeSeqs, build_tree, chain_tree, walk
 
 PROMPT = ps.embedded.PROMPT
 

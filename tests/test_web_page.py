@@ -169,7 +169,7 @@ def tab(browser, server, shots):
 
 
 def _card_png(size: int = 336) -> bytes:
-    from pyllama_spec.tiny import draw_demo_image
+    from pyllama_spec.devtools.tiny import draw_demo_image
 
     buf = io.BytesIO()
     draw_demo_image(size).save(buf, "PNG")

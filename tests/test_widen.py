@@ -1,4 +1,4 @@
-"""pyllama_spec.widen: the trained tiny pair zero-padded to wider shapes computes the same function.
+"""pyllama_spec.devtools.widen: the trained tiny pair zero-padded to wider shapes computes the same function.
 
 At a small width (n_embd 256 = 4 heads of 64 / 2 KV heads, 6 layers, n_ff 512, f32) so that the
 tests take seconds; the construction is the same at the bench size (1024 / 12 / 2816, f16:
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import N_THREADS
+
 import pyllama_spec as ps
-from pyllama_spec import tiny, widen
+from pyllama_spec.bindings.llama import Context, Model
+from pyllama_spec.devtools import tiny, widen
 from pyllama_spec.embedded import MODELS_DIR, PROMPT
-from pyllama_spec.gguf_check import read_gguf, read_tensor
-from pyllama_spec.llama import Context, Model
+from pyllama_spec.gguf.check import read_gguf, read_tensor
 
 TRAINED = ps.embedded_models()
 SMALL = dict(n_embd=256, n_layer=6, n_ff=512, dtype="f32")

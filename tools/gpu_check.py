@@ -59,13 +59,14 @@ def offload_check(n_gpu_layers: int) -> dict:
     code = (
         "import logging, json, sys\n"
         "import pyllama_spec as ps\n"
-        "from pyllama_spec import _native, tiny\n"
+        "from pyllama_spec.bindings import native_info\n"
+        "from pyllama_spec.devtools import tiny\n"
         "lines = []\n"
         "h = logging.Handler(); h.emit = lambda r: lines.append(r.getMessage())\n"
         "log = logging.getLogger('pyllama_spec.native'); log.addHandler(h); log.setLevel(logging.INFO)\n"
         "m = tiny.make_tiny_set(sys.argv[1])\n"
         f"e = ps.load(m.target, spec_type='none', n_ctx=512, n_gpu_layers={n_gpu_layers})\n"
-        "print(json.dumps({'devices': _native.devices(), 'backends': _native.backend_names(),\n"
+        "print(json.dumps({'devices': native_info.devices(), 'backends': native_info.backend_names(),\n"
         "                  'offload': [l for l in lines if 'offloaded' in l]}))\n"
     )
     out = run([sys.executable, "-c", code, str(REPO / ".gpu-check-models")])

@@ -22,8 +22,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pyllama_spec import engine as engine_mod  # noqa: E402
-from pyllama_spec.tiny import draw_demo_image  # noqa: E402
+from pyllama_spec.devtools.tiny import draw_demo_image  # noqa: E402
+from pyllama_spec.serving import engine as engine_mod  # noqa: E402
 
 CORPUS_GLOB = "/root/.pyenv/versions/3.11.7/lib/python3.11/*.py"
 
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
                  f"`{cmd}` ({len(prompts)} held-out prompts x {args.max_tokens} tokens, "
                  f"{'greedy' if not args.temp else f'temperature {args.temp}, seed = prompt index'}, "
                  f"{args.threads} thread(s), CPU; an image = a 672x672 picture, 576 image rows over 24 positions, "
-                 "before the same prompt: black, or the demo's test card (`pyllama_spec.tiny.draw_demo_image`), "
+                 "before the same prompt: black, or the demo's test card (`pyllama_spec.devtools.tiny.draw_demo_image`), "
                  "neither in the training pool; `lossless`: tokens equal the target-only run).", "",
                  "| case | acceptance rate | mean accepted length | tokens/s | lossless |",
                  "|---|---|---|---|---|"]

@@ -67,8 +67,8 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pyllama_spec import tiny  # noqa: E402
-from pyllama_spec.gguf_writer import GGUFWriter, ValueType  # noqa: E402
+from pyllama_spec.devtools import tiny  # noqa: E402
+from pyllama_spec.gguf.writer import GGUFWriter, ValueType  # noqa: E402
 
 CORPUS_GLOB = "/root/.pyenv/versions/3.11.7/lib/python3.11/*.py"
 HELD_OUT_EVERY = 10  # sorted file index % 10 == 0 -> held out
@@ -393,8 +393,8 @@ def write_draft_gguf(path, params: dict, cfg: PairConfig, name: str = "trained-t
 
 def read_gguf_tensors(path) -> tuple[dict, dict[str, np.ndarray]]:
     """(metadata, {name: float32 array in numpy shape}) of an F32/F16 GGUF file."""
-    from pyllama_spec.gguf_check import read_gguf
-    from pyllama_spec.gguf_writer import read_gguf_metadata
+    from pyllama_spec.gguf.check import read_gguf
+    from pyllama_spec.gguf.writer import read_gguf_metadata
 
     meta = read_gguf_metadata(path)
     info = read_gguf(path)
@@ -453,7 +453,7 @@ def corpus_files() -> tuple[list[str], list[str]]:
 
 def tokenize_files(files: list[str], tokenizer_gguf: Path) -> np.ndarray:
     """Tokens of the files (each followed by a blank line), with llama.cpp's tokenizer."""
-    from pyllama_spec.llama import Model
+    from pyllama_spec.bindings.llama import Model
 
     out = []
     with Model(tokenizer_gguf) as m:
@@ -547,7 +547,7 @@ def generate_greedy(target_gguf, toks: np.ndarray, n_seqs: int, prompt_len: int,
                     log=print) -> np.ndarray:
     """[n_seqs, prompt_len + gen_len] tokens: corpus prompts, each continued greedily by the target
     (llama.cpp, the same model as the PyTorch one): the text the draft has to predict at run time."""
-    from pyllama_spec.llama import Context, Model
+    from pyllama_spec.bindings.llama import Context, Model
 
     rng = np.random.default_rng(seed + 31)
     out = np.zeros((n_seqs, prompt_len + gen_len), np.int32)
@@ -623,8 +623,8 @@ class EncodedImage:
 
 
 def encode_images(model_gguf, mmproj_gguf, images: list[np.ndarray]) -> list[EncodedImage]:
-    from pyllama_spec.llama import Model
-    from pyllama_spec.mtmd import MEDIA_MARKER, Bitmap, Projector
+    from pyllama_spec.bindings.llama import Model
+    from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
 
     out = []
     with Model(model_gguf) as m, Projector(mmproj_gguf, m, n_threads=1) as proj:
@@ -707,9 +707,9 @@ def generate_image_sequences(target_gguf, mmproj_gguf, toks: np.ndarray, images:
                              prompt_len: int, gen_len: int, cfg: PairConfig, seed: int, log=print) -> ImageSequences:
     """n_seqs sequences [picture, corpus prompt, greedy continuation] decoded by the trained target
     in llama.cpp, with the target layer inputs of every row (see ImageSequences)."""
-    from pyllama_spec.llama import Context, Model
-    from pyllama_spec.mtmd import MEDIA_MARKER, Bitmap, Projector
-    from pyllama_spec.positions import SequencePositions
+    from pyllama_spec.bindings.llama import Context, Model
+    from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
+    from pyllama_spec.spec.positions import SequencePositions
 
     rng = np.random.default_rng(seed + 41)
     lids = list(cfg.target_layers)
@@ -913,11 +913,11 @@ Small GGUF files trained on CPU by `tools/train_tiny_pair.py` (PyTorch, training
 tests can show real draft acceptance (random weights accept nothing).
 
 * `trained-target.gguf`: `hunyuan_vl` (M-RoPE sections [2, 3, 3, 0]), {target_n_layer} layers, n_embd 64,
-  4 heads x 16 (2 KV heads), n_ff {target_n_ff}, the package's tiny byte-level tokenizer (`pyllama_spec.tiny`).
+  4 heads x 16 (2 KV heads), n_ff {target_n_ff}, the package's tiny byte-level tokenizer (`pyllama_spec.devtools.tiny`).
 * `trained-draft.gguf`: `dflash`, {draft_n_layer} layers, n_ff {draft_n_ff}, target_layers {target_layers},
   block_size {block_size}, sliding window {sliding_window}, non-causal; borrows the target's token embedding
   and output head.
-* `trained-mmproj.gguf`: `pyllama_spec.tiny.write_mmproj(seed={seed})` (random `qwen2vl_merger`
+* `trained-mmproj.gguf`: `pyllama_spec.devtools.tiny.write_mmproj(seed={seed})` (random `qwen2vl_merger`
   projector, untrained), so image prompts run.
 
 ## Command

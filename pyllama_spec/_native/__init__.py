@@ -1,27 +1,25 @@
-"""The compiled cffi module and its shared libraries; nothing else lives here.
+"""The compiled cffi module and its shared libraries: loading them, routing native log
+messages (llama, ggml, mtmd) into Python ``logging`` under ``pyllama_spec.native``, and
+carrying Ctrl-C and callback exceptions out of native calls.
 
-``ffi`` and ``lib`` are the only names the wrapper modules import. Native log
-messages (llama, ggml, mtmd) are routed into Python ``logging`` under
-``pyllama_spec.native``.
+``ffi`` and ``lib`` are the only names the binding layer imports from here; what the build
+and the backends say about themselves is ``bindings.native_info``.
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
-import json
 import logging
 import signal
 import threading
-from pathlib import Path
 
-from ..errors import NativeLibraryError, set_native_problem_source
+from pyllama_spec.errors import NativeLibraryError, set_native_problem_source
 
 SHIM_ABI_VERSION = 2
-_HERE = Path(__file__).resolve().parent
 
 try:
-    from ._pyllama_cffi import ffi, lib  # type: ignore[import-not-found]
+    from pyllama_spec._native._pyllama_cffi import ffi, lib  # type: ignore[import-not-found]
 except ImportError as e:  # pragma: no cover - exercised only without a build
     raise NativeLibraryError(
         "pyllama-spec's native part is not built or cannot be loaded "
@@ -33,48 +31,6 @@ if lib.pyllama_shim_abi_version() != SHIM_ABI_VERSION:  # pragma: no cover
     raise NativeLibraryError(
         f"native shim ABI {lib.pyllama_shim_abi_version()} does not match the Python side ({SHIM_ABI_VERSION}): "
         "rebuild with `python build.py`")
-
-LIB_DIR = _HERE / "lib"
-#: ggml-rpc-server from the same build (beside the libraries its $ORIGIN rpath finds), when built with RPC.
-RPC_SERVER_PATH = LIB_DIR / "ggml-rpc-server"
-
-
-def backend_names() -> list[str]:
-    """The ggml backends this build registered (CPU, CUDA, ...)."""
-    return [ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i))).decode()
-            for i in range(lib.ggml_backend_reg_count())]
-
-
-def devices() -> list[dict]:
-    """Every ggml device: name, description, total and free memory in bytes."""
-    out = []
-    for i in range(lib.ggml_backend_dev_count()):
-        dev = lib.ggml_backend_dev_get(i)
-        free, total = ffi.new("size_t *"), ffi.new("size_t *")
-        lib.ggml_backend_dev_memory(dev, free, total)
-        out.append({"name": ffi.string(lib.ggml_backend_dev_name(dev)).decode(),
-                    "description": ffi.string(lib.ggml_backend_dev_description(dev)).decode(),
-                    "total": int(total[0]), "free": int(free[0])})
-    return out
-
-
-def supports_gpu_offload() -> bool:
-    return bool(lib.llama_supports_gpu_offload())
-
-
-def shim_abi_version() -> int:
-    return int(lib.pyllama_shim_abi_version())
-
-
-def system_info() -> str:
-    return ffi.string(lib.llama_print_system_info()).decode().strip()
-
-
-def build_record() -> dict:
-    """What build.py recorded about the native part (pin, patches, backend, flags)."""
-    path = _HERE / "build_record.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
 
 # ----------------------------------------------------------------------------- logging
 

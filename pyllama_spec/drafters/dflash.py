@@ -21,10 +21,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..batch import Batch
-from ..errors import IncompatibleModelsError
-from ..llama import Context, Model
-from . import DraftRequest, Proposal, TargetRows
+from pyllama_spec.bindings.batch import Batch
+from pyllama_spec.bindings.llama import Context, Model
+from pyllama_spec.drafters import DraftRequest, Proposal, TargetRows
+from pyllama_spec.errors import IncompatibleModelsError
 
 DEFAULT_BLOCK_SIZE = 16
 DRAFT_TOP_K = 10  # upstream reads the draft's choice through a top-k 10 sampler
@@ -61,7 +61,7 @@ def check_dflash_pair(target: Model, draft: Model, dflash_target_archs: list[str
         raise IncompatibleModelsError(f"the draft {draft.path.name} is a {draft.arch!r} model, not a 'dflash' draft")
     cfg = DFlashConfig.read(draft)
     if cfg.is_dflash2:
-        from ..gguf_writer import read_gguf_metadata
+        from pyllama_spec.gguf.writer import read_gguf_metadata
 
         if "selector_hidden.weight" not in read_gguf_metadata(draft.path, with_tensors=True)["__tensors__"]:
             raise IncompatibleModelsError(f"the draft {draft.path.name} has dflash.selector_top_k but no "

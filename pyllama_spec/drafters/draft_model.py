@@ -15,10 +15,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import IncompatibleModelsError
-from ..batch import Batch
-from ..llama import Context, Model
-from . import DraftRequest, Proposal, TargetRows
+from pyllama_spec.bindings.batch import Batch
+from pyllama_spec.bindings.llama import Context, Model
+from pyllama_spec.drafters import DraftRequest, Proposal, TargetRows
+from pyllama_spec.errors import IncompatibleModelsError
 
 
 def check_draft_model(target: Model, draft: Model) -> None:

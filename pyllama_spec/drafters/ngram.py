@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import DraftRequest, Proposal, TargetRows
+from pyllama_spec.drafters import DraftRequest, Proposal, TargetRows
 
 _SEPARATOR = -1  # stands for a media chunk in the history
 _EMPTY = np.zeros(0, dtype=np.int32)

@@ -17,6 +17,6 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("the server needs the 'server' extra: pip install 'pyllama-spec[server]'") from e
 
-from .app import ServerSettings, create_app
+from pyllama_spec.server.app import ServerSettings, create_app
 
 __all__ = ["ServerSettings", "create_app"]

@@ -27,14 +27,25 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
-from .. import __version__
-from ..engine import Engine
-from ..errors import ContextOverflowError, GenerationCancelledError, ImageError, NativeCallError, ProjectorError
-from .images import ImageLimits
-from .metrics import ServerMetrics
-from .errors import APIError, bad_request
-from .schema import GenerationRequest, RequestLimits, parse_chat, parse_completion
-from .worker import Job, QueueFullError, make_worker
+from pyllama_spec import __version__
+from pyllama_spec.errors import (
+    ContextOverflowError,
+    GenerationCancelledError,
+    ImageError,
+    NativeCallError,
+    ProjectorError,
+)
+from pyllama_spec.server.errors import APIError, bad_request
+from pyllama_spec.server.images import ImageLimits
+from pyllama_spec.server.metrics import ServerMetrics
+from pyllama_spec.server.schema import (
+    GenerationRequest,
+    RequestLimits,
+    parse_chat,
+    parse_completion,
+)
+from pyllama_spec.server.worker import Job, QueueFullError, make_worker
+from pyllama_spec.serving.engine import Engine
 
 log = logging.getLogger("pyllama_spec.server")
 
@@ -95,7 +106,7 @@ async def _read_json(request: Request, limit: int, timeout: float) -> tuple[Any,
     """The request's JSON body and its size: at most ``limit`` bytes, all of it within ``timeout``
     seconds (a client sending its body a byte at a time holds nothing longer), parsed by
     ``parse_json_body`` (every way it can fail is a 400)."""
-    from .schema import parse_json_body
+    from pyllama_spec.server.schema import parse_json_body
 
     declared = request.headers.get("content-length")
     if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
@@ -179,7 +190,7 @@ class _Service:
         self.worker = None  # made by start(): one slot, or the engine's slots (-np N)
         # Facts the info routes answer with, read once here: the event loop never calls into
         # native code while the worker thread generates.
-        from ..mtmd import MEDIA_MARKER
+        from pyllama_spec.bindings.mtmd import MEDIA_MARKER
 
         model, proj = engine.model, engine.projector
         self.facts = dict(n_ctx=engine.ctx.n_ctx, n_vocab=model.n_vocab, n_params=model.n_params,

@@ -16,7 +16,7 @@ import os
 import stat
 from pathlib import Path
 
-from .errors import bad_request
+from pyllama_spec.server.errors import bad_request
 
 _MIME_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP"}
 

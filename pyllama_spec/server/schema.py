@@ -12,9 +12,9 @@ import json
 import reprlib
 from typing import Any
 
-from ..chat_template import RESERVED_VARIABLES
-from .errors import APIError, bad_request
-from .images import ImageLimits, decode_image_url
+from pyllama_spec.server.errors import bad_request
+from pyllama_spec.server.images import ImageLimits, decode_image_url
+from pyllama_spec.serving.chat_template import RESERVED_VARIABLES
 
 #: How deeply a request body may nest arrays and objects (an OpenAI request needs a handful of
 #: levels, a tool's JSON schema a few dozen): deeper is a 400, whatever Python's stack would allow.

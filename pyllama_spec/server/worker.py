@@ -21,8 +21,8 @@ import queue
 import threading
 from typing import Any
 
-from ..engine import Engine
-from ..errors import EngineBusyError, GenerationCancelledError
+from pyllama_spec.errors import EngineBusyError, GenerationCancelledError
+from pyllama_spec.serving.engine import Engine
 
 
 class QueueFullError(Exception):

@@ -25,11 +25,11 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from .draft_length import StepCost, plan_lengths
-from .drafters import Drafter, DraftRequest, Proposal
-from .sequence import Sequence
-from .stats import GenerationStats, Stopwatch
-from .tree import TreeSeqs, build_tree
+from pyllama_spec.drafters import Drafter, DraftRequest, Proposal
+from pyllama_spec.spec.draft_length import StepCost, plan_lengths
+from pyllama_spec.spec.sequence import Sequence
+from pyllama_spec.spec.stats import GenerationStats, Stopwatch
+from pyllama_spec.spec.tree import TreeSeqs, build_tree
 
 ProgressCallback = Callable[[str, int, int], None]
 

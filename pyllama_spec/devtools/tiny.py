@@ -63,7 +63,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .gguf_writer import GGUFWriter, ValueType
+from pyllama_spec.gguf.writer import GGUFWriter, ValueType
 
 # Bump when the generated files change, so make_tiny_set caches are invalidated.
 GENERATOR_VERSION = 2

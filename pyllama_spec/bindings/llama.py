@@ -15,23 +15,29 @@ from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
 
-from ._native import arm_interrupts, ffi, interrupted_during_call, lib, raise_carried
-from .errors import (
-    check_decode,
+from pyllama_spec._native import (
+    arm_interrupts,
+    ffi,
+    interrupted_during_call,
+    lib,
+    raise_carried,
+)
+from pyllama_spec.bindings.devices import check_connections
+from pyllama_spec.bindings.handle import NativeHandle
+from pyllama_spec.errors import (
     IncompatibleModelsError,
     KVMemoryError,
     ModelFileError,
     NativeCallError,
+    check_decode,
     forget_native_problems,
     with_native_log,
 )
-from .devices import check_connections
-from .gguf_check import GGUF_MAGIC, validate_gguf
-from .handle import NativeHandle
+from pyllama_spec.gguf.check import GGUF_MAGIC, validate_gguf
 
 if TYPE_CHECKING:
-    from .batch import Batch
-    from .devices import Placement
+    from pyllama_spec.bindings.batch import Batch
+    from pyllama_spec.bindings.devices import Placement
 
 #: KV cache types by llama.cpp's -ctk / -ctv names.
 KV_CACHE_TYPES = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16, "bf16": lib.GGML_TYPE_BF16,
@@ -471,7 +477,7 @@ class Context(NativeHandle):
     def shared_token_batch(self) -> "Batch":
         """The context's reusable batch for token rows (made once: every speculative step fills it)."""
         if self._token_batch is None:
-            from .batch import Batch
+            from pyllama_spec.bindings.batch import Batch
 
             self._token_batch = Batch(self)
         return self._token_batch

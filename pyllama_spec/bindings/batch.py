@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from ._native import ffi, lib
-from .errors import NativeCallError
-from .handle import NativeHandle
+from pyllama_spec._native import ffi, lib
+from pyllama_spec.bindings.handle import NativeHandle
+from pyllama_spec.errors import NativeCallError
 
 if TYPE_CHECKING:
-    from .llama import Context
+    from pyllama_spec.bindings.llama import Context
 
 _ADD_ERRORS = {-1: "batch is full", -2: "invalid token or embedding size", -3: "invalid sequence id",
                -4: "invalid position"}

@@ -19,7 +19,7 @@ ggml's client fails its commands from then on and says so (``connection_lost``),
 decode of a model on that server checks it (``check_connections``) and raises
 ``RemoteDeviceError`` naming the server.
 
->>> from pyllama_spec import devices                                  # doctest: +SKIP
+>>> from pyllama_spec.bindings import devices                                  # doctest: +SKIP
 >>> [d.name for d in devices.rpc_devices("127.0.0.1:50052")]
 ['RPC0']
 """
@@ -37,8 +37,12 @@ from typing import Iterable
 
 import numpy as np
 
-from ._native import ffi, lib
-from .errors import RemoteDeviceError, forget_native_problems, with_native_log
+from pyllama_spec._native import ffi, lib
+from pyllama_spec.errors import (
+    RemoteDeviceError,
+    forget_native_problems,
+    with_native_log,
+)
 
 #: ggml-rpc.h at the pin: RPC_PROTO_MAJOR_VERSION / MINOR (a server must speak the same major,
 #: a minor no newer than the client's), GGML_RPC_MAX_SERVERS, and the HELLO command's number.
@@ -461,7 +465,7 @@ def plan(config) -> EnginePlacement:
     Everything that can be checked without native calls is checked first (ValueError); then each
     RPC server is reached (RemoteDeviceError naming it); then device names are resolved.
     """
-    from .gguf_check import read_gguf_shared
+    from pyllama_spec.gguf.check import read_gguf_shared
 
     servers = parse_rpc_servers(config.rpc_servers)
     names = parse_device_names(config.devices, "devices")

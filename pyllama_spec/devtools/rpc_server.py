@@ -1,6 +1,6 @@
 """A ggml-rpc-server of this build on the loopback interface, for tests, benchmarks and trials.
 
->>> from pyllama_spec.rpc_server import LocalRPCServer                # doctest: +SKIP
+>>> from pyllama_spec.devtools.rpc_server import LocalRPCServer                # doctest: +SKIP
 >>> with LocalRPCServer() as server:
 ...     engine = ps.load("t.gguf", rpc_servers=[server.endpoint], n_gpu_layers=99)
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 def server_binary() -> Path | None:
     """This build's ggml-rpc-server, or None when it was built without RPC."""
-    from ._native import RPC_SERVER_PATH
+    from pyllama_spec.bindings.native_info import RPC_SERVER_PATH
 
     return RPC_SERVER_PATH if RPC_SERVER_PATH.is_file() else None
 

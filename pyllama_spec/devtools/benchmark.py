@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from .mtmd import MEDIA_MARKER
+from pyllama_spec.bindings.mtmd import MEDIA_MARKER
 
 CHATML = "<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -75,7 +75,7 @@ def peak_rss_mib(pid: int) -> float:
 
 
 def demo_png(size: int) -> bytes:
-    from .tiny import draw_demo_image
+    from pyllama_spec.devtools.tiny import draw_demo_image
 
     buf = io.BytesIO()
     draw_demo_image(size).save(buf, format="PNG")
@@ -159,7 +159,7 @@ class PyllamaWorker:
         # The worker imports this very copy of the package, wherever the harness runs from.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                            os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen([sys.executable, "-m", "pyllama_spec.benchmark", "worker", json.dumps(cfg)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "pyllama_spec.devtools.benchmark", "worker", json.dumps(cfg)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
         assert json.loads(self.proc.stdout.readline())["ready"]
 
@@ -180,7 +180,7 @@ class PyllamaWorker:
 
 def _worker(cfg_json: str) -> None:
     """The child side of PyllamaWorker."""
-    from .engine import load
+    from pyllama_spec.serving.engine import load
 
     with load(**json.loads(cfg_json)) as engine:
         print(json.dumps({"ready": True}), flush=True)
@@ -286,4 +286,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "worker":
         _worker(sys.argv[2])
     else:
-        sys.exit("usage: python -m pyllama_spec.benchmark worker CONFIG_JSON (started by the harness)")
+        sys.exit("usage: python -m pyllama_spec.devtools.benchmark worker CONFIG_JSON (started by the harness)")

@@ -14,7 +14,6 @@ import bisect
 import dataclasses
 
 
-
 def is_pinned(n_tokens: int, n_pos: int) -> bool:
     """True for a media chunk whose rows do not advance the position one by one (n_pos < n_tokens).
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .gguf_check import read_gguf_shared as read_gguf  # read-only use, parsed once per load
+from pyllama_spec.gguf.check import (
+    read_gguf_shared as read_gguf,  # read-only use, parsed once per load
+)
 
 MiB = 2**20
 _KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,

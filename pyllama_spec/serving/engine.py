@@ -23,23 +23,30 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .drafters import Drafter, canonical_spec_type
-from .drafters.dflash import DFlashDrafter, check_dflash_pair
-from .drafters.draft_model import DraftModelDrafter, check_draft_model
-from .drafters.ngram import NgramDrafter
-from .draft_length import AdaptiveLength, FixedLength, StepCost
-from .errors import ContextOverflowError, ImageError
-from .gate import EngineGate
-from .generation import Generation, Piece, ProgressCallback, Result, prefill_parts, speculative_step
-from .llama import Context, Model, Sampler
-from .mtmd import MEDIA_MARKER, Bitmap, Projector
-from .positions import SequencePositions
-from .prompt import as_list, render_messages
-from .sampling import SamplingParams
-from .scheduler import Scheduler
-from .sequence import Sequence as SlotSequence
-from .stats import GenerationStats
-from .verify import VERIFY_RULES, MatchVerifier, RejectionVerifier
+from pyllama_spec.bindings.llama import Context, Model, Sampler
+from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
+from pyllama_spec.drafters import Drafter, canonical_spec_type
+from pyllama_spec.drafters.dflash import DFlashDrafter, check_dflash_pair
+from pyllama_spec.drafters.draft_model import DraftModelDrafter, check_draft_model
+from pyllama_spec.drafters.ngram import NgramDrafter
+from pyllama_spec.errors import ContextOverflowError, ImageError
+from pyllama_spec.serving.gate import EngineGate
+from pyllama_spec.serving.prompt import as_list, render_messages
+from pyllama_spec.serving.scheduler import Scheduler
+from pyllama_spec.spec.draft_length import AdaptiveLength, FixedLength, StepCost
+from pyllama_spec.spec.generation import (
+    Generation,
+    Piece,
+    ProgressCallback,
+    Result,
+    prefill_parts,
+    speculative_step,
+)
+from pyllama_spec.spec.positions import SequencePositions
+from pyllama_spec.spec.sampling import SamplingParams
+from pyllama_spec.spec.sequence import Sequence as SlotSequence
+from pyllama_spec.spec.stats import GenerationStats
+from pyllama_spec.spec.verify import VERIFY_RULES, MatchVerifier, RejectionVerifier
 
 __all__ = ["Engine", "EngineConfig", "Piece", "Result", "load", "ProgressCallback"]
 
@@ -240,10 +247,11 @@ class Engine:
         """Refuse, before allocating anything: a bad file, a context past the training length, device
         options that do not fit (devices.py; RPC servers are reached here) and a configuration the
         devices cannot hold (memory.py). Resolves n_ctx=0 to the training length."""
-        from . import devices, memory
-        from .errors import InsufficientMemoryError
-        from .gguf_check import read_gguf_shared
-        from .llama import check_gguf_file
+        from pyllama_spec.bindings import devices
+        from pyllama_spec.bindings.llama import check_gguf_file
+        from pyllama_spec.errors import InsufficientMemoryError
+        from pyllama_spec.gguf import memory
+        from pyllama_spec.gguf.check import read_gguf_shared
 
         c = self.config
         for path, what in ((c.model, "target model"), (c.draft, "draft model"), (c.mmproj, "mmproj")):
@@ -286,7 +294,7 @@ class Engine:
         c = self.config
         dflash = None
         if c.spec_type == "draft-dflash":
-            from ._native import build_record
+            from pyllama_spec.bindings.native_info import build_record
 
             self.draft_model = self._load_draft_model()
             dflash = check_dflash_pair(self.model, self.draft_model,

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Mapping, Sequence
 
-from . import chat_template
-from .chat_template import TemplateRenderError
-from .llama import Model
-from .mtmd import MEDIA_MARKER
+from pyllama_spec.bindings.llama import Model
+from pyllama_spec.bindings.mtmd import MEDIA_MARKER
+from pyllama_spec.serving import chat_template
+from pyllama_spec.serving.chat_template import TemplateRenderError
 
 log = logging.getLogger("pyllama_spec")
 

@@ -55,10 +55,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import tiny
-from .embedded import DRAFT, MMPROJ, MODELS_DIR, TARGET
-from .gguf_check import GGUFInfo, ValueType, read_gguf, read_tensor
-from .gguf_writer import GGUFWriter
+from pyllama_spec.devtools import tiny
+from pyllama_spec.embedded import DRAFT, MMPROJ, MODELS_DIR, TARGET
+from pyllama_spec.gguf.check import GGUFInfo, ValueType, read_gguf, read_tensor
+from pyllama_spec.gguf.writer import GGUFWriter
 
 #: Bump when the written files change (cache names carry it).
 WIDEN_VERSION = 1

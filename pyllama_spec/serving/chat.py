@@ -18,9 +18,9 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
-from .engine import Engine, Piece
-from .errors import ImageError
-from .stats import GenerationStats
+from pyllama_spec.errors import ImageError
+from pyllama_spec.serving.engine import Engine, Piece
+from pyllama_spec.spec.stats import GenerationStats
 
 # "@path/to/image.png" inside a message attaches that image.
 _INLINE_IMAGE = re.compile(r"(?<!\S)@(\S+\.(?:png|jpe?g|gif|bmp|webp|tiff?))\b", re.IGNORECASE)

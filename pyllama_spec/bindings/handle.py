@@ -4,8 +4,8 @@ Bitmap, Chunks, Sampler) is one."""
 
 from __future__ import annotations
 
-from ._native import ffi
-from .errors import ClosedError
+from pyllama_spec._native import ffi
+from pyllama_spec.errors import ClosedError
 
 
 class NativeHandle:

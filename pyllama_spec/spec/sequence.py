@@ -17,11 +17,11 @@ from typing import Iterator
 
 import numpy as np
 
-from .drafters import Drafter, TargetRows
-from .errors import KVMemoryError
-from .llama import Context
-from .positions import SequencePositions, is_pinned
-from .stats import GenerationStats, Stopwatch
+from pyllama_spec.bindings.llama import Context
+from pyllama_spec.drafters import Drafter, TargetRows
+from pyllama_spec.errors import KVMemoryError
+from pyllama_spec.spec.positions import SequencePositions, is_pinned
+from pyllama_spec.spec.stats import GenerationStats, Stopwatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +128,7 @@ class Sequence:
 
     def _media_batch(self):
         if self._batch is None:
-            from .batch import Batch
+            from pyllama_spec.bindings.batch import Batch
 
             self._batch = Batch(self.ctx)
         return self._batch

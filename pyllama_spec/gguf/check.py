@@ -29,7 +29,7 @@ from typing import Any, Callable, NoReturn
 
 import numpy as np
 
-from .errors import ModelFileError
+from pyllama_spec.errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3

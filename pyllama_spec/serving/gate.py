@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 
-from .errors import ClosedError, EngineBusyError, GenerationCancelledError
+from pyllama_spec.errors import ClosedError, EngineBusyError, GenerationCancelledError
 
 
 class Ticket:

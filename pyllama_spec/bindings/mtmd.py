@@ -17,10 +17,24 @@ from typing import Callable, Sequence, Union
 
 import numpy as np
 
-from ._native import arm_interrupts, carry, ffi, interrupted_during_call, lib, raise_carried
-from .errors import ImageError, NativeCallError, ProjectorError, check_decode, forget_native_problems, with_native_log
-from .handle import NativeHandle
-from .llama import Context, Model, check_gguf_file
+from pyllama_spec._native import (
+    arm_interrupts,
+    carry,
+    ffi,
+    interrupted_during_call,
+    lib,
+    raise_carried,
+)
+from pyllama_spec.bindings.handle import NativeHandle
+from pyllama_spec.bindings.llama import Context, Model, check_gguf_file
+from pyllama_spec.errors import (
+    ImageError,
+    NativeCallError,
+    ProjectorError,
+    check_decode,
+    forget_native_problems,
+    with_native_log,
+)
 
 MEDIA_MARKER = ffi.string(lib.mtmd_default_marker()).decode()
 
@@ -61,7 +75,7 @@ class Bitmap(NativeHandle):
             return cls(image)
         from PIL import Image, UnidentifiedImageError
 
-        from .image_convert import to_rgb8
+        from pyllama_spec.bindings.image_convert import to_rgb8
 
         source = "image"
         try:

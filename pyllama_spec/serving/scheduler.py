@@ -28,8 +28,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
-from .errors import GenerationCancelledError
-from .generation import Generation, Piece, Result, speculative_step
+from pyllama_spec.errors import GenerationCancelledError
+from pyllama_spec.spec.generation import Generation, Piece, Result, speculative_step
 
 
 class Submission:
@@ -158,11 +158,11 @@ class Scheduler:
         sub = Submission(request, on_event)
         with self._cond:
             if self._stopping:
-                from .errors import ClosedError
+                from pyllama_spec.errors import ClosedError
 
                 raise ClosedError("the engine is closed")
             if max_waiting is not None and len(self._pending) >= max_waiting:
-                from .errors import EngineBusyError
+                from pyllama_spec.errors import EngineBusyError
 
                 raise EngineBusyError(f"{len(self._pending)} requests are already waiting for a slot")
             self._pending.append(sub)
