@@ -101,6 +101,14 @@ _DECODE_RC = {
     -1: "invalid input batch",
 }
 
+# What llama_batch_ext_add_token / _add_embd return when they refuse a row (the shim's
+# pyllama_batch_ext_add_tokens / _add_embds pass them on, and add -4 for a refused position).
+_BATCH_ADD_RC = {-1: "batch is full", -2: "invalid token or embedding size", -3: "invalid sequence id",
+                 -4: "invalid position"}
+
+# What mtmd_tokenize returns (tools/mtmd/mtmd.h).
+_TOKENIZE_RC = {1: "number of bitmaps does not match the markers", 2: "image preprocessing failed"}
+
 
 class DecodeError(NativeCallError):
     """llama_decode/llama_process failed on one context.
@@ -139,3 +147,29 @@ def check_decode(rc: int, call: str, *, role: str, n_rows: int, offset: int | No
     """The one gate for decode return codes: 0 passes, anything else raises DecodeError."""
     if rc != 0:
         raise DecodeError(call, rc, role=role, n_rows=n_rows, offset=offset, detail=detail)
+
+
+def check_batch_add(rc: int, *, n_rows: int, batch_rows: int, role: str) -> None:
+    """The gate for adding rows to a batch: rc >= 0 passes, a negative rc raises NativeCallError.
+
+    ``n_rows``: the rows being added; ``batch_rows``: those the batch held before. The caller
+    clears the batch before calling with a negative rc (the message says it was cleared).
+    """
+    if rc < 0:
+        raise NativeCallError("llama_batch_ext_add", rc,
+                              f"{_BATCH_ADD_RC.get(rc, 'error')} while adding {n_rows} rows to a batch of "
+                              f"{batch_rows} ({role} context); the batch was cleared")
+
+
+def check_tokenize(rc: int) -> None:
+    """The gate for mtmd_tokenize: 0 passes, anything else raises NativeCallError."""
+    if rc != 0:
+        raise NativeCallError("mtmd_tokenize", rc, _TOKENIZE_RC.get(rc, "tokenization failed"))
+
+
+def check_encode(rc: int, *, chunk_type: str, n_rows: int, interrupted: bool = False) -> None:
+    """The gate for mtmd_encode_chunk: 0 passes, anything else raises NativeCallError naming the
+    chunk, or saying Ctrl-C stopped it (``interrupted``)."""
+    if rc != 0:
+        raise NativeCallError("mtmd_encode_chunk", rc,
+                              "interrupted (Ctrl-C)" if interrupted else f"{chunk_type} chunk of {n_rows} rows")

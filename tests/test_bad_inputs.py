@@ -254,6 +254,28 @@ def test_batch_shape_mistakes_raise_value_error(tiny_dense, ctx_kwargs):
         assert batch.n_rows == 0
 
 
+def test_native_return_codes_pass_one_gate_each():
+    """errors.py's gates: what passes, and what each refused code says (the bindings raise these)."""
+    from pyllama_spec.errors import check_batch_add, check_encode, check_tokenize
+
+    check_batch_add(5, n_rows=5, batch_rows=0, role="target")
+    check_tokenize(0)
+    check_encode(0, chunk_type="image", n_rows=576)
+    with pytest.raises(NativeCallError, match=r"llama_batch_ext_add failed \(rc = -4\): invalid position while adding "
+                                              r"3 rows to a batch of 7 \(draft context\); the batch was cleared"):
+        check_batch_add(-4, n_rows=3, batch_rows=7, role="draft")
+    with pytest.raises(NativeCallError, match=r"\(rc = -9\): error while adding"):
+        check_batch_add(-9, n_rows=1, batch_rows=0, role="target")
+    with pytest.raises(NativeCallError, match=r"mtmd_tokenize failed \(rc = 2\): image preprocessing failed"):
+        check_tokenize(2)
+    with pytest.raises(NativeCallError, match=r"mtmd_tokenize failed \(rc = 7\): tokenization failed"):
+        check_tokenize(7)
+    with pytest.raises(NativeCallError, match=r"mtmd_encode_chunk failed \(rc = 1\): image chunk of 576 rows"):
+        check_encode(1, chunk_type="image", n_rows=576)
+    with pytest.raises(NativeCallError, match=r"mtmd_encode_chunk failed \(rc = 1\): interrupted \(Ctrl-C\)"):
+        check_encode(1, chunk_type="image", n_rows=576, interrupted=True)
+
+
 def test_layer_beyond_the_target_is_refused(tiny_dense, ctx_kwargs):
     with Model(tiny_dense.target) as m, Context(m, **ctx_kwargs) as ctx:
         for lid in (-1, m.n_layer + 1):

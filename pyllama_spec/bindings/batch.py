@@ -13,13 +13,10 @@ import numpy as np
 
 from pyllama_spec._native import ffi, lib
 from pyllama_spec.bindings.handle import NativeHandle
-from pyllama_spec.errors import NativeCallError
+from pyllama_spec.errors import NativeCallError, check_batch_add
 
 if TYPE_CHECKING:
     from pyllama_spec.bindings.llama import Context
-
-_ADD_ERRORS = {-1: "batch is full", -2: "invalid token or embedding size", -3: "invalid sequence id",
-               -4: "invalid position"}
 
 
 def _outputs_array(outputs, n: int) -> np.ndarray | None:
@@ -131,7 +128,5 @@ class Batch(NativeHandle):
             # batch, so that what it holds and what this object counts agree (nothing).
             before = self.n_rows
             self.clear()
-            raise NativeCallError("llama_batch_ext_add", rc,
-                                  f"{_ADD_ERRORS.get(rc, 'error')} while adding {n} rows to a batch of {before} "
-                                  f"({self._ctx.role} context); the batch was cleared")
+            check_batch_add(rc, n_rows=n, batch_rows=before, role=self._ctx.role)
         self.n_rows += n

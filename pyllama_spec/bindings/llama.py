@@ -34,17 +34,18 @@ from pyllama_spec.errors import (
     with_native_log,
 )
 from pyllama_spec.gguf.check import GGUF_MAGIC, validate_gguf
+from pyllama_spec.gguf.memory import KV_CACHE_TYPE_FACTS, KV_CACHE_TYPE_NAMES
 
 if TYPE_CHECKING:
     from pyllama_spec.bindings.batch import Batch
     from pyllama_spec.bindings.devices import Placement
 
-#: KV cache types by llama.cpp's -ctk / -ctv names.
+#: The ggml type of each KV cache type, by llama.cpp's -ctk / -ctv names. The names and their
+#: facts (bytes, block, quantized) are gguf.memory's KV_CACHE_TYPE_NAMES / KV_CACHE_TYPE_FACTS.
 KV_CACHE_TYPES = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16, "bf16": lib.GGML_TYPE_BF16,
                   "q8_0": lib.GGML_TYPE_Q8_0, "q4_0": lib.GGML_TYPE_Q4_0, "q4_1": lib.GGML_TYPE_Q4_1,
                   "iq4_nl": lib.GGML_TYPE_IQ4_NL, "q5_0": lib.GGML_TYPE_Q5_0, "q5_1": lib.GGML_TYPE_Q5_1}
-_UNQUANTIZED_KV = ("f32", "f16", "bf16")
-_KV_BLOCK = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "iq4_nl": 32, "q5_0": 32, "q5_1": 32}  # rows per quant block
+assert tuple(KV_CACHE_TYPES) == KV_CACHE_TYPE_NAMES, "KV_CACHE_TYPES must map exactly gguf.memory's names"
 _MROPE_TYPES = {lib.LLAMA_ROPE_TYPE_MROPE, lib.LLAMA_ROPE_TYPE_IMROPE}
 
 
@@ -153,10 +154,6 @@ class Model(NativeHandle):
     @property
     def arch(self) -> str:
         return self.meta("general.architecture") or "unknown"
-
-    @property
-    def description(self) -> str:
-        return _read_str(lib.llama_model_desc, self.ptr) or ""
 
     @property
     def n_embd(self) -> int:
@@ -370,13 +367,13 @@ class Context(NativeHandle):
         params.n_threads_batch = n_threads_batch or threads
         for name, kind in (("type_k", type_k), ("type_v", type_v)):
             if kind not in KV_CACHE_TYPES:
-                raise ValueError(f"{name} {kind!r} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPES)}")
-        if type_v not in _UNQUANTIZED_KV and flash_attn is False:
+                raise ValueError(f"{name} {kind!r} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPE_NAMES)}")
+        if KV_CACHE_TYPE_FACTS[type_v].quantized and flash_attn is False:
             # llama.cpp refuses a quantized V cache without flash attention (it returns no context).
             raise ValueError(f"a quantized V cache ({type_v}) needs flash attention: -fa on (flash_attn=True) "
                              "or auto, or an unquantized V cache (f16)")
         for kind, width, name in zip((type_k, type_v), model.head_dims(), ("K", "V")):
-            block = _KV_BLOCK.get(kind, 1)
+            block = KV_CACHE_TYPE_FACTS[kind].block
             if width and width % block:
                 raise ValueError(f"a {kind} {name} cache stores blocks of {block} values, which do not divide this "
                                  f"{role} model's {name} head width {width}; use f16 or bf16 for it")
@@ -441,9 +438,6 @@ class Context(NativeHandle):
 
     def set_causal_attn(self, causal: bool) -> None:
         lib.llama_set_causal_attn(self.ptr, causal)
-
-    def set_threads(self, n_threads: int, n_threads_batch: int | None = None) -> None:
-        lib.llama_set_n_threads(self.ptr, n_threads, n_threads_batch or n_threads)
 
     # --- processing
     def decode(self, batch: "Batch") -> None:

@@ -32,6 +32,8 @@ from pyllama_spec.errors import (
     NativeCallError,
     ProjectorError,
     check_decode,
+    check_encode,
+    check_tokenize,
     forget_native_problems,
     with_native_log,
 )
@@ -276,8 +278,8 @@ class Projector(NativeHandle):
                 f"target's input width n_embd_inp {model.n_embd_inp})"))
         self._ptr = ptr
         model.dependents.add(self)  # freed before the model it reads from
-        # Ctrl-C stops an encode between graph nodes (patches/0002; 0 on an unpatched tree).
-        self.encode_interruptible = bool(lib.pyllama_mtmd_set_abort_callback(ptr))
+        # Ctrl-C stops an encode between graph nodes (patches/0002; a no-op on an unpatched tree).
+        lib.pyllama_mtmd_set_abort_callback(ptr)
         self.n_encode_calls = 0  # counted so that callers (and tests) can see cache reuse
 
     def _free(self, ptr) -> None:
@@ -321,8 +323,7 @@ class Projector(NativeHandle):
             raise
         if rc != 0:
             lib.mtmd_input_chunks_free(chunks)
-            meaning = {1: "number of bitmaps does not match the markers", 2: "image preprocessing failed"}
-            raise NativeCallError("mtmd_tokenize", rc, meaning.get(rc, "tokenization failed"))
+        check_tokenize(rc)
         return Chunks(chunks)
 
     def encode(self, chunk: Chunk) -> np.ndarray:
@@ -333,10 +334,8 @@ class Projector(NativeHandle):
         rc = lib.mtmd_encode_chunk(self.ptr, chunk._ptr)
         self.n_encode_calls += 1
         raise_carried()
-        if rc != 0:
-            if interrupted_during_call():
-                raise NativeCallError("mtmd_encode_chunk", rc, "interrupted (Ctrl-C)")
-            raise NativeCallError("mtmd_encode_chunk", rc, f"{chunk.type} chunk of {chunk.n_tokens} rows")
+        ctrl_c = rc != 0 and interrupted_during_call()
+        check_encode(rc, chunk_type=chunk.type, n_rows=chunk.n_tokens, interrupted=ctrl_c)
         ptr = lib.mtmd_get_output_embd(self.ptr)
         n = chunk.n_tokens * self.model.n_embd_inp
         return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).reshape(chunk.n_tokens, -1).copy()

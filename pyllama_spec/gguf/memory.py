@@ -24,8 +24,32 @@ from pyllama_spec.gguf.check import (
 )
 
 MiB = 2**20
-_KV_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
-             "iq4_nl": 18 / 32, "q5_0": 22 / 32, "q5_1": 24 / 32}
+
+
+@dataclasses.dataclass(frozen=True)
+class KVCacheType:
+    """What one KV cache type stores: blocks of ``block`` values, ``block_bytes`` bytes each
+    (a quantized type's block holds its scales too; an unquantized type has blocks of one value)."""
+
+    name: str
+    block: int
+    block_bytes: int
+
+    @property
+    def bytes_per_value(self) -> float:
+        return self.block_bytes / self.block
+
+    @property
+    def quantized(self) -> bool:
+        return self.block > 1
+
+
+#: The KV cache types this package offers (llama.cpp's -ctk / -ctv names), in the order the CLI lists them.
+KV_CACHE_TYPE_FACTS: dict[str, KVCacheType] = {t.name: t for t in (
+    KVCacheType("f32", 1, 4), KVCacheType("f16", 1, 2), KVCacheType("bf16", 1, 2),
+    KVCacheType("q8_0", 32, 34), KVCacheType("q4_0", 32, 18), KVCacheType("q4_1", 32, 20),
+    KVCacheType("iq4_nl", 32, 18), KVCacheType("q5_0", 32, 22), KVCacheType("q5_1", 32, 24))}
+KV_CACHE_TYPE_NAMES: tuple[str, ...] = tuple(KV_CACHE_TYPE_FACTS)
 
 
 @dataclasses.dataclass
@@ -84,7 +108,8 @@ def _model_part(name: str, path: Path, *, n_ctx: int, n_ubatch: int, type_k: str
     cells = n_ctx
     if window:  # a sliding-window cache keeps the window and one ubatch, padded as llama.cpp pads it
         cells = min(n_ctx, -(-(window + n_ubatch) // 256) * 256)
-    kv = int(n_layer * cells * n_head_kv * (head_k * _KV_BYTES[type_k] + head_v * _KV_BYTES[type_v]))
+    kv = int(n_layer * cells * n_head_kv * (head_k * KV_CACHE_TYPE_FACTS[type_k].bytes_per_value
+                                             + head_v * KV_CACHE_TYPE_FACTS[type_v].bytes_per_value))
     n_vocab = n_vocab_out or len(info.metadata.get("tokenizer.ggml.tokens", ()))
     # With flash attention the scores are not stored whole, but its own buffers take part of that
     # room (measured: 21 of the 35.5 MiB on the bench draft): counting them keeps an upper bound.
@@ -100,8 +125,8 @@ def estimate(model: str | Path, *, mmproj: str | Path | None = None, draft: str 
              cache_type_k_draft: str | None = None, cache_type_v_draft: str | None = None) -> Estimate:
     """The memory a load() with these settings needs, part by part (see the module)."""
     for kind in (cache_type_k, cache_type_v, cache_type_k_draft, cache_type_v_draft):
-        if kind is not None and kind not in _KV_BYTES:
-            raise ValueError(f"{kind!r} is not a KV cache type; use one of {', '.join(_KV_BYTES)}")
+        if kind is not None and kind not in KV_CACHE_TYPE_FACTS:
+            raise ValueError(f"{kind!r} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPE_NAMES)}")
     target = _model_part("target", Path(model), n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=cache_type_k,
                          type_v=cache_type_v)
     parts = [target]

@@ -5,9 +5,17 @@ the drafter's state for that ``seq_id``, and its ``SequencePositions``. It also 
 what its cache holds (text tokens and media items, in order) so that a later prompt can
 reuse the longest common prefix.
 
-Every change goes through one method here, which updates all three in the one safe
-order: decide the new end (positions), then cut the target's memory and tell the drafter
-where the sequence now ends (``forget``). Nothing else in the package removes rows.
+Every change to where the sequence ends goes through one method here, which updates all
+three in the one safe order: decide the new end (positions), then cut the target's memory
+and tell the drafter where the sequence now ends (``forget``). Rows decoded elsewhere (a
+verify step in generation.py) are kept or cut by ``commit``.
+
+Two other places remove rows, never this sequence's own: a drafter drops the rows of its
+draft blocks from its own draft context once it has read them; and a tree step
+(``generation._tree_step``) shares this sequence's cells into temporary leaf sequences
+(the seq ids after this one), copies the accepted path's cells back into this sequence,
+then removes the leaf sequences whole (also when its decode failed), and calls ``commit``
+for the path, so the positions and the drafter still move here.
 """
 
 from __future__ import annotations
