@@ -8,7 +8,8 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec.drafters import Drafter, DraftRequest, TargetRows, canonical_spec_type
+from pyllama_spec.drafters import Drafter, DraftRequest, TargetRows
+from pyllama_spec.drafters.registry import canonical_spec_type
 from pyllama_spec.drafters.ngram import NgramDrafter
 
 PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
@@ -179,3 +180,71 @@ def test_a_draft_model_with_another_vocabulary_is_refused():
     with pytest.raises(ps.IncompatibleModelsError, match="spells token"):
         check_draft_model(target, Facts(1000, lambda t: f"<{t}>"))
     check_draft_model(target, Facts(1000, str))  # the same vocabulary passes
+
+
+# --- the registry: a method is one module and one entry; the engine does not change
+
+class RepeatLastDrafter:
+    """A toy method for the registry test: proposes the last token again, n_max times."""
+
+    name = "repeat-last"
+
+    def __init__(self, n_max: int, n_max_limit: int) -> None:
+        self.n_max, self.n_min, self.n_max_limit = n_max, 0, n_max_limit
+        self.processed = 0
+
+    def process(self, rows) -> None:
+        self.processed += sum(r.n_rows for r in rows)
+
+    def draft(self, requests):
+        from pyllama_spec.drafters import Proposal
+
+        return [Proposal([rq.id_last] * rq.n_max) for rq in requests]
+
+    def forget(self, seq_id, pos, draft_pos) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def check_pair(target, draft, build_record):
+    from pyllama_spec.drafters.registry import Pairing
+
+    assert draft is None  # the entry says it needs no file
+    return Pairing(limit=5, per_position_logits=False)
+
+
+def make(setup):
+    return RepeatLastDrafter(setup.n_max, setup.pairing.limit)
+
+
+def test_a_method_added_to_the_registry_runs_through_the_unchanged_engine(monkeypatch, tiny_dense):
+    from pyllama_spec.drafters import registry
+
+    entry = registry.Method("repeat-last", __name__, draft_file=False)
+    monkeypatch.setitem(registry._BY_NAME, "repeat-last", entry)
+    with ps.load(tiny_dense.target, spec_type="repeat-last", n_ctx=1024, n_batch=64, n_ubatch=64,
+                 n_threads=N_THREADS, draft_max=16, flash_attn=False) as engine, \
+            ps.load(tiny_dense.target, spec_type="none", n_ctx=1024, n_batch=64, n_ubatch=64,
+                    n_threads=N_THREADS, flash_attn=False) as plain:
+        assert isinstance(engine.drafter, RepeatLastDrafter) and engine.draft_max == 5  # its pairing's limit
+        got = engine.generate("def main(", max_tokens=24)
+        assert got.tokens == plain.generate("def main(", max_tokens=24).tokens
+        assert got.stats.drafted > 0 and engine.drafter.processed > 0
+        with pytest.raises(ValueError, match="draft_tree needs"):
+            ps.load(tiny_dense.target, spec_type="repeat-last", draft_tree=4, n_threads=N_THREADS)
+
+
+def test_every_registry_entry_names_a_module_with_check_pair_and_make():
+    import importlib
+
+    from pyllama_spec.drafters import registry
+
+    for entry in registry.METHODS:
+        module = importlib.import_module(entry.module)
+        assert callable(module.check_pair) and callable(module.make), entry.name
+        assert registry.method(entry.name) is entry
+        for alias in entry.aliases:
+            assert registry.canonical_spec_type(alias) == entry.name
+    assert registry.method("none") is None

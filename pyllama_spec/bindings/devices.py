@@ -459,8 +459,11 @@ class EnginePlacement:
         return " + ".join(used), sum(d.info().free for d in used.values())
 
 
-def plan(config) -> EnginePlacement:
+def plan(config, *, draft_uses_target_head: bool = False) -> EnginePlacement:
     """Check an EngineConfig's device options and reach its RPC servers; where target and draft go.
+
+    ``draft_uses_target_head``: the speculative method's draft computes with the target's output
+    head (the drafter registry says so), which must then stay where the draft's context can use it.
 
     Everything that can be checked without native calls is checked first (ValueError); then each
     RPC server is reached (RemoteDeviceError naming it); then device names are resolved.
@@ -521,9 +524,9 @@ def plan(config) -> EnginePlacement:
                                  f"({d.endpoint or d.kind}) does not: use 'layer'")
     target = Placement(target_devices, split_mode, main_gpu, tensor_split)
     draft = Placement(draft_devices)
-    if config.spec_type == "draft-dflash" and config.draft is not None and config.n_gpu_layers != 0 \
+    if draft_uses_target_head and config.draft is not None and config.n_gpu_layers != 0 \
             and "output.weight" not in read_gguf_shared(config.draft).tensors:
-        # The DFlash draft computes with the target's token embedding (on the CPU) and output head.
+        # A draft such as DFlash's computes with the target's token embedding (on the CPU) and output head.
         # Its context has the draft's devices only: a head elsewhere (on a server) could not be used.
         info = read_gguf_shared(config.model)
         n_layer = int(info.metadata.get(f"{info.arch}.block_count", 0) or 0)

@@ -18,7 +18,8 @@ A drafter serves ``n_seq`` sequences (one per slot; see sequence.py), named by `
 * ``close()``: free what the drafter holds.
 
 ``n_max`` is a drafter's default draft length and ``n_max_limit`` the most a request may
-ask for. ``spec_type="none"`` has no drafter at all.
+ask for. ``spec_type="none"`` has no drafter at all. The methods, and what the engine needs to
+know of each, are in ``registry.py``.
 """
 
 from __future__ import annotations
@@ -115,12 +116,6 @@ class Drafter(Protocol):
     def close(self) -> None: ...
 
 
-#: Speculative methods by llama.cpp's names ("dflash" is accepted for "draft-dflash").
-SPEC_TYPES = ("none", "draft-dflash", "dflash", "draft-simple", "ngram-simple")
-SPEC_ALIASES = {"dflash": "draft-dflash"}
-
-
-def canonical_spec_type(spec_type: str) -> str:
-    if spec_type not in SPEC_TYPES:
-        raise ValueError(f"spec_type must be one of {SPEC_TYPES}, got {spec_type!r}")
-    return SPEC_ALIASES.get(spec_type, spec_type)
+#: The most tokens a draft-model or n-gram draft proposes in one step (a DFlash draft's block
+#: size bounds its own).
+DRAFT_TOKEN_LIMIT = 32

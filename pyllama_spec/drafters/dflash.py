@@ -97,6 +97,23 @@ def check_dflash_pair(target: Model, draft: Model, dflash_target_archs: list[str
     return cfg
 
 
+def check_pair(target: Model, draft: Model, build_record: dict):
+    """The registry's pairing check (registry.py): a block of ``block_size`` holds ``id_last`` and at
+    most ``block_size - 1`` drafted tokens; DFlash2 walks its own lattice (no per-position logits)."""
+    from pyllama_spec.drafters.registry import Pairing
+
+    cfg = check_dflash_pair(target, draft, build_record.get("dflash_target_archs"))
+    return Pairing(limit=cfg.block_size - 1, per_position_logits=not cfg.is_dflash2, data=cfg)
+
+
+def make(setup) -> "DFlashDrafter":
+    """The registry's constructor (registry.py)."""
+    return DFlashDrafter(setup.target_ctx, setup.draft_model, setup.pairing.data, n_max=setup.n_max,
+                         n_seq=setup.n_seq, n_min=setup.n_min, p_min=setup.p_min, n_ubatch=setup.n_ubatch,
+                         n_threads=setup.n_threads, flash_attn=setup.flash_attn, swa_full=setup.swa_full,
+                         **setup.cache_types)
+
+
 class DFlashDrafter:
     """The DFlash method behind the drafter protocol (see drafters/__init__.py), for ``n_seq`` sequences."""
 

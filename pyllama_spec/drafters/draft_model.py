@@ -17,7 +17,7 @@ import numpy as np
 
 from pyllama_spec.bindings.batch import Batch
 from pyllama_spec.bindings.llama import Context, Model
-from pyllama_spec.drafters import DraftRequest, Proposal, TargetRows
+from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, TargetRows
 from pyllama_spec.errors import IncompatibleModelsError
 
 
@@ -38,13 +38,28 @@ def check_draft_model(target: Model, draft: Model) -> None:
                                       "rejected drafts; use an attention-only draft model")
 
 
+def check_pair(target: Model, draft: Model, build_record: dict):
+    """The registry's pairing check (registry.py)."""
+    from pyllama_spec.drafters.registry import Pairing
+
+    check_draft_model(target, draft)
+    return Pairing(limit=DRAFT_TOKEN_LIMIT, per_position_logits=True)
+
+
+def make(setup) -> "DraftModelDrafter":
+    """The registry's constructor (registry.py): one draft context laid out by the target's positions."""
+    return DraftModelDrafter(setup.draft_model, n_ctx=setup.n_ctx, n_max=setup.n_max, n_seq=setup.n_seq,
+                             n_min=setup.n_min, n_max_limit=setup.pairing.limit, n_batch=setup.n_batch,
+                             n_threads=setup.n_threads, flash_attn=setup.flash_attn, **setup.cache_types)
+
+
 class DraftModelDrafter:
     """The ``draft-simple`` method behind the drafter protocol (see drafters/__init__.py), for ``n_seq``
     sequences in one draft context (laid out by the target's positions)."""
 
     name = "draft-simple"
 
-    def __init__(self, draft_model: Model, *, n_ctx: int, n_max: int, n_min: int = 0, n_max_limit: int = 32,
+    def __init__(self, draft_model: Model, *, n_ctx: int, n_max: int, n_min: int = 0, n_max_limit: int = DRAFT_TOKEN_LIMIT,
                  n_seq: int = 1, n_batch: int = 512, n_threads: int | None = None,
                  flash_attn: bool | None = False, type_k: str = "f16", type_v: str = "f16") -> None:
         self.n_max_limit = n_max_limit

@@ -17,10 +17,22 @@ from typing import Sequence
 
 import numpy as np
 
-from pyllama_spec.drafters import DraftRequest, Proposal, TargetRows
+from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, TargetRows
 
 _SEPARATOR = -1  # stands for a media chunk in the history
 _EMPTY = np.zeros(0, dtype=np.int32)
+
+
+def check_pair(target, draft, build_record: dict):
+    """The registry's pairing check (registry.py): any target, no draft file, no distribution."""
+    from pyllama_spec.drafters.registry import Pairing
+
+    return Pairing(limit=DRAFT_TOKEN_LIMIT, per_position_logits=False)
+
+
+def make(setup) -> "NgramDrafter":
+    """The registry's constructor (registry.py)."""
+    return NgramDrafter(n_max=setup.n_max, n_min=setup.n_min, n_max_limit=setup.pairing.limit)
 
 
 class NgramDrafter:
@@ -33,7 +45,7 @@ class NgramDrafter:
 
     name = "ngram-simple"
 
-    def __init__(self, *, n_max: int, n_min: int = 0, n_max_limit: int = 32, ngram_min: int = 2,
+    def __init__(self, *, n_max: int, n_min: int = 0, n_max_limit: int = DRAFT_TOKEN_LIMIT, ngram_min: int = 2,
                  ngram_max: int = 4, copy_past_end: bool = True) -> None:
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")

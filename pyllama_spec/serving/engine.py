@@ -1,11 +1,14 @@
-"""The speculative engine: multimodal prefill and the draft / verify / accept loop.
+"""The Engine: loads a target, its projector and the speculative method's drafter (chosen from
+the drafter registry, drafters/registry.py), checks everything it can before allocating, and
+runs generations one at a time (the gate) or in slots (the scheduler).
 
 >>> import pyllama_spec as ps                                       # doctest: +SKIP
->>> with ps.load(model="t.gguf", mmproj="m.gguf", draft="d.gguf") as engine:
-...     result = engine.generate(f"Describe this: {ps.MEDIA_MARKER}", images=["photo.png"])
+>>> em = ps.embedded_models()
+>>> with ps.load(model=em.target, mmproj=em.mmproj, draft=em.draft) as engine:
+...     result = engine.generate("def fibonacci(n):\n    if n", max_tokens=32)
 ...     print(result.text, result.stats.acceptance_rate)
 
-One generation, as the loop below reads:
+One generation, as spec/generation.py's prefill and step read:
 1. prefill the prompt chunk by chunk (text at consecutive positions from ``pos_next``;
    images encoded, then decoded in ``n_batch`` slices with their M-RoPE positions),
    showing every decoded batch to the drafter;
@@ -25,10 +28,8 @@ import numpy as np
 
 from pyllama_spec.bindings.llama import Context, Model, Sampler
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
-from pyllama_spec.drafters import Drafter, canonical_spec_type
-from pyllama_spec.drafters.dflash import DFlashDrafter, check_dflash_pair
-from pyllama_spec.drafters.draft_model import DraftModelDrafter, check_draft_model
-from pyllama_spec.drafters.ngram import NgramDrafter
+from pyllama_spec.drafters import Drafter
+from pyllama_spec.drafters.registry import METHODS, DrafterSetup, Pairing, canonical_spec_type, method
 from pyllama_spec.errors import ContextOverflowError, ImageError
 from pyllama_spec.serving.gate import EngineGate
 from pyllama_spec.serving.prompt import as_list, render_messages
@@ -50,7 +51,6 @@ from pyllama_spec.spec.verify import VERIFY_RULES, MatchVerifier, RejectionVerif
 
 __all__ = ["Engine", "EngineConfig", "Piece", "Result", "load", "ProgressCallback"]
 
-TOKEN_DRAFT_LIMIT = 32  # the most tokens an n-gram or draft-model draft proposes in one step
 
 
 # Counting a long prompt's tokens piece by piece before tokenizing it whole (see
@@ -144,8 +144,10 @@ def _check_draft_tree(c: EngineConfig) -> None:
         raise ValueError(f"draft_tree must be an integer from 0 to {DRAFT_TREE_LIMIT}, got {t!r}")
     if not t:
         return
-    if c.spec_type != "draft-dflash":
-        raise ValueError(f"draft_tree needs a DFlash draft (spec_type 'draft-dflash'), whose block gives the "
+    m = method(c.spec_type)
+    if m is None or not m.trees:
+        trees = ", ".join(repr(t.name) for t in METHODS if t.trees)
+        raise ValueError(f"draft_tree needs a DFlash draft (spec_type {trees}), whose block gives the "
                          f"draft's distribution at every position; got spec_type {c.spec_type!r}")
     if t + 1 > c.n_batch:
         raise ValueError(f"draft_tree {t} needs n_batch >= {t + 1}: the whole tree and its root are verified "
@@ -207,7 +209,9 @@ class Engine:
 
     def __init__(self, config: EngineConfig) -> None:
         config = dataclasses.replace(config, spec_type=canonical_spec_type(config.spec_type))
-        if config.spec_type.startswith("draft-") and config.draft is None:
+        #: The speculative method's registry entry (drafters/registry.py); None for spec_type "none".
+        self.method = method(config.spec_type)
+        if self.method is not None and self.method.draft_file and config.draft is None:
             raise ValueError(f"spec_type={config.spec_type!r} needs a draft model (draft=...)")
         if config.n_ubatch > config.n_batch:
             raise ValueError(f"n_ubatch ({config.n_ubatch}) cannot exceed n_batch ({config.n_batch})")
@@ -267,8 +271,9 @@ class Engine:
             raise ValueError(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} "
                              f"tokens, {info.arch}.context_length): positions past it were never trained; use -c "
                              f"{n_ctx_train * c.n_parallel} or less (or -c 0 for exactly that)")
-        self.placement = devices.plan(c)
-        draft = c.draft if c.spec_type == "draft-dflash" else None
+        m = self.method
+        self.placement = devices.plan(c, draft_uses_target_head=bool(m and m.uses_target_head))
+        draft = c.draft if m is not None and m.counts_draft_memory else None
         est = memory.estimate(c.model, mmproj=c.mmproj, draft=draft, n_ctx=c.n_ctx, n_ubatch=c.n_ubatch,
                               cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v,
                               cache_type_k_draft=c.cache_type_k_draft, cache_type_v_draft=c.cache_type_v_draft)
@@ -291,22 +296,19 @@ class Engine:
         return dict(type_k=c.cache_type_k_draft or c.cache_type_k, type_v=c.cache_type_v_draft or c.cache_type_v)
 
     def _open(self) -> None:
-        c = self.config
-        dflash = None
-        if c.spec_type == "draft-dflash":
+        c, m = self.config, self.method
+        pairing: Pairing | None = None
+        if m is not None:
             from pyllama_spec.bindings.native_info import build_record
 
-            self.draft_model = self._load_draft_model()
-            dflash = check_dflash_pair(self.model, self.draft_model,
-                                       build_record().get("dflash_target_archs"))
-        elif c.spec_type == "draft-simple":
-            self.draft_model = self._load_draft_model()
-            check_draft_model(self.model, self.draft_model)
+            if m.draft_file:
+                self.draft_model = self._load_draft_model()
+            pairing = m.check_pair(self.model, self.draft_model, build_record())
         # A recurrent/hybrid target rolls back rejected drafts through state snapshots: one per
         # position that may be rolled back (llama.cpp also needs n_ubatch > n_rs_seq + 1).
-        limit = dflash.block_size - 1 if dflash else TOKEN_DRAFT_LIMIT
+        limit = pairing.limit if pairing else 0
         # With "auto" the drafter may draft up to its limit; each step's length is planned (draft_length.py).
-        draft_max = (limit if c.draft_max == "auto" else min(c.draft_max, limit)) if c.spec_type != "none" else 0
+        draft_max = (limit if c.draft_max == "auto" else min(c.draft_max, limit)) if pairing else 0
         n_rs_seq = 0
         if draft_max and self.model.is_recurrent:
             n_rs_seq = min(draft_max, c.n_ubatch - 2)
@@ -318,7 +320,7 @@ class Engine:
             if self.model.is_recurrent:
                 raise ValueError("draft_tree needs an attention-only target: a recurrent state cannot hold "
                                  "several branches at once")
-            if dflash.is_dflash2:
+            if not pairing.per_position_logits:
                 raise ValueError("draft_tree needs a DFlash draft with per-position logits; a DFlash2 draft "
                                  "walks its own lattice")
         # A draft tree gives every leaf a sequence id of its own, sharing the cells of one cache.
@@ -330,18 +332,12 @@ class Engine:
             offload = c.n_gpu_layers != 0 if c.mmproj_offload is None else c.mmproj_offload
             self.projector = Projector(c.mmproj, self.model, use_gpu=offload, n_threads=c.n_threads,
                                        flash_attn=c.flash_attn)
-        if dflash is not None:
-            self.drafter = DFlashDrafter(self.ctx, self.draft_model, dflash, n_max=draft_max, n_seq=n_seq,
-                                         n_min=c.draft_min, p_min=c.draft_p_min, n_ubatch=c.n_ubatch,
-                                         n_threads=c.n_threads, flash_attn=c.flash_attn, swa_full=c.swa_full,
-                                         **self._draft_cache_types())
-        elif c.spec_type == "ngram-simple":
-            self.drafter = NgramDrafter(n_max=draft_max, n_min=c.draft_min, n_max_limit=limit)
-        elif c.spec_type == "draft-simple":
-            self.drafter = DraftModelDrafter(self.draft_model, n_ctx=c.n_ctx, n_max=draft_max, n_seq=n_seq,
-                                             n_min=c.draft_min, n_max_limit=limit, n_batch=c.n_batch,
-                                             n_threads=c.n_threads, flash_attn=c.flash_attn,
-                                             **self._draft_cache_types())
+        if m is not None:
+            self.drafter = m.make(DrafterSetup(
+                target_ctx=self.ctx, draft_model=self.draft_model, pairing=pairing, n_max=draft_max, n_min=c.draft_min,
+                p_min=c.draft_p_min, n_seq=n_seq, n_ctx=c.n_ctx, n_batch=c.n_batch, n_ubatch=c.n_ubatch,
+                n_threads=c.n_threads, flash_attn=c.flash_attn, swa_full=c.swa_full,
+                cache_types=self._draft_cache_types()))
         if self.drafter is not None and n_rs_seq:
             self.drafter.n_max_limit = n_rs_seq  # rollback snapshots bound how far a draft can go
         self.sequences = [SlotSequence(self.ctx, self.drafter, i, draft_positions=c.draft_positions, n_seq=n_seq)

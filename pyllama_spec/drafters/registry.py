@@ -1,0 +1,100 @@
+"""The speculative methods, one entry each: what the engine needs to know of a method, said once.
+
+An entry names the method (llama.cpp's ``--spec-type`` name and aliases), whether it needs a
+draft file, what it reads of the target's decodes, whether it computes with the target's output
+head (so the head must stay where its context can reach it), whether a draft tree can be built
+from its drafts, and whether the memory estimate counts its draft. Its module (imported only
+when the method is used, so that the names are known before the native part is built) gives:
+
+* ``check_pair(target, draft, build_record) -> Pairing``: refuse, before any context exists, a
+  pairing that cannot work; say how far one draft may go and whether it has per-position logits;
+* ``make(setup: DrafterSetup) -> Drafter``.
+
+Adding a method is one module and one entry here; the engine does not change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+from pyllama_spec.drafters import Drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class Pairing:
+    """What checking a target and its draft found."""
+
+    limit: int  # the most tokens one draft may propose (n_max_limit)
+    per_position_logits: bool  # the draft's distribution at every drafted position (trees, rejection)
+    data: Any = None  # the method's own facts for make() (e.g. a DFlashConfig)
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterSetup:
+    """Everything ``make`` may use: the target's context, the draft model (None without a file),
+    the pairing, and the engine's settings for drafts and the draft's context."""
+
+    target_ctx: Any
+    draft_model: Any
+    pairing: Pairing
+    n_max: int
+    n_min: int
+    p_min: float
+    n_seq: int
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    n_threads: int | None
+    flash_attn: bool | None
+    swa_full: bool
+    cache_types: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    name: str  # llama.cpp's --spec-type name
+    module: str  # the module implementing check_pair and make
+    aliases: tuple[str, ...] = ()
+    draft_file: bool = True  # needs a draft model (-md)
+    target_features: str = "none"  # what it reads of each target decode: "layer inputs" or "none"
+    uses_target_head: bool = False  # computes with the target's token embedding and output head
+    trees: bool = False  # a draft tree can be built from its drafts (with per-position logits)
+    counts_draft_memory: bool = False  # memory.estimate counts its draft's weights and caches
+
+    def _impl(self):
+        return importlib.import_module(self.module)
+
+    def check_pair(self, target, draft, build_record: dict) -> Pairing:
+        return self._impl().check_pair(target, draft, build_record)
+
+    def make(self, setup: DrafterSetup) -> Drafter:
+        return self._impl().make(setup)
+
+
+METHODS = (
+    Method("draft-dflash", "pyllama_spec.drafters.dflash", aliases=("dflash",), target_features="layer inputs",
+           uses_target_head=True, trees=True, counts_draft_memory=True),
+    Method("draft-simple", "pyllama_spec.drafters.draft_model"),
+    Method("ngram-simple", "pyllama_spec.drafters.ngram", draft_file=False),
+)
+_BY_NAME = {name: m for m in METHODS for name in (m.name, *m.aliases)}
+
+#: Every --spec-type name accepted ("none": target only), aliases included.
+SPEC_TYPES = ("none", *_BY_NAME)
+
+
+def canonical_spec_type(spec_type: str) -> str:
+    """llama.cpp's name for ``spec_type`` ("dflash" -> "draft-dflash"); ValueError for an unknown one."""
+    if spec_type == "none":
+        return "none"
+    if spec_type not in _BY_NAME:
+        raise ValueError(f"spec_type must be one of {SPEC_TYPES}, got {spec_type!r}")
+    return _BY_NAME[spec_type].name
+
+
+def method(spec_type: str) -> Method | None:
+    """The entry for ``spec_type`` (None for "none")."""
+    name = canonical_spec_type(spec_type)
+    return None if name == "none" else _BY_NAME[name]
