@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 from click.testing import CliRunner
 
-from pyllama_spec.cli import _gpu_offload, main
+from pyllama_spec.cli import main
+from pyllama_spec.cli.doctor import _gpu_offload
 
 
 def test_doctor_reports_the_pin_backend_and_dflash_entry_points():

@@ -14,7 +14,6 @@ import dataclasses
 import io
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER
+from pyllama_spec.devtools.rpc_server import free_port
 
 CHATML = "<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -58,12 +58,6 @@ class Sample:
     python_share: float | None = None  # of the generation phase; pyllama-spec only
     target_share: float | None = None
     draft_share: float | None = None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def peak_rss_mib(pid: int) -> float:

@@ -31,6 +31,7 @@ def server_binary() -> Path | None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on at ``host`` now (the OS picks it; it may be taken again later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]

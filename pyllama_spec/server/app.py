@@ -133,7 +133,7 @@ async def _read_json(request: Request, limit: int, timeout: float) -> tuple[Any,
 
 def timings(stats) -> dict:
     """llama-server's ``timings`` object, plus what it lacks (acceptance by draft position)."""
-    prompt_n = stats.prompt_tokens - stats.prompt_reused
+    prompt_n = stats.prompt_decoded
     prompt_ms, predicted_ms = stats.prefill_seconds * 1000, stats.decode_seconds * 1000
     out = {
         "cache_n": stats.prompt_reused,

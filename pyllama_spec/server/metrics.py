@@ -27,7 +27,7 @@ class ServerMetrics:
     def add_generation(self, stats) -> None:
         with self._lock:
             self.prompt_tokens += stats.prompt_tokens
-            self.prompt_tokens_decoded += stats.prompt_tokens - stats.prompt_reused
+            self.prompt_tokens_decoded += stats.prompt_decoded
             self.generated_tokens += stats.generated_tokens
             self.drafted += stats.drafted
             self.accepted += stats.accepted

@@ -44,7 +44,7 @@ class SessionStats:
         self.generated_tokens += s.generated_tokens
         self.drafted += s.drafted
         self.accepted += s.accepted
-        self.prompt_rows_decoded += s.prompt_tokens - s.prompt_reused
+        self.prompt_rows_decoded += s.prompt_decoded
         self.prompt_rows_reused += s.prompt_reused
         self.decode_seconds += s.decode_seconds
         self.prefill_seconds += s.prefill_seconds

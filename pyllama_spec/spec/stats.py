@@ -15,7 +15,9 @@ class GenerationStats:
     = how often draft token i was accepted when it was drafted.
     """
 
-    prompt_tokens: int = 0  # cache rows the prompt took
+    # Cache rows the whole prompt takes (reused ones included), not only text tokens: text takes a
+    # row per token, an image all its rows (its chunk's n_tokens). The name is kept (a public field).
+    prompt_tokens: int = 0
     prompt_positions: int = 0  # positions the prompt spans (fewer than rows with M-RoPE images)
     prompt_reused: int = 0  # cache rows kept from an earlier call (not decoded again)
     generated_tokens: int = 0
@@ -33,6 +35,12 @@ class GenerationStats:
     draft_seconds: float = 0.0  # inside native draft calls (feature injection, draft blocks)
     decode_target_seconds: float = 0.0  # the same two, for the generation phase only
     decode_draft_seconds: float = 0.0
+
+    @property
+    def prompt_decoded(self) -> int:
+        """Prompt cache rows this call decoded: ``prompt_tokens`` minus the ``prompt_reused`` rows
+        kept from an earlier call (llama-server's ``timings.prompt_n``). Not in ``as_dict()``."""
+        return self.prompt_tokens - self.prompt_reused
 
     @property
     def acceptance_rate(self) -> float:

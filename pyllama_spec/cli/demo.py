@@ -1,0 +1,97 @@
+"""`pyllama-spec demo`: one turn with a large image through DFlash, checked against the target alone."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.table import Table
+
+from pyllama_spec.cli.options import console, err_console
+
+
+@click.command()
+@click.option("--image-size", default=672, show_default=True, help="side of the drawn test image, pixels")
+@click.option("-ub", "--ubatch", "n_ubatch", default=64, show_default=True, help="n_batch = n_ubatch of both contexts")
+@click.option("--draft-max", default=7, show_default=True)
+@click.option("--max-tokens", default=96, show_default=True)
+@click.option("--draft-positions", type=click.Choice(["target", "sequential"]), default="target", show_default=True)
+@click.option("--threads", type=int, default=None, help="CPU threads (default: all cores)")
+@click.option("--random-tiny", is_flag=True,
+              help="random tiny models made locally instead of the embedded trained pair "
+                   "(they accept, but write random bytes)")
+@click.option("--window", default=32, show_default=True, help="the random tiny draft's sliding window (--random-tiny)")
+def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, random_tiny, window) -> None:
+    """One turn with a large image through DFlash, on the embedded trained pair (or --random-tiny)."""
+    from pyllama_spec import MEDIA_MARKER
+    from pyllama_spec import native_build as nb
+    from pyllama_spec.devtools import tiny
+    from pyllama_spec.errors import ModelFileError, NativeLibraryError
+
+    try:
+        from pyllama_spec.bindings import native_info  # noqa: F401 - loads the native part
+    except NativeLibraryError:
+        if not (nb.PROJECT_ROOT / "CMakeLists.txt").exists():
+            raise
+        console.print("[bold]building the native part first[/bold] (cached for next time) ...")
+        try:
+            nb.build_in_place(nb.BuildOptions())
+        except nb.BuildError as e:
+            err_console.print(f"[red]build failed:[/red] {e}")
+            sys.exit(1)
+    from pyllama_spec.embedded import PROMPT, embedded_models
+    from pyllama_spec.serving.engine import load
+
+    image = tiny.draw_demo_image(image_size)
+    if random_tiny:
+        models = tiny.make_tiny_set(nb.cache_root() / "tiny-models", window=window, predictable=0.5)
+        # random weights: the target writes arbitrary bytes, so only the numbers below mean something
+        request = dict(messages=[{"role": "user", "content": [{"type": "image", "image": image},
+                                                              {"type": "text", "text": "What is in this picture?"}]}])
+        console.print(f"[bold]random tiny models[/bold] {models.target.parent}: draft window {window}, "
+                      f"image {image_size}x{image_size}, ubatch {n_ubatch}")
+    else:
+        try:
+            models = embedded_models()
+        except ModelFileError as e:
+            err_console.print(f"[red]{e}[/red] (or run `pyllama-spec demo --random-tiny`)")
+            sys.exit(1)
+        # the pair was trained on Python source, pictures before some of it: a code prefix after an image
+        request = dict(prompt=f"{MEDIA_MARKER}\n{PROMPT}", images=[image])
+        console.print(f"[bold]embedded trained pair[/bold] {models.target.parent}: a tiny hunyuan_vl target and "
+                      "its DFlash draft, trained on Python source")
+        console.print(f"[bold]prompt[/bold]: a {image_size}x{image_size} test card (ubatch {n_ubatch}), then this "
+                      "code; the DFlash continuation follows it")
+        console.print(PROMPT, end="", style="dim", markup=False, highlight=False)
+    common = dict(n_ctx=4096, n_batch=n_ubatch, n_ubatch=n_ubatch, n_threads=threads, flash_attn=False)
+    with console.status("target only ..."):
+        with load(models.target, mmproj=models.mmproj, spec_type="none", **common) as plain:
+            expected = plain.generate(**request, max_tokens=max_tokens)
+    with load(models.target, mmproj=models.mmproj, draft=models.draft, draft_max=draft_max,
+              draft_positions=draft_positions, **common) as engine:
+        engine.drafter.trace = []
+        if random_tiny:
+            console.print("[bold]answer (DFlash):[/bold] ", end="")
+        text, last = [], None
+        for piece in engine.stream(**request, max_tokens=max_tokens):
+            console.print(piece.text, end="", markup=False, highlight=False)
+            text.append(piece.text)
+            last = piece
+        console.print()
+        trace = engine.drafter.trace
+    s = last.stats
+    blocks = [pos for call, pos, _ in trace if call == "draft"]
+    table = Table(title="DFlash on a vision target", show_header=False)
+    table.add_row("prompt", f"{s.prompt_tokens} cache rows over {s.prompt_positions} positions (one image)")
+    table.add_row("pinned image rows skipped", str(sum(n for call, _, n in trace if call == "skip")))
+    table.add_row("rows injected into the draft", str(sum(n for call, _, n in trace if call == "inject")))
+    table.add_row("first draft block at", f"position {blocks[0] if blocks else '-'} (pos_next "
+                                          f"{s.prompt_positions}, not the row count {s.prompt_tokens})")
+    table.add_row("drafted / accepted", f"{s.drafted} / {s.accepted} (acceptance {s.acceptance_rate:.2f}, "
+                                        f"mean accepted length {s.mean_accepted_length:.2f})")
+    table.add_row("prefill / decode", f"{s.prefill_seconds * 1000:.0f} ms / {s.decode_seconds * 1000:.0f} ms "
+                                      f"({s.tokens_per_second:.0f} tokens/s)")
+    table.add_row("same output as target-only", "yes" if "".join(text) == expected.text else "[red]NO[/red]")
+    console.print(table)
+    if "".join(text) != expected.text:
+        sys.exit(1)
