@@ -33,6 +33,7 @@ from pyllama_spec.drafters.registry import METHODS, DrafterSetup, Pairing, canon
 from pyllama_spec.errors import ContextOverflowError, ImageError
 from pyllama_spec.serving.gate import EngineGate
 from pyllama_spec.serving.prompt import as_list, render_messages
+from pyllama_spec.serving.request import Request
 from pyllama_spec.serving.scheduler import Scheduler
 from pyllama_spec.spec.draft_length import AdaptiveLength, FixedLength, StepCost
 from pyllama_spec.spec.generation import (
@@ -245,7 +246,9 @@ class Engine:
             raise
         if config.n_parallel > 1:
             # Made here, once: threads that submit at the same moment must share one scheduler.
-            self._scheduler = Scheduler(self)
+            self._scheduler = Scheduler(sequences=self.sequences, ctx=self.ctx, drafter=self.drafter,
+                                        projector=self.projector, step_cost=self._step_cost,
+                                        prepare=lambda request: self._generation(None, request))
 
     def _check_before_load(self) -> None:
         """Refuse, before allocating anything: a bad file, a context past the training length, device
@@ -449,7 +452,7 @@ class Engine:
         """The thread that runs the slots (scheduler.py), when loaded with n_parallel > 1; else None."""
         return self._scheduler
 
-    def _scheduled(self, request: dict) -> Iterator[Piece]:
+    def _scheduled(self, request: Request) -> Iterator[Piece]:
         """A stream through the scheduler, submitted at its first step like a single-slot stream
         (a stream never iterated takes no slot); leaving it early cancels it."""
         yield from self._scheduler.submit(request)  # refuses once the engine is closed
@@ -459,7 +462,7 @@ class Engine:
                  seed: int = 0, stop: Sequence[str] | str = (), cache_prompt: bool = True,
                  progress: ProgressCallback | None = None, draft_max: int | None = None,
                  draft_min: int | None = None, draft_positions: str | None = None, verify: str | None = None,
-                 draft_tree: int | None = None, chat_template_kwargs: dict | None = None) -> dict:
+                 draft_tree: int | None = None, chat_template_kwargs: dict | None = None) -> Request:
         """One call's arguments, checked (before anything runs) and normalised."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
@@ -475,12 +478,12 @@ class Engine:
                              f"({self.config.draft_tree}; load with draft_tree=N for trees), got {draft_tree!r}")
         if tree:  # greedy decoding verifies by "match" whatever the rule
             _check_tree_settings(drafting[0], verify if temperature > 0 else "match")
-        return dict(prompt=prompt, messages=messages, images=images, max_tokens=int(max_tokens),
-                    drafting=drafting, verify=verify, draft_tree=int(tree),
-                    sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                  presence_penalty=presence_penalty, seed=seed),
-                    stop=[stop] if isinstance(stop, str) else list(stop), cache_prompt=cache_prompt,
-                    progress=progress, template_kwargs=chat_template_kwargs)
+        return Request(prompt=prompt, messages=messages, images=images, max_tokens=int(max_tokens),
+                       drafting=drafting, verify=verify, draft_tree=int(tree),
+                       sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                     presence_penalty=presence_penalty, seed=seed),
+                       stop=[stop] if isinstance(stop, str) else list(stop), cache_prompt=cache_prompt,
+                       progress=progress, template_kwargs=chat_template_kwargs)
 
     def _draft_settings(self, draft_max, draft_min, draft_positions) -> tuple[int | str, int, str]:
         """(n_max or "auto", n_min, position mode) for one call, checked against what this engine can do."""
@@ -526,7 +529,7 @@ class Engine:
             self._gate.leave(ticket)
 
     # ------------------------------------------------------------------ one generation
-    def _run(self, request: dict) -> Iterator[Piece]:
+    def _run(self, request: Request) -> Iterator[Piece]:
         """One generation on the only sequence, step by step on the caller's thread."""
         seq = self.sequences[0]
         with self._generation(seq, request) as gen:
@@ -546,7 +549,7 @@ class Engine:
                 seq.reset()  # a step stopped halfway: forget the cache, the next call starts clean
                 raise
 
-    def _generation(self, seq: SlotSequence | None, request: dict) -> "_PreparedGeneration":
+    def _generation(self, seq: SlotSequence | None, request: Request) -> "_PreparedGeneration":
         """A Generation for ``request`` on ``seq`` (tokenized, with its sampler; a scheduler may give it
         its sequence later), as a context manager
         that frees the request's native objects (bitmaps, sampler) when it ends."""
@@ -650,36 +653,35 @@ class _PreparedGeneration:
     """``with engine._generation(seq, request) as gen``: render and tokenize the prompt, load its
     images, make its sampler and verifier; free the bitmaps and the sampler at the end."""
 
-    def __init__(self, engine: Engine, seq: SlotSequence | None, request: dict) -> None:
+    def __init__(self, engine: Engine, seq: SlotSequence | None, request: Request) -> None:
         self.engine, self.seq, self.request = engine, seq, request
         self._bitmaps: list[Bitmap] = []
         self._sampler: Sampler | None = None
 
     def __enter__(self) -> Generation:
         e, r = self.engine, self.request
-        n_max, n_min, mode = r["drafting"]
+        n_max, n_min, mode = r.drafting
         try:
-            text, image_list, renderer = e._prompt_text(r["prompt"], r["messages"], r["images"],
-                                                        r["template_kwargs"])
+            text, image_list, renderer = e._prompt_text(r.prompt, r.messages, r.images, r.template_kwargs)
             self._bitmaps = [Bitmap.load(im) for im in image_list]
             parts = e._tokenize(text, self._bitmaps)
             stats = GenerationStats(images=len(self._bitmaps), chat_template=renderer)
             e.last_stats = stats
-            sampling = r["sampling"]
+            sampling = r.sampling
             self._sampler = Sampler(e.model, **sampling)
             params = SamplingParams(**{k: v for k, v in sampling.items() if k != "seed"})
             verifier = (RejectionVerifier(params, sampling["seed"], e.model.n_vocab)
-                        if r["verify"] == "rejection" and not params.greedy else MatchVerifier(self._sampler))
+                        if r.verify == "rejection" and not params.greedy else MatchVerifier(self._sampler))
             d = e.drafter
             # One cost of a step per engine: its slots share each step, and requests share the hardware.
             if n_max == "auto":
                 length = AdaptiveLength(AdaptiveLength.START, d.n_max_limit, cost=e._step_cost)
             else:
                 length = FixedLength(n_max)
-            return Generation(self.seq, e.model, parts, verifier, stats, max_tokens=r["max_tokens"],
-                              stop=r["stop"], draft_length=length, draft_min=n_min,
-                              cache_prompt=r["cache_prompt"], progress=r["progress"], draft_positions=mode,
-                              draft_tree=r["draft_tree"])
+            return Generation(self.seq, e.model, parts, verifier, stats, max_tokens=r.max_tokens,
+                              stop=r.stop, draft_length=length, draft_min=n_min,
+                              cache_prompt=r.cache_prompt, progress=r.progress, draft_positions=mode,
+                              draft_tree=r.draft_tree)
         except BaseException:
             self.__exit__()
             raise

@@ -26,10 +26,13 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from pyllama_spec.errors import GenerationCancelledError
 from pyllama_spec.spec.generation import Generation, Piece, Result, speculative_step
+
+if TYPE_CHECKING:
+    from pyllama_spec.serving.request import Request
 
 
 class Submission:
@@ -43,7 +46,7 @@ class Submission:
     GenerationStats of the part it ran, or None when it never reached a slot).
     """
 
-    def __init__(self, request: dict, on_event: Callable[[str, Any], None] | None = None) -> None:
+    def __init__(self, request: "Request", on_event: Callable[[str, Any], None] | None = None) -> None:
         self.request = request
         self._on_event = on_event
         self._events: queue.Queue = queue.Queue()
@@ -131,13 +134,19 @@ class _Running:
 
 
 class Scheduler:
-    """The thread that runs an engine's slots (see the module docstring)."""
+    """The thread that runs an engine's slots (see the module docstring).
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
+    It is given what it runs on: the slots' sequences, the target context, the drafter, the
+    projector, the engine's step cost, and ``prepare(request)``, which makes a request's
+    generation as a context manager (tokenized, with its sampler; freed at its end).
+    """
+
+    def __init__(self, *, sequences, ctx, drafter, projector, step_cost, prepare) -> None:
+        self._sequences, self._ctx, self._drafter, self._projector = sequences, ctx, drafter, projector
+        self._step_cost, self._prepare = step_cost, prepare
         self._cond = threading.Condition()
         self._pending: collections.deque[Submission] = collections.deque()
-        self._slots: list[_Running | None] = [None] * len(engine.sequences)
+        self._slots: list[_Running | None] = [None] * len(sequences)
         self._stopping = False
         self._reset_requested: threading.Event | None = None
         self._turn = 0  # round robin over prefilling slots
@@ -146,12 +155,12 @@ class Scheduler:
         # Media encodes run on their own thread (one at a time: one projector), so the other slots
         # keep decoding while an image is encoded.
         self._encoder = (ThreadPoolExecutor(1, thread_name_prefix="pyllama-spec-encode")
-                         if engine.projector is not None else None)
+                         if projector is not None else None)
         self._thread = threading.Thread(target=self._loop, name="pyllama-spec-scheduler", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ from any thread
-    def submit(self, request: dict, on_event: Callable[[str, Any], None] | None = None,
+    def submit(self, request: "Request", on_event: Callable[[str, Any], None] | None = None,
                max_waiting: int | None = None) -> Submission:
         """Queue a request for a slot. With ``max_waiting``, refuse it (EngineBusyError) when that
         many requests already wait for a slot (a server's bounded queue)."""
@@ -204,7 +213,7 @@ class Scheduler:
                         return
                     reset, self._reset_requested = self._reset_requested, None
                 if reset is not None:
-                    for seq, running in zip(self.engine.sequences, self._slots):
+                    for seq, running in zip(self._sequences, self._slots):
                         if running is None:
                             seq.reset()
                     reset.set()
@@ -229,13 +238,13 @@ class Scheduler:
             if sub.cancelled:
                 sub._emit("cancelled")
                 continue
-            prepared = self.engine._generation(None, sub.request)
+            prepared = self._prepare(sub.request)
             try:
                 gen = prepared.__enter__()
             except BaseException as e:  # noqa: BLE001 - a bad request fails alone
                 sub._emit("error", e)
                 continue
-            seqs = self.engine.sequences
+            seqs = self._sequences
             best = max(free, key=lambda i: (seqs[i].prefix_length(gen.parts), -i)) if gen.cache_prompt else free[0]
             gen.seq = seqs[best]
             sub.slot = best
@@ -253,7 +262,7 @@ class Scheduler:
         prompt rows (llama-server's batch budget): requests that arrive together start decoding
         together, while a long prompt or a big image still yields to the decoding slots after
         n_batch rows."""
-        budget = self.engine.ctx.n_batch
+        budget = self._ctx.n_batch
         while budget > 0:
             waiting = [i for i, r in enumerate(self._slots)  # cancelled ones are dropped next turn
                        if r is not None and not r.decoding and not r.submission.cancelled and not r.waits_for_encode]
@@ -265,10 +274,9 @@ class Scheduler:
 
     def _prefill_slice(self, i: int, running: _Running) -> int:
         """One slice of slot i's prefill; the prompt rows it decoded (at least 1, so turns end)."""
-        engine = self.engine
         try:
             if running.prefill is None:
-                running.prefill = running.gen.prefill(engine.ctx.n_batch, engine.projector,
+                running.prefill = running.gen.prefill(self._ctx.n_batch, self._projector,
                                                       self._encode_async if self._encoder else None)
             before = running.gen.seq.positions.n_rows
             out = next(running.prefill, None)
@@ -287,7 +295,7 @@ class Scheduler:
     def _encode_async(self, chunk) -> Future:
         def encode():
             t = time.perf_counter()
-            return self.engine.projector.encode(chunk), time.perf_counter() - t
+            return self._projector.encode(chunk), time.perf_counter() - t
 
         future = self._encoder.submit(encode)
         future.add_done_callback(lambda _: self._wake())
@@ -309,10 +317,8 @@ class Scheduler:
         active = [(i, r) for i, r in enumerate(self._slots) if r is not None and r.decoding and not r.gen.finished]
         if not active:
             return
-        engine = self.engine
         try:
-            pieces = speculative_step(engine.ctx, engine.drafter, [r.gen for _, r in active],
-                                      engine.step_cost)
+            pieces = speculative_step(self._ctx, self._drafter, [r.gen for _, r in active], self._step_cost)
         except BaseException as e:  # noqa: BLE001 - a shared step failed: every slot in it fails
             for i, r in active:
                 r.gen.seq.reset()

@@ -1,0 +1,23 @@
+"""One generation's arguments, checked and normalised: what ``Engine.stream``/``submit`` hand to
+a generation (directly, or through the scheduler, which keeps it without reading it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    prompt: str | None  # a raw prompt (MEDIA_MARKER where each image goes), or
+    messages: Sequence[Any] | None  # chat messages through the model's template
+    images: Any  # paths, bytes, PIL images or RGB arrays, in marker order
+    max_tokens: int
+    drafting: tuple[int | str, int, str]  # (draft_max or "auto", draft_min, draft position mode)
+    verify: str  # "match" or "rejection"
+    draft_tree: int  # > 0: verify a tree of this many drafted tokens
+    sampling: dict  # the Sampler's keyword arguments (temperature, top_k, top_p, min_p, ..., seed)
+    stop: list[str]
+    cache_prompt: bool
+    progress: Callable[[str, int, int], None] | None
+    template_kwargs: dict | None
