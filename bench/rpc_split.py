@@ -37,7 +37,7 @@ from pyllama_spec import native_build
 from pyllama_spec.devtools import tiny
 from pyllama_spec.devtools.rpc_server import LocalRPCServer
 from pyllama_spec.embedded import PROMPT as CODE_PROMPT
-from pyllama_spec.gguf.check import read_gguf_shared
+from pyllama_spec.gguf.reader import read_gguf_shared
 
 # ggml-rpc.cpp's enum rpc_cmd at the pin, and which commands the client waits an answer for
 CMDS = ["ALLOC_BUFFER", "GET_ALIGNMENT", "GET_MAX_SIZE", "BUFFER_GET_BASE", "FREE_BUFFER", "BUFFER_CLEAR",

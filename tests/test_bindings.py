@@ -14,10 +14,10 @@ from conftest import BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, N_THREADS
 from conftest import explain_child as explain
 
 import pyllama_spec
-from pyllama_spec.bindings.native_info import build_record
 from pyllama_spec.bindings.batch import Batch
 from pyllama_spec.bindings.llama import Context, Model, Sampler
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
+from pyllama_spec.bindings.native_info import build_record
 from pyllama_spec.devtools import tiny
 from pyllama_spec.errors import ClosedError, KVMemoryError
 

@@ -9,8 +9,8 @@ from conftest import N_THREADS
 
 import pyllama_spec as ps
 from pyllama_spec.drafters import Drafter, DraftRequest, TargetRows
-from pyllama_spec.drafters.registry import canonical_spec_type
 from pyllama_spec.drafters.ngram import NgramDrafter
+from pyllama_spec.drafters.registry import canonical_spec_type
 
 PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
 COPY_PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n" * 3

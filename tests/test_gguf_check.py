@@ -14,7 +14,8 @@ from conftest import N_THREADS, explain_child
 from pyllama_spec.devtools import tiny
 from pyllama_spec.embedded import embedded_models
 from pyllama_spec.errors import ModelFileError, PyllamaError
-from pyllama_spec.gguf.check import GGUFInfo, ValueType, read_gguf, validate_gguf
+from pyllama_spec.gguf.check import validate_gguf
+from pyllama_spec.gguf.reader import GGUFInfo, ValueType, read_gguf
 from pyllama_spec.gguf.writer import GGUFWriter, read_gguf_metadata
 
 _TRAINED = embedded_models()  # the trained pair shipped in the package

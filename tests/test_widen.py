@@ -21,7 +21,7 @@ import pyllama_spec as ps
 from pyllama_spec.bindings.llama import Context, Model
 from pyllama_spec.devtools import tiny, widen
 from pyllama_spec.embedded import MODELS_DIR, PROMPT
-from pyllama_spec.gguf.check import read_gguf, read_tensor
+from pyllama_spec.gguf.reader import read_gguf, read_tensor
 
 TRAINED = ps.embedded_models()
 SMALL = dict(n_embd=256, n_layer=6, n_ff=512, dtype="f32")

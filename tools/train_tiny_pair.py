@@ -393,7 +393,7 @@ def write_draft_gguf(path, params: dict, cfg: PairConfig, name: str = "trained-t
 
 def read_gguf_tensors(path) -> tuple[dict, dict[str, np.ndarray]]:
     """(metadata, {name: float32 array in numpy shape}) of an F32/F16 GGUF file."""
-    from pyllama_spec.gguf.check import read_gguf
+    from pyllama_spec.gguf.reader import read_gguf
     from pyllama_spec.gguf.writer import read_gguf_metadata
 
     meta = read_gguf_metadata(path)

@@ -468,7 +468,7 @@ def plan(config, *, draft_uses_target_head: bool = False) -> EnginePlacement:
     Everything that can be checked without native calls is checked first (ValueError); then each
     RPC server is reached (RemoteDeviceError naming it); then device names are resolved.
     """
-    from pyllama_spec.gguf.check import read_gguf_shared
+    from pyllama_spec.gguf.reader import read_gguf_shared
 
     servers = parse_rpc_servers(config.rpc_servers)
     names = parse_device_names(config.devices, "devices")

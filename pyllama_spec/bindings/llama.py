@@ -33,8 +33,9 @@ from pyllama_spec.errors import (
     forget_native_problems,
     with_native_log,
 )
-from pyllama_spec.gguf.check import GGUF_MAGIC, validate_gguf
+from pyllama_spec.gguf.check import validate_gguf
 from pyllama_spec.gguf.memory import KV_CACHE_TYPE_FACTS, KV_CACHE_TYPE_NAMES
+from pyllama_spec.gguf.reader import GGUF_MAGIC
 
 if TYPE_CHECKING:
     from pyllama_spec.bindings.batch import Batch

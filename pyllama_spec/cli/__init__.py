@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import click
 
-from pyllama_spec.cli import bench, build, chat, demo, doctor, generate, rpc_server, serve
+from pyllama_spec.cli import (
+    bench,
+    build,
+    chat,
+    demo,
+    doctor,
+    generate,
+    rpc_server,
+    serve,
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

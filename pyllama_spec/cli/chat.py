@@ -5,7 +5,14 @@ from __future__ import annotations
 import click
 from rich.console import Console
 
-from pyllama_spec.cli.options import _load_engine_or_exit, _sampling, _speculative_mode, console, footer, model_options
+from pyllama_spec.cli.options import (
+    _load_engine_or_exit,
+    _sampling,
+    _speculative_mode,
+    console,
+    footer,
+    model_options,
+)
 
 
 class _PrefillProgress:

@@ -6,7 +6,13 @@ import sys
 
 import click
 
-from pyllama_spec.cli.options import _load_engine, _sampling, err_console, footer, model_options
+from pyllama_spec.cli.options import (
+    _load_engine,
+    _sampling,
+    err_console,
+    footer,
+    model_options,
+)
 
 
 @click.command()

@@ -9,7 +9,9 @@ import sys
 import click
 from rich.console import Console
 
-from pyllama_spec.drafters.registry import SPEC_TYPES  # names only: loads nothing native
+from pyllama_spec.drafters.registry import (
+    SPEC_TYPES,  # names only: loads nothing native
+)
 from pyllama_spec.gguf.memory import KV_CACHE_TYPE_NAMES
 
 console = Console()

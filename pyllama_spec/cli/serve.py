@@ -7,7 +7,12 @@ from pathlib import Path
 
 import click
 
-from pyllama_spec.cli.options import _load_engine_or_exit, _speculative_mode, err_console, model_options
+from pyllama_spec.cli.options import (
+    _load_engine_or_exit,
+    _speculative_mode,
+    err_console,
+    model_options,
+)
 
 
 @click.command()

@@ -57,7 +57,7 @@ import numpy as np
 
 from pyllama_spec.devtools import tiny
 from pyllama_spec.embedded import DRAFT, MMPROJ, MODELS_DIR, TARGET
-from pyllama_spec.gguf.check import GGUFInfo, ValueType, read_gguf, read_tensor
+from pyllama_spec.gguf.reader import GGUFInfo, ValueType, read_gguf, read_tensor
 from pyllama_spec.gguf.writer import GGUFWriter
 
 #: Bump when the written files change (cache names carry it).

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from pyllama_spec.gguf.check import (
+from pyllama_spec.gguf.reader import (
     read_gguf_shared as read_gguf,  # read-only use, parsed once per load
 )
 

@@ -24,14 +24,14 @@ from typing import Any, Sequence
 import numpy as np
 
 # The format's constants and value types live with the reader (gguf_check); re-exported here.
-from pyllama_spec.gguf.check import (  # noqa: F401
+from pyllama_spec.gguf.reader import (  # noqa: F401
     DEFAULT_ALIGNMENT,
     GGUF_MAGIC,
     GGUF_VERSION,
     ValueType,
     read_gguf,
 )
-from pyllama_spec.gguf.check import SCALAR_FORMAT as _SCALAR_FORMAT
+from pyllama_spec.gguf.reader import SCALAR_FORMAT as _SCALAR_FORMAT
 
 
 class GGMLType(IntEnum):

@@ -29,7 +29,13 @@ import numpy as np
 from pyllama_spec.bindings.llama import Context, Model, Sampler
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
 from pyllama_spec.drafters import Drafter
-from pyllama_spec.drafters.registry import METHODS, DrafterSetup, Pairing, canonical_spec_type, method
+from pyllama_spec.drafters.registry import (
+    METHODS,
+    DrafterSetup,
+    Pairing,
+    canonical_spec_type,
+    method,
+)
 from pyllama_spec.errors import ContextOverflowError, ImageError
 from pyllama_spec.serving.gate import EngineGate
 from pyllama_spec.serving.prompt import as_list, render_messages
@@ -258,7 +264,7 @@ class Engine:
         from pyllama_spec.bindings.llama import check_gguf_file
         from pyllama_spec.errors import InsufficientMemoryError
         from pyllama_spec.gguf import memory
-        from pyllama_spec.gguf.check import read_gguf_shared
+        from pyllama_spec.gguf.reader import read_gguf_shared
 
         c = self.config
         for path, what in ((c.model, "target model"), (c.draft, "draft model"), (c.mmproj, "mmproj")):
