@@ -33,7 +33,7 @@ MEDIA_MARKER = "<__media__>"
 
 # Names whose modules load the native part, imported on first use.
 _LAZY = {
-    "load": "serving.engine", "Engine": "serving.engine", "EngineConfig": "serving.engine",
+    "load": "serving.engine", "Engine": "serving.engine", "EngineConfig": "serving.config",
     "Result": "spec.generation", "Piece": "spec.generation",
     "Conversation": "serving.chat", "Submission": "serving.scheduler",
     "Model": "bindings.llama", "Context": "bindings.llama", "Memory": "bindings.llama", "Sampler": "bindings.llama",

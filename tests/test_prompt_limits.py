@@ -16,7 +16,8 @@ import pyllama_spec as ps
 from pyllama_spec.bindings.llama import Model
 from pyllama_spec.serving.engine import _pieces_at_line_starts
 
-SOURCE = (Path(__file__).resolve().parents[1] / "pyllama_spec" / "serving" / "engine.py").read_text()
+PACKAGE = Path(__file__).resolve().parents[1] / "pyllama_spec"
+SOURCE = "".join((PACKAGE / f).read_text() for f in ("serving/engine.py", "spec/generation.py"))  # Python code
 
 
 @pytest.fixture(scope="module")

@@ -30,13 +30,17 @@ from pyllama_spec.bindings.llama import Context, Model, Sampler
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
 from pyllama_spec.drafters import Drafter
 from pyllama_spec.drafters.registry import (
-    METHODS,
     DrafterSetup,
     Pairing,
     canonical_spec_type,
     method,
 )
 from pyllama_spec.errors import ContextOverflowError, ImageError
+from pyllama_spec.serving.config import (
+    EngineConfig,
+    _check_draft_tree,
+    _check_tree_settings,
+)
 from pyllama_spec.serving.gate import EngineGate
 from pyllama_spec.serving.prompt import as_list, render_messages
 from pyllama_spec.serving.request import Request
@@ -91,87 +95,6 @@ def _line_start_before(text: str, start: int, end: int) -> int:
             return at + 1
         at = text.rfind("\n", start, at)
     return last + 1 if last >= start else -1
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-    model: str
-    mmproj: str | None = None
-    draft: str | None = None
-    spec_type: str = "dflash"
-    n_ctx: int = 4096
-    n_batch: int = 512
-    n_ubatch: int = 512
-    n_gpu_layers: int = 0
-    draft_n_gpu_layers: int | None = None
-    draft_max: int | str = 16  # or "auto": every request's length adapts (draft_length.py)
-    draft_min: int = 0
-    draft_p_min: float = 0.0
-    draft_positions: str = "target"
-    # > 0: verify a tree of up to this many drafted tokens per step instead of one chain (tree.py;
-    # DFlash drafts, one sequence, llama.cpp's "match" rule: the same tokens as target-only for a seed)
-    draft_tree: int = 0
-    # At temperature > 0: llama.cpp's exact "match" (the default until rejection sampling's gain is
-    # consistent: see bench/RESULTS.md), or "rejection" sampling.
-    verify: str = "match"
-    flash_attn: bool | None = False
-    n_threads: int | None = None
-    n_threads_batch: int | None = None
-    swa_full: bool = False
-    # llama.cpp's -ctk / -ctv (and -ctkd / -ctvd for the draft; None: as the target's)
-    cache_type_k: str = "f16"
-    cache_type_v: str = "f16"
-    cache_type_k_draft: str | None = None
-    cache_type_v_draft: str | None = None
-    use_mmap: bool = True  # --no-mmap
-    use_mlock: bool = False  # --mlock
-    mmproj_offload: bool | None = None  # --(no-)mmproj-offload; None: on when layers are offloaded
-    # llama.cpp's -np: sequences (slots) served at once, each with n_ctx / n_parallel cache rows;
-    # above 1, generations run concurrently through Engine.submit (scheduler.py)
-    n_parallel: int = 1
-    # Devices (devices.py; llama.cpp's --rpc, -dev, -devd, -sm, -ts, -mg): RPC servers' host:port, the
-    # target's devices by name (None: llama.cpp's choice, remote ones first; "none": no offload), the
-    # draft's (None: this machine's), the split mode, a proportion per device, the main device.
-    rpc_servers: Sequence[str] | str = ()
-    devices: Sequence[str] | str | None = None
-    device_draft: Sequence[str] | str | None = None
-    split_mode: str = "layer"
-    tensor_split: Sequence[float] | str = ()
-    main_gpu: int = 0
-
-
-#: The most drafted tokens in a tree: each leaf takes a sequence id, and llama.cpp has 256.
-DRAFT_TREE_LIMIT = 255
-
-
-def _check_draft_tree(c: EngineConfig) -> None:
-    """Refuse, before loading, a draft tree the engine cannot verify."""
-    t = c.draft_tree
-    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= DRAFT_TREE_LIMIT:
-        raise ValueError(f"draft_tree must be an integer from 0 to {DRAFT_TREE_LIMIT}, got {t!r}")
-    if not t:
-        return
-    m = method(c.spec_type)
-    if m is None or not m.trees:
-        trees = ", ".join(repr(t.name) for t in METHODS if t.trees)
-        raise ValueError(f"draft_tree needs a DFlash draft (spec_type {trees}), whose block gives the "
-                         f"draft's distribution at every position; got spec_type {c.spec_type!r}")
-    if t + 1 > c.n_batch:
-        raise ValueError(f"draft_tree {t} needs n_batch >= {t + 1}: the whole tree and its root are verified "
-                         f"in one target batch (n_batch is {c.n_batch})")
-    if c.n_parallel != 1:
-        raise ValueError("draft_tree works with one sequence (n_parallel=1): its branches use the "
-                         "sequence ids that slots would")
-    _check_tree_settings(c.draft_max, c.verify)
-
-
-def _check_tree_settings(draft_max, verify: str) -> None:
-    """What a tree needs of the draft settings, at load and for each call that uses one."""
-    if draft_max == "auto":
-        raise ValueError('draft_tree needs a fixed draft_max (the tree\'s depth), not "auto"')
-    if verify == "rejection":
-        raise ValueError('draft_tree verifies with the "match" rule; rejection sampling over a tree is '
-                         'not implemented (pass draft_tree=0 or verify="match")')
 
 
 def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
