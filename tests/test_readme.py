@@ -144,7 +144,8 @@ def test_readme_server_bash_block_runs_as_written(tmp_path):
 
 
 def test_the_two_commands_ci_runs_are_the_readmes_first_two():
-    """.ci/run runs tools/readme_commands.py's commands, read from the README's "Two commands"."""
+    """.ci/run runs the README's "Two commands" as written, first then second, before anything else
+    it installs, and checks them against the README with tools/readme_commands.py."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("readme_commands", REPO_ROOT / "tools" / "readme_commands.py")
@@ -156,4 +157,7 @@ def test_the_two_commands_ci_runs_are_the_readmes_first_two():
     assert second.startswith('python3 -m pip install -e ".[test]"') and "pytest" in second
     ci = (REPO_ROOT / ".ci" / "run").read_text()
     assert "tools/readme_commands.py 1" in ci and "tools/readme_commands.py 2" in ci
-    assert ci.index("readme_commands.py 1") < ci.index("readme_commands.py 2") < ci.index("build.py --tools")
+    # the first things installed in the fresh venv: nothing before them can hide a failure
+    runs = [line for line in ci.splitlines() if line.startswith("python3 -m pip")]
+    assert runs[0].startswith(first + " ||") and runs[1].startswith(second + " ||"), runs[:2]
+    assert ci.index(first + " ||") < ci.index(second + " ||") < ci.index("build.py --tools")
