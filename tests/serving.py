@@ -3,18 +3,12 @@ serves it (server/run.py's make_server), on a thread, stopped by ``stop()``."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
+from pyllama_spec.devtools.rpc_server import free_port  # noqa: F401 - the tests' free port too
 from pyllama_spec.server import ServerSettings, create_app
 from pyllama_spec.server.run import ServeLimits, make_server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalServer:

@@ -316,10 +316,6 @@ def _ids(req: GenerationRequest) -> tuple[str, str]:
                                                  "llama": "completion"}[req.kind]
 
 
-async def _next_event(job: Job) -> tuple[str, Any]:
-    return await job.events.get()
-
-
 async def _until_disconnected(request: Request) -> None:
     """Returns when the client has gone (ASGI's http.disconnect; the body was read already)."""
     while (await request.receive())["type"] != "http.disconnect":
@@ -403,7 +399,7 @@ async def _stream_events(service: _Service, req: GenerationRequest, job: Job) ->
         if req.kind == "chat":
             yield data(chunk(None, None, role=True))
         while True:
-            kind, value = await _next_event(job)
+            kind, value = await job.events.get()  # the client going away cancels this generator
             if kind == "error":
                 yield data(_engine_error(value).body())
                 return
