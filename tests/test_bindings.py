@@ -352,7 +352,7 @@ def test_layer_inputs_of_chosen_target_layers(tiny_dense, ctx_kwargs):
 
 def _draft_context(d: Model, target_ctx: Context, ctx_kwargs: dict) -> Context:
     dctx = Context(d, ctx_other=target_ctx, role="draft", **ctx_kwargs)
-    dctx.enable_nextn(True, True)
+    dctx.enable_draft_embeddings(True, True)
     dctx.set_causal_attn(False)
     return dctx
 

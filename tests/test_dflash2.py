@@ -134,7 +134,7 @@ def test_dflash2_generation_equals_target_only_and_reads_a_valid_lattice(tiny_df
         read = drafter._read_lattice
 
         def spy(n: int, at: int = 0) -> list[int]:
-            lattice = np.array(drafter.ctx.nextn_rows(at + n + 1)[at:])  # copy: the next decode reuses the buffer
+            lattice = np.array(drafter.ctx.draft_embeddings(at + n + 1)[at:])  # copy: the next decode reuses the buffer
             out = read(n, at)
             records.append((lattice, out))
             return out
@@ -175,7 +175,7 @@ class _FakeDraftContext:
     def __init__(self, lattice: np.ndarray) -> None:
         self.lattice = lattice
 
-    def nextn_rows(self, n_rows: int) -> np.ndarray:
+    def draft_embeddings(self, n_rows: int) -> np.ndarray:
         assert n_rows <= len(self.lattice)
         return self.lattice[:n_rows]
 

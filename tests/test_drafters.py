@@ -8,7 +8,7 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec.drafters import Drafter, DraftRequest, TargetRows
+from pyllama_spec.drafters import Drafter, DraftRequest, TargetDecode, TargetRows
 from pyllama_spec.drafters.ngram import NgramDrafter
 from pyllama_spec.drafters.registry import canonical_spec_type
 
@@ -104,7 +104,7 @@ def _draft(d, id_last, seq_id=0, n_max=4):
 
 def test_ngram_proposes_what_followed_the_latest_match():
     d = NgramDrafter(n_max=4)
-    d.process(_text([1, 2, 3, 4, 5, 9, 9, 1, 2, 3, 7, 8, 1], 0))
+    d.process(TargetDecode(_text([1, 2, 3, 4, 5, 9, 9, 1, 2, 3, 7, 8, 1], 0)))
     assert _draft(d, 2) == [3, 7, 8, 1]  # the key [1, 2] (history + id_last) last occurred at 7
     assert _draft(d, 42) == []  # nothing ends like this
 
@@ -113,38 +113,38 @@ def test_ngram_keeps_copying_a_repetition_past_the_end_of_the_history():
     """A loop of period 2 (and 3): the continuation of the latest match reaches the end of the
     history after one period, and the draft goes on copying its own tokens up to n_max."""
     d = NgramDrafter(n_max=8)
-    d.process(_text([5, 6, 97, 31, 97, 31, 97], 0))
+    d.process(TargetDecode(_text([5, 6, 97, 31, 97, 31, 97], 0)))
     assert _draft(d, 31, n_max=8) == [97, 31, 97, 31, 97, 31, 97, 31]
     d3 = NgramDrafter(n_max=7)
-    d3.process(_text([9, 1, 2, 3, 1, 2, 3, 1], 0))
+    d3.process(TargetDecode(_text([9, 1, 2, 3, 1, 2, 3, 1], 0)))
     assert _draft(d3, 2, n_max=7) == [3, 1, 2, 3, 1, 2, 3]
     # The copy still stops at an image: a period that holds one is not repeated across it.
     d4 = NgramDrafter(n_max=6)
-    d4.process(_text([7, 1, 2], 0))
-    d4.process(_media(3, 10))
-    d4.process(_text([1], 4))
+    d4.process(TargetDecode(_text([7, 1, 2], 0)))
+    d4.process(TargetDecode(_media(3, 10)))
+    d4.process(TargetDecode(_text([1], 4)))
     assert _draft(d4, 2, n_max=6) == []  # [1, 2] was followed by the image
     stops = NgramDrafter(n_max=8, copy_past_end=False)  # llama.cpp's rule: only what the history holds
-    stops.process(_text([5, 6, 97, 31, 97, 31, 97], 0))
+    stops.process(TargetDecode(_text([5, 6, 97, 31, 97, 31, 97], 0)))
     assert _draft(stops, 31, n_max=8) == [97, 31]  # the history after the latest [97, 31, 97, 31]
 
 
 def test_ngram_does_not_match_across_an_image():
     d = NgramDrafter(n_max=4)
-    d.process(_text([7, 1, 2], 0))
-    d.process(_media(3, 64))
-    d.process(_media(3, 64))  # a second slice of the same image adds no second separator
-    d.process(_text([9, 1], 4))
+    d.process(TargetDecode(_text([7, 1, 2], 0)))
+    d.process(TargetDecode(_media(3, 64)))
+    d.process(TargetDecode(_media(3, 64)))  # a second slice of the same image adds no second separator
+    d.process(TargetDecode(_text([9, 1], 4)))
     # The key [1, 2] last occurred right before the image: what followed it was the image.
     assert _draft(d, 2) == []
-    d.process(_text([2, 8, 6, 1], 6))
+    d.process(TargetDecode(_text([2, 8, 6, 1], 6)))
     assert _draft(d, 2) == [8, 6, 1, 2]
 
 
 def test_ngram_rolls_back_rejected_rows_and_truncates_by_position():
     d = NgramDrafter(n_max=4)
-    d.process(_text([1, 2, 3, 1, 2], 0))
-    d.process(_text([3, 4, 5], 5))  # a verify batch: id_last + two drafts
+    d.process(TargetDecode(_text([1, 2, 3, 1, 2], 0)))
+    d.process(TargetDecode(_text([3, 4, 5], 5)))  # a verify batch: id_last + two drafts
     d.forget(0, 6, 6)  # only its first row stays: [1, 2, 3, 1, 2, 3]
     assert _draft(d, 1) == [2, 3, 1, 2]  # after [3, 1]: [2, 3, 1] to the end, then copied on
     d.forget(0, 3, 3)
@@ -155,7 +155,7 @@ def test_ngram_rolls_back_rejected_rows_and_truncates_by_position():
 
 def test_ngram_keeps_one_history_per_sequence():
     d = NgramDrafter(n_max=4)
-    d.process(_text([1, 2, 3, 4, 1], 0, seq_id=0) + _text([1, 2, 8, 9, 1], 0, seq_id=1))
+    d.process(TargetDecode(_text([1, 2, 3, 4, 1], 0, seq_id=0) + _text([1, 2, 8, 9, 1], 0, seq_id=1)))
     assert _draft(d, 2, seq_id=0) == [3, 4, 1, 2]
     assert _draft(d, 2, seq_id=1) == [8, 9, 1, 2]
     d.forget(1, 0, 0)
@@ -193,8 +193,8 @@ class RepeatLastDrafter:
         self.n_max, self.n_min, self.n_max_limit = n_max, 0, n_max_limit
         self.processed = 0
 
-    def process(self, rows) -> None:
-        self.processed += sum(r.n_rows for r in rows)
+    def process(self, decode) -> None:
+        self.processed += sum(r.n_rows for r in decode.rows)
 
     def draft(self, requests):
         from pyllama_spec.drafters import Proposal

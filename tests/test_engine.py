@@ -11,7 +11,7 @@ from conftest import BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, N_THREADS
 
 import pyllama_spec as ps
 from pyllama_spec.devtools import tiny
-from pyllama_spec.drafters import DraftRequest, TargetRows
+from pyllama_spec.drafters import DraftRequest, TargetDecode, TargetRows
 from pyllama_spec.serving.engine import load
 from pyllama_spec.spec.positions import SequencePositions, is_pinned
 
@@ -214,11 +214,11 @@ def test_media_rows_whose_positions_advance_are_injected(tiny_dense):
         n = 8
         engine.ctx.decode_tokens(np.arange(97, 97 + n), np.arange(n))  # gives the target's layer inputs
         positions = np.tile(np.arange(n, dtype=np.int32), (4, 1))  # audio-like: every section advances
-        d.process([TargetRows(positions, True, 0, pinned=is_pinned(n, n))])
+        d.process(TargetDecode([TargetRows(positions, True, 0, pinned=is_pinned(n, n))], engine.ctx))
         assert d.trace == [("inject", 0, n)]
         assert d.ctx.memory.pos_max() == n - 1
         pinned = np.full((4, n), n, dtype=np.int32)
-        d.process([TargetRows(pinned, True, n, pinned=is_pinned(n, 1))])
+        d.process(TargetDecode([TargetRows(pinned, True, n, pinned=is_pinned(n, 1))], engine.ctx))
         assert d.trace[-1] == ("skip", n, n)
 
 

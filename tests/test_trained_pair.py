@@ -175,7 +175,7 @@ def test_draft_block_parity_with_pytorch(n_ctx_rows, block_rows, gap):
         bs = cfg.block_size
         assert block_rows <= bs
         with Context(d, ctx_other=ctx, role="draft", **CTX_KWARGS) as dctx:
-            dctx.enable_nextn(True, True)
+            dctx.enable_draft_embeddings(True, True)
             dctx.set_causal_attn(False)
             p = np.arange(n, dtype=np.int32)
             p[n // 2:] += gap

@@ -351,7 +351,7 @@ class Context(NativeHandle):
         self._borrowers: weakref.WeakSet[Context] = weakref.WeakSet()  # contexts whose ctx_other is this one
         self._token_batch: Batch | None = None
         self._layer_inputs: set[int] = set()
-        self._nextn = False
+        self._draft_embeddings = False
         self.last_decode_rows = 0  # rows of the last successful decode: what the output buffers hold
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
@@ -501,7 +501,7 @@ class Context(NativeHandle):
         """Width of a logits row: a draft borrows its output head (and vocabulary) from ctx_other."""
         return (self._other or self).model.n_vocab
 
-    # --- DFlash: the target's layer inputs, the draft's nextn embeddings
+    # --- DFlash: the target's layer inputs, the draft's output embeddings
     def enable_layer_inputs(self, layer_ids: Iterable[int], enable: bool = True) -> None:
         """Record the inputs of these layers on every decode (a DFlash target's features)."""
         for lid in layer_ids:
@@ -525,14 +525,18 @@ class Context(NativeHandle):
         n_embd = self.model.n_embd
         return np.frombuffer(ffi.buffer(ptr, n_rows * n_embd * 4), dtype=np.float32).reshape(n_rows, n_embd)
 
-    def enable_nextn(self, enable: bool = True, masked: bool = True) -> None:
+    def enable_draft_embeddings(self, enable: bool = True, masked: bool = True) -> None:
+        """Keep a DFlash draft's output embeddings of every decode (``masked``: only of the rows
+        the batch asks outputs for; DFlash2 reads its selector lattice from every row). llama.cpp
+        names them the "nextn" embeddings."""
         lib.pyllama_set_embeddings_nextn(self.ptr, enable, masked)
-        self._nextn = enable
+        self._draft_embeddings = enable
 
-    def nextn_rows(self, n_rows: int) -> np.ndarray:
-        """NextN embeddings of the first n_rows rows of the last decode, float32 [n_rows, n_embd] (a view)."""
-        if not self._nextn:
-            raise ValueError(f"nextn embeddings are off on the {self.role} context")
+    def draft_embeddings(self, n_rows: int) -> np.ndarray:
+        """A DFlash draft's output embeddings of the first n_rows rows of the last decode,
+        float32 [n_rows, n_embd] (a view)."""
+        if not self._draft_embeddings:
+            raise ValueError(f"draft embeddings are off on the {self.role} context")
         self._check_rows(n_rows)
         ptr = lib.pyllama_get_embeddings_nextn(self.ptr)
         if ptr == ffi.NULL:

@@ -3,9 +3,10 @@
 The engine is typed against ``Drafter`` and talks to every method through these calls.
 A drafter serves ``n_seq`` sequences (one per slot; see sequence.py), named by ``seq_id``:
 
-* ``process(rows)``: the target just decoded these rows, one ``TargetRows`` per sequence
-  in that decode (prompt text, media slices, the verify rows of every slot); DFlash
-  injects the target's features here, n-gram records tokens;
+* ``process(decode)``: the target just decoded a batch; ``decode`` (a ``TargetDecode``)
+  gives its rows, one ``TargetRows`` per sequence in it (prompt text, media slices, the
+  verify rows of every slot), and what the target computed for them (``features``).
+  DFlash injects the target's features here, n-gram records tokens;
 * ``draft(requests)``: one ``Proposal`` per ``DraftRequest``, made together (one draft
   decode for all slots where the method allows): up to n_max tokens following
   ``id_last``, which sits at the request's position (none when fewer than n_min are
@@ -19,7 +20,9 @@ A drafter serves ``n_seq`` sequences (one per slot; see sequence.py), named by `
 
 ``n_max`` is a drafter's default draft length and ``n_max_limit`` the most a request may
 ask for. ``spec_type="none"`` has no drafter at all. The methods, and what the engine needs to
-know of each, are in ``registry.py``.
+know of each, are in ``registry.py``. A drafter never turns on what it reads of the target: its
+registry entry declares it, the engine turns it on before the drafter is made, and the step
+hands it over in the ``TargetDecode``.
 """
 
 from __future__ import annotations
@@ -72,6 +75,32 @@ class TargetRows:
         return self.positions[0]
 
 
+class TargetDecode:
+    """A view of the target's last decode, handed to ``Drafter.process``: its ``rows`` (one
+    ``TargetRows`` per sequence), and what the target computed for all of them.
+
+    Reads native buffers that the target's next decode overwrites: a drafter reads what it
+    needs inside ``process``. ``source`` is the target's context (None for a view without
+    features, such as a test's or a text-only drafter's).
+    """
+
+    def __init__(self, rows: Sequence[TargetRows], source=None) -> None:
+        self.rows = tuple(rows)
+        self._source = source
+        # Rows past the last one a sequence named are not read (a tree's other nodes come first).
+        self.n_decoded = max((r.row_offset + r.n_rows if r.row_index is None else int(np.max(r.row_index)) + 1
+                              for r in self.rows), default=0)
+
+    def features(self, layers: Sequence[int], rows: TargetRows) -> np.ndarray:
+        """The inputs of the target's ``layers`` at ``rows`` (side by side, in that order):
+        float32 [rows.n_rows, len(layers) * n_embd], a copy. The layers are those the method's
+        pairing named (registry.py), recorded since the engine opened the target."""
+        if self._source is None:
+            raise ValueError("this TargetDecode carries no features (made without the target's context)")
+        at = rows.decoded_rows()
+        return np.concatenate([self._source.layer_input(lid, self.n_decoded)[at] for lid in layers], axis=1)
+
+
 @dataclasses.dataclass(frozen=True)
 class Proposal:
     """Drafted tokens, and the draft's logits at each drafted position [len(tokens), n_vocab]
@@ -107,7 +136,7 @@ class Drafter(Protocol):
     n_min: int
     n_max_limit: int
 
-    def process(self, rows: Sequence[TargetRows]) -> None: ...
+    def process(self, decode: TargetDecode) -> None: ...
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]: ...
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from pyllama_spec.bindings.batch import Batch
 from pyllama_spec.bindings.llama import Context, Model
-from pyllama_spec.drafters import DraftRequest, Proposal, TargetRows
+from pyllama_spec.drafters import DraftRequest, Proposal, TargetDecode
 from pyllama_spec.errors import IncompatibleModelsError
 
 DEFAULT_BLOCK_SIZE = 16
@@ -103,7 +103,8 @@ def check_pair(target: Model, draft: Model, build_record: dict):
     from pyllama_spec.drafters.registry import Pairing
 
     cfg = check_dflash_pair(target, draft, build_record.get("dflash_target_archs"))
-    return Pairing(limit=cfg.block_size - 1, per_position_logits=not cfg.is_dflash2, data=cfg)
+    return Pairing(limit=cfg.block_size - 1, per_position_logits=not cfg.is_dflash2, data=cfg,
+                   target_layers=cfg.target_layers)
 
 
 def make(setup) -> "DFlashDrafter":
@@ -137,9 +138,8 @@ class DFlashDrafter:
         self.ctx = Context(draft_model, n_ctx=target_ctx.n_ctx, n_batch=ubatch, n_ubatch=ubatch, n_seq_max=n_seq,
                            n_threads=n_threads, flash_attn=flash_attn, swa_full=swa_full, type_k=type_k, type_v=type_v,
                            ctx_other=target_ctx, role="draft")
-        self.ctx.enable_nextn(True, masked=not config.is_dflash2)
+        self.ctx.enable_draft_embeddings(True, masked=not config.is_dflash2)
         self.ctx.set_causal_attn(config.causal)
-        target_ctx.enable_layer_inputs(config.target_layers)
         self._batch = Batch(self.ctx)
         self._n_pos = draft_model.n_pos_per_embd
         self._n_vocab = target_ctx.model.n_vocab
@@ -153,18 +153,16 @@ class DFlashDrafter:
     def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
         self.ctx.memory.remove(seq_id, draft_pos, -1)
 
-    def process(self, rows: Sequence[TargetRows]) -> None:
+    def process(self, decode: TargetDecode) -> None:
         """Inject the target's features for rows it just decoded (skipping pinned media), all sequences at once."""
         feats, positions, seqs = [], [], []
-        for r in rows:
+        for r in decode.rows:
             mode_target = r.draft_positions == "target"
             if self._skip_pinned_media and mode_target and r.pinned:
                 self._log("skip", int(r.section0[0]), r.n_rows)
                 continue
-            n, rows_of = r.n_rows, r.decoded_rows()
-            n_decoded = r.row_offset + n if r.row_index is None else int(np.max(r.row_index)) + 1
-            feats.append(np.concatenate([self.target_ctx.layer_input(lid, n_decoded)[rows_of]
-                                         for lid in self.config.target_layers], axis=1))
+            n = r.n_rows
+            feats.append(decode.features(self.config.target_layers, r))
             pos0 = r.section0 if mode_target else r.first_draft_pos + np.arange(n, dtype=np.int32)
             positions.append(self._draft_positions(pos0))
             seqs.append(np.full(n, r.seq_id, dtype=np.int32))
@@ -239,10 +237,10 @@ class DFlashDrafter:
         return out
 
     def _read_lattice(self, n: int, at: int = 0) -> list[int]:
-        """DFlash2: walk the selector lattice in the nextn rows (candidates, then k x k transition scores)
+        """DFlash2: walk the selector lattice in the block's output embeddings (candidates, then k x k transition scores)
         of the block whose row 0 (id_last) is batch row ``at``."""
         k = self.config.selector_top_k
-        lattice = self.ctx.nextn_rows(at + n + 1)[at:]
+        lattice = self.ctx.draft_embeddings(at + n + 1)[at:]
         out: list[int] = []
         predecessor = 0
         for i in range(1, n + 1):

@@ -17,7 +17,7 @@ import numpy as np
 
 from pyllama_spec.bindings.batch import Batch
 from pyllama_spec.bindings.llama import Context, Model
-from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, TargetRows
+from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, TargetDecode
 from pyllama_spec.errors import IncompatibleModelsError
 
 
@@ -70,9 +70,9 @@ class DraftModelDrafter:
         self._batch = Batch(self.ctx)
 
     # --- protocol
-    def process(self, rows: Sequence[TargetRows]) -> None:
+    def process(self, decode: TargetDecode) -> None:
         """Decode the text rows of every sequence into the draft (media rows: the positions move on)."""
-        text = [r for r in rows if r.tokens is not None]
+        text = [r for r in decode.rows if r.tokens is not None]
         step = self.ctx.n_batch
         pending = 0
         self._batch.clear()

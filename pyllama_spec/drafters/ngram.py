@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, TargetRows
+from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, TargetDecode
 
 _SEPARATOR = -1  # stands for a media chunk in the history
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -61,8 +61,8 @@ class NgramDrafter:
         return self._history.get(seq_id, (_EMPTY, _EMPTY))
 
     # --- protocol
-    def process(self, rows: Sequence[TargetRows]) -> None:
-        for r in rows:
+    def process(self, decode: TargetDecode) -> None:
+        for r in decode.rows:
             tokens, pos = self._get(r.seq_id)
             if r.tokens is None:  # media: one separator for the chunk, at its first position
                 if len(tokens) and tokens[-1] == _SEPARATOR and pos[-1] == r.section0[0]:

@@ -29,6 +29,7 @@ class Pairing:
     limit: int  # the most tokens one draft may propose (n_max_limit)
     per_position_logits: bool  # the draft's distribution at every drafted position (trees, rejection)
     data: Any = None  # the method's own facts for make() (e.g. a DFlashConfig)
+    target_layers: tuple[int, ...] = ()  # "layer inputs": the target layers whose inputs it reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,12 @@ class Method:
 
     def make(self, setup: DrafterSetup) -> Drafter:
         return self._impl().make(setup)
+
+    def open_target_features(self, target_ctx, pairing: Pairing) -> None:
+        """Turn on, on the target's context, what this method reads of every decode (before
+        anything is decoded): the drafter receives it in each ``TargetDecode``."""
+        if self.target_features == "layer inputs":
+            target_ctx.enable_layer_inputs(pairing.target_layers)
 
 
 METHODS = (

@@ -265,6 +265,7 @@ class Engine:
             self.projector = Projector(c.mmproj, self.model, use_gpu=offload, n_threads=c.n_threads,
                                        flash_attn=c.flash_attn)
         if m is not None:
+            m.open_target_features(self.ctx, pairing)
             self.drafter = m.make(DrafterSetup(
                 target_ctx=self.ctx, draft_model=self.draft_model, pairing=pairing, n_max=draft_max, n_min=c.draft_min,
                 p_min=c.draft_p_min, n_seq=n_seq, n_ctx=c.n_ctx, n_batch=c.n_batch, n_ubatch=c.n_ubatch,

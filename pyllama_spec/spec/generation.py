@@ -25,7 +25,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from pyllama_spec.drafters import Drafter, DraftRequest, Proposal
+from pyllama_spec.drafters import Drafter, DraftRequest, Proposal, TargetDecode
 from pyllama_spec.spec.draft_length import StepCost, plan_lengths
 from pyllama_spec.spec.sequence import Sequence
 from pyllama_spec.spec.stats import GenerationStats, Stopwatch
@@ -292,7 +292,7 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
     ctx.decode(batch)  # verify: logits on every row
     if drafter is not None:
         t_draft = time.perf_counter()
-        drafter.process(verify_rows)
+        drafter.process(TargetDecode(verify_rows, ctx))
         for g in gens:
             g.stats.draft_seconds += time.perf_counter() - t_draft
         t_target = t_draft - t
@@ -346,7 +346,8 @@ def _tree_step(ctx, drafter: Drafter, g: Generation, proposal: Proposal, start: 
     tokens = tree.tokens[path]
     stats.target_seconds += time.perf_counter() - t
     t = time.perf_counter()
-    drafter.process([dataclasses.replace(seq.text_rows(tokens), row_index=path)])  # the path's features only
+    # the accepted path's features only
+    drafter.process(TargetDecode([dataclasses.replace(seq.text_rows(tokens), row_index=path)], ctx))
     stats.draft_seconds += time.perf_counter() - t
     seq.commit(tokens, len(tokens))  # the memory already holds exactly the path
     stats.record_step(tree.n_drafted, len(nodes), tree.max_depth)

@@ -26,7 +26,7 @@ from typing import Iterator
 import numpy as np
 
 from pyllama_spec.bindings.llama import Context
-from pyllama_spec.drafters import Drafter, TargetRows
+from pyllama_spec.drafters import Drafter, TargetDecode, TargetRows
 from pyllama_spec.errors import KVMemoryError
 from pyllama_spec.spec.positions import SequencePositions, is_pinned
 from pyllama_spec.spec.stats import GenerationStats, Stopwatch
@@ -72,7 +72,7 @@ class Sequence:
             self.ctx.decode_tokens(tokens, rows.section0, outputs=outputs, seq_id=self.seq_id)
         if self.drafter is not None:
             with Stopwatch(stats, "draft_seconds"):
-                self.drafter.process([rows])
+                self.drafter.process(TargetDecode([rows], self.ctx))
         self.commit(tokens, len(tokens))
 
     def commit(self, tokens: np.ndarray, n_kept: int) -> None:
@@ -122,7 +122,7 @@ class Sequence:
                     rows = TargetRows(np.ascontiguousarray(positions[s:e].T), True, p.draft_pos_next + s,
                                       pinned=pinned, seq_id=self.seq_id, draft_positions=p.draft_positions)
                     with Stopwatch(stats, "draft_seconds"):
-                        self.drafter.process([rows])
+                        self.drafter.process(TargetDecode([rows], self.ctx))
                 yield e
         except BaseException:
             # Stopped inside the chunk (cancelled between slices, or a slice failed): the positions
