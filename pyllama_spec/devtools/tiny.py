@@ -686,6 +686,75 @@ def _set_paths(folder: str | Path, prefix: str, arch: str, params: dict) -> "Tin
     return TinyModels(*(folder / f"{prefix}-{arch}-{key}-{part}.gguf" for part in ("target", "mmproj", "draft")))
 
 
+@dataclass(frozen=True)
+class _SetSpec:
+    """What one cached set is written from: ``make_tiny_set`` and ``make_bench_set`` differ
+    only in defaults and in which sizes they expose, so both fill one in for ``_make_set``."""
+
+    prefix: str  # the start of the file names: "tiny" or "bench"
+    arch: str
+    seed: int
+    window: int | None  # the draft's sliding window (None or 0: none)
+    predictable: float
+    n_layer: int  # target layers
+    target_layers: tuple[int, ...]  # target layers whose inputs feed the draft
+    block_size: int
+    draft_n_layer: int
+    # width and storage: the writers' defaults (the original n_embd 64 files) are all the tiny set uses
+    n_embd: int = TINY_N_EMBD
+    n_ff: int = 128
+    dtype: str = "f32"
+    dflash2: bool = False
+    # kind / n_embd / n_ff / dtype enter the file-name hash only for the bench set, whose sizes are
+    # parameters; the tiny set's are fixed, and leaving them out keeps its cached file names valid
+    sizes_in_key: bool = False
+
+    def check(self) -> None:
+        """Refuse bad parameters before writing anything (the writers check too, but one by one)."""
+        if self.arch not in TARGET_ARCHS:
+            raise ValueError(f"arch must be one of {TARGET_ARCHS}, got {self.arch!r}")
+        _geometry(self.n_embd)
+        _np_dtype(self.dtype)
+        if not self.target_layers or any(not 0 <= t < self.n_layer for t in self.target_layers):
+            raise ValueError(f"target_layers must be non-empty and in [0, {self.n_layer})")
+
+    def cache_key(self) -> dict:
+        """The parameters hashed into the file names (see ``_set_paths``)."""
+        key = dict(v=GENERATOR_VERSION, arch=self.arch, seed=self.seed, window=self.window or 0,
+                   predictable=float(self.predictable), n_layer=self.n_layer,
+                   target_layers=list(self.target_layers), block_size=self.block_size,
+                   draft_n_layer=self.draft_n_layer)
+        if self.sizes_in_key:
+            key.update(kind=self.prefix, n_embd=self.n_embd, n_ff=self.n_ff, dtype=self.dtype)
+        if self.dflash2:  # only when set, so the names of the plain sets do not change
+            key["dflash2"] = True
+        return key
+
+
+def _make_set(folder: str | Path, spec: _SetSpec) -> TinyModels:
+    """Write (or reuse) the three files of ``spec`` in ``folder``; each file missing is written atomically."""
+    spec.check()
+    models = _set_paths(folder, spec.prefix, spec.arch, spec.cache_key())
+    # a qwen3vl target takes the qwen3vl_merger projector, with as many deepstack layers as it has
+    qwen3vl = spec.arch == "qwen3vl"
+    deep = dict(n_deepstack=len(QWEN3VL_DEEPSTACK_LAYERS)) if qwen3vl else {}
+    proj = dict(projector="qwen3vl_merger", deepstack_layers=QWEN3VL_DEEPSTACK_LAYERS) if qwen3vl else {}
+    if not models.target.exists():
+        _write_atomic(write_target, models.target, arch=spec.arch, seed=spec.seed, n_embd=spec.n_embd,
+                      n_layer=spec.n_layer, n_ff=spec.n_ff, predictable=spec.predictable, dtype=spec.dtype,
+                      **deep)
+    if not models.mmproj.exists():
+        _write_atomic(write_mmproj, models.mmproj, target_n_embd=spec.n_embd, seed=spec.seed, dtype=spec.dtype,
+                      **proj)
+    if not models.draft.exists():
+        # the draft's FFN is as wide as the target's
+        _write_atomic(write_draft, models.draft, target_n_embd=spec.n_embd, target_layers=spec.target_layers,
+                      target_n_layer=spec.n_layer, block_size=spec.block_size, sliding_window=spec.window,
+                      n_layer=spec.draft_n_layer, n_ff=spec.n_ff, seed=spec.seed, dtype=spec.dtype,
+                      dflash2=spec.dflash2)
+    return models
+
+
 def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, window: int | None = 32,
                   predictable: float = 0.5, n_layer: int = 4, target_layers: tuple[int, ...] = (1, 3),
                   block_size: int = 16, draft_n_layer: int = 1, dflash2: bool = False) -> TinyModels:
@@ -699,26 +768,9 @@ def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0
     default selector / convolution sizes); it enters the hash only when set, so the
     names of the plain sets do not change.
     """
-    params = dict(v=GENERATOR_VERSION, arch=arch, seed=seed, window=window or 0, predictable=float(predictable),
-                  n_layer=n_layer, target_layers=list(target_layers), block_size=block_size,
-                  draft_n_layer=draft_n_layer)
-    if dflash2:
-        params["dflash2"] = True
-    models = _set_paths(folder, "tiny", arch, params)
-    # a qwen3vl target takes the qwen3vl_merger projector, with as many deepstack layers as it has
-    deep = dict(n_deepstack=len(QWEN3VL_DEEPSTACK_LAYERS)) if arch == "qwen3vl" else {}
-    proj = (dict(projector="qwen3vl_merger", deepstack_layers=QWEN3VL_DEEPSTACK_LAYERS) if arch == "qwen3vl"
-            else {})
-    if not models.target.exists():
-        _write_atomic(write_target, models.target, arch=arch, seed=seed, n_layer=n_layer, predictable=predictable,
-                      **deep)
-    if not models.mmproj.exists():
-        _write_atomic(write_mmproj, models.mmproj, seed=seed, **proj)
-    if not models.draft.exists():
-        _write_atomic(write_draft, models.draft, target_layers=tuple(target_layers), target_n_layer=n_layer,
-                      block_size=block_size, sliding_window=window, n_layer=draft_n_layer, seed=seed,
-                      dflash2=dflash2)
-    return models
+    return _make_set(folder, _SetSpec(
+        prefix="tiny", arch=arch, seed=seed, window=window, predictable=predictable, n_layer=n_layer,
+        target_layers=tuple(target_layers), block_size=block_size, draft_n_layer=draft_n_layer, dflash2=dflash2))
 
 
 def bench_n_params(*, n_embd: int = 1024, n_layer: int = 12, n_ff: int = 2816, arch: str = "hunyuan_vl",
@@ -759,29 +811,10 @@ def make_bench_set(folder: str | Path, *, n_embd: int = 1024, n_layer: int = 12,
     by a hash of the parameters (and ``GENERATOR_VERSION``) and written atomically, so a
     second call reuses them.
     """
-    if arch not in TARGET_ARCHS:
-        raise ValueError(f"arch must be one of {TARGET_ARCHS}, got {arch!r}")
-    _geometry(n_embd)
-    _np_dtype(dtype)
-    if not target_layers or any(not 0 <= t < n_layer for t in target_layers):
-        raise ValueError(f"target_layers must be non-empty and in [0, {n_layer})")
-    params = dict(v=GENERATOR_VERSION, kind="bench", arch=arch, seed=seed, window=window or 0,
-                  predictable=float(predictable), n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, dtype=dtype,
-                  target_layers=list(target_layers), block_size=block_size, draft_n_layer=draft_n_layer)
-    models = _set_paths(folder, "bench", arch, params)
-    deep = dict(n_deepstack=len(QWEN3VL_DEEPSTACK_LAYERS)) if arch == "qwen3vl" else {}
-    proj = (dict(projector="qwen3vl_merger", deepstack_layers=QWEN3VL_DEEPSTACK_LAYERS) if arch == "qwen3vl"
-            else {})
-    if not models.target.exists():
-        _write_atomic(write_target, models.target, arch=arch, seed=seed, n_embd=n_embd, n_layer=n_layer,
-                      n_ff=n_ff, predictable=predictable, dtype=dtype, **deep)
-    if not models.mmproj.exists():
-        _write_atomic(write_mmproj, models.mmproj, target_n_embd=n_embd, seed=seed, dtype=dtype, **proj)
-    if not models.draft.exists():
-        _write_atomic(write_draft, models.draft, target_n_embd=n_embd, target_layers=tuple(target_layers),
-                      target_n_layer=n_layer, block_size=block_size, sliding_window=window,
-                      n_layer=draft_n_layer, n_ff=n_ff, seed=seed, dtype=dtype)
-    return models
+    return _make_set(folder, _SetSpec(
+        prefix="bench", arch=arch, seed=seed, window=window, predictable=predictable, n_layer=n_layer,
+        target_layers=tuple(target_layers), block_size=block_size, draft_n_layer=draft_n_layer,
+        n_embd=n_embd, n_ff=n_ff, dtype=dtype, sizes_in_key=True))
 
 
 def draw_demo_image(size: int):
