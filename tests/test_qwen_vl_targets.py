@@ -130,7 +130,7 @@ def test_qwen3vl_layer_inputs_read_after_the_image_are_the_true_inputs(tiny_qwen
         process = engine.drafter.process
 
         def capture(batch):  # right after the target decoded these rows, before the drafter reads them
-            for rows in batch:
+            for rows in batch.rows:
                 n, at = rows.n_rows, rows.row_offset
                 captured.append((rows.has_embeddings, int(rows.section0[0]),
                                  {lid: engine.ctx.layer_input(lid, at + n)[at:].copy() for lid in layers}))
