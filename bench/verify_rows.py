@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from pyllama_spec import native_build  # noqa: E402
-from pyllama_spec.bindings.llama import Context, Model  # noqa: E402
+from pyllama_spec.bindings.context import Context  # noqa: E402
+from pyllama_spec.bindings.model import Model
 from pyllama_spec.devtools import tiny
 
 LAYOUTS = {"8 rows of 1 sequence": (1, 8), "1 row of each of 8": (8, 1), "64 rows of 1 sequence": (1, 64),

@@ -36,7 +36,7 @@ _LAZY = {
     "load": "serving.engine", "Engine": "serving.engine", "EngineConfig": "serving.config",
     "Result": "spec.generation", "Piece": "spec.generation",
     "Conversation": "serving.chat", "Submission": "serving.scheduler",
-    "Model": "bindings.llama", "Context": "bindings.llama", "Memory": "bindings.llama", "Sampler": "bindings.llama",
+    "Model": "bindings.model", "Context": "bindings.context", "Memory": "bindings.context", "Sampler": "bindings.sampler",
     "Batch": "bindings.batch",
     "Projector": "bindings.mtmd", "Bitmap": "bindings.mtmd", "Chunks": "bindings.mtmd", "Chunk": "bindings.mtmd",
 }

@@ -13,7 +13,8 @@ from conftest import N_THREADS
 from conftest import explain_child as explain
 
 from pyllama_spec.bindings.batch import Batch
-from pyllama_spec.bindings.llama import Context, Model
+from pyllama_spec.bindings.context import Context
+from pyllama_spec.bindings.model import Model
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
 from pyllama_spec.devtools import tiny
 from pyllama_spec.errors import (
@@ -286,7 +287,8 @@ def test_layer_beyond_the_target_is_refused(tiny_dense, ctx_kwargs):
 def test_layer_id_equal_to_n_layer_is_refused_without_abort(tiny_dense, run_python):
     res = run_python("""
         import sys, numpy as np
-        from pyllama_spec.bindings.llama import Model, Context
+        from pyllama_spec.bindings.context import Context
+        from pyllama_spec.bindings.model import Model
         from pyllama_spec.errors import IncompatibleModelsError
         m = Model(sys.argv[1])
         ctx = Context(m, n_ctx=128, n_batch=64, n_ubatch=64, n_threads=1)
@@ -315,7 +317,8 @@ def test_closed_objects_refuse_use(tiny_dense, ctx_kwargs):
 def test_layer_input_before_a_decode_is_refused_without_abort(when, tiny_dense, run_python):
     res = run_python("""
         import sys, numpy as np
-        from pyllama_spec.bindings.llama import Model, Context
+        from pyllama_spec.bindings.context import Context
+        from pyllama_spec.bindings.model import Model
         m = Model(sys.argv[1])
         ctx = Context(m, n_ctx=128, n_batch=64, n_ubatch=64, n_threads=1)
         ctx.enable_layer_inputs([1])

@@ -15,7 +15,9 @@ from conftest import explain_child as explain
 
 import pyllama_spec
 from pyllama_spec.bindings.batch import Batch
-from pyllama_spec.bindings.llama import Context, Model, Sampler
+from pyllama_spec.bindings.context import Context
+from pyllama_spec.bindings.model import Model
+from pyllama_spec.bindings.sampler import Sampler
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
 from pyllama_spec.bindings.native_info import build_record
 from pyllama_spec.devtools import tiny
@@ -478,7 +480,7 @@ def test_projector_is_unusable_after_its_model_closes(tiny_dense, run_python):
     # in a child process: today this is undefined behaviour in native code
     res = run_python("""
         import sys, numpy as np
-        from pyllama_spec.bindings.llama import Model
+        from pyllama_spec.bindings.model import Model
         from pyllama_spec.bindings.mtmd import Projector, Bitmap, MEDIA_MARKER
         from pyllama_spec.errors import ClosedError
         m = Model(sys.argv[1])

@@ -505,9 +505,9 @@ import faulthandler
 import sys
 import numpy as np
 import pyllama_spec as ps
-import pyllama_spec.bindings.llama
+import pyllama_spec.bindings.model
 if sys.argv[3] == "off":
-    pyllama_spec.bindings.llama.validate_gguf = lambda path, what: None  # what llama.cpp sees without the check
+    pyllama_spec.bindings.model.validate_gguf = lambda path, what: None  # what llama.cpp sees without the check
 faulthandler.enable()  # a SIGSEGV says so on stderr
 kind, path, target = sys.argv[1], sys.argv[2], sys.argv[4]
 kw = dict(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=int(sys.argv[5]))

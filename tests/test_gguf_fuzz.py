@@ -179,9 +179,9 @@ def _worker_main() -> None:
     from pyllama_spec.errors import PyllamaError
 
     if os.environ.get("PYLLAMA_FUZZ_NO_VALIDATE"):
-        import pyllama_spec.bindings.llama
+        import pyllama_spec.bindings.model
 
-        pyllama_spec.bindings.llama.validate_gguf = lambda path, what: None
+        pyllama_spec.bindings.model.validate_gguf = lambda path, what: None
     load = ps.load
     image = np.zeros((56, 56, 3), np.uint8)
     image[::2, ::3] = (200, 30, 90)

@@ -13,7 +13,7 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec.bindings.llama import Model
+from pyllama_spec.bindings.model import Model
 from pyllama_spec.serving.engine import _pieces_at_line_starts
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pyllama_spec"

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 from conftest import BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, N_THREADS
 
-from pyllama_spec.bindings.llama import Context, Model
+from pyllama_spec.bindings.context import Context
+from pyllama_spec.bindings.model import Model
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
 from pyllama_spec.devtools import tiny
 from pyllama_spec.serving.engine import load

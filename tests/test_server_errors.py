@@ -188,7 +188,7 @@ def strict_template_model(tiny_dir):
 
 @pytest.mark.parametrize("key", RESERVED)
 def test_render_messages_refuses_its_own_variables_with_a_value_error(strict_template_model, key):
-    from pyllama_spec.bindings.llama import Model
+    from pyllama_spec.bindings.model import Model
     from pyllama_spec.serving.prompt import render_messages
 
     with Model(strict_template_model) as model:
@@ -207,7 +207,7 @@ def test_render_messages_refuses_its_own_variables_with_a_value_error(strict_tem
     (1e-300, "builtin"),  # 'think ' * 1e301: a float count
 ])
 def test_a_template_that_raises_on_a_value_falls_back_to_the_builtin_renderer(strict_template_model, value, renderer):
-    from pyllama_spec.bindings.llama import Model
+    from pyllama_spec.bindings.model import Model
     from pyllama_spec.serving.prompt import render_messages
 
     with Model(strict_template_model) as model:

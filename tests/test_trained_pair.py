@@ -20,7 +20,8 @@ import pytest
 from conftest import CTX_KWARGS, N_THREADS, REPO_ROOT
 
 from pyllama_spec.bindings.batch import Batch
-from pyllama_spec.bindings.llama import Context, Model
+from pyllama_spec.bindings.context import Context
+from pyllama_spec.bindings.model import Model
 from pyllama_spec.embedded import MODELS_DIR
 from pyllama_spec.serving import engine as engine_mod
 

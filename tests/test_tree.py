@@ -18,7 +18,7 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec.bindings.llama import Context
+from pyllama_spec.bindings.context import Context
 from pyllama_spec.devtools.tiny import draw_demo_image
 from pyllama_spec.errors import DecodeError
 from pyllama_spec.spec.tree import DraftTree, TreeSeqs, build_tree, chain_tree, walk

@@ -18,7 +18,8 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec.bindings.llama import Context, Model
+from pyllama_spec.bindings.context import Context
+from pyllama_spec.bindings.model import Model
 from pyllama_spec.devtools import tiny, widen
 from pyllama_spec.embedded import MODELS_DIR, PROMPT
 from pyllama_spec.gguf.reader import read_gguf, read_tensor

@@ -453,7 +453,7 @@ def corpus_files() -> tuple[list[str], list[str]]:
 
 def tokenize_files(files: list[str], tokenizer_gguf: Path) -> np.ndarray:
     """Tokens of the files (each followed by a blank line), with llama.cpp's tokenizer."""
-    from pyllama_spec.bindings.llama import Model
+    from pyllama_spec.bindings.model import Model
 
     out = []
     with Model(tokenizer_gguf) as m:
@@ -547,7 +547,8 @@ def generate_greedy(target_gguf, toks: np.ndarray, n_seqs: int, prompt_len: int,
                     log=print) -> np.ndarray:
     """[n_seqs, prompt_len + gen_len] tokens: corpus prompts, each continued greedily by the target
     (llama.cpp, the same model as the PyTorch one): the text the draft has to predict at run time."""
-    from pyllama_spec.bindings.llama import Context, Model
+    from pyllama_spec.bindings.context import Context
+    from pyllama_spec.bindings.model import Model
 
     rng = np.random.default_rng(seed + 31)
     out = np.zeros((n_seqs, prompt_len + gen_len), np.int32)
@@ -623,7 +624,7 @@ class EncodedImage:
 
 
 def encode_images(model_gguf, mmproj_gguf, images: list[np.ndarray]) -> list[EncodedImage]:
-    from pyllama_spec.bindings.llama import Model
+    from pyllama_spec.bindings.model import Model
     from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
 
     out = []
@@ -707,7 +708,8 @@ def generate_image_sequences(target_gguf, mmproj_gguf, toks: np.ndarray, images:
                              prompt_len: int, gen_len: int, cfg: PairConfig, seed: int, log=print) -> ImageSequences:
     """n_seqs sequences [picture, corpus prompt, greedy continuation] decoded by the trained target
     in llama.cpp, with the target layer inputs of every row (see ImageSequences)."""
-    from pyllama_spec.bindings.llama import Context, Model
+    from pyllama_spec.bindings.context import Context
+    from pyllama_spec.bindings.model import Model
     from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
     from pyllama_spec.spec.positions import SequencePositions
 

@@ -16,7 +16,7 @@ from pyllama_spec.bindings.handle import NativeHandle
 from pyllama_spec.errors import NativeCallError, check_batch_add
 
 if TYPE_CHECKING:
-    from pyllama_spec.bindings.llama import Context
+    from pyllama_spec.bindings.context import Context
 
 
 def _outputs_array(outputs, n: int) -> np.ndarray | None:

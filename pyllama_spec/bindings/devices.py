@@ -77,7 +77,7 @@ class DeviceInfo:
 
 
 class Device:
-    """A ggml device handle (the pointer stays in this module and llama.py)."""
+    """A ggml device handle (the pointer stays in this module and bindings/model.py)."""
 
     def __init__(self, ptr, endpoint: str | None = None) -> None:
         self._ptr = ptr

@@ -26,7 +26,8 @@ from pyllama_spec._native import (
     raise_carried,
 )
 from pyllama_spec.bindings.handle import NativeHandle
-from pyllama_spec.bindings.llama import Context, Model, check_gguf_file
+from pyllama_spec.bindings.context import Context
+from pyllama_spec.bindings.model import Model, check_gguf_file
 from pyllama_spec.errors import (
     ImageError,
     NativeCallError,

@@ -26,8 +26,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from pyllama_spec.bindings.llama import Context, Model, Sampler
+from pyllama_spec.bindings.context import Context
+from pyllama_spec.bindings.model import Model
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
+from pyllama_spec.bindings.sampler import Sampler
 from pyllama_spec.drafters import Drafter
 from pyllama_spec.drafters.registry import (
     DrafterSetup,
@@ -42,6 +44,7 @@ from pyllama_spec.serving.config import (
     _check_tree_settings,
 )
 from pyllama_spec.serving.gate import EngineGate
+from pyllama_spec.serving.load_plan import plan_drafts, plan_load
 from pyllama_spec.serving.prompt import as_list, render_messages
 from pyllama_spec.serving.request import Request
 from pyllama_spec.serving.scheduler import Scheduler
@@ -56,13 +59,11 @@ from pyllama_spec.spec.generation import (
 )
 from pyllama_spec.spec.positions import SequencePositions
 from pyllama_spec.spec.sampling import SamplingParams
-from pyllama_spec.spec.sequence import Sequence as SlotSequence
+from pyllama_spec.spec import sequence
 from pyllama_spec.spec.stats import GenerationStats
 from pyllama_spec.spec.verify import VERIFY_RULES, MatchVerifier, RejectionVerifier
 
 __all__ = ["Engine", "EngineConfig", "Piece", "Result", "load", "ProgressCallback"]
-
-
 
 # Counting a long prompt's tokens piece by piece before tokenizing it whole (see
 # Engine._refuse_a_prompt_that_cannot_fit): above this many bytes per context row, in pieces of
@@ -160,12 +161,13 @@ class Engine:
         self._step_cost = StepCost()  # what a speculative step costs here (draft_length.py)
         #: The stats of the latest generation, also while it runs and after it was interrupted.
         self.last_stats: GenerationStats | None = None
-        self.sequences: list[SlotSequence] = []
+        self.sequences: list[sequence.Sequence] = []
         self.projector: Projector | None = None
         self.drafter: Drafter | None = None
         self.draft_model: Model | None = None
         self.ctx: Context | None = None
-        self._check_before_load()
+        plan = plan_load(config, self.method)
+        self.config, self.placement, self.memory_estimate = plan.config, plan.placement, plan.memory_estimate
         self.model = Model(config.model, n_gpu_layers=config.n_gpu_layers, use_mmap=config.use_mmap,
                            use_mlock=config.use_mlock, role="target", placement=self.placement.target)
         try:
@@ -178,44 +180,6 @@ class Engine:
             self._scheduler = Scheduler(sequences=self.sequences, ctx=self.ctx, drafter=self.drafter,
                                         projector=self.projector, step_cost=self._step_cost,
                                         prepare=lambda request: self._generation(None, request))
-
-    def _check_before_load(self) -> None:
-        """Refuse, before allocating anything: a bad file, a context past the training length, device
-        options that do not fit (devices.py; RPC servers are reached here) and a configuration the
-        devices cannot hold (memory.py). Resolves n_ctx=0 to the training length."""
-        from pyllama_spec.bindings import devices
-        from pyllama_spec.bindings.llama import check_gguf_file
-        from pyllama_spec.errors import InsufficientMemoryError
-        from pyllama_spec.gguf import memory
-        from pyllama_spec.gguf.reader import read_gguf_shared
-
-        c = self.config
-        for path, what in ((c.model, "target model"), (c.draft, "draft model"), (c.mmproj, "mmproj")):
-            if path is not None:
-                check_gguf_file(path, what)  # a clear error for a bad file comes first
-        info = read_gguf_shared(c.model)
-        n_ctx_train = int(info.metadata.get(f"{info.arch}.context_length", 0) or 0)
-        if c.n_ctx == 0 and n_ctx_train:  # llama.cpp's -c 0: the model's training length
-            c = self.config = dataclasses.replace(c, n_ctx=n_ctx_train)
-        per_slot = c.n_ctx // c.n_parallel  # each slot's positions start at 0
-        if n_ctx_train and per_slot > n_ctx_train:
-            slots = "" if c.n_parallel == 1 else f" per slot ({c.n_parallel} slots share n_ctx {c.n_ctx})"
-            raise ValueError(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} "
-                             f"tokens, {info.arch}.context_length): positions past it were never trained; use -c "
-                             f"{n_ctx_train * c.n_parallel} or less (or -c 0 for exactly that)")
-        m = self.method
-        self.placement = devices.plan(c, draft_uses_target_head=bool(m and m.uses_target_head))
-        draft = c.draft if m is not None and m.counts_draft_memory else None
-        est = memory.estimate(c.model, mmproj=c.mmproj, draft=draft, n_ctx=c.n_ctx, n_ubatch=c.n_ubatch,
-                              cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v,
-                              cache_type_k_draft=c.cache_type_k_draft, cache_type_v_draft=c.cache_type_v_draft)
-        budget = self.placement.memory_budget(c.n_gpu_layers)  # (device(s), free bytes)
-        if budget is not None and budget[1] and not est.fits(budget[1]):
-            raise InsufficientMemoryError(
-                f"this configuration needs about {est.total / memory.MiB:.0f} MiB but {budget[0]} has "
-                f"{budget[1] / memory.MiB:.0f} MiB free: {est.describe()}. Lower -c (n_ctx), use a quantized "
-                "KV cache (-ctk/-ctv q8_0 with -fa on), or a smaller -ub")
-        self.memory_estimate = est
 
     def _load_draft_model(self) -> Model:
         c = self.config
@@ -236,25 +200,8 @@ class Engine:
             if m.draft_file:
                 self.draft_model = self._load_draft_model()
             pairing = m.check_pair(self.model, self.draft_model, build_record())
-        # A recurrent/hybrid target rolls back rejected drafts through state snapshots: one per
-        # position that may be rolled back (llama.cpp also needs n_ubatch > n_rs_seq + 1).
-        limit = pairing.limit if pairing else 0
-        # With "auto" the drafter may draft up to its limit; each step's length is planned (draft_length.py).
-        draft_max = (limit if c.draft_max == "auto" else min(c.draft_max, limit)) if pairing else 0
-        n_rs_seq = 0
-        if draft_max and self.model.is_recurrent:
-            n_rs_seq = min(draft_max, c.n_ubatch - 2)
-            if n_rs_seq < 1:
-                raise ValueError(f"a recurrent target needs n_ubatch >= 3 to roll back drafts, got {c.n_ubatch}")
-            draft_max = n_rs_seq
-        n_seq = c.n_parallel
-        if c.draft_tree:
-            if self.model.is_recurrent:
-                raise ValueError("draft_tree needs an attention-only target: a recurrent state cannot hold "
-                                 "several branches at once")
-            if not pairing.per_position_logits:
-                raise ValueError("draft_tree needs a DFlash draft with per-position logits; a DFlash2 draft "
-                                 "walks its own lattice")
+        drafts = plan_drafts(c, self.model, pairing)
+        draft_max, n_rs_seq, n_seq = drafts.draft_max, drafts.n_rs_seq, c.n_parallel
         # A draft tree gives every leaf a sequence id of its own, sharing the cells of one cache.
         self.ctx = Context(self.model, n_ctx=c.n_ctx, n_batch=c.n_batch, n_ubatch=c.n_ubatch, n_rs_seq=n_rs_seq,
                            n_seq_max=n_seq + c.draft_tree, kv_unified=c.draft_tree > 0,
@@ -273,7 +220,7 @@ class Engine:
                 cache_types=self._draft_cache_types()))
         if self.drafter is not None and n_rs_seq:
             self.drafter.n_max_limit = n_rs_seq  # rollback snapshots bound how far a draft can go
-        self.sequences = [SlotSequence(self.ctx, self.drafter, i, draft_positions=c.draft_positions, n_seq=n_seq)
+        self.sequences = [sequence.Sequence(self.ctx, self.drafter, i, draft_positions=c.draft_positions, n_seq=n_seq)
                           for i in range(n_seq)]
 
     # ------------------------------------------------------------------ lifecycle
@@ -479,7 +426,7 @@ class Engine:
                 seq.reset()  # a step stopped halfway: forget the cache, the next call starts clean
                 raise
 
-    def _generation(self, seq: SlotSequence | None, request: Request) -> "_PreparedGeneration":
+    def _generation(self, seq: sequence.Sequence | None, request: Request) -> "_PreparedGeneration":
         """A Generation for ``request`` on ``seq`` (tokenized, with its sampler; a scheduler may give it
         its sequence later), as a context manager
         that frees the request's native objects (bitmaps, sampler) when it ends."""
@@ -583,7 +530,7 @@ class _PreparedGeneration:
     """``with engine._generation(seq, request) as gen``: render and tokenize the prompt, load its
     images, make its sampler and verifier; free the bitmaps and the sampler at the end."""
 
-    def __init__(self, engine: Engine, seq: SlotSequence | None, request: Request) -> None:
+    def __init__(self, engine: Engine, seq: sequence.Sequence | None, request: Request) -> None:
         self.engine, self.seq, self.request = engine, seq, request
         self._bitmaps: list[Bitmap] = []
         self._sampler: Sampler | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Mapping, Sequence
 
-from pyllama_spec.bindings.llama import Model
+from pyllama_spec.bindings.model import Model
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER
 from pyllama_spec.serving import chat_template
 from pyllama_spec.serving.chat_template import TemplateRenderError

@@ -1,0 +1,87 @@
+"""What the Engine decides before and while it loads, apart from the loading itself.
+
+``plan_load`` runs before anything native is allocated: it refuses a bad file, a context past
+the target's training length, device options that do not fit (bindings/devices.py; RPC servers
+are reached here) and a configuration the devices cannot hold (gguf/memory.py), and resolves
+``n_ctx=0`` to the training length. ``plan_drafts`` runs once the target and the draft are
+loaded and paired: how far one draft may go, and the rollback snapshots a recurrent target needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pyllama_spec.bindings import devices
+from pyllama_spec.bindings.model import Model, check_gguf_file
+from pyllama_spec.drafters.registry import Method, Pairing
+from pyllama_spec.errors import InsufficientMemoryError
+from pyllama_spec.gguf import memory
+from pyllama_spec.gguf.reader import read_gguf_shared
+from pyllama_spec.serving.config import EngineConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPlan:
+    config: EngineConfig  # as given, with n_ctx=0 resolved to the training length
+    placement: devices.EnginePlacement  # where the target's and the draft's layers go
+    memory_estimate: memory.Estimate  # what the configuration needs, as checked against the devices
+
+
+def plan_load(config: EngineConfig, method: Method | None) -> LoadPlan:
+    """Check ``config`` against its files and devices; raise before anything is allocated."""
+    c = config
+    for path, what in ((c.model, "target model"), (c.draft, "draft model"), (c.mmproj, "mmproj")):
+        if path is not None:
+            check_gguf_file(path, what)  # a clear error for a bad file comes first
+    info = read_gguf_shared(c.model)
+    n_ctx_train = int(info.metadata.get(f"{info.arch}.context_length", 0) or 0)
+    if c.n_ctx == 0 and n_ctx_train:  # llama.cpp's -c 0: the model's training length
+        c = dataclasses.replace(c, n_ctx=n_ctx_train)
+    per_slot = c.n_ctx // c.n_parallel  # each slot's positions start at 0
+    if n_ctx_train and per_slot > n_ctx_train:
+        slots = "" if c.n_parallel == 1 else f" per slot ({c.n_parallel} slots share n_ctx {c.n_ctx})"
+        raise ValueError(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} "
+                         f"tokens, {info.arch}.context_length): positions past it were never trained; use -c "
+                         f"{n_ctx_train * c.n_parallel} or less (or -c 0 for exactly that)")
+    placement = devices.plan(c, draft_uses_target_head=bool(method and method.uses_target_head))
+    draft = c.draft if method is not None and method.counts_draft_memory else None
+    est = memory.estimate(c.model, mmproj=c.mmproj, draft=draft, n_ctx=c.n_ctx, n_ubatch=c.n_ubatch,
+                          cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v,
+                          cache_type_k_draft=c.cache_type_k_draft, cache_type_v_draft=c.cache_type_v_draft)
+    budget = placement.memory_budget(c.n_gpu_layers)  # (device(s), free bytes)
+    if budget is not None and budget[1] and not est.fits(budget[1]):
+        raise InsufficientMemoryError(
+            f"this configuration needs about {est.total / memory.MiB:.0f} MiB but {budget[0]} has "
+            f"{budget[1] / memory.MiB:.0f} MiB free: {est.describe()}. Lower -c (n_ctx), use a quantized "
+            "KV cache (-ctk/-ctv q8_0 with -fa on), or a smaller -ub")
+    return LoadPlan(config=c, placement=placement, memory_estimate=est)
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftPlan:
+    draft_max: int  # the most tokens one draft proposes (0: no drafting)
+    n_rs_seq: int  # recurrent-state snapshots per sequence, one per position a draft may roll back
+
+
+def plan_drafts(config: EngineConfig, target: Model, pairing: Pairing | None) -> DraftPlan:
+    """How far drafts go, given the pairing's limit; refuse a draft tree the target or draft cannot take."""
+    c = config
+    limit = pairing.limit if pairing else 0
+    # With "auto" the drafter may draft up to its limit; each step's length is planned (draft_length.py).
+    draft_max = (limit if c.draft_max == "auto" else min(c.draft_max, limit)) if pairing else 0
+    n_rs_seq = 0
+    # A recurrent/hybrid target rolls back rejected drafts through state snapshots: one per
+    # position that may be rolled back (llama.cpp also needs n_ubatch > n_rs_seq + 1).
+    if draft_max and target.is_recurrent:
+        n_rs_seq = min(draft_max, c.n_ubatch - 2)
+        if n_rs_seq < 1:
+            raise ValueError(f"a recurrent target needs n_ubatch >= 3 to roll back drafts, got {c.n_ubatch}")
+        draft_max = n_rs_seq
+    if c.draft_tree:
+        if target.is_recurrent:
+            raise ValueError("draft_tree needs an attention-only target: a recurrent state cannot hold "
+                             "several branches at once")
+        if not pairing.per_position_logits:
+            raise ValueError("draft_tree needs a DFlash draft with per-position logits; a DFlash2 draft "
+                             "walks its own lattice")
+    return DraftPlan(draft_max=draft_max, n_rs_seq=n_rs_seq)
