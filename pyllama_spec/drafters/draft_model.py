@@ -16,7 +16,8 @@ from typing import Sequence
 import numpy as np
 
 from pyllama_spec.bindings.batch import Batch
-from pyllama_spec.bindings.llama import Context, Model
+from pyllama_spec.bindings.context import Context
+from pyllama_spec.bindings.model import Model
 from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, TargetDecode
 from pyllama_spec.errors import IncompatibleModelsError
 

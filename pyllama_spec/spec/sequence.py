@@ -25,7 +25,7 @@ from typing import Iterator
 
 import numpy as np
 
-from pyllama_spec.bindings.llama import Context
+from pyllama_spec.bindings.context import Context
 from pyllama_spec.drafters import Drafter, TargetDecode, TargetRows
 from pyllama_spec.errors import KVMemoryError
 from pyllama_spec.spec.positions import SequencePositions, is_pinned
