@@ -257,7 +257,7 @@ def test_an_interrupted_reply_counts_in_the_session_stats(tiny_dense):
         said = [next(stream) for _ in range(5)]
         stream.close()  # as the CLI's Ctrl-C does: the reply stops between two steps
         n_said = sum(len(p.tokens) for p in said)
-        assert conv.session.turns == 1
+        assert conv.session.generations == 1
         assert conv.session.generated_tokens >= n_said > 0
         assert conv.messages[-1]["role"] == "assistant"
 

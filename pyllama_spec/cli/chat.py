@@ -127,7 +127,7 @@ def _chat_command(line: str, conv) -> bool:
                 console.print(f"[red]{e}[/red]")
     elif cmd == "/stats":
         s = conv.session
-        console.print(f"turns {s.turns} · generated {s.generated_tokens} tokens · {s.tokens_per_second:.1f} tok/s "
+        console.print(f"turns {s.generations} · generated {s.generated_tokens} tokens · {s.tokens_per_second:.1f} tok/s "
                       f"· drafted/accepted {s.drafted}/{s.accepted} (acceptance {s.acceptance_rate:.2f}) · prompt "
                       f"rows decoded {s.prompt_rows_decoded}, reused {s.prompt_rows_reused}")
     elif cmd == "/reset":

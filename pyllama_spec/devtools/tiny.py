@@ -415,6 +415,34 @@ def _add_delta_net_layer(w: GGUFWriter, r: _Weights, i: int, g: _Geometry) -> No
 # -- mmproj ----------------------------------------------------------------------
 
 
+def _clip_writer(name: str, projector_type: str, *, n_embd: int, n_ff: int, n_block: int, target_n_embd: int,
+                 image_size: int, patch: int, use_gelu: bool = False) -> GGUFWriter:
+    """A GGUF writer holding a Qwen-VL vision tower's metadata (the keys in the converter's order)."""
+    w = GGUFWriter()
+    w.add_string("general.architecture", "clip")
+    w.add_string("general.name", name)
+    w.add_string("clip.projector_type", projector_type)
+    w.add_bool("clip.has_vision_encoder", True)
+    if use_gelu:
+        w.add_bool("clip.use_gelu", True)
+    for key, value in (("embedding_length", n_embd), ("feed_forward_length", n_ff), ("block_count", n_block),
+                       ("attention.head_count", 2)):
+        w.add_uint32(f"clip.vision.{key}", value)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    for key, value in (("projection_dim", target_n_embd), ("image_size", image_size), ("patch_size", patch),
+                       ("spatial_merge_size", 2)):
+        w.add_uint32(f"clip.vision.{key}", value)
+    w.add_array("clip.vision.image_mean", ValueType.FLOAT32, [0.5, 0.5, 0.5])
+    w.add_array("clip.vision.image_std", ValueType.FLOAT32, [0.5, 0.5, 0.5])
+    return w
+
+
+def _add_patch_embeddings(w: GGUFWriter, r: "_Weights", n_embd: int, patch: int) -> None:
+    """Qwen-VL's temporal patch conv, split in two frames: two ggml [patch, patch, 3, n_embd] tensors."""
+    for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
+        w.add_tensor(name, (r.rng.standard_normal((n_embd, 3, patch, patch)) * 0.02).astype(np.float32))
+
+
 def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0,
                  projector: str = "qwen2vl_merger", deepstack_layers: tuple[int, ...] = (),
                  dtype: str = "f32") -> Path:
@@ -442,26 +470,10 @@ def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0,
         raise ValueError("deepstack_layers needs projector='qwen3vl_merger'")
     n_embd, n_ff, patch, merged = 32, 64, 14, 32 * 4
     r = _Weights(seed + 1_000_003, std=0.05, fast=target_n_embd != TINY_N_EMBD, dtype=np_dtype)
-    w = GGUFWriter()
-    w.add_string("general.architecture", "clip")
-    w.add_string("general.name", "tiny-mmproj")
-    w.add_string("clip.projector_type", "qwen2vl_merger")
-    w.add_bool("clip.has_vision_encoder", True)
-    w.add_uint32("clip.vision.embedding_length", n_embd)
-    w.add_uint32("clip.vision.feed_forward_length", n_ff)
-    w.add_uint32("clip.vision.block_count", 1)
-    w.add_uint32("clip.vision.attention.head_count", 2)
-    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    w.add_uint32("clip.vision.projection_dim", target_n_embd)
-    w.add_uint32("clip.vision.image_size", 448)
-    w.add_uint32("clip.vision.patch_size", patch)
-    w.add_uint32("clip.vision.spatial_merge_size", 2)
-    w.add_array("clip.vision.image_mean", ValueType.FLOAT32, [0.5, 0.5, 0.5])
-    w.add_array("clip.vision.image_std", ValueType.FLOAT32, [0.5, 0.5, 0.5])
-
+    w = _clip_writer("tiny-mmproj", "qwen2vl_merger", n_embd=n_embd, n_ff=n_ff, n_block=1,
+                     target_n_embd=target_n_embd, image_size=448, patch=patch)
     # two patch embeddings: qwen2-vl's temporal conv split in two frames; ggml [14, 14, 3, 32]
-    w.add_tensor("v.patch_embd.weight", (r.rng.standard_normal((n_embd, 3, patch, patch)) * 0.02).astype(np.float32))
-    w.add_tensor("v.patch_embd.weight.1", (r.rng.standard_normal((n_embd, 3, patch, patch)) * 0.02).astype(np.float32))
+    _add_patch_embeddings(w, r, n_embd, patch)
     b = "v.blk.0"
     for ln in ("ln1", "ln2"):
         w.add_tensor(f"{b}.{ln}.weight", _ones(n_embd))
@@ -490,29 +502,13 @@ def _write_qwen3vl_mmproj(path: Path, *, target_n_embd: int, seed: int,
         raise ValueError(f"deepstack_layers must be distinct vision block indices >= 0, got {deepstack_layers}")
     n_block = max(deepstack_layers, default=0) + 1
     r = _Weights(seed + 3_000_017, std=0.05, fast=target_n_embd != TINY_N_EMBD, dtype=np_dtype)
-    w = GGUFWriter()
-    w.add_string("general.architecture", "clip")
-    w.add_string("general.name", "tiny-mmproj-qwen3vl")
-    w.add_string("clip.projector_type", "qwen3vl_merger")
-    w.add_bool("clip.has_vision_encoder", True)
-    w.add_bool("clip.use_gelu", True)
-    w.add_uint32("clip.vision.embedding_length", n_embd)
-    w.add_uint32("clip.vision.feed_forward_length", n_ff)
-    w.add_uint32("clip.vision.block_count", n_block)
-    w.add_uint32("clip.vision.attention.head_count", 2)
-    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    w.add_uint32("clip.vision.projection_dim", target_n_embd)
-    w.add_uint32("clip.vision.image_size", image_size)
-    w.add_uint32("clip.vision.patch_size", patch)
-    w.add_uint32("clip.vision.spatial_merge_size", 2)
-    w.add_array("clip.vision.image_mean", ValueType.FLOAT32, [0.5, 0.5, 0.5])
-    w.add_array("clip.vision.image_std", ValueType.FLOAT32, [0.5, 0.5, 0.5])
+    w = _clip_writer("tiny-mmproj-qwen3vl", "qwen3vl_merger", n_embd=n_embd, n_ff=n_ff, n_block=n_block,
+                     target_n_embd=target_n_embd, image_size=image_size, patch=patch, use_gelu=True)
     # as the converter writes it; libmtmd finds the deepstack layers by their tensors
     w.add_array("clip.vision.is_deepstack_layers", ValueType.BOOL, [i in deepstack_layers for i in range(n_block)])
 
     # the temporal conv split in two frames, ggml [14, 14, 3, 32], plus its bias (required here)
-    w.add_tensor("v.patch_embd.weight", (r.rng.standard_normal((n_embd, 3, patch, patch)) * 0.02).astype(np.float32))
-    w.add_tensor("v.patch_embd.weight.1", (r.rng.standard_normal((n_embd, 3, patch, patch)) * 0.02).astype(np.float32))
+    _add_patch_embeddings(w, r, n_embd, patch)
     w.add_tensor("v.patch_embd.bias", r.vec(n_embd))
     # learned absolute positions for a (448 / 14)^2 grid, interpolated to other sizes: ggml [32, 1024]
     w.add_tensor("v.position_embd.weight", r.mat((image_size // patch) ** 2, n_embd, std=0.02, keep_f32=True))

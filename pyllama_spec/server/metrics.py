@@ -6,38 +6,26 @@ import collections
 import dataclasses
 import threading
 
+from pyllama_spec.spec.stats import GenerationStats, StatsTotals
+
 
 @dataclasses.dataclass
 class ServerMetrics:
     requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # (route, status)
-    prompt_tokens: int = 0  # cache rows the prompts took
-    prompt_tokens_decoded: int = 0  # of which decoded (not reused from the cache)
-    generated_tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    target_steps: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    generations: StatsTotals = dataclasses.field(default_factory=StatsTotals)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def count_request(self, route: str, status: int) -> None:
         with self._lock:
             self.requests[(route, status)] += 1
 
-    def add_generation(self, stats) -> None:
+    def add_generation(self, stats: GenerationStats) -> None:
         with self._lock:
-            self.prompt_tokens += stats.prompt_tokens
-            self.prompt_tokens_decoded += stats.prompt_decoded
-            self.generated_tokens += stats.generated_tokens
-            self.drafted += stats.drafted
-            self.accepted += stats.accepted
-            self.target_steps += stats.target_steps
-            self.prefill_seconds += stats.prefill_seconds
-            self.decode_seconds += stats.decode_seconds
+            self.generations.add(stats)
 
     def prometheus(self, *, queue_depth: int, running: int, slots: int) -> str:
         with self._lock:
-            lines = []
+            lines, g = [], self.generations
 
             def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
                 lines.append(f"# HELP pyllama_spec_{name} {help_text}")
@@ -47,16 +35,16 @@ class ServerMetrics:
             metric("requests_total", "counter", "HTTP requests answered, by route and status",
                    [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in sorted(self.requests.items())] or
                    [("", 0)])
-            metric("prompt_tokens_total", "counter", "cache rows of the prompts", [("", self.prompt_tokens)])
+            metric("prompt_tokens_total", "counter", "cache rows of the prompts", [("", g.prompt_rows)])
             metric("prompt_tokens_decoded_total", "counter", "prompt rows decoded (not reused from the cache)",
-                   [("", self.prompt_tokens_decoded)])
-            metric("generated_tokens_total", "counter", "tokens generated", [("", self.generated_tokens)])
-            metric("draft_tokens_total", "counter", "tokens drafted", [("", self.drafted)])
+                   [("", g.prompt_rows_decoded)])
+            metric("generated_tokens_total", "counter", "tokens generated", [("", g.generated_tokens)])
+            metric("draft_tokens_total", "counter", "tokens drafted", [("", g.drafted)])
             metric("draft_tokens_accepted_total", "counter", "drafted tokens the target accepted",
-                   [("", self.accepted)])
-            metric("target_steps_total", "counter", "target verify steps", [("", self.target_steps)])
-            metric("prefill_seconds_total", "counter", "time in prefill", [("", self.prefill_seconds)])
-            metric("decode_seconds_total", "counter", "time generating", [("", self.decode_seconds)])
+                   [("", g.accepted)])
+            metric("target_steps_total", "counter", "target verify steps", [("", g.target_steps)])
+            metric("prefill_seconds_total", "counter", "time in prefill", [("", g.prefill_seconds)])
+            metric("decode_seconds_total", "counter", "time generating", [("", g.decode_seconds)])
             metric("queue_depth", "gauge", "requests waiting for a slot", [("", queue_depth)])
             metric("busy", "gauge", "generations running (at most the slots)", [("", running)])
             metric("slots", "gauge", "sequence slots (-np)", [("", slots)])

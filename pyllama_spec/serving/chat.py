@@ -20,42 +20,10 @@ from typing import Any, Iterator
 
 from pyllama_spec.errors import ImageError
 from pyllama_spec.serving.engine import Engine, Piece
-from pyllama_spec.spec.stats import GenerationStats
+from pyllama_spec.spec.stats import GenerationStats, StatsTotals
 
 # "@path/to/image.png" inside a message attaches that image.
 _INLINE_IMAGE = re.compile(r"(?<!\S)@(\S+\.(?:png|jpe?g|gif|bmp|webp|tiff?))\b", re.IGNORECASE)
-
-
-@dataclasses.dataclass
-class SessionStats:
-    """Totals over the turns of a conversation."""
-
-    turns: int = 0
-    generated_tokens: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    prompt_rows_decoded: int = 0
-    prompt_rows_reused: int = 0
-    decode_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-
-    def add(self, s: GenerationStats) -> None:
-        self.turns += 1
-        self.generated_tokens += s.generated_tokens
-        self.drafted += s.drafted
-        self.accepted += s.accepted
-        self.prompt_rows_decoded += s.prompt_decoded
-        self.prompt_rows_reused += s.prompt_reused
-        self.decode_seconds += s.decode_seconds
-        self.prefill_seconds += s.prefill_seconds
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
 class Conversation:
@@ -68,7 +36,7 @@ class Conversation:
         self.max_tokens = max_tokens
         self.sampling = sampling
         self.pending_images: list[str] = []
-        self.session = SessionStats()
+        self.session = StatsTotals()  # the turns so far
         self.last_stats: GenerationStats | None = None
         self.messages: list[dict] = []
         self.reset()
@@ -135,8 +103,9 @@ class Conversation:
         self.messages.append({"role": "assistant", "content": "".join(reply)})
 
     def transcript(self) -> dict:
-        return {"system": self.system, "messages": self.messages,
-                "session": dataclasses.asdict(self.session)}
+        session = dataclasses.asdict(self.session)
+        session = {"turns": session.pop("generations"), **session}  # the transcript's name since its first version
+        return {"system": self.system, "messages": self.messages, "session": session}
 
     def save(self, path: str | Path) -> Path:
         """Write the transcript as JSON (images by path)."""

@@ -98,6 +98,42 @@ class GenerationStats:
         return d
 
 
+@dataclasses.dataclass
+class StatsTotals:
+    """Sums over many generations (a conversation's turns, a server's requests)."""
+
+    generations: int = 0
+    prompt_rows: int = 0  # cache rows the prompts took (GenerationStats.prompt_tokens)
+    prompt_rows_decoded: int = 0  # of which decoded, not reused from the cache
+    prompt_rows_reused: int = 0
+    generated_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_steps: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    def add(self, s: GenerationStats) -> None:
+        self.generations += 1
+        self.prompt_rows += s.prompt_tokens
+        self.prompt_rows_decoded += s.prompt_decoded
+        self.prompt_rows_reused += s.prompt_reused
+        self.generated_tokens += s.generated_tokens
+        self.drafted += s.drafted
+        self.accepted += s.accepted
+        self.target_steps += s.target_steps
+        self.prefill_seconds += s.prefill_seconds
+        self.decode_seconds += s.decode_seconds
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
 class Stopwatch:
     """Adds the time spent inside a ``with`` block to one field of a GenerationStats."""
 
