@@ -28,9 +28,6 @@ from pyllama_spec.spec.stats import GenerationStats
 
 __version__ = "0.1.0"
 
-# mtmd's default media marker (checked against mtmd_default_marker() in the tests).
-MEDIA_MARKER = "<__media__>"
-
 # Names whose modules load the native part, imported on first use.
 _LAZY = {
     "load": "serving.engine", "Engine": "serving.engine", "EngineConfig": "serving.config",
@@ -38,6 +35,7 @@ _LAZY = {
     "Conversation": "serving.chat", "Submission": "serving.scheduler",
     "Model": "bindings.model", "Context": "bindings.context", "Memory": "bindings.context", "Sampler": "bindings.sampler",
     "Batch": "bindings.batch",
+    "MEDIA_MARKER": "bindings.mtmd",  # mtmd's default media marker, as libmtmd says it
     "Projector": "bindings.mtmd", "Bitmap": "bindings.mtmd", "Chunks": "bindings.mtmd", "Chunk": "bindings.mtmd",
 }
 
@@ -52,7 +50,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "MEDIA_MARKER", "ClosedError", "ContextOverflowError", "DecodeError", "EngineBusyError",
+    "ClosedError", "ContextOverflowError", "DecodeError", "EngineBusyError",
     "GenerationCancelledError", "GenerationStats", "ImageError", "IncompatibleModelsError", "InsufficientMemoryError",
     "KVMemoryError", "ModelFileError", "NativeCallError", "NativeLibraryError", "ProjectorError",
     "PyllamaError", "RemoteDeviceError", "embedded_models", *_LAZY,
