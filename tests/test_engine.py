@@ -345,6 +345,9 @@ def test_stream_yields_pieces_and_ends_with_stats(tiny_dense):
     assert s.generated_tokens == 12 and s.prefill_seconds > 0 and s.decode_seconds > 0
     assert 0 <= s.acceptance_rate <= 1 and s.mean_accepted_length >= 1
     assert len(s.per_position_acceptance) > 0
+    # every step drafted here (n_max >= 1, no rule stops it): each verify step had a draft, and
+    # the drafts proposed at position 0 are one per such step
+    assert 0 < s.spec_steps <= s.target_steps and s.per_position_drafted[0] == s.spec_steps
     # The native time is measured inside the wall time: target + draft + Python add up to it
     # (python_seconds is clamped at 0, so this fails when a stopwatch counts time twice).
     assert s.target_seconds > 0 and s.draft_seconds > 0
