@@ -1,4 +1,4 @@
-"""Package build: runs the native build (pyllama_spec/native_build.py) inside `pip install .`.
+"""Package build: runs the native build (the package pyllama_spec/native_build/) inside `pip install .`.
 
 Backend and flags come from the environment, as llama-cpp-python users expect:
   PYLLAMA_SPEC_BACKEND=cuda|rocm|vulkan|metal   (default: what CMAKE_ARGS asks for, else cpu)
@@ -18,11 +18,12 @@ ROOT = Path(__file__).resolve().parent
 
 
 def _native_build():
-    spec = importlib.util.spec_from_file_location("pyllama_spec_native_build", ROOT / "pyllama_spec" / "native_build.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """pyllama_spec/native_build/, loaded by path (pyllama_spec is not importable before its native
+    part is built) with build.py's loader, the one that knows how."""
+    spec = importlib.util.spec_from_file_location("pyllama_build_script", ROOT / "build.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.load_native_build()
 
 
 class BuildPyWithNative(build_py):

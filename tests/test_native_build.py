@@ -47,7 +47,7 @@ def fake_nvcc(monkeypatch, tmp_path) -> Path:
 
 
 def test_cuda_without_cublas_says_where_to_get_it(fake_nvcc, monkeypatch, tmp_path):
-    monkeypatch.setattr(nb.sys, "path", [])  # no nvidia-cublas wheel either
+    monkeypatch.setattr(nb.backends.sys, "path", [])  # no nvidia-cublas wheel either (backends reads sys.path)
     with pytest.raises(nb.BuildError, match="nvidia-cublas.*--cublas-dir"):
         nb.backend_cmake_args(nb.BuildOptions(backend="cuda", cublas_dir=str(tmp_path / "empty")))
 
@@ -90,12 +90,12 @@ def test_patches_apply_once_and_are_recognised_when_already_applied(tmp_path):
     patch.write_text("example: why this patch exists\n"
                      "--- a/src/a.cpp\n+++ b/src/a.cpp\n@@ -1,3 +1,4 @@\n int main() {\n+    int x = 1;\n"
                      "     return 0;\n }\n")
-    nb._apply_patches(tree, [patch])
-    nb._apply_patches(tree, [patch])  # idempotent
+    nb.source._apply_patches(tree, [patch])
+    nb.source._apply_patches(tree, [patch])  # idempotent
     assert (tree / "src" / "a.cpp").read_text().count("int x = 1;") == 1
     (tree / "src" / "a.cpp").write_text("something else\n")
     with pytest.raises(nb.BuildError, match="does not apply"):
-        nb._apply_patches(tree, [patch])
+        nb.source._apply_patches(tree, [patch])
 
 
 def test_user_checkout_must_have_the_dflash_headers(tmp_path):
@@ -144,7 +144,7 @@ def test_an_unpatched_tree_is_recorded_as_unable_to_feed_dflash_from_qwen_vl(tmp
                        env={"GIT_CEILING_DIRECTORIES": str(tmp_path), "PATH": "/usr/bin:/bin"})
     unpatched = set(nb.dflash_capable_archs(tree))
     assert "hunyuan_vl" in unpatched and not {"qwen2vl", "qwen3vl", "qwen3vlmoe"} & unpatched
-    nb._apply_patches(tree, [patch])
+    nb.source._apply_patches(tree, [patch])
     assert {"qwen2vl", "qwen3vl", "qwen3vlmoe"} <= set(nb.dflash_capable_archs(tree))
 
 
