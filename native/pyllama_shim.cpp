@@ -2,10 +2,17 @@
 // Ctrl-C while a long native call runs (Python's own handler only runs between bytecodes).
 #include "pyllama_shim.h"
 
+#include "json-schema-to-grammar.h"
 #include "llama-ext.h"
+#include "llama-grammar.h"
 #include "mtmd.h"
 
+#include <algorithm>
+#include <cmath>
 #include <csignal>
+#include <cstring>
+#include <string>
+#include <vector>
 
 namespace {
 
@@ -57,14 +64,6 @@ float * pyllama_get_embeddings_nextn(llama_context * ctx) {
     return llama_get_embeddings_nextn(ctx);
 }
 
-float * pyllama_get_embeddings_nextn_ith(llama_context * ctx, int32_t i) {
-    return llama_get_embeddings_nextn_ith(ctx, i);
-}
-
-llama_context * pyllama_get_ctx_other(llama_context * ctx) {
-    return llama_get_ctx_other(ctx);
-}
-
 const int32_t * pyllama_model_target_layer_ids(const llama_model * model) {
     return llama_model_target_layer_ids(model);
 }
@@ -75,10 +74,6 @@ uint32_t pyllama_model_target_layer_ids_n(const llama_model * model) {
 
 int32_t pyllama_model_dflash_selector_top_k(const llama_model * model) {
     return llama_model_dflash_selector_top_k(model);
-}
-
-int32_t pyllama_model_n_devices(const llama_model * model) {
-    return llama_model_n_devices(model);
 }
 
 int32_t pyllama_batch_ext_add_tokens(llama_batch_ext * batch, int32_t seq_id, int32_t n,
@@ -169,8 +164,130 @@ int32_t pyllama_interrupt_take(void) {
     return was;
 }
 
+// ----------------------------------------------------------------------------- constrained output
+
+namespace {
+thread_local std::string g_last_error;
+
+int32_t failed(const char * what) {
+    g_last_error = what;
+    return -1;
+}
+
+// llama-grammar.cpp's parse_space (a static function there): blanks and # comments.
+const char * skip_space(const char * pos) {
+    while (*pos == ' ' || *pos == '\t' || *pos == '#' || *pos == '\r' || *pos == '\n') {
+        if (*pos == '#') {
+            while (*pos && *pos != '\r' && *pos != '\n') {
+                pos++;
+            }
+        } else {
+            pos++;
+        }
+    }
+    return pos;
+}
+}  // namespace
+
+const char * pyllama_last_error(void) {
+    return g_last_error.c_str();
+}
+
+// llama_grammar_parser::parse prints its error to stderr and returns false; the same steps
+// here keep the reason for the caller.
+int32_t pyllama_grammar_check(const char * gbnf) {
+    try {
+        llama_grammar_parser parser;
+        const char * pos = skip_space(gbnf);
+        while (*pos) {
+            pos = parser.parse_rule(pos);
+        }
+        for (const auto & rule : parser.rules) {
+            if (rule.empty()) {
+                return failed("undefined rule");
+            }
+            for (const auto & elem : rule) {
+                if (elem.type == LLAMA_GRETYPE_RULE_REF &&
+                    (elem.value >= parser.rules.size() || parser.rules[elem.value].empty())) {
+                    for (const auto & kv : parser.symbol_ids) {
+                        if (kv.second == elem.value) {
+                            return failed(("undefined rule identifier '" + kv.first + "'").c_str());
+                        }
+                    }
+                    return failed("undefined rule");
+                }
+            }
+        }
+        if (parser.symbol_ids.find("root") == parser.symbol_ids.end()) {
+            return failed("the grammar has no 'root' rule");
+        }
+        return 0;
+    } catch (const std::exception & e) {
+        return failed(e.what());
+    }
+}
+
+// llama_sampler_sample's steps (CPU samplers only: this package sets no backend sampler), with
+// two checks it makes by aborting or not at all: a row without logits, and a pick that every
+// sampler forbade (a grammar and a logit bias that leave no token: llama.cpp would accept the
+// forbidden token, or abort on an end-of-generation token the grammar cannot take yet).
+int32_t pyllama_sampler_sample(llama_sampler * smpl, llama_context * ctx, int32_t idx) {
+    thread_local std::vector<llama_token_data> cur;
+    try {
+        const float * logits = llama_get_logits_ith(ctx, idx);
+        if (logits == nullptr) {
+            return failed("no logits at this output row");
+        }
+        const int32_t n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(llama_get_model(ctx)));
+        cur.resize(n_vocab);
+        for (llama_token t = 0; t < n_vocab; t++) {
+            cur[t] = llama_token_data{t, logits[t], 0.0f};
+        }
+        llama_token_data_array cur_p = {cur.data(), cur.size(), -1, false};
+        llama_sampler_apply(smpl, &cur_p);
+        if (cur_p.selected < 0 || cur_p.selected >= (int64_t) cur_p.size) {
+            return failed("the samplers selected no token");
+        }
+        const llama_token_data & picked = cur_p.data[cur_p.selected];
+        if (picked.logit == -INFINITY) {
+            return failed("no token is allowed here: the grammar and the logit bias forbid every one");
+        }
+        llama_sampler_accept(smpl, picked.id);
+        return picked.id;
+    } catch (const std::exception & e) {
+        return failed(e.what());
+    }
+}
+
+int32_t pyllama_sampler_accept(llama_sampler * smpl, int32_t token) {
+    try {
+        llama_sampler_accept(smpl, token);
+        return 0;
+    } catch (const std::exception & e) {
+        return failed(e.what());
+    }
+}
+
+int64_t pyllama_json_schema_to_grammar(const char * schema_json, char * out, size_t n_out) {
+    try {
+        common_json schema = common_json::parse(schema_json);
+        if (schema.is_object() && schema.empty()) {
+            schema["type"] = "object";  // llama-server: an empty schema means any object
+        }
+        const std::string gbnf = json_schema_to_grammar(schema);
+        if (out != nullptr && n_out > 0) {
+            const size_t n = std::min(gbnf.size(), n_out - 1);
+            std::memcpy(out, gbnf.data(), n);
+            out[n] = '\0';
+        }
+        return static_cast<int64_t>(gbnf.size());
+    } catch (const std::exception & e) {
+        return failed(e.what());
+    }
+}
+
 int32_t pyllama_shim_abi_version(void) {
-    return 2;
+    return 3;
 }
 
 }

@@ -1,6 +1,8 @@
 /* C-linkage wrappers over the functions of llama.cpp's src/llama-ext.h that
- * speculative decoding needs. llama-ext.h declares them without extern "C", so
- * their symbols are C++-mangled and cffi cannot bind them directly. */
+ * speculative decoding needs (llama-ext.h declares them without extern "C", so
+ * their symbols are C++-mangled and cffi cannot bind them directly), and over the
+ * C++ of llama.cpp that throws: the grammar and its sampler, common's JSON-schema
+ * converter. An exception must never cross into C (it would abort the process). */
 #ifndef PYLLAMA_SHIM_H
 #define PYLLAMA_SHIM_H
 
@@ -24,16 +26,11 @@ float *       pyllama_get_embeddings_layer_inp(struct llama_context * ctx, uint3
 /* NextN embeddings of the draft (DFlash2 reads its selector lattice from them). */
 void          pyllama_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
 float *       pyllama_get_embeddings_nextn(struct llama_context * ctx);
-float *       pyllama_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
-
-/* The context whose token embeddings and output head a draft borrows. */
-struct llama_context * pyllama_get_ctx_other(struct llama_context * ctx);
 
 /* What a DFlash draft records about its target. */
 const int32_t * pyllama_model_target_layer_ids  (const struct llama_model * model);
 uint32_t        pyllama_model_target_layer_ids_n(const struct llama_model * model);
 int32_t         pyllama_model_dflash_selector_top_k(const struct llama_model * model);
-int32_t         pyllama_model_n_devices(const struct llama_model * model);
 
 /* Bulk fill of a llama_batch_ext, so that Python never loops over rows.
  * Token rows: tokens[n], pos[n] (one position each), outputs[n] (0/1, may be NULL).
@@ -59,6 +56,21 @@ int32_t pyllama_mtmd_set_abort_callback(struct mtmd_context * ctx);
 /* Tests: make a decode abort at the n-th abort check from now (0 disables), as a native
  * failure in the middle of a batch would: the ubatches already processed stay in memory. */
 void    pyllama_abort_after(int32_t n_checks);
+
+/* Constrained output. Each returns -1 when llama.cpp threw (or refused) and leaves the reason
+ * in pyllama_last_error() (this thread's; valid until its next failing call).
+ * pyllama_grammar_check: 0 when the GBNF parses with a root rule.
+ * pyllama_sampler_sample / _accept: llama_sampler_sample / _accept, which throw when a grammar
+ * cannot accept the token (its stack is empty); sample returns the token.
+ * pyllama_json_schema_to_grammar: llama-server's converter (common/json-schema-to-grammar);
+ * writes the GBNF into out (n_out bytes with its NUL) and returns its length, which may be
+ * >= n_out (then call again with a larger buffer). */
+struct llama_sampler;
+int32_t      pyllama_grammar_check(const char * gbnf);
+int32_t      pyllama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
+int32_t      pyllama_sampler_accept(struct llama_sampler * smpl, int32_t token);
+int64_t      pyllama_json_schema_to_grammar(const char * schema_json, char * out, size_t n_out);
+const char * pyllama_last_error(void);
 
 /* Version of this shim's C API, checked by the Python side at import. */
 int32_t         pyllama_shim_abi_version(void);

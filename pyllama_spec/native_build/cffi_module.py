@@ -46,7 +46,7 @@ def make_ffibuilder(build: NativeBuild, rpath: str):
     return ffi
 
 
-PACKAGED_LIBS = ("libllama.", "libmtmd.", "libggml", "libpyllama_shim.")
+PACKAGED_LIBS = ("libllama.", "libllama-common.", "libmtmd.", "libggml", "libpyllama_shim.")
 
 
 def shared_libraries(lib_dir: Path) -> dict[str, Path]:

@@ -147,6 +147,116 @@ def _stop(body: dict) -> list[str]:
     raise bad_request(f"'stop' must be a string or a list of at most 4 strings, got {_show(stop)}", "stop")
 
 
+#: llama-server's sampling fields (tools/server/server-schema.cpp) with the range each takes
+#: here: (request field, Engine keyword, low, high, integer). Out of range is a 400.
+_SAMPLING_FIELDS = (
+    ("top_k", "top_k", -1, 1_000_000, True),
+    ("top_p", "top_p", 0.0, 1.0, False),
+    ("min_p", "min_p", 0.0, 1.0, False),
+    ("typical_p", "typical_p", 0.0, 1.0, False),
+    ("top_n_sigma", "top_n_sigma", -1.0, 1000.0, False),
+    ("xtc_probability", "xtc_probability", 0.0, 1.0, False),
+    ("xtc_threshold", "xtc_threshold", 0.0, 1.0, False),
+    ("dynatemp_range", "dynatemp_range", 0.0, 100.0, False),
+    ("dynatemp_exponent", "dynatemp_exponent", 0.0, 100.0, False),
+    ("repeat_last_n", "penalty_last_n", -1, 1_000_000, True),
+    ("repeat_penalty", "repeat_penalty", 0.0, 100.0, False),
+    ("frequency_penalty", "frequency_penalty", -100.0, 100.0, False),
+    ("presence_penalty", "presence_penalty", -100.0, 100.0, False),
+    ("dry_multiplier", "dry_multiplier", 0.0, 100.0, False),
+    ("dry_base", "dry_base", 0.0, 100.0, False),
+    ("dry_allowed_length", "dry_allowed_length", 0, 1_000_000, True),
+    ("dry_penalty_last_n", "dry_penalty_last_n", -1, 1_000_000, True),
+    ("mirostat", "mirostat", 0, 2, True),
+    ("mirostat_tau", "mirostat_tau", 0.0, 100.0, False),
+    ("mirostat_eta", "mirostat_eta", 0.0, 100.0, False),
+    ("min_keep", "min_keep", 0, 1_000_000, True),
+)
+#: The most tokens a request's logit_bias may name (each costs a little at every sampled token).
+MAX_LOGIT_BIAS = 4096
+
+
+def _logit_bias(body: dict):
+    """OpenAI's {"token id": bias} or llama-server's [[token, bias], ...] (a bias of false forbids
+    the token); the ids are checked against the vocabulary by the engine."""
+    lb = body.get("logit_bias")
+    if lb is None:
+        return None
+    items = lb.items() if isinstance(lb, dict) else lb if isinstance(lb, list) else None
+    if items is None:
+        raise bad_request("'logit_bias' must be an object {token id: bias} or a list of [token, bias]", "logit_bias")
+    out = []
+    for item in items:
+        if not (isinstance(item, (list, tuple)) and len(item) == 2):
+            raise bad_request(f"'logit_bias' entries must be [token, bias] pairs, got {_show(item)}", "logit_bias")
+        token, bias = item
+        if isinstance(token, str):
+            if not token.isdigit():
+                raise bad_request(f"'logit_bias' names tokens by id; {_show(token)} is not one (tokenize it first)",
+                                  "logit_bias")
+            token = int(token)
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise bad_request(f"'logit_bias' token must be an integer id, got {_show(token)}", "logit_bias")
+        if bias is not False and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
+            raise bad_request(f"'logit_bias' bias must be a number or false, got {_show(bias)}", "logit_bias")
+        out.append((token, bias))
+        if len(out) > MAX_LOGIT_BIAS:
+            raise bad_request(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    return out
+
+
+def _constraint(body: dict) -> dict:
+    """grammar (GBNF), json_schema, or OpenAI's response_format, as Engine keywords."""
+    grammar, schema = body.get("grammar"), body.get("json_schema")
+    if grammar is not None and not isinstance(grammar, str):
+        raise bad_request("'grammar' must be a GBNF string", "grammar")
+    if schema is not None and not isinstance(schema, (dict, bool)):
+        raise bad_request("'json_schema' must be a JSON schema (an object)", "json_schema")
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind == "json_object":
+            schema = fmt.get("schema", {})  # llama-server also takes a schema here
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema", {}) if isinstance(spec, dict) else None
+            if not isinstance(schema, (dict, bool)):
+                raise bad_request("'response_format.json_schema.schema' must be a JSON schema", "response_format")
+        elif kind != "text":
+            raise bad_request("'response_format.type' must be 'text', 'json_object' or 'json_schema'",
+                              "response_format")
+    if grammar:  # llama-server: grammar wins when both are given
+        return {"grammar": grammar}
+    if schema is not None:
+        return {"json_schema": schema}
+    return {}
+
+
+def _samplers(body: dict):
+    names = body.get("samplers")
+    if names is None:
+        return None
+    if isinstance(names, str) or (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        return names  # checked (names, or the one-letter string) by the engine
+    raise bad_request("'samplers' must be a list of sampler names or a string of their letters", "samplers")
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives to list per token, or None: OpenAI chat's logprobs (bool) +
+    top_logprobs, the completions' logprobs (int), llama-server's n_probs."""
+    if "n_probs" in body and body["n_probs"] is not None:
+        n = _number(body, "n_probs", 0, 0, 100, integer=True)
+        return n or None
+    lp = body.get("logprobs")
+    if lp is None or lp is False:
+        return None
+    if chat:
+        if lp is not True:
+            raise bad_request("'logprobs' must be a boolean", "logprobs")
+        return _number(body, "top_logprobs", 0, 0, 20, integer=True)
+    return _number(body, "logprobs", 0, 0, 100, integer=True)
+
+
 def _sampling(body: dict, max_tokens_limit: int, default_max_tokens: int) -> dict:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
@@ -156,17 +266,31 @@ def _sampling(body: dict, max_tokens_limit: int, default_max_tokens: int) -> dic
         raise bad_request(f"'{name}' must be an integer between 0 and {max_tokens_limit}, got {_show(max_tokens)}",
                           name)
     seed = _number(body, "seed", 0, -(2**63), 2**64 - 1, integer=True)
-    return dict(
+    out = dict(
         max_tokens=max_tokens,
-        temperature=float(_number(body, "temperature", 0.0, 0.0, 2.0)),
-        top_p=float(_number(body, "top_p", 0.95, 0.0, 1.0)),
-        top_k=int(_number(body, "top_k", 40, 0, 1_000_000, integer=True)),
-        min_p=float(_number(body, "min_p", 0.05, 0.0, 1.0)),
-        presence_penalty=float(_number(body, "presence_penalty", 0.0, -2.0, 2.0)),
+        # llama-server samples greedily at temperature <= 0
+        temperature=max(0.0, float(_number(body, "temperature", 0.0, -100.0, 100.0))),
         seed=int(seed) & 0xFFFFFFFF,
         stop=_stop(body),
         cache_prompt=_bool(body, "cache_prompt", True),  # llama-server's key: reuse the cached prefix
     )
+    for field, kw, lo, hi, integer in _SAMPLING_FIELDS:
+        v = _number(body, field, None, lo, hi, integer=integer)
+        if v is not None:
+            out[kw] = max(v, 0) if field == "top_k" else v  # top_k <= 0: the whole vocabulary
+    if "repeat_penalty" in out and out["repeat_penalty"] == 0:
+        raise bad_request("'repeat_penalty' must be > 0 (1.0: off)", "repeat_penalty")
+    breakers = body.get("dry_sequence_breakers")
+    if breakers is not None:
+        if not (isinstance(breakers, list) and breakers and all(isinstance(b, str) and b for b in breakers)):
+            raise bad_request("'dry_sequence_breakers' must be a non-empty list of non-empty strings",
+                              "dry_sequence_breakers")
+        out["dry_sequence_breakers"] = breakers
+    for key, value in (("logit_bias", _logit_bias(body)), ("samplers", _samplers(body))):
+        if value is not None:
+            out[key] = value
+    out.update(_constraint(body))
+    return out
 
 
 def _speculative(body: dict, engine_limit: int, tree_limit: int = 0) -> dict:
@@ -283,7 +407,8 @@ def parse_chat(body: Any, limits: RequestLimits) -> GenerationRequest:
             raise bad_request(f"'chat_template_kwargs' cannot set {_show(key)}: it is set by the server "
                               f"(reserved: {', '.join(sorted(RESERVED_VARIABLES))})", "chat_template_kwargs")
     args = dict(messages=out, **_sampling(body, limits.max_tokens, limits.default_max_tokens),
-                **_speculative(body, limits.draft_max, limits.draft_tree), chat_template_kwargs=kwargs)
+                **_speculative(body, limits.draft_max, limits.draft_tree), chat_template_kwargs=kwargs,
+                logprobs=_logprobs(body, chat=True))
     return GenerationRequest("chat", stream, include_usage, args, len(images))
 
 
@@ -300,5 +425,5 @@ def parse_completion(body: Any, limits: RequestLimits, *, llama_style: bool = Fa
         body = dict(body, max_tokens=None if body["n_predict"] == -1 else body["n_predict"])
     stream, include_usage = _n_and_stream(body)
     args = dict(prompt=prompt, **_sampling(body, limits.max_tokens, limits.default_max_tokens),
-                **_speculative(body, limits.draft_max, limits.draft_tree))
+                **_speculative(body, limits.draft_max, limits.draft_tree), logprobs=_logprobs(body, chat=False))
     return GenerationRequest("llama" if llama_style else "completion", stream, include_usage, args, 0)

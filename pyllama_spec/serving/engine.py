@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from pyllama_spec.bindings.context import Context
+from pyllama_spec.bindings.grammar import json_schema_to_grammar
 from pyllama_spec.bindings.model import Model
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
 from pyllama_spec.bindings.sampler import Sampler
@@ -58,7 +59,7 @@ from pyllama_spec.spec.generation import (
     speculative_step,
 )
 from pyllama_spec.spec.positions import SequencePositions
-from pyllama_spec.spec.sampling import SamplingParams
+from pyllama_spec.spec.sampling import MAX_TOP_LOGPROBS, sampling_params
 from pyllama_spec.spec import sequence
 from pyllama_spec.spec.stats import GenerationStats
 from pyllama_spec.spec.verify import VERIFY_RULES, MatchVerifier, RejectionVerifier
@@ -255,13 +256,12 @@ class Engine:
         return Result.from_pieces(self.stream(prompt, **kwargs))
 
     def stream(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None, images=(),
-               max_tokens: int = 128, temperature: float = 0.0, top_k: int = 40, top_p: float = 0.95,
-               min_p: float = 0.05, presence_penalty: float = 0.0, seed: int = 0,
-               stop: Sequence[str] | str = (), cache_prompt: bool = True,
+               max_tokens: int = 128, seed: int = 0, stop: Sequence[str] | str = (), cache_prompt: bool = True,
                progress: ProgressCallback | None = None, draft_max: int | None = None,
                draft_min: int | None = None, draft_positions: str | None = None,
                verify: str | None = None, draft_tree: int | None = None,
-               chat_template_kwargs: dict | None = None) -> Iterator[Piece]:
+               chat_template_kwargs: dict | None = None, logprobs: int | None = None,
+               **sampling: Any) -> Iterator[Piece]:
         """Yield pieces of text as the target accepts them; the last piece carries the stats.
 
         ``prompt`` is used as is, with ``MEDIA_MARKER`` where each image goes; ``messages``
@@ -277,6 +277,17 @@ class Engine:
         adapts the length step by step, see draft_length.py; a different position mode
         starts from an empty cache).
 
+        Sampling: any field of ``SamplingParams`` (spec/sampling.py) by keyword, llama-server's
+        samplers and defaults: ``temperature`` (0, the default, is greedy), ``top_k``, ``top_p``,
+        ``min_p``, ``typical_p``, ``top_n_sigma``, ``xtc_probability``/``xtc_threshold``, the
+        ``repeat``/``frequency``/``presence_penalty`` over ``penalty_last_n`` tokens (-1: the
+        context), ``dry_*``, ``mirostat*``, ``dynatemp_*``, ``logit_bias`` ({token: bias}, -inf
+        forbids it), ``samplers`` (their order), ``grammar`` (GBNF: the output follows it) or
+        ``json_schema`` (turned into one as llama-server does), and ``seed``. ``logprobs=N``
+        gives each emitted token's log-probability under the target's
+        own distribution (its raw logits, as llama-server's ``n_probs``), with the N most
+        likely tokens at that position (``Piece.logprobs``), drafted or not.
+
         ``verify`` (default: the engine's, "match") decides acceptance at temperature > 0:
         "rejection" sampling follows the target's distribution exactly and accepts more;
         "match" is llama.cpp's rule, with the same tokens as a target-only run for a seed.
@@ -287,12 +298,11 @@ class Engine:
         The generation owns the engine from its first step to its end (see ``Engine``);
         with n_parallel > 1 it runs in a slot of the scheduler instead (see ``submit``).
         """
-        request = self._request(prompt=prompt, messages=messages, images=images, max_tokens=max_tokens,
-                                temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                presence_penalty=presence_penalty, seed=seed, stop=stop,
-                                cache_prompt=cache_prompt, progress=progress, draft_max=draft_max,
+        request = self._request(prompt=prompt, messages=messages, images=images, max_tokens=max_tokens, seed=seed,
+                                stop=stop, cache_prompt=cache_prompt, progress=progress, draft_max=draft_max,
                                 draft_min=draft_min, draft_positions=draft_positions, verify=verify,
-                                draft_tree=draft_tree, chat_template_kwargs=chat_template_kwargs)
+                                draft_tree=draft_tree, chat_template_kwargs=chat_template_kwargs,
+                                logprobs=logprobs, **sampling)
         if self.config.n_parallel > 1:
             return self._scheduled(request)
         return self._owned(self._run(request))
@@ -334,12 +344,11 @@ class Engine:
         (a stream never iterated takes no slot); leaving it early cancels it."""
         yield from self._scheduler.submit(request)  # refuses once the engine is closed
 
-    def _request(self, *, prompt=None, messages=None, images=(), max_tokens: int = 128, temperature: float = 0.0,
-                 top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, presence_penalty: float = 0.0,
-                 seed: int = 0, stop: Sequence[str] | str = (), cache_prompt: bool = True,
-                 progress: ProgressCallback | None = None, draft_max: int | None = None,
-                 draft_min: int | None = None, draft_positions: str | None = None, verify: str | None = None,
-                 draft_tree: int | None = None, chat_template_kwargs: dict | None = None) -> Request:
+    def _request(self, *, prompt=None, messages=None, images=(), max_tokens: int = 128, seed: int = 0,
+                 stop: Sequence[str] | str = (), cache_prompt: bool = True, progress: ProgressCallback | None = None,
+                 draft_max: int | None = None, draft_min: int | None = None, draft_positions: str | None = None,
+                 verify: str | None = None, draft_tree: int | None = None, chat_template_kwargs: dict | None = None,
+                 logprobs: int | None = None, **sampling: Any) -> Request:
         """One call's arguments, checked (before anything runs) and normalised."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
@@ -349,18 +358,33 @@ class Engine:
         verify = verify or self.config.verify
         if verify not in VERIFY_RULES:
             raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
+        schema = sampling.pop("json_schema", None)
+        if schema is not None:  # llama-server: json_schema gives the grammar unless one is given too
+            if sampling.get("grammar"):
+                raise ValueError("give grammar= or json_schema=, not both")
+            sampling["grammar"] = json_schema_to_grammar(schema)
+        params = sampling_params(sampling, n_ctx=self.ctx.n_ctx_seq, n_vocab=self.model.n_vocab)
+        if verify == "rejection" and not params.greedy and params.rejection_unsupported():
+            raise ValueError(f"verify='rejection' applies logit bias, penalties, top-k, top-p, min-p and temperature "
+                             f"in llama.cpp's order; this request also sets "
+                             f"{', '.join(params.rejection_unsupported())}: use verify='match' (the default)")
         tree = self.config.draft_tree if draft_tree is None else draft_tree
         if isinstance(tree, bool) or not isinstance(tree, (int, np.integer)) or not 0 <= tree <= self.config.draft_tree:
             raise ValueError(f"draft_tree must be an integer from 0 to the engine's draft_tree "
                              f"({self.config.draft_tree}; load with draft_tree=N for trees), got {draft_tree!r}")
         if tree:  # greedy decoding verifies by "match" whatever the rule
-            _check_tree_settings(drafting[0], verify if temperature > 0 else "match")
+            _check_tree_settings(drafting[0], verify if not params.greedy else "match")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, (int, np.integer))
+                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (the most likely tokens "
+                             f"listed at each position), got {logprobs!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
         return Request(prompt=prompt, messages=messages, images=images, max_tokens=int(max_tokens),
-                       drafting=drafting, verify=verify, draft_tree=int(tree),
-                       sampling=dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                     presence_penalty=presence_penalty, seed=seed),
+                       drafting=drafting, verify=verify, draft_tree=int(tree), sampling=params, seed=int(seed),
                        stop=[stop] if isinstance(stop, str) else list(stop), cache_prompt=cache_prompt,
-                       progress=progress, template_kwargs=chat_template_kwargs)
+                       progress=progress, template_kwargs=chat_template_kwargs,
+                       logprobs=None if logprobs is None else int(logprobs))
 
     def _draft_settings(self, draft_max, draft_min, draft_positions) -> tuple[int | str, int, str]:
         """(n_max or "auto", n_min, position mode) for one call, checked against what this engine can do."""
@@ -544,10 +568,9 @@ class _PreparedGeneration:
             parts = e._tokenize(text, self._bitmaps)
             stats = GenerationStats(images=len(self._bitmaps), chat_template=renderer)
             e.last_stats = stats
-            sampling = r.sampling
-            self._sampler = Sampler(e.model, **sampling)
-            params = SamplingParams(**{k: v for k, v in sampling.items() if k != "seed"})
-            verifier = (RejectionVerifier(params, sampling["seed"], e.model.n_vocab)
+            params = r.sampling
+            self._sampler = Sampler(e.model, seed=r.seed, **dataclasses.asdict(params))
+            verifier = (RejectionVerifier(params, r.seed, e.model.n_vocab)
                         if r.verify == "rejection" and not params.greedy else MatchVerifier(self._sampler))
             d = e.drafter
             # One cost of a step per engine: its slots share each step, and requests share the hardware.
@@ -558,7 +581,7 @@ class _PreparedGeneration:
             return Generation(self.seq, e.model, parts, verifier, stats, max_tokens=r.max_tokens,
                               stop=r.stop, draft_length=length, draft_min=n_min,
                               cache_prompt=r.cache_prompt, progress=r.progress, draft_positions=mode,
-                              draft_tree=r.draft_tree)
+                              draft_tree=r.draft_tree, logprobs=r.logprobs)
         except BaseException:
             self.__exit__()
             raise

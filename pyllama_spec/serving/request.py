@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Sequence
 
+from pyllama_spec.spec.sampling import SamplingParams
+
 
 @dataclasses.dataclass(frozen=True)
 class Request:
@@ -16,8 +18,10 @@ class Request:
     drafting: tuple[int | str, int, str]  # (draft_max or "auto", draft_min, draft position mode)
     verify: str  # "match" or "rejection"
     draft_tree: int  # > 0: verify a tree of this many drafted tokens
-    sampling: dict  # the Sampler's keyword arguments (temperature, top_k, top_p, min_p, ..., seed)
+    sampling: SamplingParams  # checked: llama-server's samplers and their settings
+    seed: int
     stop: list[str]
     cache_prompt: bool
     progress: Callable[[str, int, int], None] | None
     template_kwargs: dict | None
+    logprobs: int | None = None  # per emitted token: its log-probability and this many top alternatives

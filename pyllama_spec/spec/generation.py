@@ -27,6 +27,7 @@ import numpy as np
 
 from pyllama_spec.drafters import Drafter, DraftRequest, Proposal, TargetDecode
 from pyllama_spec.spec.draft_length import StepCost, plan_lengths
+from pyllama_spec.spec.logprobs import TokenLogprob, token_logprobs
 from pyllama_spec.spec.sequence import Sequence
 from pyllama_spec.spec.stats import GenerationStats, Stopwatch
 from pyllama_spec.spec.tree import TreeSeqs, build_tree
@@ -53,6 +54,8 @@ class Piece:
     from_draft: int = 0
     #: Tokens the drafter proposed in the step that produced this piece (0 for the first token).
     drafted: int = 0
+    #: With ``logprobs`` asked: one entry per token of ``tokens`` (spec/logprobs.py).
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclasses.dataclass
@@ -80,9 +83,10 @@ class Generation:
     def __init__(self, seq: Sequence | None, model, parts: list, verifier, stats: GenerationStats, *,
                  max_tokens: int, stop: list[str], draft_length, draft_min: int, cache_prompt: bool = True,
                  progress: ProgressCallback | None = None, draft_positions: str = "target",
-                 draft_tree: int = 0) -> None:
+                 draft_tree: int = 0, logprobs: int | None = None) -> None:
         self.seq = seq  # None until a scheduler gives it a slot
         self.draft_tree = draft_tree  # > 0: verify a tree of up to this many drafted tokens (tree.py)
+        self.logprobs = logprobs  # None: none; N: each token's log-probability and the N most likely
         self.draft_positions = draft_positions
         self.model = model
         self.parts = parts
@@ -137,7 +141,7 @@ class Generation:
         self._t1 = time.perf_counter()
         stats.prefill_seconds = self._t1 - self._t0
         self._prefill_split = (stats.target_seconds, stats.draft_seconds)
-        return self._after_step([id_last], 0)
+        return self._after_step([id_last], 0, rows=[-1])
 
     def _room(self) -> int:
         """Cache rows left for drafts after the next token's."""
@@ -165,10 +169,15 @@ class Generation:
         return DraftRequest(self.seq.seq_id, self.id_last, p.pos_next, p.draft_pos_next, n_max,
                             self.draft_min, p.n_rows)
 
-    def _after_step(self, new_tokens: list[int], drafted: int) -> Piece | None:
-        """Show what a step produced and decide whether to go on; the piece to stream, if any."""
+    def _after_step(self, new_tokens: list[int], drafted: int, rows: list[int]) -> Piece | None:
+        """Show what a step produced and decide whether to go on; the piece to stream, if any.
+        ``rows``: the target's output row that verified each of ``new_tokens``."""
         stats = self.stats
         emit, finish = self._emittable(new_tokens)
+        if self.logprobs is not None and emit:
+            origin_logprobs = tuple(token_logprobs(self.seq.ctx, rows, emit, self.logprobs))
+        else:
+            origin_logprobs = ()
         self.generated += len(emit)
         stats.generated_tokens = self.generated  # kept current: an interrupted stream's stats stay true
         stats.decode_seconds = time.perf_counter() - self._t1
@@ -178,7 +187,8 @@ class Generation:
         if finish is None and self.seq.positions.n_rows + 1 > self.seq.n_ctx:
             finish = "length"  # no cache row left for the next token
         # All but the last of a step's tokens are accepted drafts (the first token has no draft).
-        origin = dict(token_texts=texts, from_draft=min(len(emit), len(new_tokens) - 1), drafted=drafted)
+        origin = dict(token_texts=texts, from_draft=min(len(emit), len(new_tokens) - 1), drafted=drafted,
+                      logprobs=origin_logprobs)
         self.id_last = new_tokens[-1]
         if finish is None:
             return Piece("".join(texts), tuple(emit), **origin) if emit else None
@@ -309,7 +319,7 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
         g.stats.record_step(len(draft), n_kept - 1)
         g.draft_length.update(len(draft), n_kept - 1, time.perf_counter() - start)
         g.stats.target_steps += 1
-        pieces.append(g._after_step(accepted, len(draft)))
+        pieces.append(g._after_step(accepted, len(draft), rows=list(range(at, at + len(accepted)))))
     if asked and step_cost is not None:  # a step without a draft call costs less than the fit's base
         step_cost.update(row, time.perf_counter() - start)  # the whole step: all its rows, all its time
     return pieces
@@ -355,7 +365,8 @@ def _tree_step(ctx, drafter: Drafter, g: Generation, proposal: Proposal, start: 
     g.draft_length.update(tree.max_depth, len(nodes), time.perf_counter() - start)
     if step_cost is not None:
         step_cost.update(len(tree), time.perf_counter() - start)
-    return g._after_step([*tokens[1:].tolist(), last], tree.n_drafted)
+    # each accepted token was sampled at its parent's row; the last at the path's end
+    return g._after_step([*tokens[1:].tolist(), last], tree.n_drafted, rows=path.tolist())
 
 
 class _StopMatcher:

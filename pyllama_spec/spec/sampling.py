@@ -1,9 +1,13 @@
-"""The sampler chain in numpy: logits rows -> the distributions a sampler draws from.
+"""Sampling settings (llama-server's), and the sampler chain in numpy for rejection sampling.
 
-The same chain as ``llama.Sampler`` builds natively (llama.cpp's order): presence penalty
--> top-k -> top-p -> min-p -> temperature -> softmax. Rejection sampling needs the target's
-and the draft's distributions *after* this chain, for whole verify blocks at once, so it
-is written here over numpy arrays (rows at a time, no loop over the vocabulary).
+``SamplingParams`` holds every setting llama-server's samplers take; ``bindings.sampler.Sampler``
+builds llama.cpp's native chain from it (logit bias -> grammar -> the ``samplers`` in order ->
+the final pick). Rejection sampling needs the target's and the draft's distributions *after*
+the chain, for whole verify blocks at once, so part of it is written here over numpy arrays
+(rows at a time, no loop over the vocabulary): logit bias, the repeat/frequency/presence
+penalties, top-k, top-p, min-p and temperature, in llama.cpp's order. The other samplers
+(a grammar, DRY, XTC, typical-p, top-n-sigma, mirostat, dynamic temperature) are native only:
+``rejection_unsupported`` names those a request turns on, and such a request verifies by "match".
 
 Distributions are kept sparse when top-k bounds them: ``Dist(ids, probs)`` per row.
 Pure Python + numpy: nothing native here.
@@ -15,19 +19,198 @@ import dataclasses
 
 import numpy as np
 
+#: llama-server's default sampler order (``--samplers``), by its canonical names.
+DEFAULT_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+#: Every name llama-server takes for each sampler (common_sampler_types_from_names: canonical,
+#: kebab-case, no dash, and a few others), lower case, and its one-letter code (--sampler-seq).
+SAMPLER_NAMES = {
+    **{n: n for n in ("dry", "top_k", "top_p", "top_n_sigma", "typ_p", "min_p", "temperature", "xtc", "penalties")},
+    **{n.replace("_", "-"): n for n in ("top_k", "top_p", "top_n_sigma", "typ_p", "min_p")},
+    **{n.replace("_", ""): n for n in ("top_k", "top_p", "top_n_sigma", "typ_p", "min_p")},
+    "nucleus": "top_p", "temp": "temperature", "typ": "typ_p",
+}
+SAMPLER_CHARS = {"d": "dry", "k": "top_k", "y": "typ_p", "p": "top_p", "s": "top_n_sigma", "m": "min_p",
+                 "t": "temperature", "x": "xtc", "e": "penalties"}
+DRY_SEQUENCE_BREAKERS = ("\n", ":", "\"", "*")
+
+
+def sampler_order(names) -> tuple[str, ...]:
+    """Sampler names (a list, or llama-server's one-letter string such as "dkypmxt") as canonical
+    names in order; ValueError for a name llama-server would not take."""
+    if isinstance(names, str):
+        bad = [c for c in names if c not in SAMPLER_CHARS]
+        if bad:
+            raise ValueError(f"unknown sampler letter(s) {''.join(bad)!r}; use {''.join(SAMPLER_CHARS)}")
+        return tuple(SAMPLER_CHARS[c] for c in names)
+    out = []
+    for n in names:
+        key = str(n).lower()
+        if key not in SAMPLER_NAMES:
+            raise ValueError(f"unknown sampler {n!r}; use {', '.join(DEFAULT_SAMPLERS)}")
+        out.append(SAMPLER_NAMES[key])
+    return tuple(out)
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
+    """One generation's sampling settings, by llama-server's defaults (temperature aside: 0,
+    greedy, is this library's default). ``logit_bias``: (token, bias) pairs, -inf forbids."""
+
     temperature: float = 0.0
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
+    typical_p: float = 1.0
+    top_n_sigma: float = -1.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     penalty_last_n: int = 64
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1  # -1: the context size
+    dry_sequence_breakers: tuple[str, ...] = DRY_SEQUENCE_BREAKERS
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    mirostat: int = 0  # 1 or 2: mirostat replaces the chain after temperature
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    min_keep: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    samplers: tuple[str, ...] = DEFAULT_SAMPLERS
+    grammar: str | None = None  # GBNF; the output follows it
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repeat_penalty != 1.0) and \
+            self.penalty_last_n != 0
+
+    def rejection_unsupported(self) -> list[str]:
+        """The settings turned on here that the numpy chain does not apply (see the module's doc)."""
+        on = {"grammar": self.grammar is not None, "dry_multiplier": self.dry_multiplier > 0,
+              "xtc_probability": self.xtc_probability > 0 and self.xtc_threshold <= 0.5,
+              "typical_p": self.typical_p < 1.0, "top_n_sigma": self.top_n_sigma > 0,
+              "mirostat": self.mirostat != 0, "dynatemp_range": self.dynatemp_range > 0,
+              "min_keep": self.min_keep > 1,
+              "samplers": tuple(n for n in self.samplers if n in _NUMPY_CHAIN) != tuple(
+                  n for n in DEFAULT_SAMPLERS if n in _NUMPY_CHAIN and n in self.samplers)}
+        return [name for name, active in on.items() if active]
+
+
+#: The most alternatives ``logprobs`` lists at one position (OpenAI allows 20; llama-server's
+#: n_probs has no limit of its own, a request's cost grows with it).
+MAX_TOP_LOGPROBS = 100
+
+
+def sampling_params(given: dict, *, n_ctx: int, n_vocab: int) -> SamplingParams:
+    """``SamplingParams`` from keyword arguments, checked and normalised: a TypeError for a name
+    that is not a setting, a ValueError for a value out of range; ``logit_bias`` as pairs (a dict
+    {token: bias} or pairs; a bias of False, as llama-server takes it, forbids the token);
+    ``samplers`` as canonical names; -1 last-n settings as the context size."""
+    fields = {f.name: f for f in dataclasses.fields(SamplingParams)}
+    unknown = sorted(set(given) - set(fields))
+    if unknown:
+        raise TypeError(f"unknown sampling setting(s) {', '.join(unknown)}; the settings are {', '.join(fields)}")
+    v = dict(given)
+    for name in ("top_k", "penalty_last_n", "dry_allowed_length", "dry_penalty_last_n", "mirostat", "min_keep"):
+        if name in v and (isinstance(v[name], bool) or not isinstance(v[name], (int, np.integer))):
+            raise ValueError(f"{name} must be an integer, got {v[name]!r}")
+    for name, f in fields.items():
+        if name in v and f.type == "float" and (isinstance(v[name], bool) or not isinstance(v[name], (int, float, np.number))
+                                                or not np.isfinite(v[name])):
+            raise ValueError(f"{name} must be a finite number, got {v[name]!r}")
+    if "mirostat" in v and v["mirostat"] not in (0, 1, 2):
+        raise ValueError(f"mirostat must be 0, 1 or 2, got {v['mirostat']!r}")
+    if v.get("repeat_penalty", 1.0) <= 0:
+        raise ValueError(f"repeat_penalty must be > 0 (1.0: off), got {v['repeat_penalty']!r}")
+    for name in ("penalty_last_n", "dry_penalty_last_n"):
+        if name in v and v[name] < -1:
+            raise ValueError(f"{name} must be >= -1 (-1: the context size), got {v[name]!r}")
+    if v.get("penalty_last_n") == -1:
+        v["penalty_last_n"] = n_ctx
+    if v.get("dry_penalty_last_n", SamplingParams.dry_penalty_last_n) == -1:
+        v["dry_penalty_last_n"] = n_ctx
+    if "logit_bias" in v:
+        v["logit_bias"] = _logit_bias(v["logit_bias"], n_vocab)
+    if "samplers" in v:
+        v["samplers"] = sampler_order(v["samplers"])
+    if "dry_sequence_breakers" in v:
+        b = v["dry_sequence_breakers"]
+        if isinstance(b, str) or not all(isinstance(x, str) and x for x in b) or not len(b):
+            raise ValueError("dry_sequence_breakers must be a non-empty list of non-empty strings")
+        v["dry_sequence_breakers"] = tuple(b)
+    if v.get("grammar") is not None and not isinstance(v["grammar"], str):
+        raise ValueError(f"grammar must be a GBNF string, got {type(v['grammar']).__name__}")
+    if v.get("grammar") == "":
+        v["grammar"] = None  # llama-server: an empty grammar is no grammar
+    if v.get("grammar") is not None:
+        _check_grammar_size(v["grammar"])
+    return SamplingParams(**v)
+
+
+#: The largest grammar taken, and how deeply its groups may nest: llama.cpp's parser and its
+#: left-recursion check recurse once per level and per rule, on the generating thread's stack.
+MAX_GRAMMAR_CHARS = 256 * 1024
+MAX_GRAMMAR_NESTING = 256
+
+
+def _check_grammar_size(gbnf: str) -> None:
+    if len(gbnf) > MAX_GRAMMAR_CHARS:
+        raise ValueError(f"the grammar is {len(gbnf)} characters; at most {MAX_GRAMMAR_CHARS} are taken")
+    if gbnf.count("(") <= MAX_GRAMMAR_NESTING:
+        return
+    depth = deepest = 0
+    quote = bracket = escaped = False
+    for c in gbnf:  # groups outside "literals" and [character classes]
+        if escaped:
+            escaped = False
+        elif c == "\\" and (quote or bracket):
+            escaped = True
+        elif quote:
+            quote = c != '"'
+        elif bracket:
+            bracket = c != "]"
+        elif c == '"':
+            quote = True
+        elif c == "[":
+            bracket = True
+        elif c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == ")":
+            depth -= 1
+    if deepest > MAX_GRAMMAR_NESTING:
+        raise ValueError(f"the grammar nests groups {deepest} deep; at most {MAX_GRAMMAR_NESTING} levels are taken")
+
+
+def _logit_bias(given, n_vocab: int) -> tuple[tuple[int, float], ...]:
+    items = given.items() if isinstance(given, dict) else given
+    out = []
+    for item in items:
+        try:
+            token, bias = item
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias entries must be (token, bias) pairs, got {item!r}") from None
+        if isinstance(token, str) and token.lstrip("-").isdigit():
+            token = int(token)  # JSON object keys are strings
+        if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < n_vocab:
+            raise ValueError(f"logit_bias token {token!r} is not in the vocabulary (0..{n_vocab - 1})")
+        if bias is False:
+            bias = -np.inf
+        if isinstance(bias, bool) or not isinstance(bias, (int, float, np.number)) or np.isnan(bias):
+            raise ValueError(f"logit_bias for token {token} must be a number (or false), got {bias!r}")
+        out.append((int(token), float(bias)))
+    return tuple(out)
+
+
+_NUMPY_CHAIN = ("penalties", "top_k", "top_p", "min_p", "temperature")
 
 
 @dataclasses.dataclass
@@ -51,14 +234,34 @@ class Dist:
                                 len(self.ids) - 1)])
 
 
+def penalize(x: np.ndarray, params: SamplingParams, recent: np.ndarray | None) -> None:
+    """llama.cpp's penalties, in place on logits rows ``x`` [n, n_vocab]: each token among ``recent``
+    (the last ``penalty_last_n`` tokens) has its logit divided by ``repeat_penalty`` (multiplied,
+    when negative), then lowered by ``count * frequency_penalty + presence_penalty``."""
+    if not params.penalized or recent is None or not len(recent):
+        return
+    recent = np.asarray(recent)
+    if params.penalty_last_n > 0:
+        recent = recent[-params.penalty_last_n:]
+    ids, counts = np.unique(recent, return_counts=True)
+    v = x[:, ids]
+    if params.repeat_penalty != 1.0:
+        v = np.where(v <= 0, v * params.repeat_penalty, v / params.repeat_penalty)
+    x[:, ids] = v - counts * params.frequency_penalty - params.presence_penalty
+
+
 def distributions(logits: np.ndarray, params: SamplingParams, recent: np.ndarray | None = None) -> list[Dist]:
-    """The chain applied to each row of ``logits`` [n, n_vocab]; ``recent``: tokens the presence
-    penalty applies to (the last ``penalty_last_n`` of the sequence)."""
+    """The chain applied to each row of ``logits`` [n, n_vocab]; ``recent``: the tokens the
+    penalties see (the sequence's generated tokens so far)."""
     x = np.array(logits, dtype=np.float64, copy=True)
     n, n_vocab = x.shape
-    if params.presence_penalty and recent is not None and len(recent):
-        x[:, np.unique(np.asarray(recent)[-params.penalty_last_n:])] -= params.presence_penalty
-    k = params.top_k if 0 < params.top_k < n_vocab else n_vocab
+    for token, bias in params.logit_bias:
+        x[:, token] += bias
+    if "penalties" in params.samplers:
+        penalize(x, params, recent)
+    x[~np.isfinite(x)] = -np.inf  # a -inf bias forbids a token outright
+    on = set(params.samplers)
+    k = params.top_k if "top_k" in on and 0 < params.top_k < n_vocab else n_vocab
     if k < n_vocab:
         ids = np.argpartition(-x, k - 1, axis=1)[:, :k]
     else:
@@ -70,13 +273,13 @@ def distributions(logits: np.ndarray, params: SamplingParams, recent: np.ndarray
     # top-p and min-p see the candidates' softmax at temperature 1, as llama.cpp's chain does.
     p1 = np.exp(vals - vals[:, :1])
     p1 /= p1.sum(axis=1, keepdims=True)
-    if params.top_p < 1.0:
+    if "top_p" in on and params.top_p < 1.0:
         before = np.cumsum(p1, axis=1) - p1  # mass of the better candidates
         keep &= before < params.top_p
-    if params.min_p > 0.0:
+    if "min_p" in on and params.min_p > 0.0:
         keep &= p1 >= params.min_p * p1[:, :1]
     keep[:, 0] = True  # min_keep = 1
-    t = max(params.temperature, 1e-6)
+    t = max(params.temperature, 1e-6) if "temperature" in on else 1.0
     out = []
     for r in range(n):
         v = vals[r][keep[r]] / t

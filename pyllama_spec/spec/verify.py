@@ -121,22 +121,20 @@ class RejectionVerifier:
         self.rng = np.random.default_rng(seed & 0xFFFFFFFF)
         self.n_vocab = n_vocab
         self.biased = biased  # test hook: see accept_by_rejection
-        self.generated: list[int] = []  # what the presence penalty sees (as the native sampler's history)
+        self.generated: list[int] = []  # what the penalties see (as the native sampler's history)
         self._distributions = distributions
         self._q = None
 
     def _dist(self, row: np.ndarray, before=(), params=None):
-        """One row's distribution; the presence penalty sees the generated tokens, then ``before``."""
+        """One row's distribution; the penalties see the generated tokens, then ``before``."""
         params = params or self.params
-        recent = None
-        if params.presence_penalty:
-            recent = np.asarray([*self.generated, *before][-params.penalty_last_n:])
+        recent = np.asarray([*self.generated, *before], dtype=np.int64) if params.penalized else None
         return self._distributions(row[None, :], params, recent)[0]
 
     def _dists(self, logits: np.ndarray, before: list[int], params=None):
         """Row i sees before[:i] too, as the native sampler accepts tokens one at a time."""
         params = params or self.params
-        if not params.presence_penalty:
+        if not params.penalized:
             return self._distributions(logits, params)  # all rows at once
         return [self._dist(logits[i], before[:i], params) for i in range(len(logits))]
 
@@ -149,7 +147,7 @@ class RejectionVerifier:
         self._q = None
         if proposal.logits is None or not len(proposal.tokens):
             return list(proposal.tokens)
-        if not self.params.presence_penalty:
+        if not self.params.penalized:
             self._q = self._dists(proposal.logits, [], self.draft_params)
             return [q.sample(self.rng) for q in self._q]  # x_i ~ q_i
         tokens: list[int] = []

@@ -3,12 +3,9 @@ void     pyllama_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t l
 float *  pyllama_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
 void     pyllama_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
 float *  pyllama_get_embeddings_nextn(struct llama_context * ctx);
-float *  pyllama_get_embeddings_nextn_ith(struct llama_context * ctx, int32_t i);
-struct llama_context * pyllama_get_ctx_other(struct llama_context * ctx);
 const int32_t * pyllama_model_target_layer_ids(const struct llama_model * model);
 uint32_t pyllama_model_target_layer_ids_n(const struct llama_model * model);
 int32_t  pyllama_model_dflash_selector_top_k(const struct llama_model * model);
-int32_t  pyllama_model_n_devices(const struct llama_model * model);
 int32_t  pyllama_batch_ext_add_tokens(struct llama_batch_ext * batch, int32_t seq_id, int32_t n,
                                       const int32_t * tokens, const int32_t * pos, const int8_t * outputs);
 int32_t  pyllama_batch_ext_add_embds(struct llama_batch_ext * batch, int32_t seq_id, int32_t n,
@@ -19,6 +16,11 @@ bool     pyllama_abort_requested(void * data);
 int32_t  pyllama_interrupt_take(void);
 int32_t  pyllama_mtmd_set_abort_callback(struct mtmd_context * ctx);
 void     pyllama_abort_after(int32_t n_checks);
+int32_t  pyllama_grammar_check(const char * gbnf);
+int32_t  pyllama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
+int32_t  pyllama_sampler_accept(struct llama_sampler * smpl, int32_t token);
+int64_t  pyllama_json_schema_to_grammar(const char * schema_json, char * out, size_t n_out);
+const char * pyllama_last_error(void);
 int32_t  pyllama_shim_abi_version(void);
 
 /* Python callbacks (cffi "extern Python"): native logs and mtmd's post-decode hook. */

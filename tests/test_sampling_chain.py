@@ -1,0 +1,182 @@
+"""llama-server's samplers, grammars, JSON schemas, logit bias and logprobs, with drafts.
+
+The contract that speculation keeps: greedy output equals target-only output, and seeded
+sampling under "match" equals target-only output for the seed, whatever samplers are on; a
+grammar's output always parses, and a drafted token the grammar forbids is rejected like any
+other mismatch. On the trained tiny pair (the embedded default), whose DFlash draft accepts
+often enough that a wrong bookkeeping of drafts would show.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+from conftest import N_THREADS, explain_child
+
+import pyllama_spec as ps
+from pyllama_spec.bindings.grammar import GrammarError, json_schema_to_grammar
+from pyllama_spec.spec.sampling import sampler_order, sampling_params
+
+PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "size": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["name", "size", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    em = ps.embedded_models()
+    with ps.load(em.target, draft=em.draft, n_ctx=2048, n_threads=N_THREADS) as e:
+        yield e
+
+
+def both(engine, **kw):
+    """(with drafts, target only) for the same request."""
+    return engine.generate(PROMPT, **kw), engine.generate(PROMPT, draft_max=0, **kw)
+
+
+def test_greedy_with_a_grammar_equals_target_only_and_follows_the_grammar(engine):
+    grammar = r'root ::= "    " [a-z_]+ " = " [a-z_]+ "(" [a-z_]* ")\n"'
+    spec, plain = both(engine, max_tokens=40, grammar=grammar)
+    assert spec.tokens == plain.tokens
+    assert re.fullmatch(r"    [a-z_]+ = [a-z_]+\([a-z_]*\)\n", spec.text), spec.text
+    assert spec.finish_reason == "stop"  # the grammar ended: only end-of-generation was left
+    assert spec.stats.drafted > 0
+
+
+def test_json_schema_output_parses_and_equals_target_only(engine):
+    spec, plain = both(engine, max_tokens=120, json_schema=SCHEMA)
+    assert spec.tokens == plain.tokens
+    value = json.loads(spec.text)
+    assert set(value) == {"name", "size", "ok"} and isinstance(value["size"], int) and isinstance(value["ok"], bool)
+    s = spec.stats
+    print(f"json_schema with DFlash: acceptance {s.acceptance_rate:.2f}, mean accepted length "
+          f"{s.mean_accepted_length:.2f} over {s.generated_tokens} tokens")
+    assert s.drafted > 0
+
+
+def test_the_grammar_is_llama_servers_conversion_of_the_schema():
+    g = json_schema_to_grammar(SCHEMA)
+    assert g.startswith("name-kv ::=") or "root ::=" in g
+    assert json_schema_to_grammar({}) == json_schema_to_grammar({"type": "object"})  # as llama-server
+    with pytest.raises(GrammarError, match="json_schema"):
+        json_schema_to_grammar("{not json")
+
+
+@pytest.mark.parametrize("settings", [
+    dict(repeat_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.3, penalty_last_n=32),
+    dict(dry_multiplier=0.8, dry_allowed_length=1),
+    dict(xtc_probability=0.5, xtc_threshold=0.1),
+    dict(typical_p=0.7, top_n_sigma=1.5),
+    dict(mirostat=2, mirostat_tau=3.0),
+    dict(samplers=["top_k", "temperature", "min_p"], dynatemp_range=0.3),
+    dict(logit_bias={"32": -2.0, "10": 1.5}),
+], ids=["penalties", "dry", "xtc", "typical-sigma", "mirostat", "order-dynatemp", "logit-bias"])
+def test_seeded_match_sampling_equals_target_only_with_every_sampler(engine, settings):
+    spec, plain = both(engine, max_tokens=48, temperature=0.9, seed=11, verify="match", **settings)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.drafted > 0
+
+
+def test_greedy_with_penalties_equals_target_only_and_changes_the_output(engine):
+    spec, plain = both(engine, max_tokens=48, repeat_penalty=1.5, frequency_penalty=1.0)
+    base = engine.generate(PROMPT, max_tokens=48)
+    assert spec.tokens == plain.tokens != base.tokens
+
+
+def test_a_forbidden_token_never_appears(engine):
+    base = engine.generate(PROMPT, max_tokens=32)
+    banned = base.tokens[0]
+    spec, plain = both(engine, max_tokens=32, logit_bias={banned: False})
+    assert banned not in spec.tokens and spec.tokens == plain.tokens
+
+
+def test_logprobs_are_the_targets_whether_drafted_or_not(engine):
+    spec, plain = (engine.stream(PROMPT, max_tokens=40, logprobs=3),
+                   engine.stream(PROMPT, max_tokens=40, logprobs=3, draft_max=0))
+    a = [(p, lp) for p in spec for lp in p.logprobs]
+    b = [lp for p in plain for lp in p.logprobs]
+    assert len(a) == len(b) == 40
+    assert any(p.from_draft for p, _ in a)  # some tokens came from the draft
+    for (_, x), y in zip(a, b):
+        assert x.token == y.token
+        assert x.logprob == pytest.approx(y.logprob, abs=2e-3)
+        assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert x.top[0][1] >= x.logprob - 1e-9 and len(x.top) == 3
+        assert all(lp <= 0 for _, lp in x.top)
+    # greedy: every emitted token is the most likely one
+    assert all(x.token == x.top[0][0] for (_, x) in a)
+
+
+def test_logprobs_sum_to_one_over_the_vocabulary(engine):
+    piece = next(iter(engine.stream(PROMPT, max_tokens=1, logprobs=engine.model.n_vocab if
+                                    engine.model.n_vocab <= 100 else 100)))
+    top = piece.logprobs[0].top
+    assert sum(math.exp(lp) for _, lp in top) <= 1 + 1e-6
+
+
+def test_rejection_refuses_samplers_it_cannot_apply(engine):
+    with pytest.raises(ValueError, match="grammar.*verify='match'"):
+        engine.generate(PROMPT, max_tokens=4, temperature=0.8, verify="rejection", grammar='root ::= "a"')
+    # the numpy chain's own settings are fine
+    engine.generate(PROMPT, max_tokens=4, temperature=0.8, verify="rejection", logit_bias={5: -1.0},
+                    frequency_penalty=0.5)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(grammar="root ::= foo"), "undefined rule identifier 'foo'"),
+    (dict(grammar='x ::= "a"'), "no 'root' rule"),
+    (dict(grammar="root ::= " + "(" * 300 + '"a"' + ")" * 300), "nests groups 300 deep"),
+    (dict(grammar='root ::= "' + "a" * 300_000 + '"'), "at most"),
+    (dict(grammar="root ::= root \"a\""), "refused the grammar"),  # left recursion
+    (dict(json_schema={"type": "object", "properties": 5}), "json_schema"),
+    (dict(logit_bias={10**9: 1.0}), "not in the vocabulary"),
+    (dict(logit_bias=[[1, "x"]]), "must be a number"),
+    (dict(samplers=["top_k", "nope"]), "unknown sampler"),
+    (dict(mirostat=3), "mirostat must be"),
+    (dict(repeat_penalty=0.0), "repeat_penalty"),
+    (dict(top_k=1.5), "top_k must be an integer"),
+    (dict(logprobs=-1), "logprobs"),
+])
+def test_bad_sampling_settings_are_refused_before_anything_runs(engine, bad, match):
+    with pytest.raises(ValueError, match=match):
+        engine.generate(PROMPT, max_tokens=4, **bad)
+    assert engine.generate(PROMPT, max_tokens=4).tokens  # and the engine still works
+
+
+def test_unknown_sampling_settings_are_a_type_error(engine):
+    with pytest.raises(TypeError, match="unknown sampling setting"):
+        engine.generate(PROMPT, max_tokens=2, temprature=0.5)
+
+
+def test_a_grammar_nothing_can_satisfy_is_an_error_not_a_crash(run_python):
+    # the grammar allows only "x"-tokens and the bias forbids every token: llama.cpp throws
+    # inside the sampler; the shim turns it into GrammarError
+    res = run_python("""
+        import pyllama_spec as ps
+        from pyllama_spec.bindings.grammar import GrammarError
+        em = ps.embedded_models()
+        with ps.load(em.target, n_ctx=512, n_threads=1, spec_type="none") as e:
+            bias = {t: False for t in range(e.model.n_vocab)}
+            try:
+                e.generate("x", max_tokens=4, grammar='root ::= "x"+', logit_bias=bias)
+            except GrammarError as err:
+                print("GrammarError:", err)
+            print("after:", len(e.generate("x", max_tokens=3).tokens))
+    """, timeout=120)
+    assert res.returncode == 0, explain_child(res)
+    assert "GrammarError:" in res.stdout and "after: 3" in res.stdout
+
+
+def test_sampler_names_as_llama_server_takes_them():
+    assert sampler_order(["Top-K", "nucleus", "temp", "typ", "minp"]) == ("top_k", "top_p", "temperature", "typ_p",
+                                                                         "min_p")
+    assert sampler_order("dkypmxt") == ("dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+    with pytest.raises(ValueError, match="letter"):
+        sampler_order("kq")
+    p = sampling_params({"penalty_last_n": -1, "logit_bias": {"7": -np.inf}}, n_ctx=512, n_vocab=100)
+    assert p.penalty_last_n == 512 and p.dry_penalty_last_n == 512 and p.logit_bias == ((7, -np.inf),)
