@@ -255,8 +255,9 @@ def distributions(logits: np.ndarray, params: SamplingParams, recent: np.ndarray
     penalties see (the sequence's generated tokens so far)."""
     x = np.array(logits, dtype=np.float64, copy=True)
     n, n_vocab = x.shape
-    for token, bias in params.logit_bias:
-        x[:, token] += bias
+    if params.logit_bias:  # each entry adds, as llama.cpp's sampler applies them one by one
+        ids, biases = zip(*params.logit_bias)
+        np.add.at(x, (slice(None), np.asarray(ids)), np.asarray(biases))
     if "penalties" in params.samplers:
         penalize(x, params, recent)
     x[~np.isfinite(x)] = -np.inf  # a -inf bias forbids a token outright

@@ -128,7 +128,10 @@ class RejectionVerifier:
     def _dist(self, row: np.ndarray, before=(), params=None):
         """One row's distribution; the penalties see the generated tokens, then ``before``."""
         params = params or self.params
-        recent = np.asarray([*self.generated, *before], dtype=np.int64) if params.penalized else None
+        recent = None
+        if params.penalized:  # only the last penalty_last_n: the history is not copied whole per row
+            n = params.penalty_last_n if params.penalty_last_n > 0 else len(self.generated) + len(before)
+            recent = np.asarray([*self.generated[-n:], *before][-n:], dtype=np.int64)
         return self._distributions(row[None, :], params, recent)[0]
 
     def _dists(self, logits: np.ndarray, before: list[int], params=None):
