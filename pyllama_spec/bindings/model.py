@@ -7,6 +7,7 @@ guarded finalizer as a last resort); it closes the contexts made from it before 
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from pathlib import Path
@@ -227,6 +228,12 @@ class Model(NativeHandle):
     def add_bos(self) -> bool:
         return bool(lib.llama_vocab_get_add_bos(self._vocab_ptr()))
 
+    @functools.cached_property
+    def eog_tokens(self) -> tuple[int, ...]:
+        """Every end-of-generation token of the vocabulary (one pass, kept)."""
+        vocab = self._vocab_ptr()
+        return tuple(t for t in range(self.n_vocab) if lib.llama_vocab_is_eog(vocab, t))
+
     def is_eog(self, token: int) -> bool:
         return bool(lib.llama_vocab_is_eog(self._vocab_ptr(), token))
 
@@ -251,9 +258,12 @@ class Model(NativeHandle):
             return 0
         return n_bytes // self.max_token_bytes
 
-    def apply_chat_template(self, messages: Sequence[tuple[str, str]], *, add_assistant: bool = True) -> str:
-        """(role, text) messages through this model's chat template (llama.cpp's built-in renderer)."""
-        template = self.chat_template
+    def apply_chat_template(self, messages: Sequence[tuple[str, str]], *, add_assistant: bool = True,
+                            template: str | None = None) -> str:
+        """(role, text) messages through this model's chat template, or ``template`` (a built-in
+        template's name such as "chatml", or template text), by llama.cpp's built-in renderer."""
+        named = template is not None
+        template = template or self.chat_template
         if template is None:
             raise ValueError(f"the model {self.path.name} has no chat template: pass prompt= instead of messages=")
         keep = [(ffi.new("char[]", r.encode()), ffi.new("char[]", c.encode())) for r, c in messages]
@@ -265,6 +275,8 @@ class Model(NativeHandle):
         for _ in range(2):
             buf = ffi.new("char[]", size)
             n = lib.llama_chat_apply_template(tmpl, chat, len(keep), add_assistant, buf, size)
+            if n < 0 and named:
+                raise ValueError(f"llama.cpp has no built-in chat template {template[:80]!r}")
             if n < 0:
                 raise ValueError(f"llama.cpp does not support the chat template of {self.path.name}; "
                                  "format the prompt yourself and pass prompt=")

@@ -5,6 +5,7 @@ one-line summaries (speculative mode, stats footer) that chat, generate and serv
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 from rich.console import Console
@@ -40,29 +41,124 @@ class _DraftMax(click.ParamType):
 DRAFT_MAX = _DraftMax()
 
 
+class _Layers(click.ParamType):
+    """-ngl / --spec-draft-ngl: a count, or llama-server's "all" / "auto" (every layer: no
+    automatic fitting here)."""
+
+    name = "N|all|auto"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, int):
+            return value
+        if value in ("all", "auto"):
+            return -1
+        try:
+            n = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is neither a number nor 'all' / 'auto'", param, ctx)
+        return -1 if n < 0 else n
+
+
+class _SpecType(click.ParamType):
+    """--spec-type: llama-server's names, comma-separated there; one method at a time here."""
+
+    name = "TYPE"
+    LLAMA_SERVER_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark",
+                          "ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+
+    def convert(self, value, param, ctx):
+        names = [n.strip() for n in str(value).split(",") if n.strip()]
+        ours = [*SPEC_TYPES[1:], "none"]
+        for n in names:
+            if n not in ours and n not in self.LLAMA_SERVER_TYPES:
+                self.fail(f"{n!r} is not a speculative type llama-server knows ({', '.join(self.LLAMA_SERVER_TYPES)})",
+                          param, ctx)
+            if n not in ours:
+                self.fail(f"{n!r} is not implemented here; the types served here are {', '.join(ours)}", param, ctx)
+        if len(set(names)) != 1:
+            self.fail(f"give one type ({', '.join(ours)}); this server runs one method at a time", param, ctx)
+        return names[0]
+
+
+class _LogitBias(click.ParamType):
+    """-l TOKEN_ID(+/-)BIAS, as llama-server writes it: 15043+1, 15043-1."""
+
+    name = "TOKEN_ID(+/-)BIAS"
+
+    def convert(self, value, param, ctx):
+        import re
+
+        m = re.fullmatch(r"\s*(\d+)\s*([+-])\s*([0-9.eE+-]+|inf)\s*", str(value))
+        if not m:
+            self.fail(f"{value!r} is not TOKEN_ID+BIAS or TOKEN_ID-BIAS (for example 15043+1)", param, ctx)
+        bias = float(m.group(3)) * (-1 if m.group(2) == "-" else 1)
+        return int(m.group(1)), bias
+
+
+def _predict(value: int) -> int | None:
+    return None if value < 0 else value  # -1: no limit but the server's --max-tokens cap
+
+
+#: llama-server's sampling flags: (names, SamplingParams field, type, help). Each given one is
+#: a default of every request (a request's own value overrides it).
+SAMPLING_FLAGS = (
+    (("--top-k",), "top_k", int, "top-k sampling (0: off)"),
+    (("--top-p",), "top_p", float, "top-p sampling (1.0: off)"),
+    (("--min-p",), "min_p", float, "min-p sampling (0.0: off)"),
+    (("--typical", "--typical-p"), "typical_p", float, "locally typical sampling (1.0: off)"),
+    (("--top-nsigma", "--top-n-sigma"), "top_n_sigma", float, "top-n-sigma sampling (-1: off)"),
+    (("--xtc-probability",), "xtc_probability", float, "XTC probability (0: off)"),
+    (("--xtc-threshold",), "xtc_threshold", float, "XTC threshold"),
+    (("--repeat-last-n",), "penalty_last_n", int, "tokens the penalties look back (-1: the context)"),
+    (("--repeat-penalty",), "repeat_penalty", float, "repeat penalty (1.0: off)"),
+    (("--presence-penalty",), "presence_penalty", float, "presence penalty (0.0: off)"),
+    (("--frequency-penalty",), "frequency_penalty", float, "frequency penalty (0.0: off)"),
+    (("--dry-multiplier",), "dry_multiplier", float, "DRY multiplier (0.0: off)"),
+    (("--dry-base",), "dry_base", float, "DRY base"),
+    (("--dry-allowed-length",), "dry_allowed_length", int, "DRY allowed length"),
+    (("--dry-penalty-last-n",), "dry_penalty_last_n", int, "DRY look-back (-1: the context)"),
+    (("--dynatemp-range",), "dynatemp_range", float, "dynamic temperature range (0.0: off)"),
+    (("--dynatemp-exp",), "dynatemp_exponent", float, "dynamic temperature exponent"),
+    (("--mirostat",), "mirostat", int, "mirostat 1 or 2 (0: off)"),
+    (("--mirostat-lr",), "mirostat_eta", float, "mirostat learning rate (eta)"),
+    (("--mirostat-ent",), "mirostat_tau", float, "mirostat target entropy (tau)"),
+)
+
+
+def _read_text(path: str, what: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise click.BadParameter(f"cannot read the {what} file {path}: {e}") from None
+
+
 def model_options(f):
-    """The model and sampling flags shared by chat and generate, named as in llama.cpp."""
+    """The model and sampling flags shared by chat, generate and serve, named as in llama.cpp
+    (llama-server's aliases included: serve takes llama-server's command lines)."""
     options = [
         click.option("-m", "--model", "model", type=click.Path(),
                      help="target GGUF (default: the embedded trained pair: target, mmproj and draft)"),
-        click.option("--mmproj", type=click.Path(), help="multimodal projector GGUF (images)"),
-        click.option("-md", "--model-draft", "draft", type=click.Path(), help="DFlash draft GGUF"),
-        click.option("--spec-type", type=click.Choice([*SPEC_TYPES[1:], "none"]),
-                     default=None, help="speculative method, llama.cpp's names (default: draft-dflash when a "
-                                        "draft is given)"),
-        click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True),
+        click.option("-mm", "--mmproj", type=click.Path(), help="multimodal projector GGUF (images)"),
+        click.option("-md", "--model-draft", "--spec-draft-model", "draft", type=click.Path(),
+                     help="draft GGUF (DFlash, or a small model for draft-simple)"),
+        click.option("--spec-type", type=_SpecType(), default=None,
+                     help=f"speculative method, llama.cpp's names: {', '.join([*SPEC_TYPES[1:], 'none'])} "
+                          "(default: draft-dflash when a draft is given)"),
+        click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True,
+                     help="context size (0: the model's trained context)"),
         click.option("-b", "--batch-size", "n_batch", default=512, show_default=True),
         click.option("-ub", "--ubatch-size", "n_ubatch", default=512, show_default=True),
-        click.option("-ngl", "--n-gpu-layers", "n_gpu_layers", default=0, show_default=True),
-        click.option("-ngld", "--n-gpu-layers-draft", "n_gpu_layers_draft", type=int, default=None,
-                     help="layers of the draft on the GPU (default: as -ngl)"),
+        click.option("-ngl", "--n-gpu-layers", "--gpu-layers", "n_gpu_layers", type=_Layers(), default="0",
+                     show_default=True, help="layers on the GPU: a count, or all"),
+        click.option("-ngld", "--n-gpu-layers-draft", "--gpu-layers-draft", "--spec-draft-ngl", "n_gpu_layers_draft",
+                     type=_Layers(), default=None, help="layers of the draft on the GPU (default: as -ngl)"),
         click.option("--rpc", "rpc_servers", default=None, metavar="SERVERS",
                      help="comma-separated RPC servers (host:port, each running `pyllama-spec rpc-server`): "
                           "-ngl layers go to their devices, first"),
         click.option("-dev", "--device", "devices", default=None, metavar="DEV1,DEV2",
                      help="devices for the target's layers (see doctor; 'none': no offload)"),
-        click.option("-devd", "--device-draft", "device_draft", default=None, metavar="DEV1,DEV2",
-                     help="devices for the draft (default: this machine's)"),
+        click.option("-devd", "--device-draft", "--spec-draft-device", "device_draft", default=None,
+                     metavar="DEV1,DEV2", help="devices for the draft (default: this machine's)"),
         click.option("-sm", "--split-mode", "split_mode", type=click.Choice(["none", "layer", "row"]),
                      default="layer", show_default=True, help="how to split the target across devices"),
         click.option("-ts", "--tensor-split", "tensor_split", default=None, metavar="N0,N1",
@@ -72,17 +168,24 @@ def model_options(f):
         click.option("-ctk", "--cache-type-k", default="f16", show_default=True, type=click.Choice(KV_TYPES)),
         click.option("-ctv", "--cache-type-v", default="f16", show_default=True, type=click.Choice(KV_TYPES),
                      help="a quantized V cache needs -fa on"),
-        click.option("-ctkd", "--cache-type-k-draft", default=None, type=click.Choice(KV_TYPES)),
-        click.option("-ctvd", "--cache-type-v-draft", default=None, type=click.Choice(KV_TYPES)),
+        click.option("-ctkd", "--cache-type-k-draft", "--spec-draft-type-k", default=None, type=click.Choice(KV_TYPES)),
+        click.option("-ctvd", "--cache-type-v-draft", "--spec-draft-type-v", default=None, type=click.Choice(KV_TYPES)),
         click.option("--mmproj-offload/--no-mmproj-offload", default=None,
                      help="the projector on the GPU (default: when -ngl offloads layers)"),
         click.option("--mmap/--no-mmap", "use_mmap", default=True, show_default=True),
         click.option("--mlock", "use_mlock", is_flag=True, help="keep the model in RAM"),
+        click.option("-lm", "--load-mode", "load_mode", default=None,
+                     type=click.Choice(["auto", "none", "mmap", "mlock", "mmap+mlock", "dio"]),
+                     help="llama-server's loading mode (sets --mmap / --mlock; dio: read without mmap)"),
         click.option("--draft-max", "--spec-draft-n-max", "draft_max", default="16", show_default=True,
                      type=DRAFT_MAX, help="most tokens drafted per step, capped by a DFlash draft's block "
                                           "size minus one (15 for the embedded draft, block size 16), or 'auto': "
                                           "a length planned each step from acceptance and the measured cost "
                                           "of a row, up to that cap"),
+        click.option("--spec-draft-n-min", "draft_min", type=click.IntRange(min=0), default=0, show_default=True,
+                     help="fewest tokens a step drafts; a shorter draft is not verified"),
+        click.option("--spec-draft-p-min", "--draft-p-min", "draft_p_min", type=click.FloatRange(0, 1), default=0.0,
+                     show_default=True, help="a draft-simple draft stops at a token below this probability"),
         click.option("--draft-positions", type=click.Choice(["target", "sequential"]), default="target",
                      show_default=True),
         click.option("--draft-tree", type=click.IntRange(0, 255), default=0, show_default=True,
@@ -95,12 +198,33 @@ def model_options(f):
         click.option("-t", "--threads", "n_threads", type=int, default=None, help="CPU threads"),
         click.option("-tb", "--threads-batch", "n_threads_batch", type=int, default=None,
                      help="CPU threads for prompt batches (default: as -t)"),
-        click.option("-n", "--max-tokens", default=512, show_default=True, help="tokens per reply"),
-        click.option("--temp", "temperature", default=0.0, show_default=True),
-        click.option("--top-k", default=40, show_default=True),
-        click.option("--top-p", default=0.95, show_default=True),
-        click.option("--min-p", default=0.05, show_default=True),
-        click.option("--seed", default=0, show_default=True),
+        click.option("--chat-template", default=None, metavar="JINJA|NAME",
+                     help="a chat template instead of the model's: Jinja text, or a llama.cpp built-in's name "
+                          "(chatml, llama3, ...)"),
+        click.option("--chat-template-file", default=None, type=click.Path(dir_okay=False),
+                     help="a Jinja chat template file instead of the model's"),
+        click.option("--jinja/--no-jinja", "jinja", default=True, show_default=True,
+                     help="render chat templates with Jinja (--no-jinja: llama.cpp's built-in renderer)"),
+        click.option("-n", "--max-tokens", "--predict", "--n-predict", "max_tokens", default=512, show_default=True,
+                     help="tokens per reply (-1: up to the server's cap)"),
+        click.option("--temp", "--temperature", "temperature", type=float, default=0.0, show_default=True),
+        *[click.option(*names, dest, type=kind, default=None, help=text) for names, dest, kind, text in SAMPLING_FLAGS],
+        click.option("--samplers", default=None, metavar="NAMES",
+                     help="the samplers in order, ';'-separated (llama-server's names)"),
+        click.option("--sampler-seq", "--sampling-seq", "sampler_seq", default=None, metavar="LETTERS",
+                     help="the samplers in order as letters (dkypmxt...)"),
+        click.option("--dry-sequence-breaker", "dry_sequence_breakers", multiple=True, metavar="STRING",
+                     help="a DRY sequence breaker (repeatable; 'none': no breakers)"),
+        click.option("-l", "--logit-bias", "logit_bias", multiple=True, type=_LogitBias(),
+                     help="TOKEN_ID+BIAS or TOKEN_ID-BIAS (repeatable)"),
+        click.option("--ignore-eos", is_flag=True, help="never end at the end-of-generation token"),
+        click.option("--grammar", default=None, metavar="GBNF", help="every reply follows this grammar"),
+        click.option("--grammar-file", default=None, type=click.Path(dir_okay=False)),
+        click.option("-j", "--json-schema", "json_schema", default=None, metavar="SCHEMA",
+                     help="every reply is JSON following this JSON schema"),
+        click.option("-jf", "--json-schema-file", "json_schema_file", default=None, type=click.Path(dir_okay=False)),
+        click.option("-s", "--seed", "seed", type=int, default=0, show_default=True,
+                     help="sampling seed (-1: a random one)"),
     ]
     for option in reversed(options):
         f = option(f)
@@ -111,6 +235,9 @@ def _load_engine(o: dict):
     from pyllama_spec.serving.engine import load
 
     flash = {"on": True, "off": False, "auto": None}[o["flash_attn"]]
+    if o.get("load_mode"):  # llama-server's -lm: mmap and mlock in one setting
+        mode = o["load_mode"]
+        o = {**o, "use_mmap": mode in ("auto", "mmap", "mmap+mlock"), "use_mlock": "mlock" in mode}
     kwargs = dict(n_ctx=o["n_ctx"], n_batch=o["n_batch"], n_ubatch=min(o["n_ubatch"], o["n_batch"]),
                   n_gpu_layers=o["n_gpu_layers"], draft_max=o["draft_max"], draft_positions=o["draft_positions"],
                   verify=o["verify"], draft_tree=o["draft_tree"], flash_attn=flash, n_threads=o["n_threads"],
@@ -120,7 +247,8 @@ def _load_engine(o: dict):
                   mmproj_offload=o["mmproj_offload"], use_mmap=o["use_mmap"], use_mlock=o["use_mlock"],
                   rpc_servers=o["rpc_servers"] or (), devices=o["devices"], device_draft=o["device_draft"],
                   split_mode=o["split_mode"], tensor_split=o["tensor_split"] or (), main_gpu=o["main_gpu"],
-                  n_parallel=o.get("n_parallel", 1))
+                  n_parallel=o.get("n_parallel", 1), draft_min=o["draft_min"], draft_p_min=o["draft_p_min"],
+                  sampling=_sampling(o), chat_template=_chat_template(o), jinja=o["jinja"])
     model, mmproj, draft = o["model"], o["mmproj"], o["draft"]
     if model is None:
         if mmproj or draft:
@@ -136,6 +264,12 @@ def _load_engine(o: dict):
     return load(model, mmproj=mmproj, draft=draft, spec_type=o["spec_type"], **kwargs)
 
 
+def _chat_template(o: dict) -> str | None:
+    if o.get("chat_template_file"):
+        return _read_text(o["chat_template_file"], "chat template")
+    return o.get("chat_template")
+
+
 def _load_engine_or_exit(o: dict):
     """_load_engine with a spinner; a model that cannot be loaded ends the command with a message."""
     from pyllama_spec.errors import PyllamaError
@@ -143,6 +277,8 @@ def _load_engine_or_exit(o: dict):
     try:
         with console.status("loading models ..."):
             return _load_engine(o)
+    except click.ClickException:
+        raise
     except (PyllamaError, ValueError, OSError) as e:
         err_console.print(f"[red]cannot load: {e}[/red]")
         sys.exit(1)
@@ -165,7 +301,33 @@ def _speculative_mode(engine, asked=None) -> str:
 
 
 def _sampling(o: dict) -> dict:
-    return {k: o[k] for k in ("temperature", "top_k", "top_p", "min_p", "seed")}
+    """The sampling flags given, as SamplingParams settings (the engine's defaults for every request)."""
+    import json
+
+    out = {"temperature": o["temperature"], "seed": o["seed"] & 0xFFFFFFFF}
+    out.update({dest: o[dest] for _, dest, _, _ in SAMPLING_FLAGS if o.get(dest) is not None})
+    if o.get("samplers"):
+        out["samplers"] = [n for n in o["samplers"].split(";") if n]
+    if o.get("sampler_seq"):
+        out["samplers"] = o["sampler_seq"]
+    breakers = o.get("dry_sequence_breakers") or ()
+    if breakers:
+        out["dry_sequence_breakers"] = [] if list(breakers) == ["none"] else list(breakers)
+    if o.get("logit_bias"):
+        out["logit_bias"] = list(o["logit_bias"])
+    if o.get("ignore_eos"):
+        out["ignore_eos"] = True
+    grammar = o.get("grammar") or (_read_text(o["grammar_file"], "grammar") if o.get("grammar_file") else None)
+    if grammar:
+        out["grammar"] = grammar
+    schema = o.get("json_schema") or (_read_text(o["json_schema_file"], "JSON schema")
+                                      if o.get("json_schema_file") else None)
+    if schema:
+        try:
+            out["json_schema"] = json.loads(schema)
+        except ValueError as e:
+            raise click.BadParameter(f"the JSON schema is not JSON: {e}") from None
+    return out
 
 
 def footer(s) -> str:

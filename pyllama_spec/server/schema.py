@@ -265,15 +265,18 @@ def _sampling(body: dict, max_tokens_limit: int, default_max_tokens: int) -> dic
     elif isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 0 <= max_tokens <= max_tokens_limit:
         raise bad_request(f"'{name}' must be an integer between 0 and {max_tokens_limit}, got {_show(max_tokens)}",
                           name)
-    seed = _number(body, "seed", 0, -(2**63), 2**64 - 1, integer=True)
     out = dict(
         max_tokens=max_tokens,
-        # llama-server samples greedily at temperature <= 0
-        temperature=max(0.0, float(_number(body, "temperature", 0.0, -100.0, 100.0))),
-        seed=int(seed) & 0xFFFFFFFF,
         stop=_stop(body),
         cache_prompt=_bool(body, "cache_prompt", True),  # llama-server's key: reuse the cached prefix
     )
+    # Absent: the server's defaults (its command line's --temp and --seed) apply.
+    temperature = _number(body, "temperature", None, -100.0, 100.0)
+    if temperature is not None:
+        out["temperature"] = max(0.0, float(temperature))  # llama-server samples greedily at <= 0
+    seed = _number(body, "seed", None, -(2**63), 2**64 - 1, integer=True)
+    if seed is not None:
+        out["seed"] = int(seed) & 0xFFFFFFFF
     for field, kw, lo, hi, integer in _SAMPLING_FIELDS:
         v = _number(body, field, None, lo, hi, integer=integer)
         if v is not None:

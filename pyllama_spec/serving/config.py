@@ -4,7 +4,7 @@ configuration that need no file and no native call (the draft tree's settings)."
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from pyllama_spec.drafters.registry import METHODS, method
 
@@ -54,6 +54,13 @@ class EngineConfig:
     split_mode: str = "layer"
     tensor_split: Sequence[float] | str = ()
     main_gpu: int = 0
+    # Every request's sampling defaults, llama-server's --temp, --top-k, ... (SamplingParams fields,
+    # seed and json_schema); a request's own settings override them.
+    sampling: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # llama-server's --chat-template(-file): a Jinja template, or the name of one of llama.cpp's
+    # built-in templates ("chatml", "llama3", ...), used instead of the model's own.
+    chat_template: str | None = None
+    jinja: bool = True  # False (--no-jinja): llama.cpp's built-in renderer, never Jinja
 
 
 #: The most drafted tokens in a tree: each leaf takes a sequence id, and llama.cpp has 256.

@@ -124,6 +124,13 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
     return Engine(cfg)
 
 
+def _bias_pairs(bias) -> list:
+    """A logit_bias given as {token: bias} or pairs, as pairs (None: none)."""
+    if bias is None:
+        return []
+    return list(bias.items()) if isinstance(bias, dict) else list(bias)
+
+
 class Engine:
     """Target + optional projector + optional drafter.
 
@@ -173,6 +180,7 @@ class Engine:
                            use_mlock=config.use_mlock, role="target", placement=self.placement.target)
         try:
             self._open()
+            self._check_defaults()
         except BaseException:
             self.close()
             raise
@@ -181,6 +189,17 @@ class Engine:
             self._scheduler = Scheduler(sequences=self.sequences, ctx=self.ctx, drafter=self.drafter,
                                         projector=self.projector, step_cost=self._step_cost,
                                         prepare=lambda request: self._generation(None, request))
+
+    def _check_defaults(self) -> None:
+        """The load's sampling defaults and chat template, tried once so that a bad one fails the
+        load (with what was wrong) rather than every request."""
+        try:
+            self._request(prompt="")
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"the sampling defaults are not valid: {e}") from None
+        if self.config.chat_template is not None:
+            render_messages(self.model, [{"role": "user", "content": "hi"}], template=self.config.chat_template,
+                            jinja=self.config.jinja)
 
     def _load_draft_model(self) -> Model:
         c = self.config
@@ -256,7 +275,7 @@ class Engine:
         return Result.from_pieces(self.stream(prompt, **kwargs))
 
     def stream(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None, images=(),
-               max_tokens: int = 128, seed: int = 0, stop: Sequence[str] | str = (), cache_prompt: bool = True,
+               max_tokens: int = 128, seed: int | None = None, stop: Sequence[str] | str = (), cache_prompt: bool = True,
                progress: ProgressCallback | None = None, draft_max: int | None = None,
                draft_min: int | None = None, draft_positions: str | None = None,
                verify: str | None = None, draft_tree: int | None = None,
@@ -283,7 +302,8 @@ class Engine:
         ``repeat``/``frequency``/``presence_penalty`` over ``penalty_last_n`` tokens (-1: the
         context), ``dry_*``, ``mirostat*``, ``dynatemp_*``, ``logit_bias`` ({token: bias}, -inf
         forbids it), ``samplers`` (their order), ``grammar`` (GBNF: the output follows it) or
-        ``json_schema`` (turned into one as llama-server does), and ``seed``. ``logprobs=N``
+        ``json_schema`` (turned into one as llama-server does), ``ignore_eos``, and ``seed``; those
+        not given are the engine's ``sampling`` defaults (llama-server's --temp, ...). ``logprobs=N``
         gives each emitted token's log-probability under the target's
         own distribution (its raw logits, as llama-server's ``n_probs``), with the N most
         likely tokens at that position (``Piece.logprobs``), drafted or not.
@@ -344,7 +364,7 @@ class Engine:
         (a stream never iterated takes no slot); leaving it early cancels it."""
         yield from self._scheduler.submit(request)  # refuses once the engine is closed
 
-    def _request(self, *, prompt=None, messages=None, images=(), max_tokens: int = 128, seed: int = 0,
+    def _request(self, *, prompt=None, messages=None, images=(), max_tokens: int = 128, seed: int | None = None,
                  stop: Sequence[str] | str = (), cache_prompt: bool = True, progress: ProgressCallback | None = None,
                  draft_max: int | None = None, draft_min: int | None = None, draft_positions: str | None = None,
                  verify: str | None = None, draft_tree: int | None = None, chat_template_kwargs: dict | None = None,
@@ -358,6 +378,15 @@ class Engine:
         verify = verify or self.config.verify
         if verify not in VERIFY_RULES:
             raise ValueError(f"verify must be one of {VERIFY_RULES}, got {verify!r}")
+        defaults = dict(self.config.sampling)  # the engine's (llama-server's --temp, ...), then the call's
+        default_seed = defaults.pop("seed", 0)
+        seed = default_seed if seed is None else seed
+        if sampling.get("grammar") or sampling.get("json_schema"):
+            defaults.pop("grammar", None), defaults.pop("json_schema", None)  # the call's constraint replaces it
+        sampling = {**defaults, **sampling}
+        if sampling.pop("ignore_eos", False):  # llama-server's: every end-of-generation token forbidden
+            sampling["logit_bias"] = [*_bias_pairs(sampling.get("logit_bias")),
+                                      *((t, False) for t in self.model.eog_tokens)]
         schema = sampling.pop("json_schema", None)
         if schema is not None:  # llama-server: json_schema gives the grammar unless one is given too
             if sampling.get("grammar"):
@@ -462,7 +491,9 @@ class Engine:
         image_list = as_list(images)
         renderer = None
         if messages is not None:
-            text, message_images, renderer = render_messages(self.model, messages, template_kwargs=template_kwargs)
+            text, message_images, renderer = render_messages(self.model, messages, template_kwargs=template_kwargs,
+                                                             template=self.config.chat_template,
+                                                             jinja=self.config.jinja)
             image_list = message_images + image_list
         else:
             text = prompt

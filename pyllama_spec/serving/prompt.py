@@ -52,7 +52,8 @@ def _flat_text(content: Any) -> str:
 
 
 def render_messages(model: Model, messages: Sequence[Message], *, add_assistant: bool = True,
-                    template_kwargs: Mapping[str, Any] | None = None) -> tuple[str, list, str]:
+                    template_kwargs: Mapping[str, Any] | None = None,
+                    template: str | None = None, jinja: bool = True) -> tuple[str, list, str]:
     """The prompt text, the images in marker order, and which renderer made the text.
 
     The model's own Jinja template is rendered first ("jinja"); when the model has none that
@@ -60,6 +61,11 @@ def render_messages(model: Model, messages: Sequence[Message], *, add_assistant:
     ("builtin") and a warning says why. ``template_kwargs`` are extra variables the template
     may read (for example ``enable_thinking=False`` for Qwen3); one that names a variable the
     renderer sets itself (``chat_template.RESERVED_VARIABLES``) raises ``ValueError``.
+
+    ``template`` replaces the model's (llama-server's --chat-template): Jinja text, rendered as
+    the model's would be, or the name of a llama.cpp built-in template ("chatml", "llama3", ...),
+    which llama.cpp renders ("builtin"); a name llama.cpp does not know raises ``ValueError``.
+    ``jinja=False`` (llama-server's --no-jinja): llama.cpp's renderer, whatever the template.
     """
     chat_template.check_variables(template_kwargs or {})  # a ValueError: no fallback for a wrong call
     turns, images = [], []
@@ -69,7 +75,11 @@ def render_messages(model: Model, messages: Sequence[Message], *, add_assistant:
         content, imgs = normalize_content(m["content"])
         turns.append({"role": str(m["role"]), "content": content})
         images.extend(imgs)
-    template = model.chat_template
+    builtin = None
+    if template is not None and (not jinja or not is_jinja(template)):
+        builtin, template = template, None
+    elif template is None:
+        template = model.chat_template if jinja else None
     if template is not None:
         try:
             text = _render_jinja(model, template, turns, add_assistant, dict(template_kwargs or {}))
@@ -81,8 +91,13 @@ def render_messages(model: Model, messages: Sequence[Message], *, add_assistant:
         log.warning("using llama.cpp's built-in chat template for %s: the model's own template %s",
                     model.path.name, reason if reason.startswith("it ") else f"did not render ({reason})")
     text = model.apply_chat_template([(t["role"], _flat_text(t["content"])) for t in turns],
-                                     add_assistant=add_assistant)
+                                     add_assistant=add_assistant, template=builtin)
     return text, images, "builtin"
+
+
+def is_jinja(template: str) -> bool:
+    """Jinja text rather than the name of a built-in template (llama-server tells them apart so)."""
+    return "{%" in template or "{{" in template
 
 
 def _render_jinja(model: Model, template: str, turns: list, add_assistant: bool, variables: dict) -> str:

@@ -1,0 +1,247 @@
+"""llama-server's command lines, environment and ``--models-preset`` files, for ``pyllama-spec serve``.
+
+Every flag llama-server takes (``llama_server_flags.FLAGS``, generated from the pinned
+``common/arg.cpp``) is either honoured — ``serve`` has an option under the same names — or
+accepted and dropped with one warning saying why it has no effect here. So a llama-server
+command line starts ``pyllama-spec serve`` unchanged. As llama-server does, ``--foo_bar`` is
+read as ``--foo-bar``, and ``LLAMA_ARG_*`` environment variables set the honoured options.
+
+A preset file (INI: ``[section]`` per model, ``key = value`` with keys named as the long flags
+without their dashes, a short flag's name, or the environment variable; ``[*]`` applies to
+every section) becomes command-line arguments placed before the real ones, which override it.
+This server serves one model per process: a file with several model sections serves the one
+``-a``/``--alias`` names, or the one marked ``load-on-startup = true``.
+"""
+
+from __future__ import annotations
+
+import configparser
+import dataclasses
+import os
+from pathlib import Path
+
+from pyllama_spec.cli.llama_server_flags import FLAGS as _TABLE
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerFlag:
+    names: tuple[str, ...]
+    negative: tuple[str, ...]
+    values: int
+    env: str | None
+    preset_only: bool
+    summary: str
+
+    @property
+    def key(self) -> str:
+        """Its name in a preset file: the longest name without dashes."""
+        return max(self.names, key=len).lstrip("-")
+
+
+FLAGS = tuple(ServerFlag(*row) for row in _TABLE)
+BY_NAME = {name: f for f in FLAGS if not f.preset_only for name in f.names + f.negative}
+
+# Why a llama-server flag that ``serve`` has no option for is dropped, by its first name's group
+# (the first rule that matches). The reasons are what a user needs to know to trust the output.
+_REASONS = (
+    (("--threads-http",), "requests are served by one asynchronous event loop here"),
+    (("--fit", "-fit", "--fit-target", "--fit-ctx"), "no automatic fitting here: -ngl and -c are used as given"),
+    (("-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-hft", "--hf-token", "-mu", "--model-url", "-dr",
+      "--docker-repo", "-mmu", "--mmproj-url", "--spec-draft-hf", "--offline", "--models-dir",
+      "--mmproj-auto", "-cl", "--cache-list"),
+     "nothing is downloaded here: give local files with -m, --mmproj, -md"),
+    (("--models-max", "--models-autoload", "--tags", "load-on-startup", "stop-timeout", "dedup-cache-models"),
+     "router option: this server serves one model per process"),
+    (("-cb", "--cont-batching"), "slots are always batched together here"),
+    (("--metrics",), "/metrics is always served here"),
+    (("--jinja",), "chat templates are always rendered with Jinja here (llama.cpp's renderer is the fallback)"),
+    (("-ctxcp", "--ctx-checkpoints", "-cms", "--checkpoint-min-step", "-cram", "--cache-ram", "--cache-reuse",
+      "--cache-idle-slots", "-sps", "--slot-prompt-similarity", "--keep", "--context-shift", "-kvu",
+      "--kv-unified", "--kv-unified-per-slot", "--swa-full", "-dt", "--defrag-thold"),
+     "this server's cache keeps each slot's own prefix (its reuse shows in cached_tokens)"),
+    (("--log-", "-lv", "--verbosity", "-v", "--verbose", "--log-disable", "--perf"),
+     "logging here goes through Python's logging"),
+    (("-C", "-Cr", "-Cb", "-Crb", "--cpu-", "--prio", "--prio-", "--poll", "--poll-", "--numa", "--spec-draft-cpu",
+      "--spec-draft-prio", "--spec-draft-prio-", "--spec-draft-poll", "--spec-draft-poll-"),
+     "thread placement is left to the OS here"),
+    (("--spec-draft-threads", "-td", "-tbd"), "the draft runs with the target's threads (-t, -tb) here"),
+    (("--rope-", "--yarn-"), "RoPE settings come from the GGUF here"),
+    (("--lora", "--lora-", "--control-vector", "--control-vector-"), "adapters are not loaded here"),
+    (("-ot", "--override-tensor", "-otd", "-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe", "-ncffn", "--n-cpu-ffn",
+      "--spec-draft-cpu-moe", "--spec-draft-n-cpu-moe", "--spec-draft-override-tensor", "-cmoed", "-ncmoed",
+      "--override-kv", "--repack", "-nr", "--no-host", "--op-offload", "--check-tensors",
+      "-lzm", "--lazy-mode", "-kvo", "--kv-offload", "-nkvo", "--list-devices"),
+     "tensor placement overrides are not applied here (-ngl, -dev, -sm and -ts are)"),
+    (("-mmdev", "--mmproj-device"), "the projector runs where --mmproj-offload puts it"),
+    (("--image-min-tokens", "--image-max-tokens", "--mtmd-batch-max-tokens", "--video-"),
+     "images use the projector's own token budget here"),
+    (("--ui", "--webui", "--ui-", "--webui-", "--path", "--api-prefix", "--media-path", "--tools",
+      "--tools-", "--mcp-", "-ag", "--agent"),
+     "this server has its own page at /; it serves no static folder, tools or MCP"),
+    (("--cors-",), "CORS headers are not sent here"),
+    (("--ssl-",), "TLS is not terminated here: put a proxy in front"),
+    (("--reuse-port", "--sse-ping-interval", "--sleep-idle-seconds"), "not configurable here"),
+    (("--embedding", "--embeddings", "--rerank", "--reranking", "--pooling", "--embd-"),
+     "this is a generation server: no embeddings or reranking"),
+    (("--reasoning", "--reasoning-", "-rea", "--skip-chat-parsing", "--prefill-assistant", "--chat-template-kwargs"),
+     "the reply text is returned as generated (no reasoning or tool-call parsing yet)"),
+    (("--slot-save-path", "--slots", "--props", "--lora-init-without-apply"), "that route is not served here"),
+    (("--spec-draft-p-split", "--spec-synth-", "--spec-ngram-", "--spec-draft-backend-sampling", "-bs",
+      "--backend-sampling", "--adaptive-", "-lcs", "-lcd", "--lookup-cache"),
+     "that speculative or sampling option is not implemented here"),
+    (("--cache-prompt",), "prompt caching is chosen per request here (cache_prompt, on by default)"),
+    (("-h", "--version", "--completion-bash"), "serve has its own --help"),
+    (("--warmup", "--no-warmup", "-e", "--escape", "-sp", "--special", "-r", "--reverse-prompt", "--spm-infill"),
+     "not used by the server"),
+    (("--fim-", "--gpt-oss-", "--vision-gemma-", "--embd-gemma-", "--spec-default"),
+     "built-in download presets are not available here"),
+)
+
+
+def reason_ignored(flag: ServerFlag) -> str:
+    if flag.summary.startswith("the argument has been removed"):
+        return f"llama-server removed it too ({flag.summary.split('. ', 1)[-1]})"
+    for prefixes, reason in _REASONS:
+        for name in flag.names + flag.negative:
+            if any(name == p or (p.endswith("-") and name.startswith(p)) for p in prefixes):
+                return reason
+    return "it has no effect in this server"
+
+
+def normalised(arg: str) -> str:
+    """llama-server reads ``--foo_bar`` as ``--foo-bar``."""
+    if arg.startswith("--"):
+        name, eq, value = arg.partition("=")
+        return name.replace("_", "-") + eq + value
+    return arg
+
+
+def translate(argv: list[str], accepted: dict[str, int]) -> tuple[list[str], list[str]]:
+    """``argv`` with llama-server's spelling made the command's, and the llama-server flags the
+    command has no option for (``accepted``: option name -> values it takes) removed with their
+    values; returns it and one warning per removed flag. An argument neither knows is left for
+    the command's parser to refuse."""
+    out, warnings, i = [], [], 0
+    while i < len(argv):
+        arg = normalised(argv[i])
+        name = arg.split("=", 1)[0] if arg.startswith("--") else arg
+        i += 1
+        if name in accepted or name not in BY_NAME or arg == "--":
+            out.append(arg)
+            take = 0 if "=" in arg else accepted.get(name, 0)
+            out.extend(argv[i:i + take])
+            i += take
+            if arg == "--":
+                out.extend(argv[i:])
+                break
+            continue
+        flag = BY_NAME[name]
+        given = [] if "=" in arg or name in flag.negative else argv[i:i + flag.values]
+        i += len(given)
+        shown = " ".join([arg, *given])
+        warnings.append(f"ignored {shown}: {reason_ignored(flag)}")
+    return out, warnings
+
+
+def ignored_environment(accepted: dict[str, int], environ=None) -> list[str]:
+    """One warning per ``LLAMA_ARG_*`` variable set for a flag the command has no option for."""
+    environ = os.environ if environ is None else environ
+    out = []
+    for f in FLAGS:
+        if f.env and not f.preset_only and f.env in environ and not any(n in accepted for n in f.names):
+            out.append(f"ignored {f.env}={environ[f.env]}: {reason_ignored(f)}")
+    return out
+
+
+# ----------------------------------------------------------------------------- presets
+
+_TRUE, _FALSE = ("on", "enabled", "true", "1"), ("off", "disabled", "false", "0")
+_BY_KEY = {}
+for _f in FLAGS:
+    for _n in _f.names + _f.negative:
+        _BY_KEY[_n.lstrip("-")] = _f
+    if _f.env:
+        _BY_KEY[_f.env] = _f
+del _f, _n
+
+
+class PresetError(ValueError):
+    """A --models-preset file that cannot be read or does not say which model to serve."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    name: str  # the section: the model name clients use
+    args: list[str]  # as command-line arguments
+    warnings: list[str]
+
+
+def read_presets(path: str | os.PathLike) -> dict[str, list[tuple[str, str]]]:
+    """The file's sections as (key, value) pairs, ``[*]`` merged into each; keys as written."""
+    parser = configparser.ConfigParser(interpolation=None, delimiters=("=",), comment_prefixes=("#", ";"),
+                                       inline_comment_prefixes=("#", ";"), strict=False, default_section="\0")
+    parser.optionxform = str  # keys keep their case (environment variable names)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        # keys before the first section belong to llama-server's "default" preset
+        parser.read_string("[default]\n" + text, source=str(path))
+    except (OSError, UnicodeDecodeError) as e:
+        raise PresetError(f"cannot read the preset file {path}: {e}") from None
+    except configparser.Error as e:
+        raise PresetError(f"the preset file {path} is not an INI file llama-server reads: {e}") from None
+    common = list(parser["*"].items()) if parser.has_section("*") else []
+    sections = {}
+    for name in parser.sections():
+        if name != "*" and (name != "default" or len(parser[name])):
+            sections[name] = common + list(parser[name].items())
+    if not sections and common:
+        sections["default"] = common
+    return sections
+
+
+def preset_args(pairs: list[tuple[str, str]], source: str) -> tuple[list[str], list[str]]:
+    """A section's keys as command-line arguments (bool flags as their positive or negative
+    name); unknown keys are a PresetError, as in llama-server."""
+    args, warnings = [], []
+    for key, value in pairs:
+        if key == "version":
+            continue  # reserved by llama-server
+        flag = _BY_KEY.get(key)
+        if flag is None:
+            raise PresetError(f"option '{key}' in {source} is not one llama-server knows")
+        if flag.preset_only:
+            warnings.append(f"ignored {key} = {value} in {source}: {reason_ignored(flag)}")
+            continue
+        long = max(flag.names, key=len)
+        v = value.strip().lower()
+        if flag.values == 0:
+            if v not in _TRUE + _FALSE:
+                raise PresetError(f"'{key}' in {source} takes true or false, got {value!r}")
+            on = (v in _TRUE) != (key in (n.lstrip("-") for n in flag.negative))
+            if on:
+                args.append(long)
+            elif flag.negative:
+                args.append(max(flag.negative, key=len))
+        else:
+            args.extend([long, *value.split(None, flag.values - 1)] if flag.values > 1 else [long, value])
+    return args, warnings
+
+
+def choose_preset(path: str | os.PathLike, alias: str | None) -> Preset:
+    """The section of a preset file this server serves (see the module's doc)."""
+    sections = read_presets(path)
+    if not sections:
+        raise PresetError(f"the preset file {path} has no sections")
+    if alias is not None and alias in sections:
+        name = alias
+    elif len(sections) == 1:
+        name = next(iter(sections))
+    else:
+        startup = [n for n, kv in sections.items()
+                   if any(k == "load-on-startup" and v.strip().lower() in _TRUE for k, v in kv)]
+        if len(startup) != 1:
+            raise PresetError(f"{path} has {len(sections)} models ({', '.join(sections)}); this server serves one "
+                              "per process: choose it with -a NAME (or mark one load-on-startup = true)")
+        name = startup[0]
+    args, warnings = preset_args(sections[name], f"[{name}] of {path}")
+    return Preset(name, args, warnings)

@@ -1,0 +1,86 @@
+"""An engine's own defaults, as llama-server's command line gives them: sampling settings
+(--temp, --top-k, --seed, --ignore-eos, --grammar, ...) and a chat template (--chat-template,
+--no-jinja). A request's own settings override them; a bad default fails the load."""
+
+from __future__ import annotations
+
+import pytest
+
+import pyllama_spec as ps
+from pyllama_spec.server.schema import RequestLimits, parse_chat
+from pyllama_spec.serving.prompt import render_messages
+
+MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_dense):
+    with ps.load(tiny_dense.target, n_ctx=1024) as engine:
+        yield engine
+
+
+def test_sampling_defaults_apply_to_calls_that_do_not_set_them(tiny_dense, plain):
+    defaults = {"temperature": 0.9, "seed": 11, "top_k": 5, "presence_penalty": 0.3}
+    with ps.load(tiny_dense.target, n_ctx=1024, sampling=defaults) as engine:
+        got = engine.generate(messages=MESSAGES, max_tokens=24)
+        assert got.tokens == plain.generate(messages=MESSAGES, max_tokens=24, **defaults).tokens
+        # a call's own settings win over the defaults
+        assert engine.generate(messages=MESSAGES, max_tokens=24, temperature=0.0).tokens == \
+            plain.generate(messages=MESSAGES, max_tokens=24, top_k=5, presence_penalty=0.3).tokens
+
+
+def test_a_grammar_default_is_replaced_by_a_calls_own_constraint(tiny_dense, plain):
+    with ps.load(tiny_dense.target, n_ctx=1024, sampling={"grammar": 'root ::= "a"+'}) as engine:
+        assert set(engine.generate(messages=MESSAGES, max_tokens=6).text) <= {"a"}
+        own = engine.generate(messages=MESSAGES, max_tokens=6, grammar='root ::= "b"+').text
+        assert own and set(own) <= {"b"}
+        schema = engine.generate(messages=MESSAGES, max_tokens=6, json_schema={"const": 1}).text
+        assert schema == plain.generate(messages=MESSAGES, max_tokens=6, json_schema={"const": 1}).text
+
+
+def test_bad_defaults_fail_the_load_with_what_was_wrong(tiny_dense):
+    with pytest.raises(ValueError, match="sampling defaults are not valid: .*top_k"):
+        ps.load(tiny_dense.target, n_ctx=1024, sampling={"top_k": "many"})
+    with pytest.raises(ValueError, match="sampling defaults are not valid: .*no_such"):
+        ps.load(tiny_dense.target, n_ctx=1024, sampling={"no_such": 1})
+    with pytest.raises(ValueError, match="no built-in chat template 'no-such-template'"):
+        ps.load(tiny_dense.target, n_ctx=1024, chat_template="no-such-template")
+
+
+def test_ignore_eos_forbids_every_end_of_generation_token(tiny_dense, plain):
+    eog = plain.model.eog_tokens
+    assert eog and all(plain.model.is_eog(t) for t in eog)
+    got = plain.generate(messages=MESSAGES, max_tokens=40, ignore_eos=True)
+    assert len(got.tokens) == 40 and not any(plain.model.is_eog(t) for t in got.tokens)
+    with ps.load(tiny_dense.target, n_ctx=1024, sampling={"ignore_eos": True}) as engine:
+        assert engine.generate(messages=MESSAGES, max_tokens=40).tokens == got.tokens
+
+
+def test_a_chat_template_by_name_or_text_replaces_the_models(plain):
+    text, _, renderer = render_messages(plain.model, MESSAGES, template="chatml")
+    assert renderer == "builtin" and text == "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
+    jinja = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    text, _, renderer = render_messages(plain.model, MESSAGES, template=jinja)
+    assert (renderer, text) == ("jinja", "[user] hello there\n>")
+    # --no-jinja: llama.cpp's renderer even for Jinja text it recognises (here: the model's own)
+    own, _, renderer = render_messages(plain.model, MESSAGES, jinja=False)
+    assert renderer == "builtin" and "hello there" in own
+
+
+def test_an_engine_with_a_template_renders_requests_with_it(tiny_dense):
+    with ps.load(tiny_dense.target, n_ctx=1024, chat_template="chatml") as engine:
+        result = engine.generate(messages=MESSAGES, max_tokens=2)
+        assert result.stats.chat_template == "builtin"
+        assert result.stats.prompt_tokens == len(engine.model.tokenize(
+            "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n", add_special=True))
+
+
+def test_a_request_without_temperature_or_seed_leaves_them_to_the_server_defaults():
+    from pyllama_spec.server.images import ImageLimits
+
+    limits = RequestLimits(max_tokens=64, default_max_tokens=16, draft_max=0,
+                           images=ImageLimits(max_images=0, max_pixels=1, allowed_dir=None))
+    args = parse_chat({"messages": MESSAGES}, limits).engine_args
+    assert "temperature" not in args and "seed" not in args
+    args = parse_chat({"messages": MESSAGES, "temperature": -1, "seed": -1}, limits).engine_args
+    assert args["temperature"] == 0.0 and args["seed"] == 0xFFFFFFFF

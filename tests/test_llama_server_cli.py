@@ -1,0 +1,278 @@
+"""`pyllama-spec serve` takes llama-server's command lines, environment and preset files.
+
+The flag table is generated from the pinned llama.cpp's common/arg.cpp; it is checked against
+that source and against `llama-server --help` (when built: `python build.py --tools`). Every
+flag llama-server takes is accepted: honoured, or dropped with a warning that says why.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import pytest
+
+from pyllama_spec.cli import llama_server_cli as L
+from pyllama_spec.cli.serve import serve
+
+FIELD_REPORT = Path(__file__).resolve().parents[2] / "shared" / "reference" / "field-report-dflash-mtmd.txt"
+
+
+def _source() -> Path:
+    from pyllama_spec.bindings.native_info import build_record
+
+    source = Path(build_record()["source"]["path"])
+    if not (source / "common" / "arg.cpp").exists():
+        pytest.skip(f"the llama.cpp source this build was made from is gone ({source})")
+    return source
+
+
+def _parse(argv: list[str], env: dict | None = None) -> tuple[dict, str]:
+    """serve's parameters for a command line (nothing is loaded), and the warnings printed."""
+    from pyllama_spec.cli import options
+
+    old_env = dict(os.environ)
+    os.environ.update(env or {})
+    try:
+        with options.err_console.capture() as captured:
+            ctx = serve.make_context("serve", list(argv))
+    finally:
+        os.environ.clear()
+        os.environ.update(old_env)
+    return ctx.params, captured.get()
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def test_the_committed_flag_table_is_what_the_pinned_source_declares():
+    from pyllama_spec.devtools.llama_server_args import TABLE_PATH, read_flags, render_table
+
+    source = _source()
+    expected = render_table(read_flags(source), f"llama.cpp's common/arg.cpp ({source.name})")
+    assert TABLE_PATH.read_text() == expected, "regenerate: python -m pyllama_spec.devtools.llama_server_args"
+
+
+def _llama_server() -> Path:
+    from pyllama_spec.native_build.cmake import find_llama_server
+
+    path = find_llama_server()
+    if path is None:
+        pytest.skip("llama-server is not built (python build.py --tools)")
+    return path
+
+
+def test_the_table_has_every_flag_of_llama_server_help_with_its_values():
+    """llama-server's own --help (built from the pin) lists the same names, each with a value
+    hint exactly when the table says it takes a value."""
+    text = subprocess.run([str(_llama_server()), "--help"], capture_output=True, text=True, timeout=60).stdout
+    in_help = {}
+    for line in text.splitlines():
+        # "-c,    --ctx-size N      help": names, then (after one space) a value hint, then 2+ spaces
+        m = re.match(r"(-[-\w.]+(?:,\s+-[-\w.]+)*)( (?! )(?:(?!  ).)+)?(?:\s{2,}|$)", line)
+        if not m or line.startswith("-----"):  # "----- common params -----" headings
+            continue
+        for n in re.findall(r"-[-\w.]+", m.group(1)):
+            in_help[n] = m.group(2) is not None
+    flags = {n: f for f in L.FLAGS if not f.preset_only for n in f.names + f.negative}
+    assert set(in_help) == set(flags)
+    for name, has_value in in_help.items():
+        assert has_value == (flags[name].values > 0), name
+
+
+def test_every_llama_server_flag_is_accepted_honoured_or_dropped_with_a_reason():
+    ctx = click.Context(serve)
+    accepted = serve.accepted(ctx)
+    values = {"-m": "t.gguf", "-mm": "p.gguf", "-md": "d.gguf", "--spec-type": "draft-dflash", "-fa": "on",
+              "-ctk": "q8_0", "-ctv": "q8_0", "-ctkd": "f16", "-ctvd": "f16", "-sm": "layer", "-l": "15043+1",
+              "-dev": "none", "-devd": "none", "--draft-max": "7", "-ngl": "all", "-ngld": "all", "-ts": "1",
+              "--samplers": "top_k;temperature", "--sampler-seq": "kt", "-np": "2", "--port": "8081",
+              "--spec-draft-p-min": "0.5", "--top-p": "0.9", "--min-p": "0.1", "--typical": "1.0",
+              "--xtc-probability": "0.1", "--xtc-threshold": "0.2", "--mirostat": "0", "-lm": "auto"}
+    argv, dropped = [], []
+    for f in L.FLAGS:
+        if f.preset_only or f.names[0] in ("-h", "--models-preset"):
+            continue
+        name = f.names[0]
+        argv.append(name)
+        if name in accepted:
+            n = accepted[name]
+        else:
+            n = f.values
+            dropped.append(f)
+        value = next((values[n] for n in f.names if n in values), "1")
+        argv.extend([value] * n)
+    params, warnings = _parse(argv)
+    assert params["model"] == "t.gguf" and params["n_gpu_layers"] == -1 and params["flash_attn"] == "on"
+    for f in dropped:
+        reason = L.reason_ignored(f)
+        assert reason != "it has no effect in this server", f.names
+        assert f"ignored {f.names[0]}" in warnings and reason[:30] in warnings.replace("\n", " "), f.names
+
+
+def test_llama_server_spellings_and_values():
+    params, warnings = _parse(["--ctx_size", "2048", "--n_predict", "-1", "--spec-draft-ngl", "all", "-ngl", "auto",
+                               "--temperature", "0.7", "--top_k", "20", "-s", "7", "--presence-penalty", "0.5",
+                               "--no-jinja", "--chat-template", "chatml", "-l", "15043-1", "-l", "2+inf",
+                               "--threads-http", "5", "--fit-target", "2000"])
+    assert params["n_ctx"] == 2048 and params["max_tokens"] == -1
+    assert params["n_gpu_layers_draft"] == -1 and params["n_gpu_layers"] == -1
+    assert (params["temperature"], params["top_k"], params["seed"], params["presence_penalty"]) == (0.7, 20, 7, 0.5)
+    assert params["jinja"] is False and params["chat_template"] == "chatml"
+    assert params["logit_bias"] == ((15043, -1.0), (2, float("inf")))
+    assert "ignored --threads-http 5" in warnings and "ignored --fit-target 2000" in warnings
+
+
+def test_spec_types_llama_server_knows_but_this_server_lacks_are_refused_with_the_list():
+    with pytest.raises(click.BadParameter, match="not implemented here; the types served here are draft-dflash"):
+        _parse(["--spec-type", "draft-mtp"])
+    with pytest.raises(click.BadParameter, match="not a speculative type llama-server knows"):
+        _parse(["--spec-type", "draft-foo"])
+    with pytest.raises(click.BadParameter, match="one method at a time"):
+        _parse(["--spec-type", "ngram-simple,draft-dflash"])
+    assert _parse(["--spec-type", "draft-dflash,draft-dflash"])[0]["spec_type"] == "draft-dflash"
+
+
+def test_an_unknown_flag_is_still_refused():
+    with pytest.raises(click.NoSuchOption):
+        _parse(["--no-such-flag"])
+
+
+def test_llama_arg_environment_variables_set_the_options_they_share_and_others_warn():
+    params, warnings = _parse([], env={"LLAMA_ARG_CTX_SIZE": "1234", "LLAMA_ARG_N_PARALLEL": "2",
+                                       "LLAMA_ARG_THREADS_HTTP": "3"})
+    assert params["n_ctx"] == 1234 and params["parallel"] == 2
+    assert "ignored LLAMA_ARG_THREADS_HTTP=3" in warnings
+    params, _ = _parse(["-c", "99"], env={"LLAMA_ARG_CTX_SIZE": "1234"})
+    assert params["n_ctx"] == 99  # the command line wins, as in llama-server
+
+
+# --------------------------------------------------------------------------- presets
+
+
+def _field_report_preset() -> str:
+    text = FIELD_REPORT.read_text()
+    start = text.index("[Qwen3.8-27B Q5]")
+    lines = []
+    for line in text[start:].splitlines():
+        if not line.strip() or (lines and line.startswith("[")):
+            break
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def test_the_field_reports_preset_is_read_as_llama_server_reads_it(tmp_path):
+    if not FIELD_REPORT.exists():
+        pytest.skip(f"the team's field report is not here ({FIELD_REPORT})")
+    preset = tmp_path / "models.ini"
+    preset.write_text(_field_report_preset())
+    params, warnings = _parse(["--models-preset", str(preset)])
+    assert params["model"] == "/mnt/nvme/models/Qwen3.8-27B-UD-Q5_K_S.gguf"
+    assert params["draft"] == "/mnt/nvme/models/DFLASH2/Qwen3.8-27B-DFlash2-Q8_0.gguf"
+    assert params["mmproj"] == "/mnt/nvme/models/mmproj-qwen3.8-27b-F16.gguf"
+    assert (params["spec_type"], params["draft_max"], params["n_gpu_layers_draft"]) == ("draft-dflash", 7, -1)
+    assert (params["device_draft"], params["devices"], params["n_gpu_layers"]) == ("CUDA0", "CUDA0", 99)
+    assert (params["jinja"], params["flash_attn"], params["parallel"], params["n_ctx"]) == (True, "on", 1, 262144)
+    assert (params["cache_type_k"], params["cache_type_v"], params["n_batch"], params["n_ubatch"]) == \
+        ("q8_0", "q8_0", 2048, 512)
+    assert (params["temperature"], params["top_p"], params["top_k"], params["min_p"], params["presence_penalty"]) == \
+        (1.0, 0.95, 20, 0.0, 0.0)
+    assert params["alias"] == "Qwen3.8-27B Q5"  # the section's name is the model's
+    for dropped in ("--fit-target 2000", "--mmproj-device CUDA1", "--threads-http 5"):
+        assert f"ignored {dropped}" in warnings
+    # the same as flags, as a user writes them
+    flags = ["-m", "/mnt/nvme/models/Qwen3.8-27B-UD-Q5_K_S.gguf", "--spec-draft-n-max", "7", "--spec-draft-ngl", "all",
+             "--fit-target", "2000", "--jinja", "-fa", "on", "--threads-http", "5", "--presence-penalty", "0.0"]
+    params2, _ = _parse(flags)
+    for key in ("model", "draft_max", "n_gpu_layers_draft", "jinja", "flash_attn", "presence_penalty"):
+        assert params2[key] == params[key], key
+
+
+def test_preset_sections_globals_booleans_and_the_command_line_override(tmp_path):
+    preset = tmp_path / "p.ini"
+    preset.write_text("version = 1\n[*]\nctx-size = 1024\nload-mode = none\n; a comment\n"
+                      "[small]\nmodel = a.gguf\nc = 2048\nno-mmproj-offload = true\n"
+                      "[big]\nmodel = b.gguf\nLLAMA_ARG_N_PARALLEL = 2\nload-on-startup = true\n")
+    params, warnings = _parse(["--models-preset", str(preset)])
+    assert params["model"] == "b.gguf" and params["parallel"] == 2 and params["n_ctx"] == 1024
+    assert params["load_mode"] == "none" and params["alias"] == "big" and "router option" in warnings
+    params, _ = _parse(["--models-preset", str(preset), "-a", "small", "-c", "512"])
+    assert (params["model"], params["n_ctx"], params["mmproj_offload"]) == ("a.gguf", 512, False)
+
+
+def test_bad_preset_files_are_clear_errors(tmp_path):
+    cases = {"missing.ini": None, "two.ini": "[a]\nmodel = a\n[b]\nmodel = b\n",
+             "unknown.ini": "[a]\nno-such-key = 1\n", "bool.ini": "[a]\nno-mmproj-offload = maybe\n", "bad.ini": "[a\nx"}
+    expected = {"missing.ini": "cannot read", "two.ini": "serves one per process", "unknown.ini": "no-such-key",
+                "bool.ini": "true or false", "bad.ini": "not an INI file"}
+    for name, text in cases.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+        with pytest.raises(click.UsageError, match=expected[name]):
+            _parse(["--models-preset", str(tmp_path / name)])
+
+
+# --------------------------------------------------------------------------- the real thing
+
+
+def _wait_for(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve exited {proc.returncode}: {proc.stderr.read()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise AssertionError("serve did not come up")
+
+
+@pytest.mark.parametrize("style", ["flags", "preset"])
+def test_serve_starts_on_a_llama_server_command_line_and_answers_the_openai_client(tiny_dense, tmp_path, style):
+    """The field report's setup on local stand-ins (the tiny pair; a context this machine holds;
+    a bf16 cache: q8_0 blocks of 32 do not divide the tiny target's head width of 16): started as
+    a process, spoken to with the openai client."""
+    openai = pytest.importorskip("openai")
+    from pyllama_spec.devtools.rpc_server import free_port
+
+    port = free_port()
+    settings = {"model": tiny_dense.target, "model-draft": tiny_dense.draft, "mmproj": tiny_dense.mmproj,
+                "spec-type": "draft-dflash", "spec-draft-n-max": "7", "spec-draft-ngl": "all", "fit-target": "2000",
+                "mmproj-device": "CUDA1", "n-gpu-layers": "99", "jinja": "true", "flash-attn": "on", "parallel": "1",
+                "threads-http": "5", "ctx-size": "2048", "cache-type-k": "bf16", "cache-type-v": "bf16",
+                "batch-size": "512", "ubatch-size": "512", "temp": "0.0", "top-p": "0.95", "top-k": "20",
+                "min-p": "0.0", "presence-penalty": "0.0"}
+    if style == "preset":
+        preset = tmp_path / "models.ini"
+        preset.write_text("[tiny-vl]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items()))
+        argv = ["--models-preset", str(preset)]
+    else:
+        argv = []
+        for k, v in settings.items():
+            argv += [f"--{k}"] if v == "true" else [f"--{k}", str(v)]
+        argv += ["-a", "tiny-vl"]
+    exe = shutil.which("pyllama-spec") or sys.executable
+    cmd = ([exe] if exe != sys.executable else [exe, "-m", "pyllama_spec.cli"]) + ["serve", *argv, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(f"http://127.0.0.1:{port}/health", proc)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        reply = client.chat.completions.create(model="tiny-vl", max_tokens=8,
+                                               messages=[{"role": "user", "content": "hello"}])
+        assert reply.choices[0].finish_reason in ("length", "stop") and reply.usage.completion_tokens > 0
+        assert [m.id for m in client.models.list()] == ["tiny-vl"]
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    assert "ignored --fit-target 2000" in err and "ignored --threads-http 5" in err
+    assert "ignored --mmproj-device CUDA1" in err
