@@ -37,6 +37,7 @@ from pyllama_spec.errors import (
 )
 from pyllama_spec.server.errors import APIError, bad_request
 from pyllama_spec.server.images import ImageLimits
+from pyllama_spec.server.logprobs import LogprobFormatter
 from pyllama_spec.server.metrics import ServerMetrics
 from pyllama_spec.server.schema import (
     GenerationRequest,
@@ -188,6 +189,7 @@ class _Service:
             images=ImageLimits(max_images=settings.max_images if engine.projector else 0,
                                max_pixels=settings.max_image_pixels, allowed_dir=settings.allowed_image_dir))
         self.worker = None  # made by start(): one slot, or the engine's slots (-np N)
+        self.logprobs = LogprobFormatter(engine.model)
         # Facts the info routes answer with, read once here: the event loop never calls into
         # native code while the worker thread generates.
         from pyllama_spec.bindings.mtmd import MEDIA_MARKER
@@ -339,13 +341,14 @@ async def _events_while_connected(job: Job, request: Request) -> AsyncIterator[t
 
 
 async def _complete(service: _Service, req: GenerationRequest, job: Job, request: Request) -> Response:
-    text, tokens, last = [], [], None
+    text, tokens, logprobs, last = [], [], [], None
     try:
         async with contextlib.aclosing(_events_while_connected(job, request)) as events:
             async for kind, value in events:
                 if kind == "piece":
                     text.append(value.text)
                     tokens.extend(value.tokens)
+                    logprobs.extend(value.logprobs)
                     last = value
                 elif kind == "error":
                     raise _engine_error(value)
@@ -360,16 +363,22 @@ async def _complete(service: _Service, req: GenerationRequest, job: Job, request
     content = "".join(text)
     rid, obj = _ids(req)
     model = service.settings.alias
+    asked = req.engine_args.get("logprobs") is not None
     if req.kind == "llama":
-        return JSONResponse({"content": content, "tokens": tokens, "model": model, "stop": True,
-                             "stop_type": "limit" if last.finish_reason == "length" else "eos",
-                             "tokens_predicted": stats.generated_tokens, "tokens_evaluated": stats.prompt_tokens,
-                             "tokens_cached": stats.prompt_reused, "timings": timings(stats)})
-    choice: dict = {"index": 0, "finish_reason": last.finish_reason}
+        body = {"content": content, "tokens": tokens, "model": model, "stop": True,
+                "stop_type": "limit" if last.finish_reason == "length" else "eos",
+                "tokens_predicted": stats.generated_tokens, "tokens_evaluated": stats.prompt_tokens,
+                "tokens_cached": stats.prompt_reused, "timings": timings(stats)}
+        if asked:
+            body["completion_probabilities"] = service.logprobs.entries(logprobs)
+        return JSONResponse(body)
+    # llama-server answers OpenAI's chat shape {"content": [...]} on both routes
+    choice: dict = {"index": 0, "finish_reason": last.finish_reason,
+                    "logprobs": {"content": service.logprobs.entries(logprobs)} if asked else None}
     if req.kind == "chat":
         choice["message"] = {"role": "assistant", "content": content}
     else:
-        choice.update(text=content, logprobs=None)
+        choice["text"] = content
     return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model,
                          "choices": [choice], "usage": usage(stats), "timings": timings(stats)})
 
@@ -380,13 +389,16 @@ async def _stream_events(service: _Service, req: GenerationRequest, job: Job) ->
     created, model = int(time.time()), service.settings.alias
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
 
+    asked = req.engine_args.get("logprobs") is not None
+
     def chunk(delta_text: str | None, finish: str | None, role: bool = False, piece=None) -> dict:
+        lp = {"content": service.logprobs.entries(piece.logprobs)} if asked and piece is not None else None
         if req.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else
                                                                       {"content": delta_text})
-            c = {"index": 0, "delta": delta, "finish_reason": finish}
+            c = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            c = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+            c = {"index": 0, "text": delta_text or "", "logprobs": lp, "finish_reason": finish}
         out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
         if piece is not None:
             out["pyllama_spec"] = speculation(piece)  # an extension: clients ignore unknown fields
@@ -409,6 +421,8 @@ async def _stream_events(service: _Service, req: GenerationRequest, job: Job) ->
             if req.kind == "llama":
                 event = {"content": piece.text, "tokens": list(piece.tokens), "stop": piece.stats is not None,
                          "pyllama_spec": speculation(piece)}
+                if asked:
+                    event["completion_probabilities"] = service.logprobs.entries(piece.logprobs)
                 if piece.stats is not None:
                     event.update(model=model, stop_type="limit" if piece.finish_reason == "length" else "eos",
                                  tokens_predicted=piece.stats.generated_tokens,
