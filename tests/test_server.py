@@ -227,6 +227,30 @@ def test_completions_routes(served):
     assert "draft_n" in llama["timings"]
 
 
+def test_llama_servers_unprefixed_paths_answer_as_the_v1_ones(served):
+    """llama-server serves /chat/completions beside /v1/chat/completions, /completions as its own
+    /completion, and /v1/health beside /health."""
+    chat = {"messages": [{"role": "user", "content": "def main("}], "max_tokens": 6}
+    a = httpx.post(served.url + "/v1/chat/completions", json=chat, timeout=60).json()
+    b = httpx.post(served.url + "/chat/completions", json=chat, timeout=60).json()
+    assert a["choices"][0]["message"] == b["choices"][0]["message"] and b["object"] == "chat.completion"
+    legacy = httpx.post(served.url + "/completion", json={"prompt": "def main(", "n_predict": 6}, timeout=60).json()
+    plural = httpx.post(served.url + "/completions", json={"prompt": "def main(", "n_predict": 6}, timeout=60).json()
+    assert plural["content"] == legacy["content"] and plural["tokens_predicted"] == 6
+    assert httpx.get(served.url + "/v1/health").json() == {"status": "ok"}
+
+
+def test_ignore_eos_per_request_generates_up_to_max_tokens(served):
+    """A request's ignore_eos (llama-server's field) forbids end-of-generation tokens for it only."""
+    body = {"prompt": "def main(", "n_predict": 48, "logit_bias": [[served.engine.model.eos, 100]]}
+    stopped = httpx.post(served.url + "/completion", json=body, timeout=60).json()
+    assert stopped["stop_type"] == "eos" and stopped["tokens_predicted"] < 48
+    forced = httpx.post(served.url + "/completion", json={**body, "ignore_eos": True}, timeout=60).json()
+    assert forced["stop_type"] == "limit" and forced["tokens_predicted"] == 48
+    bad = httpx.post(served.url + "/completion", json={**body, "ignore_eos": "yes"}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "ignore_eos"
+
+
 def test_per_request_speculative_settings(served):
     base = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 24}
     off = httpx.post(served.url + "/v1/chat/completions", json={**base, "speculative.n_max": 0}, timeout=60).json()
@@ -583,6 +607,74 @@ def test_a_draft_tree_server_answers_as_target_only_and_reports_it():
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative.tree"
         rejection = httpx.post(url, json={**base, "speculative.verify": "rejection"}, timeout=60)
         assert rejection.status_code == 400 and "tree" in rejection.json()["error"]["message"]
+    finally:
+        server.stop()
+        engine.close()
+
+
+def test_n_choices_each_take_a_slot_and_sample_with_seed_plus_their_index(served_slots):
+    """n (OpenAI) / n_cmpl (llama-server): up to -np choices, generated at once on the slots. Choice
+    i is the single request with seed + i; greedy choices are all the greedy answer; the stream's
+    chunks carry each choice's index; usage counts the prompt once; more choices than slots is a 400."""
+    url = served_slots.url
+    base = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 24,
+            "temperature": 0.9, "seed": 5}
+
+    def one(seed):
+        r = httpx.post(url + "/v1/chat/completions", json={**base, "seed": seed}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    singles = [one(5), one(6), one(7)]
+    r = httpx.post(url + "/v1/chat/completions", json={**base, "n": 3}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["message"]["content"] for c in body["choices"]] == [s["choices"][0]["message"]["content"]
+                                                                  for s in singles]
+    assert len({c["message"]["content"] for c in body["choices"]}) > 1  # sampled apart
+    assert body["usage"]["prompt_tokens"] == singles[0]["usage"]["prompt_tokens"]
+    assert body["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in singles)
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+    greedy = client.chat.completions.create(model="tiny", messages=base["messages"], max_tokens=16, temperature=0,
+                                            n=2)
+    assert len(greedy.choices) == 2 and greedy.choices[0].message.content == greedy.choices[1].message.content
+
+    streamed = {0: [], 1: []}
+    finished = set()
+    for chunk in client.chat.completions.create(model="tiny", messages=base["messages"], max_tokens=24,
+                                                temperature=0.9, seed=5, n=2, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index].append(choice.delta.content or "")
+            if choice.finish_reason:
+                finished.add(choice.index)
+    assert finished == {0, 1}
+    assert ["".join(streamed[i]) for i in (0, 1)] == [c["message"]["content"] for c in body["choices"][:2]]
+
+    llama = httpx.post(url + "/completion", json={"prompt": "Tell me a story", "n_predict": 8, "n_cmpl": 2},
+                       timeout=120)
+    assert llama.status_code == 200 and [c["index"] for c in llama.json()] == [0, 1]
+    for name in ("n", "n_cmpl"):
+        bad = httpx.post(url + "/v1/chat/completions", json={**base, name: 4}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == name
+        assert "-np 4" in bad.json()["error"]["message"]
+    assert httpx.post(url + "/v1/chat/completions", json={**base, "n": 0}, timeout=60).status_code == 400
+
+
+def test_api_keys_in_a_list_and_in_anthropics_header(tiny_dense):
+    """--api-key a,b (and --api-key-file): any listed key opens, in Authorization: Bearer or in
+    X-Api-Key as llama-server reads it; /health and /v1/health stay open."""
+    engine = ps.load(tiny_dense.target, n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=N_THREADS, flash_attn=False)
+    server = Server(engine, ServerSettings(api_key="first,second"))
+    try:
+        for path in ("/health", "/v1/health"):
+            assert httpx.get(server.url + path).status_code == 200
+        for headers, status in [({}, 401), ({"Authorization": "Bearer first"}, 200),
+                                ({"Authorization": "Bearer second"}, 200), ({"Authorization": "Bearer first,second"}, 401),
+                                ({"Authorization": "Bearer"}, 401), ({"X-Api-Key": "second"}, 200),
+                                ({"X-Api-Key": "third"}, 401), ({"Authorization": "Bearer x", "X-Api-Key": "first"}, 401)]:
+            assert httpx.get(server.url + "/v1/models", headers=headers).status_code == status, headers
     finally:
         server.stop()
         engine.close()

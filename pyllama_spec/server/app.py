@@ -166,9 +166,13 @@ def speculation(piece) -> dict:
 
 
 def usage(stats) -> dict:
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-            "prompt_tokens_details": {"cached_tokens": stats.prompt_reused}}
+    """OpenAI's usage of one generation's stats, or of a request's choices (a list): the prompt
+    counted once, the completions summed."""
+    every = stats if isinstance(stats, list) else [stats]
+    first, completion = every[0], sum(s.generated_tokens for s in every)
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": first.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": first.prompt_reused}}
 
 
 # ----------------------------------------------------------------------------- the app
@@ -186,6 +190,7 @@ class _Service:
         self.limits = RequestLimits(
             max_tokens=settings.max_tokens, default_max_tokens=settings.default_max_tokens,
             draft_max=drafter.n_max_limit if drafter else 0, draft_tree=engine.config.draft_tree,
+            n_max=engine.config.n_parallel,
             images=ImageLimits(max_images=settings.max_images if engine.projector else 0,
                                max_pixels=settings.max_image_pixels, allowed_dir=settings.allowed_image_dir))
         self.worker = None  # made by start(): one slot, or the engine's slots (-np N)
@@ -213,32 +218,48 @@ class _Service:
         if self.worker is not None:
             self.worker.cancel_all()
 
-    def submit(self, req: GenerationRequest) -> Job:
+    def submit(self, req: GenerationRequest) -> list[Job]:
+        """One job per choice. Choice i samples with the request's seed + i (the server's default
+        seed when it gives none): n samples, each reproducible."""
         if req.n_images and self.engine.projector is None:
             raise bad_request("this server has no projector (--mmproj): it cannot read images", "messages",
                               code="invalid_image")
-        job = Job(asyncio.get_running_loop(), req.engine_args)
-        try:
-            self.worker.submit(job)
-        except QueueFullError:
-            raise APIError(503, f"the server is busy ({self.settings.max_queue} requests queued); retry shortly",
-                           type="server_error", code="queue_full", headers={"Retry-After": "1"}) from None
-        return job
+        jobs = []
+        seed = req.engine_args.get("seed", self.engine.config.sampling.get("seed", 0))
+        for i in range(req.n):
+            args = req.engine_args if req.n == 1 else {**req.engine_args, "seed": (seed + i) & 0xFFFFFFFF}
+            job = Job(asyncio.get_running_loop(), args)
+            try:
+                self.worker.submit(job)
+            except QueueFullError:
+                for j in jobs:
+                    j.cancel()
+                raise APIError(503, f"the server is busy ({self.settings.max_queue} requests queued); retry "
+                               "shortly", type="server_error", code="queue_full", headers={"Retry-After": "1"}) from None
+            jobs.append(job)
+        return jobs
 
     def check_key(self, request: Request) -> None:
-        key = self.settings.api_key
-        if key is None or request.url.path in _OPEN_PATHS:
+        keys = self.settings.api_key
+        if keys is None or request.url.path in _OPEN_PATHS:
             return
+        # Authorization: Bearer <key>, or Anthropic's X-Api-Key: <key>, as llama-server reads them
         given = request.headers.get("authorization", "")
-        token = given[7:] if given.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), key.encode()):
+        if given:
+            token = (given[7:] if given.lower().startswith("bearer ") else "").encode()
+        else:
+            token = request.headers.get("x-api-key", "").encode()
+        # Several keys, comma-separated (llama-server's --api-key a,b and --api-key-file): any one
+        # opens. Every key is compared, so the time taken says nothing about which one was near.
+        matches = [hmac.compare_digest(token, key.encode()) for key in keys.split(",") if key]
+        if not any(matches):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                            type="authentication_error", code="invalid_api_key")
 
 
 # Routes that need no API key: the health check, and the page (it holds no data; it asks for the
 # key and sends it with each request).
-_OPEN_PATHS = ("/health", "/")
+_OPEN_PATHS = ("/health", "/v1/health", "/")
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starlette:
@@ -270,19 +291,24 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
             req = await asyncio.get_running_loop().run_in_executor(None, parse, body, service.limits)
         else:
             req = parse(body, service.limits)
-        job = service.submit(req)
+        jobs = service.submit(req)
         if req.stream:
-            return EventSourceResponse(_stream_events(service, req, job), ping=15)
-        return await _complete(service, req, job, request)
+            return EventSourceResponse(_stream_events(service, req, jobs), ping=15)
+        return await _complete(service, req, jobs, request)
 
+    def llama_completion(body, limits):
+        return parse_completion(body, limits, llama_style=True)
+
+    # llama-server's paths: each route under its un-prefixed and /v1/ names, and /completion(s)
+    # in llama-server's own shape
     routes = [
-        route("/v1/chat/completions", ["POST"])(lambda r: generation(r, parse_chat)),
+        *(route(p, ["POST"])(lambda r: generation(r, parse_chat)) for p in ("/v1/chat/completions",
+                                                                            "/chat/completions")),
         route("/v1/completions", ["POST"])(lambda r: generation(r, parse_completion)),
-        route("/completion", ["POST"])(
-            lambda r: generation(r, lambda body, limits: parse_completion(body, limits, llama_style=True))),
+        *(route(p, ["POST"])(lambda r: generation(r, llama_completion)) for p in ("/completion", "/completions")),
         route("/v1/models", ["GET"])(lambda r: _models(service)),
         route("/models", ["GET"])(lambda r: _models(service)),
-        route("/health", ["GET"])(lambda r: _health(service)),
+        *(route(p, ["GET"])(lambda r: _health(service)) for p in ("/health", "/v1/health")),
         route("/props", ["GET"])(lambda r: _props(service)),
         route("/metrics", ["GET"])(lambda r: _metrics(service)),
         route("/", ["GET"])(lambda r: _page()),
@@ -324,81 +350,115 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
-async def _events_while_connected(job: Job, request: Request) -> AsyncIterator[tuple[str, Any]]:
-    """The job's events; the moment its client disconnects, the job is cancelled (a 499)."""
-    gone = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        while True:
-            event = asyncio.ensure_future(job.events.get())
-            await asyncio.wait({event, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not event.done():
-                event.cancel()
-                job.cancel()
-                raise APIError(499, "the client disconnected")
-            yield event.result()
-    finally:
-        gone.cancel()
+@dataclasses.dataclass
+class _Choice:
+    """One choice's generation, gathered: its text, tokens, logprobs and last piece."""
+
+    text: list = dataclasses.field(default_factory=list)
+    tokens: list = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)
+    last: Any = None
 
 
-async def _complete(service: _Service, req: GenerationRequest, job: Job, request: Request) -> Response:
-    text, tokens, logprobs, last = [], [], [], None
-    try:
-        async with contextlib.aclosing(_events_while_connected(job, request)) as events:
-            async for kind, value in events:
-                if kind == "piece":
-                    text.append(value.text)
-                    tokens.extend(value.tokens)
-                    logprobs.extend(value.logprobs)
-                    last = value
-                elif kind == "error":
-                    raise _engine_error(value)
-                else:
-                    break
-    finally:
-        job.cancel()  # no-op once finished; stops the generation if this handler was cancelled
-    if last is None or last.stats is None:  # ended without its last piece: stopped under it
+async def _gather(job: Job) -> _Choice:
+    out = _Choice()
+    while True:
+        kind, value = await job.events.get()
+        if kind == "piece":
+            out.text.append(value.text)
+            out.tokens.extend(value.tokens)
+            out.logprobs.extend(value.logprobs)
+            out.last = value
+        elif kind == "error":
+            raise _engine_error(value)
+        else:
+            break
+    if out.last is None or out.last.stats is None:  # ended without its last piece: stopped under it
         raise APIError(503, "the generation was stopped before it finished (the server is stopping)",
                        type="server_error", code="cancelled")
-    stats = last.stats
-    content = "".join(text)
+    return out
+
+
+def _stop_type(finish_reason: str | None) -> str:
+    return "limit" if finish_reason == "length" else "eos"
+
+
+async def _complete(service: _Service, req: GenerationRequest, jobs: list[Job], request: Request) -> Response:
+    gone = asyncio.ensure_future(_until_disconnected(request))
+    work = asyncio.ensure_future(asyncio.gather(*(_gather(job) for job in jobs)))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            raise APIError(499, "the client disconnected")
+        choices = work.result()  # the first error, if one failed
+    finally:
+        gone.cancel()
+        for job in jobs:
+            job.cancel()  # no-op once finished; stops the others when one failed or the client left
     rid, obj = _ids(req)
     model = service.settings.alias
     asked = req.engine_args.get("logprobs") is not None
     if req.kind == "llama":
-        body = {"content": content, "tokens": tokens, "model": model, "stop": True,
-                "stop_type": "limit" if last.finish_reason == "length" else "eos",
-                "tokens_predicted": stats.generated_tokens, "tokens_evaluated": stats.prompt_tokens,
-                "tokens_cached": stats.prompt_reused, "timings": timings(stats)}
-        if asked:
-            body["completion_probabilities"] = service.logprobs.entries(logprobs)
-        return JSONResponse(body)
-    # llama-server answers OpenAI's chat shape {"content": [...]} on both routes
-    choice: dict = {"index": 0, "finish_reason": last.finish_reason,
-                    "logprobs": {"content": service.logprobs.entries(logprobs)} if asked else None}
-    if req.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": content}
-    else:
-        choice["text"] = content
-    return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model,
-                         "choices": [choice], "usage": usage(stats), "timings": timings(stats)})
+        bodies = []
+        for i, c in enumerate(choices):
+            stats = c.last.stats
+            body = {"index": i, "content": "".join(c.text), "tokens": c.tokens, "model": model,
+                    "stop": True, "stop_type": _stop_type(c.last.finish_reason),
+                    "tokens_predicted": stats.generated_tokens, "tokens_evaluated": stats.prompt_tokens,
+                    "tokens_cached": stats.prompt_reused, "timings": timings(stats)}
+            if asked:
+                body["completion_probabilities"] = service.logprobs.entries(c.logprobs)
+            bodies.append(body)
+        return JSONResponse(bodies[0] if len(bodies) == 1 else bodies)  # llama-server: a list for n_cmpl > 1
+    out = []
+    for i, c in enumerate(choices):
+        # llama-server answers OpenAI's chat shape {"content": [...]} on both routes
+        choice: dict = {"index": i, "finish_reason": c.last.finish_reason,
+                        "logprobs": {"content": service.logprobs.entries(c.logprobs)} if asked else None}
+        if req.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": "".join(c.text)}
+        else:
+            choice["text"] = "".join(c.text)
+        out.append(choice)
+    stats = [c.last.stats for c in choices]
+    return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": out,
+                         "usage": usage(stats), "timings": timings(stats[0])})
 
 
-async def _stream_events(service: _Service, req: GenerationRequest, job: Job) -> AsyncIterator[dict]:
-    """Server-sent events: OpenAI chunks ending with [DONE] (llama-server's chunks for /completion)."""
+async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
+    """Every job's events as (choice index, kind, value), in the order they arrive."""
+    waiting = {asyncio.ensure_future(job.events.get()): i for i, job in enumerate(jobs)}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for future in sorted(done, key=waiting.get):
+                i = waiting.pop(future)
+                kind, value = future.result()
+                yield i, kind, value
+                if kind == "piece":
+                    waiting[asyncio.ensure_future(jobs[i].events.get())] = i
+    finally:
+        for future in waiting:
+            future.cancel()
+
+
+async def _stream_events(service: _Service, req: GenerationRequest, jobs: list[Job]) -> AsyncIterator[dict]:
+    """Server-sent events: OpenAI chunks ending with [DONE] (llama-server's chunks for /completion),
+    each naming its choice by ``index``."""
     rid, _ = _ids(req)
     created, model = int(time.time()), service.settings.alias
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-
     asked = req.engine_args.get("logprobs") is not None
 
-    def chunk(delta_text: str | None, finish: str | None, role: bool = False, piece=None) -> dict:
+    def chunk(i: int, delta_text: str | None, finish: str | None, role: bool = False, piece=None) -> dict:
         lp = {"content": service.logprobs.entries(piece.logprobs)} if asked and piece is not None else None
         if req.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else
                                                                       {"content": delta_text})
-            c = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            c = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
-            c = {"index": 0, "text": delta_text or "", "logprobs": lp, "finish_reason": finish}
+            c = {"index": i, "text": delta_text or "", "logprobs": lp, "finish_reason": finish}
         out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
         if piece is not None:
             out["pyllama_spec"] = speculation(piece)  # an extension: clients ignore unknown fields
@@ -407,43 +467,46 @@ async def _stream_events(service: _Service, req: GenerationRequest, job: Job) ->
     def data(obj_: dict) -> dict:
         return {"data": json.dumps(obj_, ensure_ascii=False)}
 
+    final_stats = {}
     try:
         if req.kind == "chat":
-            yield data(chunk(None, None, role=True))
-        while True:
-            kind, value = await job.events.get()  # the client going away cancels this generator
-            if kind == "error":
-                yield data(_engine_error(value).body())
-                return
-            if kind == "done":
-                break
-            piece = value
-            if req.kind == "llama":
-                event = {"content": piece.text, "tokens": list(piece.tokens), "stop": piece.stats is not None,
-                         "pyllama_spec": speculation(piece)}
-                if asked:
-                    event["completion_probabilities"] = service.logprobs.entries(piece.logprobs)
+            for i in range(len(jobs)):
+                yield data(chunk(i, None, None, role=True))
+        async with contextlib.aclosing(_merged(jobs)) as events:  # the client going away cancels this
+            async for i, kind, piece in events:
+                if kind == "error":
+                    yield data(_engine_error(piece).body())
+                    return
+                if kind == "done":
+                    continue
+                if req.kind == "llama":
+                    event = {"index": i, "content": piece.text, "tokens": list(piece.tokens),
+                             "stop": piece.stats is not None, "pyllama_spec": speculation(piece)}
+                    if asked:
+                        event["completion_probabilities"] = service.logprobs.entries(piece.logprobs)
+                    if piece.stats is not None:
+                        event.update(model=model, stop_type=_stop_type(piece.finish_reason),
+                                     tokens_predicted=piece.stats.generated_tokens,
+                                     tokens_evaluated=piece.stats.prompt_tokens, timings=timings(piece.stats))
+                    yield data(event)
+                    continue
+                # A step whose text is held back (a partial character, a possible stop string) still
+                # gets its chunk, with empty content, so that every token's origin is reported.
+                if piece.text or piece.tokens:
+                    yield data(chunk(i, piece.text, None, piece=piece))
                 if piece.stats is not None:
-                    event.update(model=model, stop_type="limit" if piece.finish_reason == "length" else "eos",
-                                 tokens_predicted=piece.stats.generated_tokens,
-                                 tokens_evaluated=piece.stats.prompt_tokens, timings=timings(piece.stats))
-                yield data(event)
-                continue
-            # A step whose text is held back (a partial character, a possible stop string) still
-            # gets its chunk, with empty content, so that every token's origin is reported.
-            if piece.text or piece.tokens:
-                yield data(chunk(piece.text, None, piece=piece))
-            if piece.stats is not None:
-                final = chunk(None, piece.finish_reason)
-                final["timings"] = timings(piece.stats)
-                yield data(final)
-                if req.include_usage:
-                    yield data({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                                "usage": usage(piece.stats)})
+                    final_stats[i] = piece.stats
+                    final = chunk(i, None, piece.finish_reason)
+                    final["timings"] = timings(piece.stats)
+                    yield data(final)
         if req.kind != "llama":
+            if req.include_usage and len(final_stats) == len(jobs):
+                yield data({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                            "usage": usage([final_stats[i] for i in sorted(final_stats)])})
             yield {"data": "[DONE]"}
     finally:
-        job.cancel()  # the client went away (or the stream ended): stop generating within one step
+        for job in jobs:
+            job.cancel()  # the client went away (or the stream ended): stop generating within one step
 
 
 # ----------------------------------------------------------------------------- other routes

@@ -110,6 +110,7 @@ class GenerationRequest:
     include_usage: bool
     engine_args: dict  # keyword arguments of Engine.stream
     n_images: int
+    n: int = 1  # choices to generate (OpenAI's n, llama-server's n_cmpl), each on a slot of its own
 
 
 # --- field readers: each names the parameter it refuses
@@ -270,6 +271,8 @@ def _sampling(body: dict, max_tokens_limit: int, default_max_tokens: int) -> dic
         stop=_stop(body),
         cache_prompt=_bool(body, "cache_prompt", True),  # llama-server's key: reuse the cached prefix
     )
+    if "ignore_eos" in body:
+        out["ignore_eos"] = _bool(body, "ignore_eos", False)
     # Absent: the server's defaults (its command line's --temp and --seed) apply.
     temperature = _number(body, "temperature", None, -100.0, 100.0)
     if temperature is not None:
@@ -325,10 +328,17 @@ def _speculative(body: dict, engine_limit: int, tree_limit: int = 0) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def _choices(body: dict, n_max: int) -> int:
+    """OpenAI's n or llama-server's n_cmpl: at most one choice per slot (-np), as in llama-server."""
+    name = "n_cmpl" if "n_cmpl" in body else "n"
+    n = _number(body, name, 1, 1, 2**31 - 1, integer=True)
+    if n > n_max:
+        raise bad_request(f"'{name}' must be between 1 and {n_max} (each choice takes a slot: start the server "
+                          f"with -np {n} or more), got {n}", name)
+    return n
+
+
 def _n_and_stream(body: dict) -> tuple[bool, bool]:
-    n = body.get("n", 1)
-    if n != 1 or isinstance(n, bool):
-        raise bad_request("only n = 1 is supported", "n")
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -344,6 +354,7 @@ class RequestLimits:
     draft_max: int  # largest speculative.n_max accepted (what the engine can draft)
     images: ImageLimits
     draft_tree: int = 0  # largest speculative.tree accepted (the engine's draft_tree)
+    n_max: int = 1  # most choices per request: the server's slots
 
 
 def _content_parts(content: Any, where: str, limits: RequestLimits, images: list) -> Any:
@@ -412,7 +423,7 @@ def parse_chat(body: Any, limits: RequestLimits) -> GenerationRequest:
     args = dict(messages=out, **_sampling(body, limits.max_tokens, limits.default_max_tokens),
                 **_speculative(body, limits.draft_max, limits.draft_tree), chat_template_kwargs=kwargs,
                 logprobs=_logprobs(body, chat=True))
-    return GenerationRequest("chat", stream, include_usage, args, len(images))
+    return GenerationRequest("chat", stream, include_usage, args, len(images), _choices(body, limits.n_max))
 
 
 def parse_completion(body: Any, limits: RequestLimits, *, llama_style: bool = False) -> GenerationRequest:
@@ -429,4 +440,5 @@ def parse_completion(body: Any, limits: RequestLimits, *, llama_style: bool = Fa
     stream, include_usage = _n_and_stream(body)
     args = dict(prompt=prompt, **_sampling(body, limits.max_tokens, limits.default_max_tokens),
                 **_speculative(body, limits.draft_max, limits.draft_tree), logprobs=_logprobs(body, chat=False))
-    return GenerationRequest("llama" if llama_style else "completion", stream, include_usage, args, 0)
+    return GenerationRequest("llama" if llama_style else "completion", stream, include_usage, args, 0,
+                             _choices(body, limits.n_max))
