@@ -3,7 +3,7 @@
 >>> from pyllama_spec.server import create_app, ServerSettings        # doctest: +SKIP
 >>> app = create_app(ps.load("t.gguf", mmproj="m.gguf", draft="d.gguf"), ServerSettings(alias="vlm"))
 
-``pyllama-spec serve`` runs it with uvicorn. Routes: ``POST /v1/chat/completions``,
+``pyllama-spec serve`` runs it with uvicorn. Routes (each under llama-server's paths too): ``POST /v1/chat/completions``,
 ``POST /v1/completions``, ``POST /completion`` (llama-server's), ``GET /v1/models``,
 ``GET /health``, ``GET /props``, ``GET /metrics``, and the chat page at ``GET /``
 (``static/``).

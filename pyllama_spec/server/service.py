@@ -1,0 +1,191 @@
+"""What every route shares: the settings, the engine's worker, the request limits, the facts
+the info routes answer with; the API-key check, reading a JSON body within its limits, and
+turning a generation's exception into the error its client sees.
+
+Routes live in their own modules (``generation``, ``info``, ...), each with a ``routes(service)``
+that ``app.create_app`` mounts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import time
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from pyllama_spec.errors import (
+    ContextOverflowError,
+    GenerationCancelledError,
+    ImageError,
+    NativeCallError,
+    ProjectorError,
+)
+from pyllama_spec.server.errors import APIError, bad_request
+from pyllama_spec.server.images import ImageLimits
+from pyllama_spec.server.logprobs import LogprobFormatter
+from pyllama_spec.server.metrics import ServerMetrics
+from pyllama_spec.server.schema import GenerationRequest, RequestLimits, parse_json_body
+from pyllama_spec.server.worker import Job, QueueFullError, make_worker
+from pyllama_spec.serving.engine import Engine
+
+log = logging.getLogger("pyllama_spec.server")
+
+#: What a route module hands the app: (path, methods, handler of one request).
+RouteSpec = tuple[str, list[str], Callable[[Request], Awaitable[Response]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerSettings:
+    alias: str = "pyllama-spec"  # the model id clients see
+    api_key: str | None = None  # every route but /health then needs "Authorization: Bearer <key>"
+    max_queue: int = 16  # requests waiting for the engine; more are answered 503
+    max_body_bytes: int = 64 * 2**20
+    max_tokens: int = 32768  # largest max_tokens a request may ask for
+    default_max_tokens: int = 512  # when a request gives none (llama-server's -n)
+    max_images: int = 8
+    max_image_pixels: int = 4096 * 4096
+    allowed_image_dir: Path | None = None
+    body_timeout: float = 60.0  # seconds a request body may take to arrive; then 408
+
+
+#: Request bodies larger than this (bytes) are checked on a thread, not on the event loop.
+PARSE_ON_A_THREAD_ABOVE = 256 * 1024
+
+# Routes that need no API key: the health check, and the page (it holds no data; it asks for the
+# key and sends it with each request).
+OPEN_PATHS = ("/health", "/v1/health", "/")
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def engine_error(e: BaseException) -> APIError:
+    """An exception from a generation, as the error the client should see."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ContextOverflowError):
+        return bad_request(str(e), "messages", code="context_length_exceeded")
+    if isinstance(e, (ImageError, ProjectorError)):
+        return bad_request(str(e), "messages", code="invalid_image")
+    if isinstance(e, GenerationCancelledError):
+        return APIError(503, str(e), type="server_error", code="cancelled")
+    if isinstance(e, NativeCallError):
+        return APIError(500, str(e), type="server_error", code="native_error")
+    if isinstance(e, ValueError):
+        return bad_request(str(e))
+    log.exception("generation failed", exc_info=e)
+    return APIError(500, f"internal error ({type(e).__name__})", type="server_error")
+
+
+async def read_json(request: Request, limit: int, timeout: float) -> tuple[Any, int]:
+    """The request's JSON body and its size: at most ``limit`` bytes, all of it within ``timeout``
+    seconds (a client sending its body a byte at a time holds nothing longer), parsed by
+    ``parse_json_body`` (every way it can fail is a 400)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+
+    async def body() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        raw = await asyncio.wait_for(body(), timeout)
+    except ClientDisconnect:
+        raise APIError(400, "the client disconnected while sending the request") from None
+    except asyncio.TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} s",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+    return parse_json_body(raw), len(raw)
+
+
+class Service:
+    """What the routes share: the worker, settings, limits, counters."""
+
+    def __init__(self, engine: Engine, settings: ServerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.metrics = ServerMetrics()
+        self.started = int(time.time())
+        drafter = engine.drafter
+        self.limits = RequestLimits(
+            max_tokens=settings.max_tokens, default_max_tokens=settings.default_max_tokens,
+            draft_max=drafter.n_max_limit if drafter else 0, draft_tree=engine.config.draft_tree,
+            n_max=engine.config.n_parallel,
+            images=ImageLimits(max_images=settings.max_images if engine.projector else 0,
+                               max_pixels=settings.max_image_pixels, allowed_dir=settings.allowed_image_dir))
+        self.worker = None  # made by start(): one slot, or the engine's slots (-np N)
+        self.logprobs = LogprobFormatter(engine.model)
+        # Facts the info routes answer with, read once here: the event loop never calls into
+        # native code while the worker thread generates.
+        from pyllama_spec.bindings.mtmd import MEDIA_MARKER
+
+        model, proj = engine.model, engine.projector
+        self.facts = dict(n_ctx=engine.ctx.n_ctx, n_vocab=model.n_vocab, n_params=model.n_params,
+                          size=model.size_bytes, model_path=str(model.path), chat_template=model.chat_template or "",
+                          vision=bool(proj and proj.supports_vision), audio=bool(proj and proj.supports_audio),
+                          media_marker=MEDIA_MARKER)
+
+    def start(self) -> None:
+        self.worker = make_worker(self.engine, self.settings.max_queue, on_finished=self.metrics.add_generation)
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+
+    def cancel_all(self) -> None:
+        """Cancel every generation, running or waiting (the server is stopping: from a signal
+        handler, so it only sets flags); each stops within one step."""
+        if self.worker is not None:
+            self.worker.cancel_all()
+
+    def submit(self, req: GenerationRequest) -> list[Job]:
+        """One job per choice. Choice i samples with the request's seed + i (the server's default
+        seed when it gives none): n samples, each reproducible."""
+        if req.n_images and self.engine.projector is None:
+            raise bad_request("this server has no projector (--mmproj): it cannot read images", "messages",
+                              code="invalid_image")
+        jobs = []
+        seed = req.engine_args.get("seed", self.engine.config.sampling.get("seed", 0))
+        for i in range(req.n):
+            args = req.engine_args if req.n == 1 else {**req.engine_args, "seed": (seed + i) & 0xFFFFFFFF}
+            job = Job(asyncio.get_running_loop(), args)
+            try:
+                self.worker.submit(job)
+            except QueueFullError:
+                for j in jobs:
+                    j.cancel()
+                raise APIError(503, f"the server is busy ({self.settings.max_queue} requests queued); retry "
+                               "shortly", type="server_error", code="queue_full", headers={"Retry-After": "1"}) from None
+            jobs.append(job)
+        return jobs
+
+    def check_key(self, request: Request) -> None:
+        keys = self.settings.api_key
+        if keys is None or request.url.path in OPEN_PATHS:
+            return
+        # Authorization: Bearer <key>, or Anthropic's X-Api-Key: <key>, as llama-server reads them
+        given = request.headers.get("authorization", "")
+        if given:
+            token = (given[7:] if given.lower().startswith("bearer ") else "").encode()
+        else:
+            token = request.headers.get("x-api-key", "").encode()
+        # Several keys, comma-separated (llama-server's --api-key a,b and --api-key-file): any one
+        # opens. Every key is compared, so the time taken says nothing about which one was near.
+        matches = [hmac.compare_digest(token, key.encode()) for key in keys.split(",") if key]
+        if not any(matches):
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                           type="authentication_error", code="invalid_api_key")
+
