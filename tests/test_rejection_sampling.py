@@ -29,16 +29,20 @@ ALPHA = 1e-3
 N_SEEDS = 2000
 PROMPT = "def add(a, b):\n    return"
 SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)  # the defaults, at 0.8
+#: Every sampler the rejection rule applies itself, on at once: the penalties over the prompt and
+#: what was generated, a logit bias, then top-k, top-p, min-p and the temperature.
+WHOLE_CHAIN = dict(SAMPLING, repeat_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.3, penalty_last_n=16,
+                   logit_bias={13: 2.0, 32: -1.5})
 
 
-def _continuations(models, spec_type, n_seeds, seed0, verify="rejection"):
+def _continuations(models, spec_type, n_seeds, seed0, verify="rejection", sampling=SAMPLING):
     """Counts of each (position, token) of 3-token continuations, and the acceptance rate."""
     out = collections.Counter()
     drafted = accepted = 0
     with ps.load(models.target, draft=models.draft if spec_type != "none" else None, spec_type=spec_type,
                  n_ctx=512, n_batch=64, n_ubatch=64, n_threads=N_THREADS, draft_max=3, flash_attn=False) as e:
         for seed in range(seed0, seed0 + n_seeds):
-            r = e.generate(PROMPT, max_tokens=3, seed=seed, verify=verify, **SAMPLING)
+            r = e.generate(PROMPT, max_tokens=3, seed=seed, verify=verify, **sampling)
             out.update(enumerate(r.tokens))
             drafted += r.stats.drafted
             accepted += r.stats.accepted
@@ -86,6 +90,19 @@ def test_rejection_sampling_follows_the_target_distribution(trained, reference):
     p = _homogeneity_p_value(spec, reference)
     print(f"rejection sampling: p = {p:.3g}, acceptance {acceptance:.3f}")
     assert acceptance > 0.05  # drafts were accepted, so the rule was exercised
+    assert p > ALPHA
+
+
+def test_rejection_sampling_follows_the_target_distribution_with_the_whole_chain(trained):
+    """Penalties and a logit bias change p and q at every position (the penalties from the
+    tokens generated so far): the rule must still give the target's distribution."""
+    reference, _ = _continuations(trained, "none", N_SEEDS, 200_000, verify="match", sampling=WHOLE_CHAIN)
+    plain, _ = _continuations(trained, "none", N_SEEDS, 300_000, verify="match")
+    assert _homogeneity_p_value(reference, plain) < ALPHA  # the chain does change the distribution
+    spec, acceptance = _continuations(trained, "draft-dflash", N_SEEDS, 0, sampling=WHOLE_CHAIN)
+    p = _homogeneity_p_value(spec, reference)
+    print(f"rejection sampling, whole chain: p = {p:.3g}, acceptance {acceptance:.3f}")
+    assert acceptance > 0.05
     assert p > ALPHA
 
 
