@@ -440,7 +440,8 @@ def test_fuzz_random_bodies_and_content_types(fuzzed, path, body, content_type, 
 
 ALL_ROUTES = GENERATION_ROUTES + ["/v1/models", "/models", "/health", "/props", "/metrics", "/", "/static/app.js",
                                   "/static/../app.py", "/static/%2e%2e/app.py", "/static/", "/v2/nothing",
-                                  "/v1/chat/completions/", "/V1/MODELS", "//health", "/static/\x00"]
+                                  "/v1/chat/completions/", "/V1/MODELS", "//health", "/static/\x00",
+                                  "/tokenize", "/detokenize", "/apply-template", "/v1/chat/completions/input_tokens"]
 METHODS = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
 path_strings = st.text(st.characters(min_codepoint=33, max_codepoint=0x10FFFF, exclude_characters="?#"),
                        max_size=20).map(lambda s: "/" + s)

@@ -1,6 +1,7 @@
 """The ASGI application: the routes of ``generation`` (OpenAI's chat and completions,
-llama-server's /completion) and ``info`` (/v1/models, /health, /props, /metrics, the chat page),
-each behind the API-key check, with OpenAI-style errors for everything that goes wrong.
+llama-server's /completion), ``info`` (/v1/models, /health, /props, /metrics, the chat page) and
+``tokens`` (llama-server's /tokenize, /detokenize, /apply-template, chat input_tokens), each behind
+the API-key check, with OpenAI-style errors for everything that goes wrong.
 
 The app holds a ``Service`` (an ``EngineWorker``: one thread owning the Engine) and never
 touches native objects itself. Build it with ``create_app(engine, ServerSettings(...))`` and run
@@ -17,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
-from pyllama_spec.server import generation, info
+from pyllama_spec.server import generation, info, tokens
 from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.service import (
     ServerSettings,
@@ -30,7 +31,7 @@ from pyllama_spec.serving.engine import Engine
 __all__ = ["ServerSettings", "create_app"]
 
 #: The modules whose ``routes(service)`` the app serves.
-_ROUTE_MODULES = (generation, info)
+_ROUTE_MODULES = (generation, info, tokens)
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starlette:

@@ -1,0 +1,342 @@
+"""llama-server's token and template routes: ``POST /tokenize``, ``/detokenize``,
+``/apply-template`` and the chat token count ``/chat/completions/input_tokens`` (also under /v1/).
+
+Tokens are the target's vocabulary, as llama-server's are (tools/server/server-context.cpp):
+/tokenize takes a string, or llama-server's mixed list of strings and token ids; a piece, and
+/detokenize's text, is each token's ``common_token_to_piece`` (special tokens written out) joined.
+/apply-template renders a chat body as the chat route does (``schema.parse_chat``, then the
+engine's chat template and --jinja setting through ``serving.prompt.render_messages``), so its
+prompt is the text the chat route feeds the model, with the media marker where each image goes;
+input_tokens counts the rows the chat route tokenizes that prompt into, images included.
+
+Every bit of tokenizer and template work runs on a thread, never on the event loop: llama.cpp's
+tokenizer only reads a loaded vocabulary and may run beside the engine's worker (llama-server
+tokenizes on its HTTP threads too), and mtmd_tokenize is thread-safe by its header. The work is
+linear in the request; requests over ``PARSE_ON_A_THREAD_ABOVE`` bytes take turns, because
+llama.cpp's tokenizer holds some 30 to 60 bytes of memory per byte of text while it runs.
+
+Where this differs from llama-server: a request llama-server answers with a 500 (a value of the
+wrong JSON type, a token id outside the vocabulary) or reads past (a flag that is not a boolean,
+a token id that is not an integer, a body that is not an object) is a 400 here; see also
+``_NOT_RENDERED``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import reprlib
+from typing import Any, Callable
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pyllama_spec.bindings.model import Model
+from pyllama_spec.bindings.mtmd import Bitmap
+from pyllama_spec.server.errors import bad_request
+from pyllama_spec.server.schema import RequestLimits, parse_chat
+from pyllama_spec.server.service import PARSE_ON_A_THREAD_ABOVE, RouteSpec, Service, read_json
+from pyllama_spec.serving.engine import Engine
+from pyllama_spec.serving.prompt import render_messages
+
+#: Token ids in /tokenize's mixed content are llama_token (int32), passed through unchecked as
+#: llama-server passes them (it wraps a larger number around; that is a 400 here).
+_INT32 = range(-(2**31), 2**31)
+
+#: Chat fields llama-server applies to the chat template that the chat route does not (yet):
+#: refused with a 400 rather than dropped, so that /apply-template never shows a prompt other
+#: than the one the chat route would use. The value that changes nothing passes.
+_NOT_RENDERED = {
+    "tools": "tool definitions are not rendered into the chat template by this server yet",
+    "continue_final_message": "continuing the final assistant message is not supported by this server yet",
+    "reasoning_effort": "reasoning_effort is not passed to the chat template by this server yet",
+}
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring = _SHOW.maxother = 60
+
+
+def routes(service: Service) -> list[RouteSpec]:
+    """The routes under llama-server's paths."""
+    run = _Runner()
+
+    def handler(route):
+        return lambda request: route(service, request, run)
+
+    return [
+        ("/tokenize", ["POST"], handler(_tokenize_route)),
+        ("/detokenize", ["POST"], handler(_detokenize_route)),
+        ("/apply-template", ["POST"], handler(_apply_template_route)),
+        *((p, ["POST"], handler(_input_tokens_route))
+          for p in ("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens")),
+    ]
+
+
+class _Runner:
+    """Runs a request's work on a thread: at once when the request is small, one at a time with
+    the other large ones when it is large (the memory of one huge tokenization at a time)."""
+
+    def __init__(self) -> None:
+        self._large: asyncio.Semaphore | None = None
+
+    async def __call__(self, size: int, fn: Callable, *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        work = functools.partial(fn, *args)
+        if size <= PARSE_ON_A_THREAD_ABOVE:
+            return await loop.run_in_executor(None, work)
+        if self._large is None:  # made here, on the event loop that serves the app
+            self._large = asyncio.Semaphore(1)
+        large = self._large
+        await large.acquire()
+
+        def done(f: asyncio.Future) -> None:
+            large.release()
+            if not f.cancelled():
+                f.exception()  # seen, also when the client went away before it came
+
+        try:
+            future = loop.run_in_executor(None, work)
+        except BaseException:
+            large.release()
+            raise
+        # the turn ends when the thread is done, not when the client goes away (a native call
+        # cannot be stopped): shielded, the client leaving does not cancel it
+        future.add_done_callback(done)
+        return await asyncio.shield(future)
+
+
+# --- the routes
+
+
+async def _tokenize_route(service: Service, request: Request, run: _Runner) -> Response:
+    body, size = await _body(service, request)
+    return await run(size, tokenize_response, service.engine.model, body)
+
+
+async def _detokenize_route(service: Service, request: Request, run: _Runner) -> Response:
+    body, size = await _body(service, request)
+    return await run(size, detokenize_response, service.engine.model, body)
+
+
+async def _apply_template_route(service: Service, request: Request, run: _Runner) -> Response:
+    body, size = await _body(service, request)
+
+    def answer() -> Response:
+        prompt, _ = chat_prompt(service.engine, body, service.limits)
+        return _json({"prompt": prompt}, "messages")
+
+    return await run(size, answer)
+
+
+async def _input_tokens_route(service: Service, request: Request, run: _Runner) -> Response:
+    body, size = await _body(service, request)
+
+    def answer() -> Response:
+        text, images = chat_prompt(service.engine, body, service.limits)
+        return _json({"input_tokens": count_prompt_tokens(service.engine, text, images),
+                      "object": "response.input_tokens"}, "messages")
+
+    return await run(size, answer)
+
+
+async def _body(service: Service, request: Request) -> tuple[dict, int]:
+    body, size = await read_json(request, service.settings.max_body_bytes, service.settings.body_timeout)
+    if not isinstance(body, dict):  # llama-server reads nothing from it and answers as if it were {}
+        raise bad_request("the request body must be a JSON object")
+    return body, size
+
+
+def _json(value: dict, param: str) -> Response:
+    """The response, rendered here (on a thread) rather than on the event loop."""
+    try:
+        return JSONResponse(value)
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800") from the request's JSON, kept in the text
+        raise bad_request(f"'{param}' holds a lone UTF-16 surrogate, which is not text", param) from None
+
+
+# --- /tokenize and /detokenize, on a Model (a vocabulary-only one will do)
+
+#: Tokens handled per C-level step (a join, a JSON dump, a type check): each step holds the GIL
+#: for a few milliseconds at most, so the event loop's thread runs between them.
+_STEP = 1 << 16
+
+
+def tokenize_response(model: Model, body: dict) -> Response:
+    """/tokenize: ``{"tokens": [ids]}``, or ``[{"id", "piece"}]`` with ``with_pieces``."""
+    add_special = _flag(body, "add_special", False)
+    parse_special = _flag(body, "parse_special", True)
+    with_pieces = _flag(body, "with_pieces", False)
+    # llama-server answers a body without content with no tokens
+    ids = tokenize_content(model, body["content"], add_special=add_special,
+                           parse_special=parse_special) if "content" in body else np.zeros(0, np.int32)
+    if not with_pieces:
+        return _json_array("tokens", ids, str)
+    if len(ids) and (ids.min() < 0 or ids.max() >= model.n_vocab):  # ids given in a mixed content
+        bad = int(ids[(ids < 0) | (ids >= model.n_vocab)][0])
+        raise _not_in_vocabulary(model, bad, "content")
+    return _json_array("tokens", ids, token_entries(model, ids).__getitem__)
+
+
+def detokenize_response(model: Model, body: dict) -> Response:
+    """/detokenize: ``{"content": text}``."""
+    tokens = body.get("tokens", [])  # absent: "" (llama-server)
+    if not isinstance(tokens, list):
+        raise bad_request(f"'tokens' must be a list of token ids, got {type(tokens).__name__}", "tokens")
+    return _json({"content": detokenize(model, check_token_ids(model, tokens, "tokens"))}, "tokens")
+
+
+def tokenize_content(model: Model, content: Any, *, add_special: bool = False,
+                     parse_special: bool = True) -> np.ndarray:
+    """llama-server's ``tokenize_mixed``: the tokens (int32) of a string, or of a list of strings and
+    token ids in order, where only a string that comes first gets BOS/EOS (``add_special``) and
+    each id is kept as it is (any int32: checked against the vocabulary only where it is read)."""
+    if isinstance(content, str):
+        return _tokens(model, content, add_special, parse_special)
+    if not isinstance(content, list):
+        raise bad_request(f"'content' must be a string or a list of strings and token ids, got "
+                          f"{type(content).__name__}", "content")
+    parts: list[np.ndarray] = []
+    for i, part in enumerate(content):
+        if isinstance(part, str):
+            parts.append(_tokens(model, part, add_special and i == 0, parse_special))
+        elif type(part) is int and part in _INT32:
+            parts.append(np.array([part], np.int32))
+        else:
+            raise bad_request(f"'content[{i}]' must be a string or a token id (a 32-bit integer), got "
+                              f"{_SHOW.repr(part)}", "content")
+    return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def _tokens(model: Model, text: str, add_special: bool, parse_special: bool) -> np.ndarray:
+    try:
+        return model.tokenize(text, add_special=add_special, parse_special=parse_special)
+    except UnicodeEncodeError:
+        raise bad_request("'content' holds a lone UTF-16 surrogate, which is not text", "content") from None
+
+
+def check_token_ids(model: Model, tokens: list, param: str) -> list[int]:
+    """``tokens`` when every one is a token of the model's vocabulary; else a 400 naming the first
+    that is not (llama-server answers an id outside the vocabulary with a 500, and reads a float
+    or a boolean as an integer)."""
+    n_vocab = model.n_vocab
+    for at in range(0, len(tokens), _STEP):
+        step = tokens[at:at + _STEP]
+        if not set(map(type, step)) <= {int}:  # not a bool: type() is exact
+            bad = next(t for t in step if type(t) is not int)
+            raise bad_request(f"'{param}' must hold token ids (integers), got {_SHOW.repr(bad)}", param)
+        if min(step) < 0 or max(step) >= n_vocab:
+            raise _not_in_vocabulary(model, next(t for t in step if not 0 <= t < n_vocab), param)
+    return tokens
+
+
+def _not_in_vocabulary(model: Model, token: int, param: str):
+    return bad_request(f"'{param}' holds {_SHOW.repr(token)}, which is not a token of this model's vocabulary "
+                       f"(0 to {model.n_vocab - 1})", param)
+
+
+def _pieces(model: Model, tokens) -> dict[int, bytes]:
+    """Each distinct token's piece, special tokens written out (llama-server's common_token_to_piece):
+    one native call per distinct token, however long the list."""
+    distinct = np.unique(tokens).tolist() if isinstance(tokens, np.ndarray) else set(tokens)
+    return {t: model.token_to_bytes(t, special=True) for t in distinct}
+
+
+def detokenize(model: Model, tokens: list[int]) -> str:
+    """The tokens' pieces joined, as llama-server's /detokenize joins them (no leading space
+    removed, special tokens written out); bytes that are not UTF-8 become U+FFFD, as llama-server's
+    JSON writer replaces them. The ids must be the vocabulary's (``check_token_ids``)."""
+    piece = _pieces(model, tokens).__getitem__
+    steps = [b"".join(map(piece, tokens[at:at + _STEP])) for at in range(0, len(tokens), _STEP)]
+    return b"".join(steps).decode("utf-8", errors="replace")
+
+
+def token_entries(model: Model, tokens: np.ndarray) -> dict[int, str]:
+    """``{"id", "piece"}`` of each distinct token, as JSON text: a piece is its text, or the list of
+    its bytes when llama-server's UTF-8 check refuses it (half a character)."""
+    return {t: _dumps({"id": t, "piece": piece_value(data)}) for t, data in _pieces(model, tokens).items()}
+
+
+def piece_value(data: bytes) -> str | list[int]:
+    """A piece as /tokenize shows it: a string when llama-server's ``is_valid_utf8`` takes the
+    bytes, else the list of byte values."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        pass
+    if _utf8_shaped(data):  # lead and continuation bytes in place, but overlong or a surrogate:
+        return data.decode("utf-8", errors="replace")  # a string, which llama-server's JSON writer replaces
+    return list(data)
+
+
+def _utf8_shaped(data: bytes) -> bool:
+    """llama-server's ``is_valid_utf8``: every lead byte followed by its continuation bytes (it does
+    not refuse overlong forms, surrogates or code points past U+10FFFF, as Python's decoder does)."""
+    i, n = 0, len(data)
+    while i < n:
+        b = data[i]
+        size = 1 if b <= 0x7F else 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 0
+        if size == 0 or i + size > n or any(c & 0xC0 != 0x80 for c in data[i + 1:i + size]):
+            return False
+        i += size
+    return True
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # as JSONResponse
+
+
+def _json_array(key: str, ids: np.ndarray, item: Callable[[int], str]) -> Response:
+    """``{key: [item(id), ...]}`` written a step at a time (one json.dumps of millions of items
+    would hold the GIL, and so the event loop, for a second)."""
+    steps = [",".join(map(item, ids[at:at + _STEP].tolist())) for at in range(0, len(ids), _STEP)]
+    return Response(f'{{"{key}":[{",".join(steps)}]}}', media_type="application/json")
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):  # llama-server reads past it (the default); a 400 here
+        raise bad_request(f"'{name}' must be a boolean, got {type(value).__name__}", name)
+    return value
+
+
+# --- /apply-template and input_tokens, on the Engine
+
+
+def chat_prompt(engine: Engine, body: Any, limits: RequestLimits) -> tuple[str, list]:
+    """The prompt text the chat route would feed the model for chat ``body``, and its images in
+    marker order: the body read by the chat route's own parser (what it refuses is refused here),
+    rendered with the engine's chat template and --jinja setting, as ``Engine`` renders it.
+
+    ``add_generation_prompt: false`` leaves out the assistant's header (llama-server's field; the
+    chat route always adds it). The fields in ``_NOT_RENDERED`` are refused.
+    """
+    req = parse_chat(body, limits)
+    for name, why in _NOT_RENDERED.items():
+        if body.get(name) not in (None, False, []):
+            raise bad_request(f"'{name}' is refused here: {why}", name)
+    args = req.engine_args
+    text, images, _ = render_messages(engine.model, args["messages"],
+                                      add_assistant=_flag(body, "add_generation_prompt", True),
+                                      template_kwargs=args["chat_template_kwargs"],
+                                      template=engine.config.chat_template, jinja=engine.config.jinja)
+    return text, images
+
+
+def count_prompt_tokens(engine: Engine, text: str, images: list) -> int:
+    """The cache rows the chat route tokenizes ``text`` into (as ``Engine`` does: BOS/EOS added,
+    special tokens parsed, each image its projector's tokens), without decoding anything."""
+    if engine.projector is None:
+        return len(engine.model.tokenize(text, add_special=True))
+    bitmaps: list[Bitmap] = []
+    try:
+        for image in images:
+            bitmaps.append(Bitmap.load(image))
+        with engine.projector.tokenize(text, bitmaps) as chunks:
+            return chunks.n_tokens
+    finally:
+        for b in bitmaps:
+            b.close()
