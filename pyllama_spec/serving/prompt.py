@@ -75,11 +75,13 @@ def render_messages(model: Model, messages: Sequence[Message], *, add_assistant:
         content, imgs = normalize_content(m["content"])
         turns.append({"role": str(m["role"]), "content": content})
         images.extend(imgs)
-    builtin = None
+    builtin = None  # what llama.cpp's renderer gets: a built-in's name, template text, or the model's
     if template is not None and (not jinja or not is_jinja(template)):
         builtin, template = template, None
     elif template is None:
         template = model.chat_template if jinja else None
+    else:
+        builtin = template  # an override that jinja2 cannot render: llama.cpp reads the same text
     if template is not None:
         try:
             text = _render_jinja(model, template, turns, add_assistant, dict(template_kwargs or {}))
@@ -88,8 +90,9 @@ def render_messages(model: Model, messages: Sequence[Message], *, add_assistant:
             reason = f"it placed {text.count(MEDIA_MARKER)} of {len(images)} images"
         except (ImportError, TemplateRenderError) as e:
             reason = str(e)
-        log.warning("using llama.cpp's built-in chat template for %s: the model's own template %s",
-                    model.path.name, reason if reason.startswith("it ") else f"did not render ({reason})")
+        whose = "the --chat-template template" if builtin is not None else "the model's own template"
+        log.warning("using llama.cpp's built-in chat template for %s: %s %s", model.path.name, whose,
+                    reason if reason.startswith("it ") else f"did not render ({reason})")
     text = model.apply_chat_template([(t["role"], _flat_text(t["content"])) for t in turns],
                                      add_assistant=add_assistant, template=builtin)
     return text, images, "builtin"
