@@ -151,3 +151,15 @@ def test_a_template_that_fails_falls_back_to_the_builtin_one_and_says_so(models_
 def test_a_raw_prompt_uses_no_template(tiny_dense):
     with ps.load(tiny_dense.target, n_ctx=1024, n_threads=N_THREADS) as e:
         assert e.generate("Hi", max_tokens=1).stats.chat_template is None
+
+
+def test_hugging_faces_generation_tag_renders_its_body():
+    """{% generation %} (the assistant-mask tag of LFM2.5 and poolside Laguna templates) is not
+    jinja2's: the renderer knows it and keeps the body, as llama-server's own renderer does."""
+    template = ("{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                "{% endgeneration %}{% else %}{{ m.content }}{% endif %}</{{ m.role }}>{% endfor %}")
+    text = render(template, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                  media_marker="<__media__>")
+    assert text == "<user>hi</user><assistant>yo</assistant>"
+    with pytest.raises(TemplateRenderError, match="does not compile"):
+        render("{% generation %}unclosed", [{"role": "user", "content": "hi"}], media_marker="<__media__>")

@@ -68,11 +68,10 @@ def test_a_chat_template_by_name_or_text_replaces_the_models(plain):
 
 
 def test_an_override_jinja2_cannot_render_falls_back_to_llama_cpp_reading_the_override(plain):
-    """A --chat-template text with a tag jinja2 lacks ({% generation %}, as in some real
-    templates): llama.cpp's renderer reads that same text (here it recognises Llama 3's), never
-    the model's own template (ChatML-like)."""
-    override = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{% generation %}"
-                "{{ m.content }}{% endgeneration %}<|eot_id|>{% endfor %}")
+    """A --chat-template text jinja2 cannot render (here: a filter it lacks): llama.cpp's renderer
+    reads that same text (it recognises Llama 3's), never the model's own template (ChatML-like)."""
+    override = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
+                "{{ m.content | no_such_filter }}<|eot_id|>{% endfor %}")
     text, _, renderer = render_messages(plain.model, MESSAGES, template=override)
     assert renderer == "builtin"
     assert text == "<|start_header_id|>user<|end_header_id|>\n\nhello there<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"

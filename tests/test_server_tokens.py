@@ -170,11 +170,6 @@ NOT_JINJA = {
     "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": "'NoneType' object is not iterable",
     "fireworks-ai-llama-3-firefunction-v2.jinja": "'functions' is undefined",  # reads a variable nobody sets
     "google-gemma-2-2b-it.jinja": "System role not supported",  # the template raises on a system message
-    # {% generation %}: Hugging Face's assistant-mask tag, which jinja2 does not know
-    "LFM2.5-8B-A1B.jinja": "unknown tag 'generation'",
-    "poolside-Laguna-S-2.1.jinja": "unknown tag 'generation'",
-    "poolside-Laguna-XS-2.1.jinja": "unknown tag 'generation'",
-    "poolside-Laguna-XS.2.jinja": "unknown tag 'generation'",
 }
 TEMPLATE_NAMES = sorted(p.name for p in TEMPLATES.glob("*.jinja")) or ["(no templates)"]
 

@@ -63,6 +63,25 @@ def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, s
 _ENVIRONMENTS: dict[str, Any] = {}
 
 
+def _generation_tag():
+    """A jinja2 extension for ``{% generation %}...{% endgeneration %}``: Hugging Face's tag that
+    marks the assistant's tokens for training masks (LFM2.5, poolside Laguna, ...). A prompt has
+    no use for the mask, so the block renders its body unchanged, as transformers' own
+    AssistantTracker does when no mask is asked for."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.Scope(body, lineno=lineno)
+
+    return GenerationTag
+
+
 def _compiled(template: str):
     """The compiled template (cached: a server renders the same one for every request)."""
     if template not in _ENVIRONMENTS:
@@ -70,7 +89,7 @@ def _compiled(template: str):
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=["jinja2.ext.loopcontrols"])
+                                            extensions=["jinja2.ext.loopcontrols", _generation_tag()])
         env.filters["tojson"] = _tojson
         env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
         try:
