@@ -161,6 +161,20 @@ def check_batch_add(rc: int, *, n_rows: int, batch_rows: int, role: str) -> None
                               f"{batch_rows} ({role} context); the batch was cleared")
 
 
+def check_state(n_bytes: int, call: str, *, role: str, seq_id: int, size: int) -> None:
+    """The gate for llama_state_seq_get_data / _set_data: the bytes written or read pass, 0 (what
+    llama.cpp returns when it cannot save or restore a sequence) raises KVMemoryError."""
+    if n_bytes == 0:
+        raise KVMemoryError(call, 0, f"{role} context, sequence {seq_id}, {size} bytes of state: "
+                                     "llama.cpp could not " + ("save" if "get" in call else "restore") + " it")
+
+
+def check_set_lora(rc: int, *, role: str, n_adapters: int) -> None:
+    """The gate for llama_set_adapters_lora: 0 passes, anything else raises NativeCallError."""
+    if rc != 0:
+        raise NativeCallError("llama_set_adapters_lora", rc, f"{role} context, {n_adapters} adapters")
+
+
 def check_tokenize(rc: int) -> None:
     """The gate for mtmd_tokenize: 0 passes, anything else raises NativeCallError."""
     if rc != 0:

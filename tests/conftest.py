@@ -9,6 +9,8 @@ Fixtures (reuse them in new test files rather than writing models yourself):
                     reads target layer inputs [1, 3] and uses the ``<|mask|>`` token.
 * ``tiny_hybrid``   the same trio around a hybrid ``qwen35`` target (gated delta net + attention;
                     partial rollback needs ``n_rs_seq`` > 0 on its context).
+* ``tiny_fim``      ``tiny_dense``'s trio with fill-in-the-middle tokens in the vocabulary
+                    (``tiny.FIM_TOKENS``: pre, suf, mid, pad, rep, sep), for /infill.
 * ``big_image``     a deterministic, read-only 672x672 RGB uint8 numpy array (576 image tokens
                     over 24 positions through the tiny mmproj).
 * ``big_image_png`` the same image written as a PNG file (Pillow), a ``Path``.
@@ -17,6 +19,8 @@ Fixtures (reuse them in new test files rather than writing models yourself):
 * ``run_python``    runs a Python snippet in a fresh interpreter (the package importable; ``cwd=``
                     optional, ``env_extra=`` variables) and returns the ``CompletedProcess``: the way to prove that a case does not abort
                     the process, without killing the test runner when it does.
+
+``field_report_preset()`` gives the preset at the end of the team's field report (``FIELD_REPORT``).
 
 Constants: ``N_THREADS`` (1: the CI machine has 2 cores and OpenMP spinning makes 2 threads
 slow when anything else runs), ``REPO_ROOT``.  Import them with ``from conftest import N_THREADS``.
@@ -40,6 +44,21 @@ except ImportError:
     sys.path.insert(0, str(REPO_ROOT))
 
 from pyllama_spec.devtools import tiny  # noqa: E402
+
+#: The team's field report (shared/reference): its last lines are a real user's llama-server preset.
+FIELD_REPORT = REPO_ROOT.parent / "shared" / "reference" / "field-report-dflash-mtmd.txt"
+
+
+def field_report_preset() -> str:
+    """The field report's preset section, as its user wrote it (read from FIELD_REPORT)."""
+    text = FIELD_REPORT.read_text()
+    lines = []
+    for line in text[text.index("[Qwen3.8-27B Q5]"):].splitlines():
+        if not line.strip() or (lines and line.startswith("[")):
+            break
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
 
 #: Threads for every context and projector made in tests.
 N_THREADS = 1
@@ -75,6 +94,12 @@ def tiny_dir(tmp_path_factory) -> Path:
 def tiny_dense(tiny_dir) -> tiny.TinyModels:
     """Dense hunyuan_vl target + mmproj + dflash draft (window 32, predictable 0.5, seed 0)."""
     return tiny.make_tiny_set(tiny_dir, arch="hunyuan_vl", seed=0, window=32, predictable=0.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_fim(tiny_dir) -> tiny.TinyModels:
+    """tiny_dense's trio with the FIM tokens (tiny.FIM_TOKENS) after the others."""
+    return tiny.make_tiny_set(tiny_dir, arch="hunyuan_vl", seed=0, window=32, predictable=0.5, fim=True)
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,11 @@ serves it (server/run.py's make_server), on a thread, stopped by ``stop()``."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
+import urllib.error
+import urllib.request
 
 from pyllama_spec.devtools.rpc_server import free_port  # noqa: F401 - the tests' free port too
 from pyllama_spec.server import ServerSettings, create_app
@@ -42,3 +45,20 @@ class LocalServer:
         self._server.should_exit = True
         self._thread.join(timeout=30)
         assert not self._thread.is_alive()
+
+
+def http(base: str, path: str, body=None, raw: bytes | None = None) -> tuple[int, object]:
+    """``base + path`` with urllib: a POST of ``body`` as JSON (or of ``raw`` bytes), a GET when
+    there is neither; (status, the JSON answer, or its text when it is not JSON), error statuses
+    included."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        text = e.read()
+        try:
+            return e.code, json.loads(text)
+        except ValueError:
+            return e.code, text.decode(errors="replace")

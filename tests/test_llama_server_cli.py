@@ -17,11 +17,10 @@ from pathlib import Path
 
 import click
 import pytest
+from conftest import FIELD_REPORT, field_report_preset
 
 from pyllama_spec.cli import llama_server_cli as L
 from pyllama_spec.cli.serve import serve
-
-FIELD_REPORT = Path(__file__).resolve().parents[2] / "shared" / "reference" / "field-report-dflash-mtmd.txt"
 
 
 def _source() -> Path:
@@ -33,8 +32,8 @@ def _source() -> Path:
     return source
 
 
-def _parse(argv: list[str], env: dict | None = None) -> tuple[dict, str]:
-    """serve's parameters for a command line (nothing is loaded), and the warnings printed."""
+def _context(argv: list[str], env: dict | None = None) -> tuple[click.Context, str]:
+    """serve's click context for a command line (nothing is loaded), and the warnings printed."""
     from pyllama_spec.cli import options
 
     old_env = dict(os.environ)
@@ -45,7 +44,21 @@ def _parse(argv: list[str], env: dict | None = None) -> tuple[dict, str]:
     finally:
         os.environ.clear()
         os.environ.update(old_env)
-    return ctx.params, captured.get()
+    return ctx, captured.get()
+
+
+def _parse(argv: list[str], env: dict | None = None) -> tuple[dict, str]:
+    """serve's parameters for a command line, and the warnings printed."""
+    ctx, warnings = _context(argv, env)
+    return ctx.params, warnings
+
+
+def _router(argv: list[str], env: dict | None = None):
+    """The router a command line asks for (None: one model in this process), and the warnings."""
+    from pyllama_spec.cli.serve import router_plan
+
+    ctx, warnings = _context(argv, env)
+    return router_plan(ctx), warnings
 
 
 # --------------------------------------------------------------------------- the table
@@ -94,7 +107,8 @@ def test_every_llama_server_flag_is_accepted_honoured_or_dropped_with_a_reason()
               "-dev": "none", "-devd": "none", "--draft-max": "7", "-ngl": "all", "-ngld": "all", "-ts": "1",
               "--samplers": "top_k;temperature", "--sampler-seq": "kt", "-np": "2", "--port": "8081",
               "--spec-draft-p-min": "0.5", "--top-p": "0.9", "--min-p": "0.1", "--typical": "1.0",
-              "--xtc-probability": "0.1", "--xtc-threshold": "0.2", "--mirostat": "0", "-lm": "auto"}
+              "--xtc-probability": "0.1", "--xtc-threshold": "0.2", "--mirostat": "0", "-lm": "auto",
+              "--slot-save-path": ".", "--lora-scaled": "a.gguf:0.5"}
     argv, dropped = [], []
     for f in L.FLAGS:
         if f.preset_only or f.names[0] in ("-h", "--models-preset"):
@@ -156,23 +170,15 @@ def test_llama_arg_environment_variables_set_the_options_they_share_and_others_w
 # --------------------------------------------------------------------------- presets
 
 
-def _field_report_preset() -> str:
-    text = FIELD_REPORT.read_text()
-    start = text.index("[Qwen3.8-27B Q5]")
-    lines = []
-    for line in text[start:].splitlines():
-        if not line.strip() or (lines and line.startswith("[")):
-            break
-        lines.append(line)
-    return "\n".join(lines) + "\n"
-
-
 def test_the_field_reports_preset_is_read_as_llama_server_reads_it(tmp_path):
     if not FIELD_REPORT.exists():
         pytest.skip(f"the team's field report is not here ({FIELD_REPORT})")
     preset = tmp_path / "models.ini"
-    preset.write_text(_field_report_preset())
-    params, warnings = _parse(["--models-preset", str(preset)])
+    preset.write_text(field_report_preset())
+    plan, _ = _router(["--models-preset", str(preset)])  # no -m: llama-server's router, one model
+    (model,) = plan.presets
+    assert model.name == "Qwen3.8-27B Q5"  # the section's name is the model's
+    params, warnings = _parse(model.args)  # what the model's own `serve` process is started with
     assert params["model"] == "/mnt/nvme/models/Qwen3.8-27B-UD-Q5_K_S.gguf"
     assert params["draft"] == "/mnt/nvme/models/DFLASH2/Qwen3.8-27B-DFlash2-Q8_0.gguf"
     assert params["mmproj"] == "/mnt/nvme/models/mmproj-qwen3.8-27b-F16.gguf"
@@ -183,7 +189,6 @@ def test_the_field_reports_preset_is_read_as_llama_server_reads_it(tmp_path):
         ("q8_0", "q8_0", 2048, 512)
     assert (params["temperature"], params["top_p"], params["top_k"], params["min_p"], params["presence_penalty"]) == \
         (1.0, 0.95, 20, 0.0, 0.0)
-    assert params["alias"] == "Qwen3.8-27B Q5"  # the section's name is the model's
     for dropped in ("--fit-target 2000", "--mmproj-device CUDA1", "--threads-http 5"):
         assert f"ignored {dropped}" in warnings
     # the same as flags, as a user writes them
@@ -199,17 +204,43 @@ def test_preset_sections_globals_booleans_and_the_command_line_override(tmp_path
     preset.write_text("version = 1\n[*]\nctx-size = 1024\nload-mode = none\n; a comment\n"
                       "[small]\nmodel = a.gguf\nc = 2048\nno-mmproj-offload = true\n"
                       "[big]\nmodel = b.gguf\nLLAMA_ARG_N_PARALLEL = 2\nload-on-startup = true\n")
-    params, warnings = _parse(["--models-preset", str(preset)])
+    plan, _ = _router(["--models-preset", str(preset), "-c", "512", "--port", "9000", "--models-max", "1"])
+    big, small = plan.presets  # by name; the keys before the first section ("version") are no model
+    assert (big.name, big.load_on_startup, small.name, small.load_on_startup) == ("big", True, "small", False)
+    params, _ = _parse(big.args)
     assert params["model"] == "b.gguf" and params["parallel"] == 2 and params["n_ctx"] == 1024
-    assert params["load_mode"] == "none" and params["alias"] == "big" and "router option" in warnings
-    params, _ = _parse(["--models-preset", str(preset), "-a", "small", "-c", "512"])
+    assert params["load_mode"] == "none"
+    # the router's own command line follows each section (it overrides it), less the router's options
+    assert plan.common_args == ["-c", "512"]
+    params, _ = _parse([*small.args, *plan.common_args])
     assert (params["model"], params["n_ctx"], params["mmproj_offload"]) == ("a.gguf", 512, False)
 
 
+def test_a_preset_with_a_model_on_the_command_line_is_not_read_as_in_llama_server(tmp_path):
+    preset = tmp_path / "p.ini"
+    preset.write_text("[a]\nmodel = a.gguf\n[b]\nmodel = b.gguf\n")
+    plan, warnings = _router(["--models-preset", str(preset), "-m", "x.gguf"])
+    assert plan is None and "ignored --models-preset" in warnings
+    assert _parse(["--models-preset", str(preset), "-m", "x.gguf"])[0]["model"] == "x.gguf"
+
+
+def test_router_keys_of_a_section_aliases_tags_and_stop_timeout(tmp_path):
+    preset = tmp_path / "p.ini"
+    preset.write_text("[*]\nstop-timeout = 3\n[m]\nmodel = m.gguf\nalias = x, b,x\ntags = t2,t1\n"
+                      "LLAMA_ARG_PORT = 1\ndedup-cache-models = true\n[n]\nmodel = n.gguf\nstop-timeout = soon\n")
+    plan, warnings = _router(["--models-preset", str(preset)])
+    m, n = plan.presets
+    assert (m.aliases, m.tags, m.stop_timeout, n.stop_timeout) == (("b", "x"), ("t1", "t2"), 3, 10)
+    assert "--alias" not in m.args and "--tags" not in m.args and "--port" not in m.args
+    assert m.ini == "[m]\nstop-timeout = 3\nmodel = m.gguf\ndedup-cache-models = true\n\n"
+    assert "the router sets it" in warnings and "no model cache here" in warnings
+    assert "not a number of seconds" in warnings
+
+
 def test_bad_preset_files_are_clear_errors(tmp_path):
-    cases = {"missing.ini": None, "two.ini": "[a]\nmodel = a\n[b]\nmodel = b\n",
+    cases = {"missing.ini": None, "nomodel.ini": "[a]\nc = 1\n",
              "unknown.ini": "[a]\nno-such-key = 1\n", "bool.ini": "[a]\nno-mmproj-offload = maybe\n", "bad.ini": "[a\nx"}
-    expected = {"missing.ini": "cannot read", "two.ini": "serves one per process", "unknown.ini": "no-such-key",
+    expected = {"missing.ini": "cannot read", "nomodel.ini": "gives no model file", "unknown.ini": "no-such-key",
                 "bool.ini": "true or false", "bad.ini": "not an INI file"}
     for name, text in cases.items():
         if text is not None:

@@ -9,6 +9,8 @@ fields present, the status codes of bad requests. Without llama-server they skip
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
 import subprocess
@@ -23,9 +25,11 @@ import pytest
 pytest.importorskip("starlette", reason="the server needs the 'server' extra")
 
 from pyllama_spec import native_build  # noqa: E402
+from pyllama_spec.bindings.mtmd import MEDIA_MARKER  # noqa: E402
 from pyllama_spec.server import ServerSettings  # noqa: E402
 
 from serving import LocalServer, free_port  # noqa: E402
+from serving import http as post  # noqa: E402
 
 LLAMA_SERVER = native_build.find_llama_server()
 pytestmark = pytest.mark.skipif(LLAMA_SERVER is None, reason="llama-server is not built here (python build.py "
@@ -54,20 +58,6 @@ class _Process:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=30)
-
-
-def post(base: str, path: str, body, raw: bytes | None = None) -> tuple[int, object]:
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(base + path, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        text = e.read()
-        try:
-            return e.code, json.loads(text)
-        except ValueError:
-            return e.code, text.decode(errors="replace")
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +103,10 @@ def test_completion_text_tokens_and_fields_match(servers):
     assert s1 == s2 == 200
     assert (a["content"], a["tokens"], a["stop_type"]) == (b["content"], b["tokens"], b["stop_type"])
     assert (a["tokens_predicted"], a["tokens_evaluated"]) == (b["tokens_predicted"], b["tokens_evaluated"])
-    missing = set(b) - set(a) - {"generation_settings"}  # see bench/RESULTS.md for what differs and why
-    assert missing <= {"index", "id_slot", "prompt", "has_new_line", "truncated", "stopping_word"}, missing
+    assert set(b) == set(a), set(b) ^ set(a)  # every field llama-server gives, and no other
+    assert set(b["generation_settings"]) == set(a["generation_settings"])
+    for field in ("index", "prompt", "has_new_line", "truncated", "stop_type", "stopping_word", "tokens_cached"):
+        assert a[field] == b[field], field
     assert set(b["timings"]) <= set(a["timings"])
 
 
@@ -199,3 +191,231 @@ def test_bad_requests_are_refused_with_the_same_status(servers, path, body, raw)
     assert s1 == s2, (a, b)
     # error.code: llama-server writes the status there, this server OpenAI's string code
     assert isinstance(a, dict) and a["error"]["message"] and a["error"]["type"] == b["error"]["type"]
+
+
+@pytest.mark.parametrize("field", [{"echo": True}, {"best_of": 2}, {"suffix": "x"}])
+def test_openai_completion_fields_llama_server_drops_are_refused_here(servers, field):
+    """OpenAI's echo, best_of and suffix change what /v1/completions should answer; the pinned
+    llama-server's parser would refuse them (oaicompat_completion_params_parse) but its route
+    answers 200 and ignores them. A client asking for them gets a 400 here, not a quiet answer
+    without them."""
+    ours, theirs = servers
+    (s1, a), (s2, b) = post(ours, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, **field}), \
+        post(theirs, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, **field})
+    assert (s1, s2) == (400, 200), (a, b)
+    assert a["error"]["param"] == next(iter(field))
+
+
+# --------------------------------------------------------------------------- llama-server's generation fields
+
+
+def _forced(text: str) -> str:
+    """A grammar that makes both servers write ``text`` (then lowercase letters)."""
+    return "root ::= " + json.dumps(text) + " [a-z]*"
+
+
+def _stream(base: str, path: str, body) -> list[dict]:
+    req = urllib.request.Request(base + path, data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return [json.loads(line[6:]) for line in r.read().decode().splitlines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+_SAME = ("index", "content", "tokens", "prompt", "tokens_evaluated", "tokens_predicted", "stop_type")
+
+
+@pytest.mark.parametrize("prompt", [
+    [100, 101, 102, 32, 97],
+    [100, "ef add", 40, "a, b):"],
+    ["def", "import os\n"],
+    [[100, 101, 102], "x = ", {"prompt_string": "y = 2"}, {"prompt_string": [120, " = 3"]}],
+    ["<|im_start|>user"],
+])
+def test_every_prompt_shape_gives_the_same_completions(servers, prompt):
+    body = {"prompt": prompt, "n_predict": 6, "temperature": 0, "return_tokens": True, "cache_prompt": False}
+    (s1, a), (s2, b) = both(servers, "/completion", body)
+    assert s1 == s2 == 200
+    a, b = (a, b) if isinstance(a, list) else ([a], [b])
+    assert [{k: x[k] for k in _SAME} for x in a] == [{k: x[k] for k in _SAME} for x in b]
+
+
+@pytest.mark.parametrize("path", ["/completion", "/v1/completions"])
+@pytest.mark.parametrize("prompt", [[], 5, {"x": 1}, [1.5], [[1, 2], [3, [4]]], [97, 10**6], [97, -1]])
+def test_a_prompt_llama_server_refuses_is_refused_with_the_same_status(servers, path, prompt):
+    (s1, a), (s2, b) = both(servers, path, {"prompt": prompt, "n_predict": 2})
+    assert s1 == s2 == 400, (a, b)
+    assert a["error"]["type"] == b["error"]["type"]
+
+
+def test_several_prompts_on_the_openai_route_are_its_choices_in_order(servers):
+    body = {"prompt": ["ab", [99, 100], "x = 1"], "max_tokens": 4, "temperature": 0}
+    (s1, a), (s2, b) = both(servers, "/v1/completions", body)
+    assert s1 == s2 == 200
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in a["choices"]] == \
+        [(c["index"], c["text"], c["finish_reason"]) for c in b["choices"]]
+
+
+def test_a_stop_string_gives_the_same_final_fields_and_probabilities(servers):
+    body = {"prompt": "code:\n", "n_predict": 20, "temperature": 0, "grammar": _forced("abc = def(ghi)\n"),
+            "stop": ["zz", "def"], "n_probs": 2, "cache_prompt": False}
+    (s1, a), (s2, b) = both(servers, "/completion", body)
+    assert s1 == s2 == 200
+    for field in ("content", "stop_type", "stopping_word", "tokens_predicted", "has_new_line", "truncated"):
+        assert a[field] == b[field], field
+    _same_logprobs(a["completion_probabilities"], b["completion_probabilities"])
+
+
+def test_a_generation_that_fills_the_context_is_truncated_alike(servers):
+    body = {"prompt": [97] * (N_CTX - 6), "n_predict": 40, "temperature": 0, "cache_prompt": False}
+    (s1, a), (s2, b) = both(servers, "/completion", body)
+    assert s1 == s2 == 200
+    for field in ("truncated", "stop_type", "tokens_predicted", "content", "tokens_cached"):
+        assert a[field] == b[field], field
+    assert a["truncated"] is True
+
+
+@pytest.mark.parametrize("text", ["x\n    y = 1\n  z\nw\n", "def f():\n  a\n    b\n\n  c\n d\n",
+                                  "a\n\tb\n\t\tc\n  \n e\nf", "ab\ncd\n  ef\n gh\n"])
+@pytest.mark.parametrize("n_indent", [0, 1, 3, 5])
+def test_n_indent_cuts_the_same_line_streamed_or_not(servers, text, n_indent):
+    body = {"prompt": "code:\n", "n_predict": 30, "temperature": 0, "grammar": _forced(text), "n_indent": n_indent,
+            "cache_prompt": False}
+    (s1, a), (s2, b) = both(servers, "/completion", body)
+    assert s1 == s2 == 200
+    for field in ("content", "stop_type", "tokens_predicted", "has_new_line"):
+        assert a[field] == b[field], field
+    ours, theirs = servers
+    assert "".join(e["content"] for e in _stream(ours, "/completion", body)) == \
+        "".join(e["content"] for e in _stream(theirs, "/completion", body))
+
+
+def test_a_streamed_completion_has_the_same_chunks_progress_and_final_body(servers):
+    body = {"prompt": PROMPT, "n_predict": 12, "temperature": 0, "cache_prompt": False, "return_progress": True,
+            "timings_per_token": True}
+    ours, theirs = servers
+    a, b = _stream(ours, "/completion", body), _stream(theirs, "/completion", body)
+    # this server sends a speculative step's tokens in one chunk, llama-server one token a chunk
+    for events in (a, b):
+        assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
+        assert all("timings" in e for e in events if e["tokens"])
+    assert "".join(e["content"] for e in a) == "".join(e["content"] for e in b)
+    assert [t for e in a[:-1] for t in e["tokens"]] == [t for e in b[:-1] if "prompt_progress" not in e
+                                                      for t in e["tokens"]]
+    progress_a = [e["prompt_progress"] for e in a if "prompt_progress" in e]
+    progress_b = [e["prompt_progress"] for e in b if "prompt_progress" in e]
+    for p, q in ((progress_a[0], progress_b[0]), (progress_a[-1], progress_b[-1])):
+        assert (p["total"], p["cache"], p["processed"]) == (q["total"], q["cache"], q["processed"])
+    assert set(a[-1]) == set(b[-1]) and (a[-1]["content"], a[-1]["tokens"]) == ("", [])
+    for field in ("stop_type", "tokens_predicted", "tokens_evaluated", "prompt", "has_new_line", "truncated"):
+        assert a[-1][field] == b[-1][field], field
+
+
+def test_response_fields_select_the_same_fields(servers):
+    fields = ["content", "generation_settings/n_predict", "timings/prompt_n", "nothing", "stop_type/x", "tokens"]
+    body = {"prompt": PROMPT, "n_predict": 5, "temperature": 0, "cache_prompt": False, "response_fields": fields}
+    (s1, a), (s2, b) = both(servers, "/completion", body)
+    assert s1 == s2 == 200 and a == b
+
+
+def test_post_sampling_probs_of_greedy_sampling_match(servers):
+    body = {"prompt": PROMPT, "n_predict": 6, "temperature": 0, "n_probs": 3, "post_sampling_probs": True}
+    (s1, a), (s2, b) = both(servers, "/completion", body)
+    assert s1 == s2 == 200 and a["completion_probabilities"] == b["completion_probabilities"]
+
+
+@pytest.mark.parametrize("path", ["/embedding", "/embeddings", "/v1/embeddings", "/rerank", "/reranking",
+                                  "/v1/rerank", "/v1/reranking"])
+def test_embedding_and_rerank_routes_are_refused_alike(servers, path):
+    (s1, a), (s2, b) = both(servers, path, {"content": "hi", "input": "hi", "query": "a", "documents": ["b"]})
+    assert s1 == s2 == 501
+    assert (a["error"]["message"], a["error"]["type"]) == (b["error"]["message"], b["error"]["type"])
+
+
+@pytest.fixture(scope="module")
+def fim_servers(tiny_fim):
+    """llama-server and this server on the FIM trio with its projector: two slots of 1024 rows,
+    batches of 512, -n 200 (so /infill keeps 1024 - 512 - 400 = 112 extra tokens)."""
+    import pyllama_spec as ps
+
+    theirs = _Process(["-m", str(tiny_fim.target), "--mmproj", str(tiny_fim.mmproj), "-c", "2048", "-np", "2",
+                       "-b", "512", "-n", "200", "--no-warmup", "-t", "2"])
+    engine = ps.load(tiny_fim.target, mmproj=tiny_fim.mmproj, draft=tiny_fim.draft, n_ctx=2048, n_parallel=2,
+                     n_batch=512)
+    ours = LocalServer(engine, ServerSettings(alias="tiny", default_max_tokens=200))
+    yield ours.url, theirs.url
+    ours.stop()
+    engine.close()
+    theirs.stop()
+
+
+@pytest.mark.parametrize("body", [
+    {"input_prefix": "def f(", "input_suffix": "):\n"},
+    {"input_prefix": "def f(", "input_suffix": "):\n", "prompt": "x",
+     "input_extra": [{"filename": "a.py", "text": "import os\n"}, {"text": "b"}]},
+    {"input_prefix": [97, "<|fim_pad|>"], "input_suffix": "<|fim_pad|>", "prompt": "<|fim_pad|>"},
+    {"input_prefix": "p" * 500 + "END", "input_suffix": "START" + "s" * 300,
+     "input_extra": [{"filename": f"f{i}.py", "text": f"x{i} = {i}\n" * 6} for i in range(4)]},
+])
+def test_infill_gives_the_same_prompt_and_completion(fim_servers, body):
+    body = {**body, "n_predict": 6, "temperature": 0, "return_tokens": True, "cache_prompt": False}
+    (s1, a), (s2, b) = both(fim_servers, "/infill", body)
+    assert s1 == s2 == 200, (a, b)
+    for field in ("prompt", "tokens_evaluated", "content", "tokens"):
+        assert a[field] == b[field], field
+
+
+def test_a_multimodal_prompt_and_several_prompts_of_several_choices_match(fim_servers):
+    from PIL import Image
+
+    ours, theirs = fim_servers
+    buf = io.BytesIO()
+    Image.new("RGB", (224, 224), (200, 30, 40)).save(buf, "PNG")
+    image = base64.b64encode(buf.getvalue()).decode()
+    marker = post(theirs, "/props", None)[1]["media_marker"]  # llama-server draws one per start
+    outs = []
+    for base, mark in ((ours, MEDIA_MARKER), (theirs, marker)):
+        prompt = ["ab", {"prompt_string": f"x{mark}hi", "multimodal_data": [image]}]
+        outs.append(post(base, "/completion", {"prompt": prompt, "n_cmpl": 2, "n_predict": 4, "temperature": 0,
+                                               "return_tokens": True}))
+    (s1, a), (s2, b) = outs
+    assert s1 == s2 == 200
+    assert [{k: x[k] for k in _SAME} for x in a] == [{k: x[k] for k in _SAME} for x in b]
+    assert [x["index"] for x in a] == [0, 1, 2, 3]
+
+
+def test_infill_refusals_match(servers):
+    (s1, a), (s2, b) = both(servers, "/infill", {"input_prefix": "a", "input_suffix": "b"})
+    assert s1 == s2 == 501 and a["error"]["message"] == b["error"]["message"]
+
+
+def _prometheus(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("llamacpp:")}
+
+
+def test_metrics_carry_llama_servers_series_with_the_same_counts(tiny_dense):
+    """A dashboard made for llama-server reads this server: its llamacpp:* series are here under
+    the same names (n_busy_slots_per_decode aside: see bench/RESULTS.md), and after the same
+    requests the token counts agree."""
+    import pyllama_spec as ps
+
+    theirs = _Process(["-m", str(tiny_dense.target), "-c", str(N_CTX), "-np", "1", "--no-warmup", "-t", "2",
+                       "--metrics"])
+    engine = ps.load(tiny_dense.target, n_ctx=N_CTX)
+    ours = LocalServer(engine, ServerSettings(alias="tiny"))
+    try:
+        for url in (ours.url, theirs.url):
+            for n in (8, 12):
+                assert post(url, "/completion", {"prompt": PROMPT, "n_predict": n, "cache_prompt": False})[0] == 200
+        a, b = _prometheus(ours.url), _prometheus(theirs.url)
+        assert set(b) - set(a) == {"llamacpp:n_busy_slots_per_decode"}
+        for name in ("tokens_predicted_total", "prompt_tokens_total", "prompt_tokens_cached_total",
+                     "n_tokens_max", "spec_decode_num_draft_tokens_total", "requests_processing"):
+            assert a[f"llamacpp:{name}"] == b[f"llamacpp:{name}"], name
+    finally:
+        ours.stop()
+        engine.close()
+        theirs.stop()

@@ -177,9 +177,13 @@ def test_the_openai_client_ignores_the_extension_and_keeps_it_in_model_extra(ser
 
 
 def test_streamed_completions_carry_the_extension_too(served):
-    plain = httpx.post(served.url + "/completion", json={"prompt": "def main(", "n_predict": 20}, timeout=60).json()
+    plain = httpx.post(served.url + "/completion", json={"prompt": "def main(", "n_predict": 20, "return_tokens": True},
+                       timeout=60).json()
     llama = _stream(served, "/completion", {"prompt": "def main(", "n_predict": 20})
-    assert all("pyllama_spec" in e for e in llama) and llama[-1]["stop"] is True
+    # each step's chunk, then (as llama-server) the final body, with no text of its own
+    llama, final = llama[:-1], llama[-1]
+    assert all("pyllama_spec" in e and e["stop"] is False for e in llama)
+    assert final["stop"] is True and final["content"] == "" and "pyllama_spec" not in final
     assert [t["id"] for e in llama for t in e["pyllama_spec"]["tokens"]] == plain["tokens"]
     assert "".join(t["text"] for e in llama for t in e["pyllama_spec"]["tokens"]) == plain["content"]
     _check_steps([e["pyllama_spec"] for e in llama], n_max=7)
@@ -524,7 +528,6 @@ def test_slots_a_client_that_leaves_frees_its_slot_and_the_others_are_unchanged(
     png = _png(22)
     expected = reference("Describe it", png, 64).text
     sched = served_slots.engine.scheduler
-    shared_before = sched.slots_per_step[2]
     with httpx.Client(timeout=120) as c1, httpx.Client(timeout=120) as c2, \
             concurrent.futures.ThreadPoolExecutor(1) as pool:
         with c1.stream("POST", served_slots.url + "/v1/chat/completions", json=long) as first:

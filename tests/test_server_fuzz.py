@@ -52,7 +52,8 @@ logging.getLogger("pyllama_spec").setLevel(logging.ERROR)  # not the template fa
 engine = ps.load(cfg["target"], mmproj=cfg["mmproj"], draft=cfg["draft"], n_ctx=512, n_batch=64, n_ubatch=64,
                  n_threads=cfg["n_threads"], draft_max=4, flash_attn=False)
 settings = ServerSettings(alias="tiny", max_tokens=8, default_max_tokens=4, max_queue=4, max_images=2,
-                          max_image_pixels=128 * 128, max_body_bytes=2**20, allowed_image_dir=Path(cfg["image_dir"]))
+                          max_image_pixels=128 * 128, max_body_bytes=2**20, allowed_image_dir=Path(cfg["image_dir"]),
+                          slot_save_path=Path(cfg["image_dir"]), endpoint_props=True)
 uvicorn.run(create_app(engine, settings), host="127.0.0.1", port=cfg["port"], log_level="error")
 """
 
@@ -177,7 +178,11 @@ class _Fuzzed:
                 if "error" in event:  # an error after the 200 was sent: a request's fault, never the server's
                     assert event["error"].get("type") != "server_error", f"{data} for {what}"
         elif status == 200 and r.request.url.path in ("/v1/chat/completions", "/v1/completions", "/completion"):
-            assert isinstance(_json(r), dict), f"{r.text[:500]} for {what}"
+            body = _json(r)
+            if r.request.url.path == "/completion" and isinstance(body, list):  # several prompts: a list each
+                assert body and all(isinstance(b, dict) for b in body), f"{r.text[:500]} for {what}"
+            else:
+                assert isinstance(body, dict), f"{r.text[:500]} for {what}"
 
     def check_health(self, after: str) -> None:
         t0 = time.monotonic()
@@ -313,7 +318,21 @@ FIELD_VALUES = {
     "messages.0.content": contents,
     "messages.0.role": roles,
     "messages.0.content.parts": st.lists(parts, min_size=1, max_size=3),
-    "prompt": text | st.lists(text, max_size=2) | json_values | st.just("word " * 600),
+    "prompt": text | st.lists(text, max_size=2) | json_values | st.just("word " * 600)
+    # llama-server's shapes: token ids (some outside the vocabulary), mixed, objects, lists of them
+    | st.lists(st.integers(-5, 400) | text, max_size=6)
+    | st.lists(st.lists(st.integers(-2, 300), max_size=4) | text | json_values, max_size=3)
+    | st.fixed_dictionaries({"prompt_string": text | st.lists(st.integers(0, 300) | text, max_size=4) | json_values},
+                            optional={"multimodal_data": st.lists(text, max_size=2) | json_values}),
+    "return_tokens": st.booleans() | json_values,
+    "return_progress": st.booleans() | json_values,
+    "timings_per_token": st.booleans() | json_values,
+    "post_sampling_probs": st.booleans() | json_values,
+    "response_fields": st.lists(text, max_size=3) | json_values,
+    "n_indent": numbers,
+    "t_max_predict_ms": numbers,
+    "n_keep": numbers,
+    "n_discard": numbers,
     "stop": text | st.lists(text, max_size=6) | json_values,
     "max_tokens": numbers | st.just(-1),
     "max_completion_tokens": numbers,
@@ -441,7 +460,9 @@ def test_fuzz_random_bodies_and_content_types(fuzzed, path, body, content_type, 
 ALL_ROUTES = GENERATION_ROUTES + ["/v1/models", "/models", "/health", "/props", "/metrics", "/", "/static/app.js",
                                   "/static/../app.py", "/static/%2e%2e/app.py", "/static/", "/v2/nothing",
                                   "/v1/chat/completions/", "/V1/MODELS", "//health", "/static/\x00",
-                                  "/tokenize", "/detokenize", "/apply-template", "/v1/chat/completions/input_tokens"]
+                                  "/tokenize", "/detokenize", "/apply-template", "/v1/chat/completions/input_tokens",
+                                  "/slots", "/slots/0", "/slots/0?action=save", "/slots/0?action=restore",
+                                  "/slots/0?action=erase", "/slots/-1?action=save", "/slots/99999999999?action=erase"]
 METHODS = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
 path_strings = st.text(st.characters(min_codepoint=33, max_codepoint=0x10FFFF, exclude_characters="?#"),
                        max_size=20).map(lambda s: "/" + s)

@@ -72,7 +72,7 @@ def check_against_reference(tokens: list[int], stops: list[str], cuts: list[int]
     out = _TextAssembler(FakeModel(PIECES), stops)
     live = [s for s in stops if s]
     final, stopped_ref = reference(text_of(tokens), live)
-    released, done, stopped = "", 0, False
+    released, stopped = "", False
     bounds = sorted(set(c % (len(tokens) + 1) for c in cuts) | {0, len(tokens)})
     for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
         chunk = tokens[lo:hi]

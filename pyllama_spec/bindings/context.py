@@ -20,12 +20,15 @@ from pyllama_spec.errors import (
     KVMemoryError,
     NativeCallError,
     check_decode,
+    check_set_lora,
+    check_state,
     forget_native_problems,
 )
 from pyllama_spec.gguf.memory import KV_CACHE_TYPE_FACTS, KV_CACHE_TYPE_NAMES
 
 if TYPE_CHECKING:
     from pyllama_spec.bindings.batch import Batch
+    from pyllama_spec.bindings.lora import LoraAdapter
     from pyllama_spec.bindings.model import Model
 
 #: The ggml type of each KV cache type, by llama.cpp's -ctk / -ctv names. The names and their
@@ -57,6 +60,7 @@ class Context(NativeHandle):
         self._token_batch: Batch | None = None
         self._layer_inputs: set[int] = set()
         self._draft_embeddings = False
+        self._lora: tuple[tuple[LoraAdapter, float], ...] = ()  # what set_lora set: kept alive here
         self.last_decode_rows = 0  # rows of the last successful decode: what the output buffers hold
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
@@ -144,6 +148,39 @@ class Context(NativeHandle):
 
     def set_causal_attn(self, causal: bool) -> None:
         lib.llama_set_causal_attn(self.ptr, causal)
+
+    # --- LoRA adapters
+    def set_lora(self, adapters: Sequence["LoraAdapter"], scales: Sequence[float]) -> None:
+        """Apply these adapters at these scales to every decode from now on (a scale of 0: not
+        applied; no adapters: the model alone). Each must be loaded against this context's model.
+        Setting the set already in use costs nothing (llama.cpp compares them)."""
+        from pyllama_spec.bindings.lora import check_scales
+
+        adapters, scales = list(adapters), check_scales(scales)
+        if len(adapters) != len(scales):
+            raise ValueError(f"{len(adapters)} LoRA adapters but {len(scales)} scales")
+        for a in adapters:
+            if a.model is not self.model:
+                raise ValueError(f"the LoRA adapter {a.path} was loaded against another model than this "
+                                 f"{self.role} context's ({self.model.path.name})")
+        ptrs = ffi.new("struct llama_adapter_lora *[]", [a.ptr for a in adapters] or 1)
+        rc = lib.llama_set_adapters_lora(self.ptr, ptrs, len(adapters), ffi.new("float[]", scales or 1))
+        check_set_lora(rc, role=self.role, n_adapters=len(adapters))
+        for a, _ in self._lora:
+            a.contexts.discard(self)
+        self._lora = tuple(zip(adapters, scales))
+        for a in adapters:
+            a.contexts.add(self)
+
+    @property
+    def lora(self) -> tuple[tuple["LoraAdapter", float], ...]:
+        """The (adapter, scale) pairs the last set_lora applied."""
+        return self._lora
+
+    def drop_lora(self, adapter: "LoraAdapter") -> None:
+        """Stop using ``adapter`` (it is about to be freed); the others keep their scales."""
+        kept = [(a, s) for a, s in self._lora if a is not adapter]
+        self.set_lora([a for a, _ in kept], [s for _, s in kept])
 
     # --- processing
     def decode(self, batch: "Batch") -> None:
@@ -282,3 +319,24 @@ class Memory:
     def pos_max(self, seq_id: int = 0) -> int:
         """Largest position held for the sequence, -1 when empty."""
         return lib.llama_memory_seq_pos_max(self._mem(), seq_id)
+
+    def save_seq(self, seq_id: int) -> bytes:
+        """What the memory holds for one sequence (its KV cells with their positions, or its
+        recurrent state), as llama.cpp serializes it (llama_state_seq_get_data): ``load_seq``
+        puts it back into a context of the same model and cache layout."""
+        forget_native_problems()
+        ctx = self._ctx.ptr
+        size = lib.llama_state_seq_get_size(ctx, seq_id)
+        check_state(size, "llama_state_seq_get_size", role=self._ctx.role, seq_id=seq_id, size=0)
+        buf = bytearray(size)
+        n = lib.llama_state_seq_get_data(ctx, ffi.from_buffer("uint8_t[]", buf), size, seq_id)
+        check_state(n, "llama_state_seq_get_data", role=self._ctx.role, seq_id=seq_id, size=size)
+        return bytes(memoryview(buf)[:n])
+
+    def load_seq(self, seq_id: int, data: bytes) -> int:
+        """Replace what the memory holds for ``seq_id`` with ``data`` from ``save_seq``; the bytes
+        read. On failure (KVMemoryError) llama.cpp has emptied the sequence."""
+        forget_native_problems()
+        n = lib.llama_state_seq_set_data(self._ctx.ptr, ffi.from_buffer("uint8_t[]", data), len(data), seq_id)
+        check_state(n, "llama_state_seq_set_data", role=self._ctx.role, seq_id=seq_id, size=len(data))
+        return n

@@ -224,6 +224,16 @@ class Model(NativeHandle):
         """The vocabulary's mask token (a DFlash draft needs one), or -1."""
         return lib.llama_vocab_mask(self._vocab_ptr())
 
+    @functools.cached_property
+    def fim_tokens(self) -> dict[str, int]:
+        """The vocabulary's fill-in-the-middle tokens by role ("pre", "suf", "mid", "pad", "rep",
+        "sep"), each -1 when it has none (llama.cpp reads them from tokenizer.ggml.fim_*_token_id,
+        or finds them by their text)."""
+        vocab = self._vocab_ptr()
+        return {"pre": lib.llama_vocab_fim_pre(vocab), "suf": lib.llama_vocab_fim_suf(vocab),
+                "mid": lib.llama_vocab_fim_mid(vocab), "pad": lib.llama_vocab_fim_pad(vocab),
+                "rep": lib.llama_vocab_fim_rep(vocab), "sep": lib.llama_vocab_fim_sep(vocab)}
+
     @property
     def add_bos(self) -> bool:
         return bool(lib.llama_vocab_get_add_bos(self._vocab_ptr()))

@@ -6,6 +6,7 @@ import click
 from rich.console import Console
 
 from pyllama_spec.cli.options import (
+    ModelCommand,
     _load_engine_or_exit,
     _sampling,
     _speculative_mode,
@@ -24,6 +25,8 @@ class _PrefillProgress:
         self.bar = None
 
     def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage == "cache":  # the rows reused from the cache: not decoded, no bar
+            return
         if not self.console.is_terminal or total < self.min_rows:
             return
         if self.bar is None:
@@ -50,7 +53,7 @@ CHAT_HELP = """[bold]commands[/bold]
   /quit         leave (Ctrl-D too); Ctrl-C stops a reply and keeps what was said"""
 
 
-@click.command()
+@click.command(cls=ModelCommand)
 @model_options
 @click.option("--system", default=None, help="system message")
 def chat(system, **o) -> None:

@@ -7,6 +7,7 @@ import sys
 import click
 
 from pyllama_spec.cli.options import (
+    ModelCommand,
     _load_engine,
     _sampling,
     err_console,
@@ -15,7 +16,7 @@ from pyllama_spec.cli.options import (
 )
 
 
-@click.command()
+@click.command(cls=ModelCommand)
 @model_options
 @click.option("-p", "--prompt", required=True,
               help="the prompt, sent as one user message through the model's chat template (--raw: as is)")

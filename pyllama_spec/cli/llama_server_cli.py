@@ -8,9 +8,11 @@ read as ``--foo-bar``, and ``LLAMA_ARG_*`` environment variables set the honoure
 
 A preset file (INI: ``[section]`` per model, ``key = value`` with keys named as the long flags
 without their dashes, a short flag's name, or the environment variable; ``[*]`` applies to
-every section) becomes command-line arguments placed before the real ones, which override it.
-This server serves one model per process: a file with several model sections serves the one
-``-a``/``--alias`` names, or the one marked ``load-on-startup = true``.
+every section) gives each model's command-line arguments. As in llama-server, ``serve
+--models-preset FILE`` without a model (``-m``) is a router (``server/router.py``): each section
+a model served by name, each loaded model a ``serve`` process of its own started with the
+section's arguments followed by the router's own (which override them). With ``-m`` the file is
+not read, as in llama-server.
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ _REASONS = (
       "--docker-repo", "-mmu", "--mmproj-url", "--spec-draft-hf", "--offline", "--models-dir",
       "--mmproj-auto", "-cl", "--cache-list"),
      "nothing is downloaded here: give local files with -m, --mmproj, -md"),
-    (("--models-max", "--models-autoload", "--tags", "load-on-startup", "stop-timeout", "dedup-cache-models"),
-     "router option: this server serves one model per process"),
+    (("--tags",), ("a model's tags are listed by the router (a --models-preset section's tags key); one model "
+                   "served alone has no use for them")),
+    (("dedup-cache-models",), "there is no model cache here (nothing is downloaded)"),
     (("-cb", "--cont-batching"), "slots are always batched together here"),
     (("--metrics",), "/metrics is always served here"),
     (("--jinja",), "chat templates are always rendered with Jinja here (llama.cpp's renderer is the fallback)"),
@@ -66,7 +69,7 @@ _REASONS = (
      "thread placement is left to the OS here"),
     (("--spec-draft-threads", "-td", "-tbd"), "the draft runs with the target's threads (-t, -tb) here"),
     (("--rope-", "--yarn-"), "RoPE settings come from the GGUF here"),
-    (("--lora", "--lora-", "--control-vector", "--control-vector-"), "adapters are not loaded here"),
+    (("--control-vector", "--control-vector-"), "control vectors are not loaded here (LoRA adapters are: --lora)"),
     (("-ot", "--override-tensor", "-otd", "-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe", "-ncffn", "--n-cpu-ffn",
       "--spec-draft-cpu-moe", "--spec-draft-n-cpu-moe", "--spec-draft-override-tensor", "-cmoed", "-ncmoed",
       "--override-kv", "--repack", "-nr", "--no-host", "--op-offload", "--check-tensors",
@@ -85,14 +88,14 @@ _REASONS = (
      "this is a generation server: no embeddings or reranking"),
     (("--reasoning", "--reasoning-", "-rea", "--skip-chat-parsing", "--prefill-assistant", "--chat-template-kwargs"),
      "the reply text is returned as generated (no reasoning or tool-call parsing yet)"),
-    (("--slot-save-path", "--slots", "--props", "--lora-init-without-apply"), "that route is not served here"),
     (("--spec-draft-p-split", "--spec-synth-", "--spec-ngram-", "--spec-draft-backend-sampling", "-bs",
       "--backend-sampling", "--adaptive-", "-lcs", "-lcd", "--lookup-cache"),
      "that speculative or sampling option is not implemented here"),
     (("--cache-prompt",), "prompt caching is chosen per request here (cache_prompt, on by default)"),
     (("-h", "--version", "--completion-bash"), "serve has its own --help"),
-    (("--warmup", "--no-warmup", "-e", "--escape", "-sp", "--special", "-r", "--reverse-prompt", "--spm-infill"),
+    (("--warmup", "--no-warmup", "-e", "--escape", "-sp", "--special", "-r", "--reverse-prompt"),
      "not used by the server"),
+    (("--spm-infill",), "/infill lays its prompt out prefix first (the suffix-first order is not offered)"),
     (("--fim-", "--gpt-oss-", "--vision-gemma-", "--embd-gemma-", "--spec-default"),
      "built-in download presets are not available here"),
 )
@@ -166,13 +169,21 @@ del _f, _n
 
 
 class PresetError(ValueError):
-    """A --models-preset file that cannot be read or does not say which model to serve."""
+    """A --models-preset file that cannot be read or served."""
 
 
 @dataclasses.dataclass(frozen=True)
-class Preset:
+class RouterPreset:
+    """One model of a preset file, as the router serves it."""
+
     name: str  # the section: the model name clients use
-    args: list[str]  # as command-line arguments
+    args: list[str]  # the model's `serve` arguments ([*] first, the section after: it overrides)
+    aliases: tuple[str, ...]  # other names for it (its alias key, comma-separated)
+    tags: tuple[str, ...]  # its tags key, comma-separated (shown by GET /models)
+    load_on_startup: bool
+    stop_timeout: int  # seconds a stopping model may take before it is killed
+    ini: str  # the section as llama-server's GET /models shows it (status.preset)
+    mmproj: str | None  # its projector file, for the modalities GET /models lists
     warnings: list[str]
 
 
@@ -192,7 +203,7 @@ def read_presets(path: str | os.PathLike) -> dict[str, list[tuple[str, str]]]:
     common = list(parser["*"].items()) if parser.has_section("*") else []
     sections = {}
     for name in parser.sections():
-        if name != "*" and (name != "default" or len(parser[name])):
+        if name != "*" and (name != "default" or any(k != "version" for k in parser[name])):
             sections[name] = common + list(parser[name].items())
     if not sections and common:
         sections["default"] = common
@@ -227,21 +238,62 @@ def preset_args(pairs: list[tuple[str, str]], source: str) -> tuple[list[str], l
     return args, warnings
 
 
-def choose_preset(path: str | os.PathLike, alias: str | None) -> Preset:
-    """The section of a preset file this server serves (see the module's doc)."""
+#: Keys the router reads itself (by llama-server's environment names): never a child's arguments.
+_ROUTER_KEYS = ("LLAMA_ARG_ALIAS", "LLAMA_ARG_TAGS", "__PRESET_LOAD_ON_STARTUP", "__PRESET_STOP_TIMEOUT")
+#: Keys llama-server's router drops from a section (unset_reserved_args, and the address it
+#: gives each child itself).
+_RESERVED_KEYS = ("LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE",
+                  "LLAMA_ARG_MODELS_DIR", "LLAMA_ARG_MODELS_MAX", "LLAMA_ARG_MODELS_PRESET",
+                  "LLAMA_ARG_MODELS_AUTOLOAD", "LLAMA_ARG_HOST", "LLAMA_ARG_PORT")
+DEFAULT_STOP_TIMEOUT = 10  # seconds, llama-server's
+
+
+def _names(value: str) -> tuple[str, ...]:
+    """Comma-separated names, sorted and each once (llama-server keeps them in a std::set)."""
+    return tuple(sorted({v.strip() for v in value.split(",") if v.strip()}))
+
+
+def router_presets(path: str | os.PathLike) -> list[RouterPreset]:
+    """Every model of a preset file, by name, as llama-server's router reads it: the section's
+    keys ([*] merged) as ``serve`` arguments, less the ones the router keeps (alias, tags,
+    load-on-startup, stop-timeout) or drops (address, keys, router options)."""
     sections = read_presets(path)
-    if not sections:
-        raise PresetError(f"the preset file {path} has no sections")
-    if alias is not None and alias in sections:
-        name = alias
-    elif len(sections) == 1:
-        name = next(iter(sections))
-    else:
-        startup = [n for n, kv in sections.items()
-                   if any(k == "load-on-startup" and v.strip().lower() in _TRUE for k, v in kv)]
-        if len(startup) != 1:
-            raise PresetError(f"{path} has {len(sections)} models ({', '.join(sections)}); this server serves one "
-                              "per process: choose it with -a NAME (or mark one load-on-startup = true)")
-        name = startup[0]
-    args, warnings = preset_args(sections[name], f"[{name}] of {path}")
-    return Preset(name, args, warnings)
+    out = []
+    for name in sorted(sections):
+        source = f"[{name}] of {path}"
+        kept, final, warnings = [], {}, []
+        for key, value in sections[name]:
+            flag = _BY_KEY.get(key)
+            env = flag.env if flag is not None else None
+            if env in _RESERVED_KEYS:
+                warnings.append(f"ignored {key} = {value} in {source}: the router sets it for each model")
+                continue
+            if flag is not None:
+                final[flag] = (key, value)  # the section's value overrides [*]'s
+            if env not in _ROUTER_KEYS:
+                kept.append((key, value))
+        args, more = preset_args(kept, source)
+        given = {f.env: v for f, (_, v) in final.items() if f.env}  # by environment name
+        if given.get("LLAMA_ARG_MODEL") is None:
+            raise PresetError(f"{source} gives no model file (model = PATH): this server loads local files only")
+        timeout = given.get("__PRESET_STOP_TIMEOUT")
+        try:
+            stop_timeout = DEFAULT_STOP_TIMEOUT if timeout is None else int(timeout)
+        except ValueError:
+            warnings.append(f"stop-timeout = {timeout} in {source} is not a number of seconds: "
+                            f"{DEFAULT_STOP_TIMEOUT} s instead (as llama-server)")
+            stop_timeout = DEFAULT_STOP_TIMEOUT
+        ini = [f"[{name}]"]
+        for flag, (key, value) in final.items():
+            if flag.env in ("LLAMA_ARG_ALIAS", "LLAMA_ARG_TAGS"):
+                continue
+            if flag.values == 0 and flag.negative and key in (n.lstrip("-") for n in flag.negative):
+                value = "false" if value.strip().lower() in _TRUE else "true"  # the positive flag's value
+            ini.append(f"{flag.names[-1].lstrip('-')} = " + value.replace("\n", "\\\n"))
+        out.append(RouterPreset(
+            name=name, args=args, aliases=_names(given.get("LLAMA_ARG_ALIAS") or ""),
+            tags=_names(given.get("LLAMA_ARG_TAGS") or ""),
+            load_on_startup=(given.get("__PRESET_LOAD_ON_STARTUP") or "").strip().lower() in _TRUE,
+            stop_timeout=stop_timeout, ini="\n".join(ini) + "\n\n", mmproj=given.get("LLAMA_ARG_MMPROJ"),
+            warnings=warnings + more))
+    return out

@@ -95,6 +95,90 @@ class _LogitBias(click.ParamType):
         return int(m.group(1)), bias
 
 
+def parse_csv_row(value: str) -> list[str]:
+    """llama.cpp's comma-separated values (common/arg.cpp parse_csv_row): a field may be quoted
+    ("a,b.gguf"), "" inside quotes is one quote; empty fields are kept."""
+    fields, field, quoted, i = [], "", False, 0
+    while i < len(value):
+        ch = value[i]
+        if ch == '"' and not quoted and not field:
+            quoted = True
+        elif ch == '"' and quoted:
+            if value[i + 1:i + 2] == '"':
+                field += '"'
+                i += 1
+            else:
+                quoted = False
+        elif ch == "," and not quoted:
+            fields.append(field)
+            field = ""
+        else:
+            field += ch
+        i += 1
+    return [*fields, field]
+
+
+class _Lora(click.ParamType):
+    """--lora FNAME[,FNAME...]: adapters at scale 1."""
+
+    name = "FNAME"
+
+    def convert(self, value, param, ctx):
+        return value if isinstance(value, list) else [(path, 1.0) for path in parse_csv_row(str(value))]
+
+
+class _LoraScaled(click.ParamType):
+    """--lora-scaled FNAME:SCALE[,...], as llama-server writes it."""
+
+    name = "FNAME:SCALE,..."
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, list):
+            return value
+        out = []
+        for item in parse_csv_row(str(value)):
+            parts = item.split(":")
+            if len(parts) != 2:
+                self.fail(f"{item!r} is not FNAME:SCALE (lora-scaled format, as in llama-server)", param, ctx)
+            try:
+                out.append((parts[0], float(parts[1])))
+            except ValueError:
+                self.fail(f"the scale in {item!r} is not a number", param, ctx)
+        return out
+
+
+#: Where ModelCommand keeps the order in which --lora and --lora-scaled were given.
+_LORA_ORDER = "pyllama_spec.lora_order"
+
+
+class ModelCommand(click.Command):
+    """A command with ``model_options``: it remembers the order of --lora and --lora-scaled on the
+    command line, since llama-server numbers the adapters in that order across both flags (the
+    ids GET /lora-adapters and a request's ``lora`` use)."""
+
+    def make_parser(self, ctx: click.Context):
+        parser = super().make_parser(ctx)
+        parse = parser.parse_args
+
+        def parse_args(args):
+            opts, rest, order = parse(args=args)  # order: one entry per option given, in order
+            ctx.meta[_LORA_ORDER] = [p.name for p in order if p.name in ("lora", "lora_scaled")]
+            return opts, rest, order
+
+        parser.parse_args = parse_args
+        return parser
+
+
+def lora_adapters(o: dict) -> list[tuple[str, float]]:
+    """The (path, scale) of every --lora and --lora-scaled adapter, in command-line order."""
+    given = {"lora": list(o.get("lora") or ()), "lora_scaled": list(o.get("lora_scaled") or ())}
+    ctx = click.get_current_context(silent=True)
+    order = ctx.meta.get(_LORA_ORDER) if ctx is not None else None
+    if order is None or len(order) != len(given["lora"]) + len(given["lora_scaled"]):
+        order = ["lora"] * len(given["lora"]) + ["lora_scaled"] * len(given["lora_scaled"])
+    return [adapter for name in order for adapter in given[name].pop(0)]
+
+
 def _predict(value: int) -> int | None:
     return None if value < 0 else value  # -1: no limit but the server's --max-tokens cap
 
@@ -223,6 +307,11 @@ def model_options(f):
         click.option("-j", "--json-schema", "json_schema", default=None, metavar="SCHEMA",
                      help="every reply is JSON following this JSON schema"),
         click.option("-jf", "--json-schema-file", "json_schema_file", default=None, type=click.Path(dir_okay=False)),
+        click.option("--lora", "lora", multiple=True, type=_Lora(),
+                     help="a LoRA adapter of the target (repeatable, or comma-separated), at scale 1"),
+        click.option("--lora-scaled", "lora_scaled", multiple=True, type=_LoraScaled(),
+                     help="a LoRA adapter at a scale, FNAME:SCALE (repeatable, or comma-separated); the "
+                          "adapters' ids follow the order of --lora and --lora-scaled"),
         click.option("-s", "--seed", "seed", type=int, default=0, show_default=True,
                      help="sampling seed (-1: a random one)"),
     ]
@@ -248,7 +337,8 @@ def _load_engine(o: dict):
                   rpc_servers=o["rpc_servers"] or (), devices=o["devices"], device_draft=o["device_draft"],
                   split_mode=o["split_mode"], tensor_split=o["tensor_split"] or (), main_gpu=o["main_gpu"],
                   n_parallel=o.get("n_parallel", 1), draft_min=o["draft_min"], draft_p_min=o["draft_p_min"],
-                  sampling=_sampling(o), chat_template=_chat_template(o), jinja=o["jinja"])
+                  sampling=_sampling(o), chat_template=_chat_template(o), jinja=o["jinja"],
+                  lora=lora_adapters(o), lora_init_without_apply=o.get("lora_init_without_apply", False))
     model, mmproj, draft = o["model"], o["mmproj"], o["draft"]
     if model is None:
         if mmproj or draft:

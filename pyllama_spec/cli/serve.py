@@ -2,10 +2,13 @@
 
 It takes llama-server's command lines: every llama-server flag is honoured or dropped with a
 warning (cli/llama_server_cli.py), ``LLAMA_ARG_*`` variables set the honoured ones, and
-``--models-preset FILE`` reads llama-server's preset files."""
+``--models-preset FILE`` without ``-m`` makes it llama-server's router: each section of the
+preset file a model served by name, in a ``serve`` process of its own (server/router.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +16,7 @@ import click
 
 from pyllama_spec.cli import llama_server_cli
 from pyllama_spec.cli.options import (
+    ModelCommand,
     _load_engine_or_exit,
     _speculative_mode,
     err_console,
@@ -20,7 +24,7 @@ from pyllama_spec.cli.options import (
 )
 
 
-class LlamaServerCommand(click.Command):
+class LlamaServerCommand(ModelCommand):
     """A click command that reads llama-server's command lines (see llama_server_cli)."""
 
     def __init__(self, *args, **kwargs) -> None:
@@ -43,19 +47,38 @@ class LlamaServerCommand(click.Command):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         accepted = self.accepted(ctx)
-        args, preset_warnings = _expand_preset([llama_server_cli.normalised(a) for a in args])
+        args, presets, preset_warnings = _preset_mode([llama_server_cli.normalised(a) for a in args])
         args, warnings = llama_server_cli.translate(args, accepted)
         for w in [*preset_warnings, *warnings, *llama_server_cli.ignored_environment(accepted)]:
             err_console.print(f"[yellow]warning: {w}[/yellow]", soft_wrap=True)
+        if presets is not None:
+            ctx.meta[_ROUTER_PLAN] = RouterPlan(presets, _for_children(args, accepted))
         return super().parse_args(ctx, args)
 
 
-def _expand_preset(args: list[str]) -> tuple[list[str], list[str]]:
-    """--models-preset FILE (or LLAMA_ARG_MODELS_PRESET) replaced by the chosen section's
-    arguments, placed first so that the command line overrides them; the section's name is the
-    model name clients see unless -a gives one."""
-    import os
+_ROUTER_PLAN = "pyllama_spec.serve.router_plan"
+#: The router's own options: not passed on to its models (llama-server's unset_reserved_args).
+_ROUTER_OWN = ("--host", "--port", "--api-key", "--api-key-file", "-a", "--alias", "--models-max",
+               "--models-autoload", "--no-models-autoload", "-mm", "--mmproj")
 
+
+@dataclasses.dataclass(frozen=True)
+class RouterPlan:
+    """What a router serves: the preset's models, and the router's command-line arguments that
+    every model's process takes after its section's (so they override it, as in llama-server)."""
+
+    presets: list[llama_server_cli.RouterPreset]
+    common_args: list[str]
+
+
+def router_plan(ctx: click.Context) -> RouterPlan | None:
+    """The router this command line asks for, or None (one model served in this process)."""
+    return ctx.meta.get(_ROUTER_PLAN)
+
+
+def _preset_mode(args: list[str]) -> tuple[list[str], list | None, list[str]]:
+    """``args`` without --models-preset FILE (or LLAMA_ARG_MODELS_PRESET), the file's models when
+    they make this a router (no -m: llama-server's rule, server.cpp), and warnings."""
     path, rest, i = os.environ.get("LLAMA_ARG_MODELS_PRESET"), [], 0
     while i < len(args):
         if args[i] == "--models-preset" and i + 1 < len(args):
@@ -66,14 +89,33 @@ def _expand_preset(args: list[str]) -> tuple[list[str], list[str]]:
             rest.append(args[i])
             i += 1
     if path is None:
-        return args, []
-    alias = next((rest[k + 1] for k in range(len(rest) - 1) if rest[k] in ("-a", "--alias")), None)
+        return args, None, []
+    if os.environ.get("LLAMA_ARG_MODEL") or any(a in ("-m", "--model") or a.startswith("--model=") for a in rest):
+        why = "a model is given (-m), which is served alone (as llama-server does)"
+        return rest, None, [f"ignored --models-preset {path}: {why}"]
     try:
-        preset = llama_server_cli.choose_preset(path, alias)
+        presets = llama_server_cli.router_presets(path)
     except llama_server_cli.PresetError as e:
         raise click.UsageError(str(e)) from None
-    named = [] if alias is not None or "--alias" in preset.args else ["--alias", preset.name]
-    return [*preset.args, *named, *rest], preset.warnings
+    if not presets:
+        raise click.UsageError(f"the preset file {path} has no models")
+    return rest, presets, [w for p in presets for w in p.warnings]
+
+
+def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
+    """The router's arguments less its own options (and their values)."""
+    out, i = [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            out.extend(args[i:])
+            break
+        name = arg.split("=", 1)[0] if arg.startswith("--") else arg
+        n = 1 + (0 if "=" in arg else accepted.get(name, 0))
+        if name not in _ROUTER_OWN:
+            out.extend(args[i:i + n])
+        i += n
+    return out
 
 
 @click.command(cls=LlamaServerCommand)
@@ -98,8 +140,22 @@ def _expand_preset(args: list[str]) -> tuple[list[str], list[str]]:
 @click.option("-to", "--timeout", "body_timeout", default=60.0, show_default=True, type=click.FloatRange(min=0.1),
               help="seconds a request body may take to arrive (then 408); a request head must arrive "
                    "within 10 s")
+@click.option("--models-max", default=4, show_default=True, type=click.IntRange(min=0),
+              help="router (--models-preset without -m): models loaded at once, each in its own process "
+                   "(0: no limit); one more stops the least recently used idle one")
+@click.option("--models-autoload/--no-models-autoload", default=True, show_default=True,
+              help="router: load a model when a request names it (a request's ?autoload=false overrides)")
+@click.option("--slots/--no-slots", "endpoint_slots", default=True, show_default=True,
+              help="serve GET /slots: what each slot runs, its cache and its speculative state")
+@click.option("--slot-save-path", type=click.Path(file_okay=False, exists=True), default=None,
+              help="a folder for POST /slots/{id}?action=save|restore|erase: a slot's cache to a file and back")
+@click.option("--props", "endpoint_props", is_flag=True, default=False,
+              help="accept POST /props (as in llama-server, no property can be changed yet)")
+@click.option("--lora-init-without-apply", "lora_init_without_apply", is_flag=True, default=False,
+              help="load the --lora adapters at scale 0 (set their scales with POST /lora-adapters)")
 def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed_image_dir, max_images,
-          max_image_pixels, max_body_mib, body_timeout, **o):
+          max_image_pixels, max_body_mib, body_timeout, models_max, models_autoload, endpoint_slots, slot_save_path,
+          endpoint_props, **o):
     """OpenAI- and llama-server-compatible HTTP server (chat with images, speculative stats); takes
     llama-server's flags and --models-preset files. Needs the 'server' extra."""
     try:
@@ -113,13 +169,23 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
         raise click.BadParameter("must be -1 (auto) or at least 1", param_hint="'-np' / '--parallel'")
     parallel = max(parallel, 1)
     keys = _api_keys(api_key, api_key_file)
+    plan = router_plan(click.get_current_context())
+    if plan is not None:
+        _serve_router(plan, host=host, port=port, keys=keys, models_max=models_max, autoload=models_autoload,
+                      max_body_bytes=max_body_mib * 2**20, body_timeout=body_timeout)
+        return
+    if os.environ.get("LLAMA_SERVER_ROUTER_PORT"):  # a router's model: it goes when the router goes
+        from pyllama_spec.server.router import follow_router
+
+        follow_router()
     engine = _load_engine_or_exit({**o, "n_parallel": parallel})
     settings = ServerSettings(alias=alias or Path(engine.model.path).stem, api_key=",".join(keys) or None,
                               max_queue=max_queue, default_max_tokens=_max_tokens(o["max_tokens"]),
                               max_images=max_images, max_image_pixels=max_image_pixels,
                               max_body_bytes=max_body_mib * 2**20,
                               allowed_image_dir=Path(allowed_image_dir) if allowed_image_dir else None,
-                              body_timeout=body_timeout)
+                              body_timeout=body_timeout, endpoint_slots=endpoint_slots, endpoint_props=endpoint_props,
+                              slot_save_path=Path(slot_save_path) if slot_save_path else None)
     mode = _speculative_mode(engine)
     slots = f"{parallel} slots of {engine.ctx.n_ctx_seq} tokens" if parallel > 1 else "1 slot"
     err_console.print(f"[bold]pyllama-spec serve[/bold] · {engine.model.path.name} as '{settings.alias}' · "
@@ -129,6 +195,32 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
 
     with engine:
         serve_app(create_app(engine, settings), host=host, port=port)
+
+
+def _serve_router(plan: RouterPlan, *, host: str, port: int, keys: list[str], models_max: int, autoload: bool,
+                  max_body_bytes: int, body_timeout: float) -> None:
+    from pyllama_spec.server.router import (
+        ModelSpec,
+        RouterSettings,
+        create_router_app,
+        input_modalities,
+    )
+    from pyllama_spec.server.run import serve as serve_app
+
+    specs = [ModelSpec(name=p.name, args=(*p.args, *plan.common_args), aliases=p.aliases, tags=p.tags,
+                       load_on_startup=p.load_on_startup, stop_timeout=p.stop_timeout, preset=p.ini,
+                       input_modalities=input_modalities(p.mmproj)) for p in plan.presets]
+    settings = RouterSettings(models_max=models_max, autoload=autoload, api_key=",".join(keys) or None,
+                              max_body_bytes=max_body_bytes, body_timeout=body_timeout, router_port=port)
+    try:
+        app = create_router_app(specs, settings)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    names = ", ".join(s.name + (" (on startup)" if s.load_on_startup else "") for s in specs)
+    err_console.print(f"[bold]pyllama-spec serve[/bold] · router · {len(specs)} models: {names} · "
+                      f"at most {models_max or 'any number'} loaded · autoload: {'on' if autoload else 'off'} · "
+                      f"http://{host}:{port}/v1", soft_wrap=True)
+    serve_app(app, host=host, port=port)
 
 
 def _max_tokens(n: int) -> int:

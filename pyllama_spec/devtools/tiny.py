@@ -102,6 +102,11 @@ SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, IMAGE_P
 
 TOKENS = BYTE_TOKENS + MERGED_TOKENS + SPECIAL_TOKENS
 N_VOCAB = len(TOKENS)
+#: Fill-in-the-middle tokens (Qwen2.5-Coder's names) by llama.cpp's role, appended after TOKENS by
+#: ``fim=True`` (llama-server's /infill needs pre, suf and mid; rep and sep give the repo-level layout).
+FIM_TOKENS = {"pre": "<|fim_prefix|>", "suf": "<|fim_suffix|>", "mid": "<|fim_middle|>", "pad": "<|fim_pad|>",
+              "rep": "<|repo_name|>", "sep": "<|file_sep|>"}
+FIM_TOKEN_ID = {role: N_VOCAB + i for i, role in enumerate(FIM_TOKENS)}
 TOKEN_ID = {t: i for i, t in enumerate(TOKENS)}
 BOS_TOKEN_ID = PAD_TOKEN_ID = TOKEN_ID[ENDOFTEXT]
 EOS_TOKEN_ID = TOKEN_ID[IM_END]
@@ -127,12 +132,18 @@ CHAT_TEMPLATE = (
 )
 
 
-def _add_tokenizer(w: GGUFWriter, *, with_mask_id: bool = False, chat_template: str = CHAT_TEMPLATE) -> None:
+def _add_tokenizer(w: GGUFWriter, *, with_mask_id: bool = False, chat_template: str = CHAT_TEMPLATE,
+                   fim: bool = False) -> None:
+    tokens = TOKENS + list(FIM_TOKENS.values()) if fim else TOKENS
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "qwen2")
-    w.add_array("tokenizer.ggml.tokens", ValueType.STRING, TOKENS)
-    types = [_TOKEN_TYPE_CONTROL if t in SPECIAL_TOKENS else _TOKEN_TYPE_NORMAL for t in TOKENS]
+    w.add_array("tokenizer.ggml.tokens", ValueType.STRING, tokens)
+    types = [_TOKEN_TYPE_NORMAL] * (len(BYTE_TOKENS) + len(MERGED_TOKENS))
+    types += [_TOKEN_TYPE_CONTROL] * (len(tokens) - len(types))
     w.add_array("tokenizer.ggml.token_type", ValueType.INT32, types)
+    if fim:  # llama.cpp's keys (it would also find these tokens by their text)
+        for role, token in FIM_TOKEN_ID.items():
+            w.add_uint32(f"tokenizer.ggml.fim_{role}_token_id", token)
     w.add_array("tokenizer.ggml.merges", ValueType.STRING, [f"{a} {b}" for a, b in MERGES])
     w.add_uint32("tokenizer.ggml.bos_token_id", BOS_TOKEN_ID)
     w.add_uint32("tokenizer.ggml.eos_token_id", EOS_TOKEN_ID)
@@ -283,10 +294,13 @@ def _add_ffn(w: GGUFWriter, r: _Weights, i: int, n_embd: int, n_ff: int) -> None
 # -- target ------------------------------------------------------------------------
 
 
-def _embedding_and_head(r: _Weights, g: _Geometry, predictable: float) -> tuple[np.ndarray, np.ndarray]:
+def _embedding_and_head(r: _Weights, g: _Geometry, predictable: float, fim_seed: int | None = None
+                        ) -> tuple[np.ndarray, np.ndarray]:
     """Token embedding and output head, with the `predictable` structure (module docstring).
 
-    Drawn in float64 at every width (N_VOCAB rows only), stored as ``r.dtype``."""
+    Drawn in float64 at every width (N_VOCAB rows only), stored as ``r.dtype``. With ``fim_seed``,
+    the FIM tokens' rows follow, drawn from a generator of their own seeded so (the other rows stay
+    the same), with zero output rows like every control token's."""
     n_embd = g.n_embd
     embd = r.rng.standard_normal((N_VOCAB, n_embd))
     head = r.rng.standard_normal((N_VOCAB, n_embd)) * g.output_std
@@ -308,15 +322,22 @@ def _embedding_and_head(r: _Weights, g: _Geometry, predictable: float) -> tuple[
         coef[MASK_TOKEN_ID] = 2 * _SHARED_COEF
         embd += np.outer(coef, shared)
     head[FIRST_SPECIAL_ID:] = 0.0  # never choose control tokens (e.g. EOS)
+    if fim_seed is not None:
+        extra = np.random.default_rng(fim_seed).standard_normal((len(FIM_TOKENS), n_embd))
+        embd = np.concatenate([embd, extra])
+        head = np.concatenate([head, np.zeros_like(extra)])
     return embd.astype(np.float32).astype(r.dtype), head.astype(np.float32).astype(r.dtype)
 
 
 def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n_embd: int = 64,
                  n_layer: int = 4, n_ff: int = 128, predictable: float = 0.0,
-                 n_deepstack: int | None = None, dtype: str = "f32", chat_template: str = CHAT_TEMPLATE) -> Path:
+                 n_deepstack: int | None = None, dtype: str = "f32", chat_template: str = CHAT_TEMPLATE,
+                 fim: bool = False) -> Path:
     """Write a tiny M-RoPE target (one of ``TARGET_ARCHS``) that can feed a DFlash draft.
 
     ``chat_template`` is the ``tokenizer.chat_template`` it carries (a minimal ChatML by default).
+    ``fim=True`` adds the fill-in-the-middle tokens (``FIM_TOKENS``, ids ``FIM_TOKEN_ID``) after
+    the others, with llama.cpp's ``tokenizer.ggml.fim_*_token_id`` keys (llama-server's /infill).
 
     Heads: at ``n_embd`` 64, 4 query heads, 2 KV heads, head dim 16 (M-RoPE sections
     [2, 3, 3, 0]); at a wider ``n_embd`` (a multiple of 128), heads of 64, ``n_embd // 64``
@@ -361,9 +382,9 @@ def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n
         w.add_uint32("qwen35.ssm.time_step_rank", g.n_head)
         w.add_uint32("qwen35.ssm.inner_size", g.n_head * g.head_dim)
         w.add_uint32("qwen35.full_attention_interval", 2)
-    _add_tokenizer(w, chat_template=chat_template)
+    _add_tokenizer(w, chat_template=chat_template, fim=fim)
 
-    embd, head = _embedding_and_head(r, g, predictable)
+    embd, head = _embedding_and_head(r, g, predictable, fim_seed=seed + 3_000_017 if fim else None)
     w.add_tensor("token_embd.weight", embd)
     w.add_tensor("output_norm.weight", _ones(n_embd))
     w.add_tensor("output.weight", head)
@@ -557,8 +578,9 @@ def write_draft(path: str | Path, *, target_n_embd: int = 64, target_layers: tup
                 n_layer: int = 1, n_ff: int = 128, seed: int = 0, dtype: str = "f32",
                 dflash2: bool = False, selector_top_k: int = DFLASH2_SELECTOR_TOP_K,
                 selector_rank: int = DFLASH2_SELECTOR_RANK, conv_kernel_size: int = DFLASH2_CONV_KERNEL_SIZE,
-                conv_group_size: int = DFLASH2_CONV_GROUP_SIZE) -> Path:
-    """Write a tiny ``dflash`` draft for a target of width ``target_n_embd``.
+                conv_group_size: int = DFLASH2_CONV_GROUP_SIZE, fim: bool = False) -> Path:
+    """Write a tiny ``dflash`` draft for a target of width ``target_n_embd`` (``fim``: for a target
+    written with ``fim=True``, whose vocabulary it shares).
 
     Head geometry as in ``write_target`` (64 or a multiple of 128), but temporal-only
     rope sections [head_dim / 2, 0, 0, 0]; ``dtype`` as in ``write_target``.
@@ -599,7 +621,7 @@ def write_draft(path: str | Path, *, target_n_embd: int = 64, target_layers: tup
     if sliding_window:
         w.add_uint32("dflash.attention.sliding_window", sliding_window)
         w.add_array("dflash.attention.sliding_window_pattern", ValueType.BOOL, [True] * n_layer)
-    _add_tokenizer(w, with_mask_id=True)
+    _add_tokenizer(w, with_mask_id=True, fim=fim)
 
     w.add_tensor("fc.weight", r.mat(n_embd, len(target_layers) * n_embd))
     w.add_tensor("enc.output_norm.weight", _ones(n_embd))
@@ -701,6 +723,7 @@ class _SetSpec:
     n_ff: int = 128
     dtype: str = "f32"
     dflash2: bool = False
+    fim: bool = False  # the vocabulary has FIM tokens (write_target's fim)
     # kind / n_embd / n_ff / dtype enter the file-name hash only for the bench set, whose sizes are
     # parameters; the tiny set's are fixed, and leaving them out keeps its cached file names valid
     sizes_in_key: bool = False
@@ -724,6 +747,8 @@ class _SetSpec:
             key.update(kind=self.prefix, n_embd=self.n_embd, n_ff=self.n_ff, dtype=self.dtype)
         if self.dflash2:  # only when set, so the names of the plain sets do not change
             key["dflash2"] = True
+        if self.fim:
+            key["fim"] = True
         return key
 
 
@@ -738,7 +763,7 @@ def _make_set(folder: str | Path, spec: _SetSpec) -> TinyModels:
     if not models.target.exists():
         _write_atomic(write_target, models.target, arch=spec.arch, seed=spec.seed, n_embd=spec.n_embd,
                       n_layer=spec.n_layer, n_ff=spec.n_ff, predictable=spec.predictable, dtype=spec.dtype,
-                      **deep)
+                      fim=spec.fim, **deep)
     if not models.mmproj.exists():
         _write_atomic(write_mmproj, models.mmproj, target_n_embd=spec.n_embd, seed=spec.seed, dtype=spec.dtype,
                       **proj)
@@ -747,13 +772,14 @@ def _make_set(folder: str | Path, spec: _SetSpec) -> TinyModels:
         _write_atomic(write_draft, models.draft, target_n_embd=spec.n_embd, target_layers=spec.target_layers,
                       target_n_layer=spec.n_layer, block_size=spec.block_size, sliding_window=spec.window,
                       n_layer=spec.draft_n_layer, n_ff=spec.n_ff, seed=spec.seed, dtype=spec.dtype,
-                      dflash2=spec.dflash2)
+                      dflash2=spec.dflash2, fim=spec.fim)
     return models
 
 
 def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, window: int | None = 32,
                   predictable: float = 0.5, n_layer: int = 4, target_layers: tuple[int, ...] = (1, 3),
-                  block_size: int = 16, draft_n_layer: int = 1, dflash2: bool = False) -> TinyModels:
+                  block_size: int = 16, draft_n_layer: int = 1, dflash2: bool = False, fim: bool = False
+                  ) -> TinyModels:
     """Write (or reuse) a target, mmproj and draft that fit together, in ``folder``.
 
     ``arch`` is one of ``TARGET_ARCHS``; a ``qwen3vl`` set gets a ``qwen3vl_merger`` mmproj
@@ -762,11 +788,13 @@ def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0
     parameters (and ``GENERATOR_VERSION``), so a second call with the same parameters
     reuses them.  ``dflash2=True`` makes the draft a DFlash2 draft (``write_draft(dflash2=True)``,
     default selector / convolution sizes); it enters the hash only when set, so the
-    names of the plain sets do not change.
+    names of the plain sets do not change. ``fim=True`` gives the target and draft the FIM tokens
+    (``write_target(fim=True)``), for /infill; it too enters the hash only when set.
     """
     return _make_set(folder, _SetSpec(
         prefix="tiny", arch=arch, seed=seed, window=window, predictable=predictable, n_layer=n_layer,
-        target_layers=tuple(target_layers), block_size=block_size, draft_n_layer=draft_n_layer, dflash2=dflash2))
+        target_layers=tuple(target_layers), block_size=block_size, draft_n_layer=draft_n_layer, dflash2=dflash2,
+        fim=fim))
 
 
 def bench_n_params(*, n_embd: int = 1024, n_layer: int = 12, n_ff: int = 2816, arch: str = "hunyuan_vl",

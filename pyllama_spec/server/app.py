@@ -1,7 +1,10 @@
 """The ASGI application: the routes of ``generation`` (OpenAI's chat and completions,
-llama-server's /completion), ``info`` (/v1/models, /health, /props, /metrics, the chat page) and
-``tokens`` (llama-server's /tokenize, /detokenize, /apply-template, chat input_tokens), each behind
-the API-key check, with OpenAI-style errors for everything that goes wrong.
+llama-server's /completion), ``info`` (/v1/models, /health, /props, /metrics, the chat page),
+``tokens`` (llama-server's /tokenize, /detokenize, /apply-template, chat input_tokens) and
+``slots`` (llama-server's /slots and slot save/restore/erase), ``infill`` (/infill) and
+``not_served`` (the embedding and reranking routes, answered as llama-server without
+--embeddings answers them), each behind the API-key check, with OpenAI-style errors for
+everything that goes wrong.
 
 The app holds a ``Service`` (an ``EngineWorker``: one thread owning the Engine) and never
 touches native objects itself. Build it with ``create_app(engine, ServerSettings(...))`` and run
@@ -18,9 +21,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
-from pyllama_spec.server import generation, info, tokens
+from pyllama_spec.server import generation, infill, info, lora, not_served, slots, tokens
 from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.service import (
+    ERROR_HANDLERS,
     ServerSettings,
     Service,
     engine_error,
@@ -31,7 +35,7 @@ from pyllama_spec.serving.engine import Engine
 __all__ = ["ServerSettings", "create_app"]
 
 #: The modules whose ``routes(service)`` the app serves.
-_ROUTE_MODULES = (generation, info, tokens)
+_ROUTE_MODULES = (generation, info, tokens, slots, lora, infill, not_served)
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starlette:
@@ -63,13 +67,6 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
         finally:
             await asyncio.get_running_loop().run_in_executor(None, service.stop)
 
-    async def not_found(request: Request, exc) -> Response:
-        return error_response(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
-
-    async def bad_method(request: Request, exc) -> Response:
-        return error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}",
-                                       code="method_not_allowed"))
-
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found, 405: bad_method})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS)
     app.state.service = service
     return app

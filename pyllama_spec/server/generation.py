@@ -17,6 +17,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pyllama_spec.server.errors import APIError
+from pyllama_spec.server.llama_fields import (
+    FinalFields,
+    Progress,
+    check_post_sampling_probs,
+    final_body,
+    generation_settings,
+    post_sampling_entries,
+    prompt_text,
+    select_fields,
+    wants,
+)
 from pyllama_spec.server.schema import GenerationRequest, parse_chat, parse_completion
 from pyllama_spec.server.service import (
     PARSE_ON_A_THREAD_ABOVE,
@@ -53,6 +64,12 @@ async def generation(service: Service, request: Request, parse) -> Response:
         req = await asyncio.get_running_loop().run_in_executor(None, parse, body, service.limits)
     else:
         req = parse(body, service.limits)
+    return await answer(service, request, req)
+
+
+async def answer(service: Service, request: Request, req: GenerationRequest) -> Response:
+    """Run a parsed request (its jobs queued now) and answer it whole or as server-sent events."""
+    check_post_sampling_probs(req, service.engine.config.sampling)
     jobs = service.submit(req)
     if req.stream:
         return EventSourceResponse(_stream_events(service, req, jobs), ping=15)
@@ -92,14 +109,83 @@ def speculation(piece) -> dict:
     return {"tokens": tokens, "drafted": piece.drafted, "accepted": piece.from_draft}
 
 
-def usage(stats) -> dict:
-    """OpenAI's usage of one generation's stats, or of a request's choices (a list): the prompt
-    counted once, the completions summed."""
+def usage(stats, n: int = 1) -> dict:
+    """OpenAI's usage of one generation's stats, or of a request's choices (a list, ``n`` choices
+    per prompt, prompt by prompt): each prompt counted once, the completions summed. (llama-server
+    reports the first choice's usage alone.)"""
     every = stats if isinstance(stats, list) else [stats]
-    first, completion = every[0], sum(s.generated_tokens for s in every)
-    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": first.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": first.prompt_reused}}
+    prompts = every[::n]
+    prompt, cached = sum(s.prompt_tokens for s in prompts), sum(s.prompt_reused for s in prompts)
+    completion = sum(s.generated_tokens for s in every)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _text(c: _Choice) -> str:
+    """A choice's whole text: its pieces, less what llama-server's n_indent cut from the last line."""
+    text = "".join(c.text)
+    retract = c.last.ending.retract if c.last.ending is not None else 0
+    return text[:len(text) - retract] if retract else text
+
+
+async def _off_loop(big: bool, fn, *args):
+    """``fn(*args)``: on a thread when ``big`` (native work linear in a long input), else here."""
+    if big:
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+    return fn(*args)
+
+
+async def _grammar(args: dict) -> str:
+    """The grammar a generation follows (a json_schema's as llama-server converts it), for its settings."""
+    if args.get("grammar"):
+        return args["grammar"]
+    if args.get("json_schema") is None:
+        return ""
+    from pyllama_spec.bindings.grammar import json_schema_to_grammar
+
+    return await _off_loop(True, json_schema_to_grammar, args["json_schema"])
+
+
+def _probabilities(service: Service, req: GenerationRequest, logprobs) -> list[dict]:
+    entries = service.logprobs.entries(logprobs)
+    return post_sampling_entries(entries) if req.options.post_sampling_probs else entries
+
+
+async def _llama_final(service: Service, req: GenerationRequest, job: Job, index: int, c: _Choice,
+                       id_slot) -> dict:
+    """llama-server's final /completion body of one choice (``c`` gathered from its job's pieces;
+    in a stream the chunks carried the text, tokens and probabilities, and it holds none)."""
+    opts, last, model = req.options, c.last, service.engine.model
+    paths, ending = opts.response_fields, last.ending
+    prompt = ""
+    if wants(paths, "prompt"):
+        prompt = await _off_loop(sum(len(a) for a in ending.prompt) > 4096, prompt_text, model, ending.prompt)
+    settings = {}
+    if wants(paths, "generation_settings"):
+        settings = generation_settings(service, job.engine_args, stream=req.stream, options=opts,
+                                       grammar=await _grammar(job.engine_args))
+    streamed = req.stream
+    fields = FinalFields(index=index, content="" if streamed else _text(c),
+                         tokens=c.tokens if opts.return_tokens and not streamed else [], id_slot=id_slot,
+                         model=service.settings.alias, prompt=prompt, has_new_line=c.has_new_line,
+                         settings=settings)
+    body = final_body(fields, last, timings(last.stats))
+    if not streamed:
+        probs = await _final_logprobs(service, req, c)
+        if probs:
+            body["completion_probabilities"] = probs
+    return select_fields(paths, body)
+
+
+async def _final_logprobs(service: Service, req: GenerationRequest, c: _Choice) -> list[dict]:
+    """A whole answer's probabilities, as llama-server gives them: after a stop string, less as
+    many of the last as the stop string has tokens."""
+    logprobs, ending = c.logprobs, c.last.ending
+    if logprobs and ending is not None and ending.stop_type == "word":
+        word = ending.stopping_word
+        n = len(await _off_loop(len(word) > 4096, service.engine.model.tokenize, word))
+        logprobs = logprobs[:max(0, len(logprobs) - n)]
+    return _probabilities(service, req, logprobs)
 
 
 def _ids(req: GenerationRequest) -> tuple[str, str]:
@@ -122,6 +208,7 @@ class _Choice:
     tokens: list = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)
     last: Any = None
+    has_new_line: bool = False  # llama-server's: a newline was streamed
 
 
 async def _gather(job: Job) -> _Choice:
@@ -132,19 +219,16 @@ async def _gather(job: Job) -> _Choice:
             out.text.append(value.text)
             out.tokens.extend(value.tokens)
             out.logprobs.extend(value.logprobs)
+            out.has_new_line = out.has_new_line or "\n" in value.text
             out.last = value
         elif kind == "error":
             raise engine_error(value)
-        else:
+        elif kind != "progress":
             break
     if out.last is None or out.last.stats is None:  # ended without its last piece: stopped under it
         raise APIError(503, "the generation was stopped before it finished (the server is stopping)",
                        type="server_error", code="cancelled")
     return out
-
-
-def _stop_type(finish_reason: str | None) -> str:
-    return "limit" if finish_reason == "length" else "eos"
 
 
 async def _complete(service: Service, req: GenerationRequest, jobs: list[Job], request: Request) -> Response:
@@ -164,30 +248,23 @@ async def _complete(service: Service, req: GenerationRequest, jobs: list[Job], r
     model = service.settings.alias
     asked = req.engine_args.get("logprobs") is not None
     if req.kind == "llama":
-        bodies = []
-        for i, c in enumerate(choices):
-            stats = c.last.stats
-            body = {"index": i, "content": "".join(c.text), "tokens": c.tokens, "model": model,
-                    "stop": True, "stop_type": _stop_type(c.last.finish_reason),
-                    "tokens_predicted": stats.generated_tokens, "tokens_evaluated": stats.prompt_tokens,
-                    "tokens_cached": stats.prompt_reused, "timings": timings(stats)}
-            if asked:
-                body["completion_probabilities"] = service.logprobs.entries(c.logprobs)
-            bodies.append(body)
-        return JSONResponse(bodies[0] if len(bodies) == 1 else bodies)  # llama-server: a list for n_cmpl > 1
+        bodies = [await _llama_final(service, req, jobs[i], i, c, id_slot=jobs[i].slot) for i, c in enumerate(choices)]
+        # llama-server: a list for several prompts or n_cmpl > 1, indexed prompt by prompt
+        return JSONResponse(bodies[0] if len(bodies) == 1 else bodies)
     out = []
     for i, c in enumerate(choices):
         # llama-server answers OpenAI's chat shape {"content": [...]} on both routes
+        probs = await _final_logprobs(service, req, c) if asked else []
         choice: dict = {"index": i, "finish_reason": c.last.finish_reason,
-                        "logprobs": {"content": service.logprobs.entries(c.logprobs)} if asked else None}
+                        "logprobs": {"content": probs} if probs else None}  # llama-server: null when none
         if req.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": "".join(c.text)}
+            choice["message"] = {"role": "assistant", "content": _text(c)}
         else:
-            choice["text"] = "".join(c.text)
+            choice["text"] = _text(c)
         out.append(choice)
     stats = [c.last.stats for c in choices]
     return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": out,
-                         "usage": usage(stats), "timings": timings(stats[0])})
+                         "usage": usage(stats, req.n), "timings": timings(stats[0])})
 
 
 async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
@@ -200,7 +277,7 @@ async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
                 i = waiting.pop(future)
                 kind, value = future.result()
                 yield i, kind, value
-                if kind == "piece":
+                if kind in ("piece", "progress"):
                     waiting[asyncio.ensure_future(jobs[i].events.get())] = i
     finally:
         for future in waiting:
@@ -208,15 +285,19 @@ async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
 
 
 async def _stream_events(service: Service, req: GenerationRequest, jobs: list[Job]) -> AsyncIterator[dict]:
-    """Server-sent events: OpenAI chunks ending with [DONE] (llama-server's chunks for /completion),
-    each naming its choice by ``index``."""
+    """Server-sent events: OpenAI chunks ending with [DONE] (llama-server's chunks for /completion,
+    each step's, then the final body), each naming its choice by ``index``; with return_progress,
+    a chunk with ``prompt_progress`` after each prompt batch; with timings_per_token, ``timings``
+    in every chunk."""
     rid, _ = _ids(req)
     created, model = int(time.time()), service.settings.alias
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
     asked = req.engine_args.get("logprobs") is not None
+    per_token = req.options.timings_per_token
+    progress = [Progress() for _ in jobs]
 
     def chunk(i: int, delta_text: str | None, finish: str | None, role: bool = False, piece=None) -> dict:
-        lp = {"content": service.logprobs.entries(piece.logprobs)} if asked and piece is not None else None
+        lp = {"content": _probabilities(service, req, piece.logprobs)} if asked and piece is not None else None
         if req.kind == "chat":
             delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else
                                                                       {"content": delta_text})
@@ -225,13 +306,39 @@ async def _stream_events(service: Service, req: GenerationRequest, jobs: list[Jo
             c = {"index": i, "text": delta_text or "", "logprobs": lp, "finish_reason": finish}
         out = {"id": rid, "object": obj, "created": created, "model": model, "choices": [c]}
         if piece is not None:
+            if per_token:
+                out["timings"] = timings(piece.so_far or piece.stats)
             out["pyllama_spec"] = speculation(piece)  # an extension: clients ignore unknown fields
         return out
+
+    def progress_chunk(i: int, value) -> dict:
+        at = progress[i].event(value)
+        if req.kind == "llama":
+            return {"index": i, "content": "", "tokens": [], "stop": False, "id_slot": jobs[i].slot,
+                    "tokens_predicted": 0, "tokens_evaluated": at["total"], "prompt_progress": at}
+        if req.kind == "chat":  # llama-server: the role's delta, with content null
+            c = {"index": i, "delta": {"role": "assistant", "content": None}, "finish_reason": None}
+        else:
+            c = {"index": i, "text": "", "logprobs": None, "finish_reason": None}
+        return {"id": rid, "object": obj, "created": created, "model": model, "choices": [c], "prompt_progress": at}
+
+    def llama_chunk(i: int, piece) -> dict:
+        now = piece.so_far or piece.stats
+        event = {"index": i, "content": piece.text, "tokens": list(piece.tokens), "stop": False,
+                 "id_slot": jobs[i].slot, "tokens_predicted": now.generated_tokens,
+                 "tokens_evaluated": now.prompt_tokens}
+        if per_token:
+            event["timings"] = timings(now)
+        if asked and piece.logprobs:
+            event["completion_probabilities"] = _probabilities(service, req, piece.logprobs)
+        event["pyllama_spec"] = speculation(piece)
+        return event
 
     def data(obj_: dict) -> dict:
         return {"data": json.dumps(obj_, ensure_ascii=False)}
 
     final_stats = {}
+    streamed_new_line = [False] * len(jobs)
     try:
         if req.kind == "chat":
             for i in range(len(jobs)):
@@ -243,16 +350,17 @@ async def _stream_events(service: Service, req: GenerationRequest, jobs: list[Jo
                     return
                 if kind == "done":
                     continue
+                if kind == "progress":
+                    yield data(progress_chunk(i, piece))
+                    continue
                 if req.kind == "llama":
-                    event = {"index": i, "content": piece.text, "tokens": list(piece.tokens),
-                             "stop": piece.stats is not None, "pyllama_spec": speculation(piece)}
-                    if asked:
-                        event["completion_probabilities"] = service.logprobs.entries(piece.logprobs)
+                    # each step's tokens, then (as llama-server) the final body with empty content
+                    if piece.text or piece.tokens:
+                        yield data(llama_chunk(i, piece))
                     if piece.stats is not None:
-                        event.update(model=model, stop_type=_stop_type(piece.finish_reason),
-                                     tokens_predicted=piece.stats.generated_tokens,
-                                     tokens_evaluated=piece.stats.prompt_tokens, timings=timings(piece.stats))
-                    yield data(event)
+                        last = _Choice(last=piece, has_new_line=streamed_new_line[i] or "\n" in piece.text)
+                        yield data(await _llama_final(service, req, jobs[i], i, last, id_slot=jobs[i].slot))
+                    streamed_new_line[i] = streamed_new_line[i] or "\n" in piece.text
                     continue
                 # A step whose text is held back (a partial character, a possible stop string) still
                 # gets its chunk, with empty content, so that every token's origin is reported.
@@ -266,7 +374,7 @@ async def _stream_events(service: Service, req: GenerationRequest, jobs: list[Jo
         if req.kind != "llama":
             if req.include_usage and len(final_stats) == len(jobs):
                 yield data({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                            "usage": usage([final_stats[i] for i in sorted(final_stats)])})
+                            "usage": usage([final_stats[i] for i in sorted(final_stats)], req.n)})
             yield {"data": "[DONE]"}
     finally:
         for job in jobs:

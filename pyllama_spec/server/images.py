@@ -43,6 +43,15 @@ def decode_image_url(url: str, limits: ImageLimits, where: str) -> bytes:
     return data
 
 
+def check_image_bytes(data: bytes, limits: ImageLimits, where: str) -> bytes:
+    """Encoded image bytes (from base64 a request sent: llama-server's multimodal_data), checked as
+    an image_url's are; raises a 400 APIError."""
+    if len(data) > limits.max_bytes:
+        raise _error(f"{where}: the image is larger than {limits.max_bytes} bytes", where)
+    _check_decodable(data, limits, where)
+    return data
+
+
 def _data_uri(url: str, limits: ImageLimits, where: str) -> bytes:
     header, sep, payload = url[5:].partition(",")
     # RFC 2397: data:[<mediatype>][;param=value]*[;base64],<data>; the media type and the

@@ -1,5 +1,5 @@
-"""The routes that describe the server: /v1/models, /health, /props, /metrics, and the chat
-page at / with its files under /static/."""
+"""The routes that describe the server: /v1/models, /health, /props (and POST /props),
+/metrics, and the chat page at / with its files under /static/."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.staticfiles import StaticFiles
 
 from pyllama_spec import __version__
-from pyllama_spec.server.service import RouteSpec, Service
+from pyllama_spec.server.errors import APIError, bad_request
+from pyllama_spec.server.schema import parse_json_body
+from pyllama_spec.server.service import RouteSpec, Service, read_body
+from pyllama_spec.server.slots import generation_params
 
 #: The chat page's files (HTML, CSS, JavaScript), served at / and /static/.
 STATIC_DIR = Path(__file__).parent / "static"
@@ -27,6 +30,7 @@ def routes(service: Service) -> list[RouteSpec]:
         *((p, ["GET"], lambda r: _models(service)) for p in ("/v1/models", "/models")),
         *((p, ["GET"], lambda r: _health(service)) for p in ("/health", "/v1/health")),
         ("/props", ["GET"], lambda r: _props(service)),
+        ("/props", ["POST"], lambda r: _set_props(service, r)),
         ("/metrics", ["GET"], lambda r: _metrics(service)),
         ("/", ["GET"], lambda r: _page()),
     ]
@@ -51,13 +55,22 @@ async def _page() -> Response:
 
 
 async def _models(service: Service) -> Response:
-    f = service.facts
+    """llama-server's answer: OpenAI's ``data`` and, beside it, the ``models`` list (Ollama's
+    shape) that llama-server also gives. ``meta.n_ctx`` is a slot's context, as there; ``meta``
+    lacks llama-server's ``vocab_type`` and ``ftype`` (not read here), and ``data`` entries also
+    carry ``capabilities`` and ``meta.speculative`` (extensions)."""
+    f, alias = service.facts, service.settings.alias
     caps = ["completion"] + (["multimodal"] if f["vision"] or f["audio"] else [])
-    entry = {"id": service.settings.alias, "object": "model", "created": service.started, "owned_by": "pyllama-spec",
-             "capabilities": caps,
-             "meta": {"n_ctx": f["n_ctx"], "n_vocab": f["n_vocab"], "n_params": f["n_params"], "size": f["size"],
+    entry = {"id": alias, "aliases": [alias], "tags": [], "object": "model", "created": service.started,
+             "owned_by": "pyllama-spec", "capabilities": caps,
+             "meta": {"n_vocab": f["n_vocab"], "n_ctx": f["n_ctx_slot"], "n_ctx_train": f["n_ctx_train"],
+                      "n_embd": f["n_embd"], "n_params": f["n_params"], "size": f["size"],
                       "speculative": service.engine.config.spec_type}}
-    return JSONResponse({"object": "list", "data": [entry]})
+    model = {"name": alias, "model": alias, "modified_at": "", "size": "", "digest": "", "type": "model",
+             "description": "", "tags": [""], "capabilities": caps, "parameters": "",
+             "details": {"parent_model": "", "format": "gguf", "family": "", "families": [""],
+                         "parameter_size": "", "quantization_level": ""}}
+    return JSONResponse({"models": [model], "object": "list", "data": [entry]})
 
 
 async def _health(service: Service) -> Response:
@@ -65,23 +78,52 @@ async def _health(service: Service) -> Response:
 
 
 async def _props(service: Service) -> Response:
-    f, d = service.facts, service.engine.drafter
+    """llama-server's fields that apply (it also gives model_ftype, ui_settings,
+    chat_template_caps: not read here), and this project's: ``default_generation_settings`` also
+    holds ``max_tokens`` and the ``speculative`` settings (the chat page reads them)."""
+    f, d, settings = service.facts, service.engine.drafter, service.settings
     return JSONResponse({
-        "model_alias": service.settings.alias,
+        "model_alias": settings.alias,
         "model_path": f["model_path"],
         "build_info": f"pyllama-spec {__version__}",
         "total_slots": service.engine.config.n_parallel,
         "chat_template": f["chat_template"],
+        "bos_token": f["bos_token"],
+        "eos_token": f["eos_token"],
         "media_marker": f["media_marker"],
-        "modalities": {"vision": f["vision"], "audio": f["audio"]},
+        "modalities": {"vision": f["vision"], "video": False, "audio": f["audio"]},
+        "endpoint_slots": settings.endpoint_slots,
+        "endpoint_props": settings.endpoint_props,
+        "endpoint_metrics": True,  # always served here
+        "ui": True,  # the chat page at /
+        "is_sleeping": False,
+        "cors_proxy_enabled": False,
         "default_generation_settings": {
-            "n_ctx": f["n_ctx"], "max_tokens": service.settings.default_max_tokens,
+            "params": generation_params(service, {}, False),
+            "n_ctx": f["n_ctx_slot"], "max_tokens": settings.default_max_tokens,
             "speculative": {"type": service.engine.config.spec_type, "n_max": service.engine.draft_max,
                             "n_min": d.n_min if d else 0, "n_max_limit": d.n_max_limit if d else 0,
                             "draft_positions": service.engine.positions.draft_positions,
                             "tree": service.engine.config.draft_tree},
         },
     })
+
+
+async def _set_props(service: Service, request) -> Response:
+    """llama-server's POST /props: only with --props, and it changes nothing (its pin has no
+    property to change). An empty body or {} is answered as there; a property named is refused
+    here (a 400 saying nothing can change), where llama-server says success and ignores it."""
+    if not service.settings.endpoint_props:
+        raise APIError(501, "This server does not support changing global properties. Start it with `--props`",
+                       type="not_supported_error", code="not_supported")
+    raw = await read_body(request, 64 * 1024, service.settings.body_timeout)  # no property needs more
+    body = parse_json_body(raw) if raw.strip() else {}
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    if body:
+        raise bad_request(f"no server property can be changed here (llama-server's POST /props changes none "
+                          f"either); got {', '.join(sorted(body))[:200]}", next(iter(body)))
+    return JSONResponse({"success": True})
 
 
 async def _metrics(service: Service) -> Response:

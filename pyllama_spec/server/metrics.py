@@ -48,4 +48,43 @@ class ServerMetrics:
             metric("queue_depth", "gauge", "requests waiting for a slot", [("", queue_depth)])
             metric("busy", "gauge", "generations running (at most the slots)", [("", running)])
             metric("slots", "gauge", "sequence slots (-np)", [("", slots)])
+            lines.extend(self._llama_server_series(queue_depth=queue_depth, running=running))
             return "\n".join(lines) + "\n"
+
+    def _llama_server_series(self, *, queue_depth: int, running: int) -> list[str]:
+        """llama-server's own series (tools/server/server-task.cpp, to_metrics), under its names, so
+        that a dashboard made for llama-server reads this server too. Its throughput gauges are
+        averages over its last interval; here they are over the server's life."""
+        g = self.generations
+        counters = [
+            ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
+             g.prompt_rows_decoded),
+            ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", g.prompt_rows_reused),
+            ("prompt_seconds_total", "Total time spent processing prompts", g.prefill_seconds),
+            ("tokens_predicted_total", "Number of generation tokens processed", g.generated_tokens),
+            ("tokens_predicted_seconds_total", "Total time spent generating tokens", g.decode_seconds),
+            ("n_decode_total", "Total number of target decode steps while generating", g.target_steps),
+            ("n_tokens_max", "Largest observed sequence length (prompt + generation)", g.longest_sequence),
+            ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", g.drafted),
+            ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model",
+             g.accepted),
+            ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps",
+             g.spec_steps),
+        ]
+        gauges = [
+            ("prompt_tokens_seconds", "Average prompt throughput in tokens/s",
+             g.prompt_rows_decoded / g.prefill_seconds if g.prefill_seconds else 0.0),
+            ("predicted_tokens_seconds", "Average generation throughput in tokens/s", g.tokens_per_second),
+            ("requests_processing", "Number of requests processing", running),
+            ("requests_deferred", "Number of requests deferred", queue_depth),
+        ]
+        out = []
+        for kind, items in (("counter", counters), ("gauge", gauges)):
+            for name, help_text, value in items:
+                out += [f"# HELP llamacpp:{name} {help_text}", f"# TYPE llamacpp:{name} {kind}",
+                        f"llamacpp:{name} {value:g}"]
+        if g.per_position_accepted:
+            name = "llamacpp:spec_decode_num_accepted_tokens_per_pos_total"
+            out += [f"# HELP {name} Accepted tokens per draft position", f"# TYPE {name} counter"]
+            out += [f'{name}{{position="{i}"}} {n}' for i, n in enumerate(g.per_position_accepted)]
+        return out

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import reprlib
 from typing import Any
 
 from pyllama_spec.server.errors import bad_request
 from pyllama_spec.server.images import ImageLimits, decode_image_url
+from pyllama_spec.server.prompts import parse_prompts
 from pyllama_spec.serving.chat_template import RESERVED_VARIABLES
 
 #: How deeply a request body may nest arrays and objects (an OpenAI request needs a handful of
@@ -111,6 +113,27 @@ class GenerationRequest:
     engine_args: dict  # keyword arguments of Engine.stream
     n_images: int
     n: int = 1  # choices to generate (OpenAI's n, llama-server's n_cmpl), each on a slot of its own
+    id_slot: int = -1  # llama-server's id_slot: the slot to run in (the first choice's), -1 any
+    #: /completion's list of prompts: one overlay of engine_args (prompt, images) each, each prompt
+    #: its n choices (None: engine_args holds the one prompt, or the messages)
+    prompts: list[dict] | None = None
+    options: ResponseOptions = dataclasses.field(default_factory=lambda: ResponseOptions())
+
+
+@dataclasses.dataclass(frozen=True)
+class ResponseOptions:
+    """llama-server's request fields that shape its answer rather than the generation
+    (tools/server/server-schema.cpp); each route answers those its shape has."""
+
+    return_tokens: bool = False  # /completion's tokens (else [] when not streaming)
+    return_progress: bool = False  # prompt_progress events while streaming
+    timings_per_token: bool = False  # timings in every streamed chunk
+    response_fields: tuple[str, ...] = ()  # /completion's field filter ("a/b" unnests); () keeps all
+    post_sampling_probs: bool = False  # probabilities after the sampler chain ("prob", "top_probs")
+    # context shift's settings: echoed in generation_settings; this server (as llama-server without
+    # --context-shift, its default) ends a generation that fills the context instead of shifting it
+    n_keep: int = 0
+    n_discard: int = 0
 
 
 # --- field readers: each names the parameter it refuses
@@ -338,6 +361,62 @@ def _choices(body: dict, n_max: int) -> int:
     return n
 
 
+def _id_slot(body: dict, n_slots: int) -> int:
+    """llama-server's id_slot: run on that slot (-1: any). llama-server wraps a number past the
+    last slot around; an id that names no slot is a 400 here."""
+    return _number(body, "id_slot", -1, -1, n_slots - 1, integer=True)
+
+
+def parse_lora(value: Any, n_adapters: int, name: str = "lora") -> list[dict]:
+    """llama-server's LoRA list (a request's ``lora`` field, POST /lora-adapters' body):
+    [{"id": i, "scale": s}, ...] over the adapters loaded with --lora (one not listed runs at
+    scale 0; a missing scale is 0, as there). An id that names no adapter, or a scale that is
+    not a finite number, is a 400 here (llama-server skips the one and reads the other as 0)."""
+    if not isinstance(value, list):
+        raise bad_request(f"'{name}' must be an array of objects with 'id' and 'scale' fields", name)
+    out = []
+    for k, entry in enumerate(value):
+        if not isinstance(entry, dict):
+            raise bad_request(f"'{name}[{k}]' must be an object with 'id' and 'scale' fields", name)
+        i, scale = entry.get("id"), entry.get("scale")
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n_adapters:
+            have = f"ids 0 to {n_adapters - 1}" if n_adapters else "none (start the server with --lora FILE)"
+            raise bad_request(f"'{name}[{k}].id' {_show(i)} names no LoRA adapter; this server's adapters have "
+                              f"{have} (GET /lora-adapters)", name)
+        scale = 0.0 if scale is None else scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise bad_request(f"'{name}[{k}].scale' must be a finite number, got {_show(scale)}", name)
+        out.append({"id": i, "scale": float(scale)})
+    return out
+
+
+def _lora(body: dict, n_adapters: int) -> dict:
+    """The request's ``lora`` as an Engine keyword (none when absent: the global scales apply)."""
+    return {} if body.get("lora") is None else {"lora": parse_lora(body["lora"], n_adapters)}
+
+
+def _llama_fields(body: dict) -> tuple[ResponseOptions, dict]:
+    """llama-server's fields beyond OpenAI's, on every generation route: the response options, and
+    its line rules as Engine keywords (n_indent, t_max_predict_ms; absent or <= 0: off)."""
+    fields = body.get("response_fields")
+    if not (isinstance(fields, list) and all(isinstance(f, str) for f in fields)):
+        fields = []  # llama-server reads a value of another type as none given
+    options = ResponseOptions(
+        return_tokens=_bool(body, "return_tokens", False), return_progress=_bool(body, "return_progress", False),
+        timings_per_token=_bool(body, "timings_per_token", False), response_fields=tuple(fields),
+        post_sampling_probs=_bool(body, "post_sampling_probs", False),
+        n_keep=_number(body, "n_keep", 0, -1, 2**31 - 1, integer=True),
+        n_discard=_number(body, "n_discard", 0, 0, 2**31 - 1, integer=True))
+    args = {}
+    n_indent = _number(body, "n_indent", 0, 0, 2**31 - 1, integer=True)
+    t_max = _number(body, "t_max_predict_ms", 0, -1, 2**63 - 1, integer=True)
+    if n_indent:
+        args["n_indent"] = n_indent
+    if t_max > 0:
+        args["t_max_predict_ms"] = t_max
+    return options, args
+
+
 def _n_and_stream(body: dict) -> tuple[bool, bool]:
     stream = _bool(body, "stream", False)
     options = body.get("stream_options")
@@ -355,6 +434,9 @@ class RequestLimits:
     images: ImageLimits
     draft_tree: int = 0  # largest speculative.tree accepted (the engine's draft_tree)
     n_max: int = 1  # most choices per request: the server's slots
+    n_lora: int = 0  # LoRA adapters loaded (--lora): the ids a request's lora may name
+    n_vocab: int = 2**31 - 1  # token ids a prompt may hold: 0 to n_vocab - 1
+    max_prompts: int = 16  # prompts x choices per request: the server's queue (--max-queue)
 
 
 def _content_parts(content: Any, where: str, limits: RequestLimits, images: list) -> Any:
@@ -422,23 +504,34 @@ def parse_chat(body: Any, limits: RequestLimits) -> GenerationRequest:
                               f"(reserved: {', '.join(sorted(RESERVED_VARIABLES))})", "chat_template_kwargs")
     args = dict(messages=out, **_sampling(body, limits.max_tokens, limits.default_max_tokens),
                 **_speculative(body, limits.draft_max, limits.draft_tree), chat_template_kwargs=kwargs,
-                logprobs=_logprobs(body, chat=True))
-    return GenerationRequest("chat", stream, include_usage, args, len(images), _choices(body, limits.n_max))
+                logprobs=_logprobs(body, chat=True), **_lora(body, limits.n_lora))
+    options, line_rules = _llama_fields(body)
+    return GenerationRequest("chat", stream, include_usage, {**args, **line_rules}, len(images),
+                             _choices(body, limits.n_max), _id_slot(body, limits.n_max), options=options)
 
 
 def parse_completion(body: Any, limits: RequestLimits, *, llama_style: bool = False) -> GenerationRequest:
-    """POST /v1/completions (OpenAI) or /completion (llama-server: n_predict, content)."""
+    """POST /v1/completions (OpenAI) or /completion (llama-server: n_predict, content). ``prompt``
+    takes llama-server's shapes (server/prompts.py): text, token ids, both mixed, multimodal
+    objects, or a list of prompts, each with its n choices."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str) or not prompt:
-        raise bad_request("'prompt' must be a non-empty string", "prompt")
+    if not llama_style:  # OpenAI's fields llama-server refuses on /v1/completions (its messages)
+        if _bool(body, "echo", False):
+            raise bad_request("Only no echo is supported", "echo")
+        for name in ("best_of", "suffix"):
+            if name in body:
+                raise bad_request(f"Unsupported param: {name}", name)
+    n = _choices(body, limits.n_max)
+    prompts = parse_prompts(body.get("prompt"), n_vocab=limits.n_vocab, images=limits.images,
+                            max_prompts=max(1, limits.max_prompts // n))
     if llama_style and "n_predict" in body:
         body = dict(body, max_tokens=None if body["n_predict"] == -1 else body["n_predict"])
     stream, include_usage = _n_and_stream(body)
-    args = dict(prompt=prompt, **_sampling(body, limits.max_tokens, limits.default_max_tokens),
-                **_speculative(body, limits.draft_max, limits.draft_tree), logprobs=_logprobs(body, chat=False))
-    return GenerationRequest("llama" if llama_style else "completion", stream, include_usage, args, 0,
-                             _choices(body, limits.n_max))
+    args = dict(**_sampling(body, limits.max_tokens, limits.default_max_tokens),
+                **_speculative(body, limits.draft_max, limits.draft_tree), logprobs=_logprobs(body, chat=False),
+                **_lora(body, limits.n_lora))
+    options, line_rules = _llama_fields(body)
+    n_images = sum(len(p.get("images", ())) for p in prompts)
+    return GenerationRequest("llama" if llama_style else "completion", stream, include_usage, {**args, **line_rules},
+                             n_images, n, _id_slot(body, limits.n_max), prompts=prompts, options=options)

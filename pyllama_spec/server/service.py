@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -52,6 +53,9 @@ class ServerSettings:
     max_image_pixels: int = 4096 * 4096
     allowed_image_dir: Path | None = None
     body_timeout: float = 60.0  # seconds a request body may take to arrive; then 408
+    endpoint_slots: bool = True  # GET /slots (llama-server's --slots / --no-slots)
+    endpoint_props: bool = False  # POST /props (llama-server's --props)
+    slot_save_path: Path | None = None  # POST /slots/{id}?action=save|restore|erase (--slot-save-path)
 
 
 #: Request bodies larger than this (bytes) are checked on a thread, not on the event loop.
@@ -64,6 +68,19 @@ OPEN_PATHS = ("/health", "/v1/health", "/")
 
 def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _not_found(request: Request, exc) -> Response:
+    return error_response(APIError(404, f"no route {request.method} {request.url.path}", code="not_found"))
+
+
+async def _bad_method(request: Request, exc) -> Response:
+    return error_response(APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                   code="method_not_allowed"))
+
+
+#: Starlette's exception handlers for a path no route serves and a method a route does not take.
+ERROR_HANDLERS = {404: _not_found, 405: _bad_method}
 
 
 def engine_error(e: BaseException) -> APIError:
@@ -88,6 +105,12 @@ async def read_json(request: Request, limit: int, timeout: float) -> tuple[Any, 
     """The request's JSON body and its size: at most ``limit`` bytes, all of it within ``timeout``
     seconds (a client sending its body a byte at a time holds nothing longer), parsed by
     ``parse_json_body`` (every way it can fail is a 400)."""
+    raw = await read_body(request, limit, timeout)
+    return parse_json_body(raw), len(raw)
+
+
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The request's body as bytes, within the limits ``read_json`` describes (413, 408, 400)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise APIError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
@@ -108,7 +131,7 @@ async def read_json(request: Request, limit: int, timeout: float) -> tuple[Any, 
     except asyncio.TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout:g} s",
                        code="request_timeout", headers={"Connection": "close"}) from None
-    return parse_json_body(raw), len(raw)
+    return raw
 
 
 class Service:
@@ -123,10 +146,12 @@ class Service:
         self.limits = RequestLimits(
             max_tokens=settings.max_tokens, default_max_tokens=settings.default_max_tokens,
             draft_max=drafter.n_max_limit if drafter else 0, draft_tree=engine.config.draft_tree,
-            n_max=engine.config.n_parallel,
+            n_max=engine.config.n_parallel, n_lora=len(engine.lora), n_vocab=engine.model.n_vocab,
+            max_prompts=settings.max_queue,
             images=ImageLimits(max_images=settings.max_images if engine.projector else 0,
                                max_pixels=settings.max_image_pixels, allowed_dir=settings.allowed_image_dir))
         self.worker = None  # made by start(): one slot, or the engine's slots (-np N)
+        self.task_ids = itertools.count()  # llama-server's id_task of each generation (/slots)
         self.logprobs = LogprobFormatter(engine.model)
         # Facts the info routes answer with, read once here: the event loop never calls into
         # native code while the worker thread generates.
@@ -136,7 +161,9 @@ class Service:
         self.facts = dict(n_ctx=engine.ctx.n_ctx, n_vocab=model.n_vocab, n_params=model.n_params,
                           size=model.size_bytes, model_path=str(model.path), chat_template=model.chat_template or "",
                           vision=bool(proj and proj.supports_vision), audio=bool(proj and proj.supports_audio),
-                          media_marker=MEDIA_MARKER)
+                          media_marker=MEDIA_MARKER, n_ctx_slot=engine.ctx.n_ctx_seq, n_ctx_train=model.n_ctx_train,
+                          n_embd=model.n_embd_inp, bos_token=_token_text(model, model.bos),
+                          eos_token=_token_text(model, model.eos))
 
     def start(self) -> None:
         self.worker = make_worker(self.engine, self.settings.max_queue, on_finished=self.metrics.add_generation)
@@ -152,16 +179,21 @@ class Service:
             self.worker.cancel_all()
 
     def submit(self, req: GenerationRequest) -> list[Job]:
-        """One job per choice. Choice i samples with the request's seed + i (the server's default
-        seed when it gives none): n samples, each reproducible."""
+        """One job per choice of each prompt, prompt by prompt (job k is choice k % n of prompt
+        k // n, llama-server's index). Choice i samples with the request's seed + i (the server's
+        default seed when it gives none): n samples, each reproducible."""
         if req.n_images and self.engine.projector is None:
             raise bad_request("this server has no projector (--mmproj): it cannot read images", "messages",
                               code="invalid_image")
         jobs = []
         seed = req.engine_args.get("seed", self.engine.config.sampling.get("seed", 0))
-        for i in range(req.n):
-            args = req.engine_args if req.n == 1 else {**req.engine_args, "seed": (seed + i) & 0xFFFFFFFF}
-            job = Job(asyncio.get_running_loop(), args)
+        for prompt, i in itertools.product(req.prompts or [{}], range(req.n)):
+            args = {**req.engine_args, **prompt} if prompt else req.engine_args
+            args = args if req.n == 1 else {**args, "seed": (seed + i) & 0xFFFFFFFF}
+            # id_slot places the first choice (llama-server: the others take any free slot)
+            job = Job(asyncio.get_running_loop(), args, id_task=next(self.task_ids),
+                      id_slot=req.id_slot if i == 0 else -1, stream=req.stream)
+            job.report_progress = req.stream and req.options.return_progress
             try:
                 self.worker.submit(job)
             except QueueFullError:
@@ -173,19 +205,29 @@ class Service:
         return jobs
 
     def check_key(self, request: Request) -> None:
-        keys = self.settings.api_key
-        if keys is None or request.url.path in OPEN_PATHS:
-            return
-        # Authorization: Bearer <key>, or Anthropic's X-Api-Key: <key>, as llama-server reads them
-        given = request.headers.get("authorization", "")
-        if given:
-            token = (given[7:] if given.lower().startswith("bearer ") else "").encode()
-        else:
-            token = request.headers.get("x-api-key", "").encode()
-        # Several keys, comma-separated (llama-server's --api-key a,b and --api-key-file): any one
-        # opens. Every key is compared, so the time taken says nothing about which one was near.
-        matches = [hmac.compare_digest(token, key.encode()) for key in keys.split(",") if key]
-        if not any(matches):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                           type="authentication_error", code="invalid_api_key")
+        check_api_key(request, self.settings.api_key)
+
+
+def _token_text(model, token: int) -> str:
+    """A special token's text as llama-server's /props shows it ("" when the model has none)."""
+    return model.token_to_bytes(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""
+
+
+def check_api_key(request: Request, keys: str | None) -> None:
+    """A 401 unless the request carries one of ``keys`` (comma-separated; None: no key needed)
+    or asks for an open path (/health)."""
+    if keys is None or request.url.path in OPEN_PATHS:
+        return
+    # Authorization: Bearer <key>, or Anthropic's X-Api-Key: <key>, as llama-server reads them
+    given = request.headers.get("authorization", "")
+    if given:
+        token = (given[7:] if given.lower().startswith("bearer ") else "").encode()
+    else:
+        token = request.headers.get("x-api-key", "").encode()
+    # Several keys, comma-separated (llama-server's --api-key a,b and --api-key-file): any one
+    # opens. Every key is compared, so the time taken says nothing about which one was near.
+    matches = [hmac.compare_digest(token, key.encode()) for key in keys.split(",") if key]
+    if not any(matches):
+        raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                       type="authentication_error", code="invalid_api_key")
 

@@ -61,6 +61,11 @@ class EngineConfig:
     # built-in templates ("chatml", "llama3", ...), used instead of the model's own.
     chat_template: str | None = None
     jinja: bool = True  # False (--no-jinja): llama.cpp's built-in renderer, never Jinja
+    # LoRA adapters of the target (llama-server's --lora FILE / --lora-scaled FILE:SCALE): paths or
+    # (path, scale) pairs, ids in this order; lora_init_without_apply (--lora-init-without-apply)
+    # starts every global scale at 0 until set_scales (POST /lora-adapters). See serving/lora.py.
+    lora: Sequence[str | tuple[str, float]] = ()
+    lora_init_without_apply: bool = False
 
 
 #: The most drafted tokens in a tree: each leaf takes a sequence id, and llama.cpp has 256.

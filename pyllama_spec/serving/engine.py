@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
@@ -46,6 +47,7 @@ from pyllama_spec.serving.config import (
 )
 from pyllama_spec.serving.gate import EngineGate
 from pyllama_spec.serving.load_plan import plan_drafts, plan_load
+from pyllama_spec.serving.lora import EngineAdapters, lora_specs
 from pyllama_spec.serving.prompt import as_list, render_messages
 from pyllama_spec.serving.request import Request
 from pyllama_spec.serving.scheduler import Scheduler
@@ -110,7 +112,8 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
     n_gpu_layers, draft_max, draft_min, draft_p_min, flash_attn, n_threads,
     draft_positions ("target" or "sequential"); where layers go: rpc_servers (["host:port", ...]),
     devices, device_draft, split_mode, tensor_split, main_gpu, draft_n_gpu_layers (also
-    n_gpu_layers_draft).
+    n_gpu_layers_draft); LoRA adapters of the target (llama-server's --lora / --lora-scaled):
+    lora ([path or (path, scale), ...]) and lora_init_without_apply (serving/lora.py).
     """
     if spec_type is None:
         spec_type = "draft-dflash" if draft is not None else "none"
@@ -147,7 +150,8 @@ class Engine:
     """
 
     def __init__(self, config: EngineConfig) -> None:
-        config = dataclasses.replace(config, spec_type=canonical_spec_type(config.spec_type))
+        config = dataclasses.replace(config, spec_type=canonical_spec_type(config.spec_type),
+                                     lora=lora_specs(config.lora))
         #: The speculative method's registry entry (drafters/registry.py); None for spec_type "none".
         self.method = method(config.spec_type)
         if self.method is not None and self.method.draft_file and config.draft is None:
@@ -174,6 +178,8 @@ class Engine:
         self.drafter: Drafter | None = None
         self.draft_model: Model | None = None
         self.ctx: Context | None = None
+        #: The target's LoRA adapters and their scales (serving/lora.py); loaded in _open.
+        self.lora = EngineAdapters()
         plan = plan_load(config, self.method)
         self.config, self.placement, self.memory_estimate = plan.config, plan.placement, plan.memory_estimate
         self.model = Model(config.model, n_gpu_layers=config.n_gpu_layers, use_mmap=config.use_mmap,
@@ -187,7 +193,7 @@ class Engine:
         if config.n_parallel > 1:
             # Made here, once: threads that submit at the same moment must share one scheduler.
             self._scheduler = Scheduler(sequences=self.sequences, ctx=self.ctx, drafter=self.drafter,
-                                        projector=self.projector, step_cost=self._step_cost,
+                                        projector=self.projector, step_cost=self._step_cost, lora=self.lora,
                                         prepare=lambda request: self._generation(None, request))
 
     def _check_defaults(self) -> None:
@@ -213,6 +219,7 @@ class Engine:
 
     def _open(self) -> None:
         c, m = self.config, self.method
+        self.lora = EngineAdapters(self.model, c.lora, c.lora_init_without_apply)  # the target's only
         pairing: Pairing | None = None
         if m is not None:
             from pyllama_spec.bindings.native_info import build_record
@@ -254,7 +261,7 @@ class Engine:
         self._gate.close()
         for seq in self.sequences:
             seq.close()
-        for obj in (self.drafter, self.projector, self.ctx, self.draft_model, self.model):
+        for obj in (self.drafter, self.projector, self.ctx, self.lora, self.draft_model, self.model):
             if obj is not None:
                 obj.close()
 
@@ -279,17 +286,20 @@ class Engine:
                progress: ProgressCallback | None = None, draft_max: int | None = None,
                draft_min: int | None = None, draft_positions: str | None = None,
                verify: str | None = None, draft_tree: int | None = None,
-               chat_template_kwargs: dict | None = None, logprobs: int | None = None,
-               **sampling: Any) -> Iterator[Piece]:
+               chat_template_kwargs: dict | None = None, logprobs: int | None = None, lora=None,
+               n_indent: int = 0, t_max_predict_ms: float = 0, **sampling: Any) -> Iterator[Piece]:
         """Yield pieces of text as the target accepts them; the last piece carries the stats.
 
-        ``prompt`` is used as is, with ``MEDIA_MARKER`` where each image goes; ``messages``
+        ``prompt`` is used as is, with ``MEDIA_MARKER`` where each image goes (or, as llama-server
+        takes it, a list of token ids mixed with strings: the strings tokenized, the first with the
+        model's special tokens when the list starts with it; no images then); ``messages``
         go through the model's own Jinja chat template (``chat_template_kwargs`` are extra
         variables for it, e.g. ``{"enable_thinking": False}``), or llama.cpp's built-in one
         when it cannot be rendered (``stats.chat_template`` says which). Images: paths, bytes, PIL images or arrays.
         With ``cache_prompt`` (the default) the longest prefix already in the cache (earlier
         turns' text and images) is kept and only the rest is decoded. ``progress(stage, done,
-        total)`` is called during prefill ("encode" per image, "prefill" per decoded batch).
+        total)`` is called during prefill: first ("cache", rows reused from the cache, rows of the
+        whole prompt), then "encode" per image and "prefill" per decoded batch (rows of the rest).
         ``max_tokens=0`` decodes the prompt (filling the cache) and generates nothing.
         ``draft_max`` / ``draft_min`` / ``draft_positions`` override the engine's speculative
         settings for this call (``draft_max=0`` turns drafting off; ``draft_max="auto"``
@@ -315,6 +325,16 @@ class Engine:
         with ``draft_tree=N``; 0: one chain) verifies a tree of that many drafted tokens per
         step under the "match" rule: the same tokens, more of them accepted (tree.py).
 
+        ``lora`` (llama-server's per-request field): a scale for each LoRA adapter loaded with
+        ``load(..., lora=...)``, as ``[{"id": 0, "scale": 0.5}]`` (adapters not named: 0);
+        without it, the engine's global scales (``engine.lora``, serving/lora.py). A cached
+        prompt is reused only under the scales that decoded it.
+
+        llama-server's line rules for code completion (spec/line_rules.py; 0: off): ``n_indent``
+        ends the generation at a line indented by fewer spaces than that (the answer drops
+        that line, ``Piece.ending.retract``), ``t_max_predict_ms`` at a newline once generating
+        took longer than that.
+
         The generation owns the engine from its first step to its end (see ``Engine``);
         with n_parallel > 1 it runs in a slot of the scheduler instead (see ``submit``).
         """
@@ -322,24 +342,53 @@ class Engine:
                                 stop=stop, cache_prompt=cache_prompt, progress=progress, draft_max=draft_max,
                                 draft_min=draft_min, draft_positions=draft_positions, verify=verify,
                                 draft_tree=draft_tree, chat_template_kwargs=chat_template_kwargs,
-                                logprobs=logprobs, **sampling)
+                                logprobs=logprobs, lora=lora, n_indent=n_indent,
+                                t_max_predict_ms=t_max_predict_ms, **sampling)
         if self.config.n_parallel > 1:
             return self._scheduled(request)
         return self._owned(self._run(request))
 
     def submit(self, prompt: str | None = None, *, on_event: Callable[[str, Any], None] | None = None,
-               max_waiting: int | None = None, **kwargs: Any):
+               max_waiting: int | None = None, id_slot: int = -1, **kwargs: Any):
         """Start a generation in a free slot (or queue it until one frees) and return its handle
         at once: a ``Submission`` (scheduler.py) to iterate for pieces, ``result()`` for the
         whole Result, or ``cancel()``. ``stream``'s arguments. Needs ``n_parallel > 1``.
 
         ``on_event(kind, value)``, called on the scheduler's thread, receives the events instead
         of the iteration (a server hands them to its event loop). ``max_waiting`` refuses the
-        request with EngineBusyError when that many already wait for a slot."""
+        request with EngineBusyError when that many already wait for a slot. ``id_slot`` runs it
+        in that slot (waiting while it is busy); -1, the default, in the best free one."""
         if self.config.n_parallel < 2:
             raise ValueError("submit() runs generations concurrently in slots: load with n_parallel > 1 "
                              "(llama.cpp's -np); with one slot use stream() or generate()")
-        return self._scheduler.submit(self._request(prompt=prompt, **kwargs), on_event, max_waiting)
+        return self._scheduler.submit(self._request(prompt=prompt, **kwargs), on_event, max_waiting, id_slot)
+
+    def run_on_slot(self, slot: int, fn: Callable[[sequence.Sequence], Any]) -> Future:
+        """Run ``fn(sequence)`` on slot ``slot``'s sequence while no generation uses it, and return
+        the Future of its result (a slot's save, restore or erase: see serving/slot_file.py).
+
+        With n_parallel > 1 it runs on the scheduler thread once the slot is free; with one slot
+        it runs now, on this thread, after a generation running on another thread ends (as
+        ``reset_cache`` does), and the Future is already done."""
+        if self._scheduler is not None:
+            return self._scheduler.run_on_slot(slot, fn)
+        if slot != 0:
+            raise ValueError(f"this engine has one slot (0), not {slot}")
+        future: Future = Future()
+        ticket = self._gate.enter()
+        try:
+            cut_short = self._gate.dirty  # an earlier step was cut short: start from a clean cache
+            with self._gate.run_step(ticket):
+                if cut_short:
+                    self._reset_sequence()
+                future.set_running_or_notify_cancel()
+                try:
+                    future.set_result(fn(self.sequences[0]))
+                except Exception as e:  # noqa: BLE001 - handed to the caller with the Future
+                    future.set_exception(e)
+        finally:
+            self._gate.leave(ticket)
+        return future
 
     @property
     def draft_max(self) -> int | str:
@@ -368,7 +417,8 @@ class Engine:
                  stop: Sequence[str] | str = (), cache_prompt: bool = True, progress: ProgressCallback | None = None,
                  draft_max: int | None = None, draft_min: int | None = None, draft_positions: str | None = None,
                  verify: str | None = None, draft_tree: int | None = None, chat_template_kwargs: dict | None = None,
-                 logprobs: int | None = None, **sampling: Any) -> Request:
+                 logprobs: int | None = None, lora=None, n_indent: int = 0, t_max_predict_ms: float = 0,
+                 **sampling: Any) -> Request:
         """One call's arguments, checked (before anything runs) and normalised."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
@@ -409,11 +459,18 @@ class Engine:
                              f"listed at each position), got {logprobs!r}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise ValueError(f"seed must be an integer, got {seed!r}")
+        for name, v in (("n_indent", n_indent), ("t_max_predict_ms", t_max_predict_ms)):
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer)) or not v >= 0:
+                raise ValueError(f"{name} must be a number >= 0 (0: off), got {v!r}")
+        if prompt is not None and not isinstance(prompt, str):
+            prompt = self._mixed_prompt(prompt, images)
         return Request(prompt=prompt, messages=messages, images=images, max_tokens=int(max_tokens),
                        drafting=drafting, verify=verify, draft_tree=int(tree), sampling=params, seed=int(seed),
                        stop=[stop] if isinstance(stop, str) else list(stop), cache_prompt=cache_prompt,
                        progress=progress, template_kwargs=chat_template_kwargs,
-                       logprobs=None if logprobs is None else int(logprobs))
+                       logprobs=None if logprobs is None else int(logprobs),
+                       lora=None if lora is None else self.lora.resolve(lora),
+                       n_indent=int(n_indent), t_max_predict_ms=float(t_max_predict_ms))
 
     def _draft_settings(self, draft_max, draft_min, draft_positions) -> tuple[int | str, int, str]:
         """(n_max or "auto", n_min, position mode) for one call, checked against what this engine can do."""
@@ -462,8 +519,11 @@ class Engine:
     def _run(self, request: Request) -> Iterator[Piece]:
         """One generation on the only sequence, step by step on the caller's thread."""
         seq = self.sequences[0]
+        scales = self.lora.scales_for(request.lora)
+        self.lora.use(seq, scales)  # a prompt cached under other adapters is not reused
         with self._generation(seq, request) as gen:
             try:
+                self.lora.apply(self.ctx, scales)
                 for _ in gen.prefill(self.ctx.n_batch, self.projector):
                     pass
                 piece = gen.start()
@@ -504,17 +564,20 @@ class Engine:
             text = MEDIA_MARKER * len(image_list) + "\n" + text
         return text, image_list, renderer
 
-    def _tokenize(self, text: str, bitmaps: list[Bitmap]) -> list:
+    def _tokenize(self, text: str | tuple, bitmaps: list[Bitmap]) -> list:
         """The prompt as parts: int32 token arrays (text) and Chunk objects (media); checked against
-        a sequence's share of the context."""
-        self._refuse_a_prompt_that_cannot_fit(text)
-        if self.projector is not None:
-            chunks = self.projector.tokenize(text, bitmaps)
-            parts: list = [c.tokens if c.is_text else c for c in chunks]  # media chunks keep `chunks` alive
+        a sequence's share of the context. ``text`` may be a mixed prompt (``_mixed_prompt``)."""
+        if isinstance(text, tuple):
+            parts: list = [self._mixed_tokens(text)]
         else:
-            if MEDIA_MARKER in text:
-                raise ImageError("the prompt has a media marker but the engine has no projector")
-            parts = [self.model.tokenize(text, add_special=True)]
+            self._refuse_a_prompt_that_cannot_fit(text)
+            if self.projector is not None:
+                chunks = self.projector.tokenize(text, bitmaps)
+                parts = [c.tokens if c.is_text else c for c in chunks]  # media chunks keep `chunks` alive
+            else:
+                if MEDIA_MARKER in text:
+                    raise ImageError("the prompt has a media marker but the engine has no projector")
+                parts = [self.model.tokenize(text, add_special=True)]
         parts = [p for p in parts if not (isinstance(p, np.ndarray) and len(p) == 0)]
         if not parts:
             raise ValueError("the prompt is empty")
@@ -524,6 +587,38 @@ class Engine:
         if rows + 1 > self.ctx.n_ctx_seq:
             raise self._overflow(f"{rows} cache rows")
         return parts
+
+    def _mixed_prompt(self, prompt, images) -> tuple:
+        """llama-server's prompt of token ids, or of ids mixed with strings, checked: a tuple of
+        strings and int32 arrays (each run of ids one array)."""
+        if as_list(images):
+            raise ValueError("a prompt of token ids takes no images: give its text with MEDIA_MARKER")
+        items = (prompt,) if isinstance(prompt, np.ndarray) else tuple(prompt)
+        n_vocab, out, run = self.model.n_vocab, [], []
+        for x in (*items, ""):  # "" ends the last run of ids
+            if isinstance(x, (str, np.ndarray)) and run:
+                out.append(np.asarray(run, dtype=np.int64))
+                run = []
+            if isinstance(x, str):
+                out.append(x)
+            elif isinstance(x, np.ndarray) and x.ndim == 1 and (x.dtype.kind in "iu" or not len(x)):
+                out.append(x.astype(np.int64))
+            elif isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+                run.append(int(x))
+            else:
+                raise ValueError(f"a prompt list holds token ids and strings only, got {type(x).__name__}")
+        for a in out:
+            if isinstance(a, np.ndarray) and len(a) and (a.min() < 0 or a.max() >= n_vocab):
+                bad = a[(a < 0) | (a >= n_vocab)][0]
+                raise ValueError(f"the prompt holds token id {bad}, outside the vocabulary (0 to {n_vocab - 1})")
+        return tuple(a.astype(np.int32) if isinstance(a, np.ndarray) else a for a in out[:-1])
+
+    def _mixed_tokens(self, items: tuple) -> np.ndarray:
+        """A mixed prompt's tokens as llama-server's tokenize_mixed makes them: each string tokenized
+        (special tokens parsed), the first with the model's BOS when the prompt starts with it."""
+        self._refuse_a_prompt_that_cannot_fit("".join(x for x in items if isinstance(x, str)))
+        pieces = [self.model.tokenize(x, add_special=i == 0) if isinstance(x, str) else x for i, x in enumerate(items)]
+        return np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
 
     def _overflow(self, what: str) -> ContextOverflowError:
         n_ctx = self.ctx.n_ctx_seq
@@ -612,7 +707,8 @@ class _PreparedGeneration:
             return Generation(self.seq, e.model, parts, verifier, stats, max_tokens=r.max_tokens,
                               stop=r.stop, draft_length=length, draft_min=n_min,
                               cache_prompt=r.cache_prompt, progress=r.progress, draft_positions=mode,
-                              draft_tree=r.draft_tree, logprobs=r.logprobs)
+                              draft_tree=r.draft_tree, logprobs=r.logprobs, n_indent=r.n_indent,
+                              t_max_predict_ms=r.t_max_predict_ms)
         except BaseException:
             self.__exit__()
             raise

@@ -11,7 +11,8 @@ from pyllama_spec.spec.sampling import SamplingParams
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-    prompt: str | None  # a raw prompt (MEDIA_MARKER where each image goes), or
+    prompt: str | tuple[int | str, ...] | None  # a raw prompt (MEDIA_MARKER where each image goes), or
+    # token ids mixed with strings (llama-server's mixed prompt), or
     messages: Sequence[Any] | None  # chat messages through the model's template
     images: Any  # paths, bytes, PIL images or RGB arrays, in marker order
     max_tokens: int
@@ -25,3 +26,6 @@ class Request:
     progress: Callable[[str, int, int], None] | None
     template_kwargs: dict | None
     logprobs: int | None = None  # per emitted token: its log-probability and this many top alternatives
+    n_indent: int = 0  # llama-server's line rules (spec/line_rules.py); 0: off
+    t_max_predict_ms: float = 0
+    lora: tuple[float, ...] | None = None  # a scale per LoRA adapter (serving/lora.py); None: the global ones

@@ -46,8 +46,10 @@ class Submission:
     GenerationStats of the part it ran, or None when it never reached a slot).
     """
 
-    def __init__(self, request: "Request", on_event: Callable[[str, Any], None] | None = None) -> None:
+    def __init__(self, request: "Request", on_event: Callable[[str, Any], None] | None = None,
+                 id_slot: int = -1) -> None:
         self.request = request
+        self.id_slot = id_slot  # the slot it must run in (llama-server's id_slot); -1: any
         self._on_event = on_event
         self._events: queue.Queue = queue.Queue()
         self._cancel = threading.Event()
@@ -120,8 +122,9 @@ class Submission:
 class _Running:
     """A submission in a slot: its prepared generation and where it is."""
 
-    def __init__(self, submission: Submission, prepared, gen: Generation) -> None:
+    def __init__(self, submission: Submission, prepared, gen: Generation, lora: tuple[float, ...] = ()) -> None:
         self.submission = submission
+        self.lora = lora  # its LoRA scales: every target decode of this slot runs under them
         self.prepared = prepared  # frees the request's bitmaps and sampler at the end
         self.gen = gen
         self.prefill: Iterator[Future | None] | None = None  # set when its prefill starts
@@ -137,18 +140,22 @@ class Scheduler:
     """The thread that runs an engine's slots (see the module docstring).
 
     It is given what it runs on: the slots' sequences, the target context, the drafter, the
-    projector, the engine's step cost, and ``prepare(request)``, which makes a request's
-    generation as a context manager (tokenized, with its sampler; freed at its end).
+    projector, the engine's step cost, ``prepare(request)``, which makes a request's
+    generation as a context manager (tokenized, with its sampler; freed at its end), and the
+    engine's LoRA adapters (serving/lora.py).
     """
 
-    def __init__(self, *, sequences, ctx, drafter, projector, step_cost, prepare) -> None:
+    def __init__(self, *, sequences, ctx, drafter, projector, step_cost, prepare, lora) -> None:
         self._sequences, self._ctx, self._drafter, self._projector = sequences, ctx, drafter, projector
-        self._step_cost, self._prepare = step_cost, prepare
+        self._step_cost, self._prepare, self._lora = step_cost, prepare, lora
         self._cond = threading.Condition()
         self._pending: collections.deque[Submission] = collections.deque()
         self._slots: list[_Running | None] = [None] * len(sequences)
         self._stopping = False
         self._reset_requested: threading.Event | None = None
+        # Work on one slot's sequence (save, restore, erase), run when that slot is free:
+        # (slot, fn, Future), in the order asked.
+        self._slot_ops: list[tuple[int, Callable, Future]] = []
         self._turn = 0  # round robin over prefilling slots
         self.steps = 0  # speculative steps run (each over every decoding slot)
         self.slots_per_step: collections.Counter = collections.Counter()  # how many slots shared a step
@@ -161,10 +168,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ from any thread
     def submit(self, request: "Request", on_event: Callable[[str, Any], None] | None = None,
-               max_waiting: int | None = None) -> Submission:
-        """Queue a request for a slot. With ``max_waiting``, refuse it (EngineBusyError) when that
-        many requests already wait for a slot (a server's bounded queue)."""
-        sub = Submission(request, on_event)
+               max_waiting: int | None = None, id_slot: int = -1) -> Submission:
+        """Queue a request for a slot (``id_slot``: that slot only, waiting while it is busy; -1:
+        any). With ``max_waiting``, refuse it (EngineBusyError) when that many requests already
+        wait for a slot (a server's bounded queue)."""
+        if not -1 <= id_slot < len(self._slots):
+            raise ValueError(f"id_slot must be -1 (any) or a slot from 0 to {len(self._slots) - 1}, got {id_slot}")
+        sub = Submission(request, on_event, id_slot)
         with self._cond:
             if self._stopping:
                 from pyllama_spec.errors import ClosedError
@@ -185,6 +195,28 @@ class Scheduler:
     @property
     def n_pending(self) -> int:
         return len(self._pending)
+
+    def running(self, slot: int):
+        """(Submission, GenerationStats) of the generation in ``slot`` now, or None when it is free
+        (for reports such as a server's /slots; read from any thread)."""
+        r = self._slots[slot]
+        return None if r is None else (r.submission, r.gen.stats)
+
+    def run_on_slot(self, slot: int, fn: Callable[[Any], Any]) -> Future:
+        """Run ``fn(sequence)`` on the scheduler thread once ``slot`` is free (before any request
+        waiting for a slot takes it), and return the Future of its result. While the slot runs a
+        generation the call waits, as llama-server defers a slot action on a busy slot."""
+        if not 0 <= slot < len(self._slots):
+            raise ValueError(f"slot must be from 0 to {len(self._slots) - 1}, got {slot}")
+        future: Future = Future()
+        with self._cond:
+            if self._stopping:
+                from pyllama_spec.errors import ClosedError
+
+                raise ClosedError("the engine is closed")
+            self._slot_ops.append((slot, fn, future))
+            self._cond.notify_all()
+        return future
 
     def reset_all(self) -> None:
         """Forget the cached prompts of the idle slots (runs on the scheduler thread; waits for it)."""
@@ -207,7 +239,8 @@ class Scheduler:
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._pending or self.n_active or self._reset_requested):
+                    while not (self._stopping or self._pending or self.n_active or self._reset_requested
+                               or self._slot_ops):
                         self._cond.wait()
                     if self._stopping:
                         return
@@ -218,6 +251,7 @@ class Scheduler:
                             seq.reset()
                     reset.set()
                 self._drop_cancelled()
+                self._run_slot_ops()
                 self._admit()
                 self._prefill_slices()
                 self._step()
@@ -227,14 +261,39 @@ class Scheduler:
             if self._encoder is not None:
                 self._encoder.shutdown(wait=True)
 
+    def _run_slot_ops(self) -> None:
+        """Run the slot operations whose slot is free; the others wait for theirs."""
+        with self._cond:
+            ready = [op for op in self._slot_ops if self._slots[op[0]] is None]
+            self._slot_ops = [op for op in self._slot_ops if self._slots[op[0]] is not None]
+        for slot, fn, future in ready:
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller gave up waiting
+            try:
+                future.set_result(fn(self._sequences[slot]))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever asked
+                future.set_exception(e)
+
+    def _next_admissible(self, free: list[int]) -> Submission | None:
+        """The first waiting request that may take one of the ``free`` slots (a request for a
+        busy slot waits for it; those behind it go first). Called holding the lock."""
+        for k, sub in enumerate(self._pending):
+            if sub.id_slot < 0 or sub.id_slot in free or sub.cancelled:
+                del self._pending[k]
+                return sub
+        return None
+
     def _admit(self) -> None:
-        """Give waiting requests the free slots (the one whose cache shares most with the prompt)."""
+        """Give waiting requests the free slots (the one asked for, else the one whose cache shares
+        most with the prompt)."""
         while True:
             free = [i for i, r in enumerate(self._slots) if r is None]
             with self._cond:
                 if not free or not self._pending:
                     return
-                sub = self._pending.popleft()
+                sub = self._next_admissible(free)
+                if sub is None:
+                    return
             if sub.cancelled:
                 sub._emit("cancelled")
                 continue
@@ -245,10 +304,15 @@ class Scheduler:
                 sub._emit("error", e)
                 continue
             seqs = self._sequences
-            best = max(free, key=lambda i: (seqs[i].prefix_length(gen.parts), -i)) if gen.cache_prompt else free[0]
+            if sub.id_slot >= 0:
+                best = sub.id_slot
+            else:
+                best = max(free, key=lambda i: (seqs[i].prefix_length(gen.parts), -i)) if gen.cache_prompt else free[0]
             gen.seq = seqs[best]
             sub.slot = best
-            self._slots[best] = _Running(sub, prepared, gen)
+            scales = self._lora.scales_for(sub.request.lora)
+            self._lora.use(gen.seq, scales)  # a prompt cached under other adapters is not reused
+            self._slots[best] = _Running(sub, prepared, gen, scales)
 
     def _drop_cancelled(self) -> None:
         for i, running in enumerate(self._slots):
@@ -279,6 +343,7 @@ class Scheduler:
                 running.prefill = running.gen.prefill(self._ctx.n_batch, self._projector,
                                                       self._encode_async if self._encoder else None)
             before = running.gen.seq.positions.n_rows
+            self._lora.apply(self._ctx, running.lora)
             out = next(running.prefill, None)
             running.encoding = out if isinstance(out, Future) else None
             if running.encoding is not None:
@@ -310,13 +375,22 @@ class Scheduler:
         active = [r for r in self._slots if r is not None]
         if active and all(r.waits_for_encode for r in active):
             with self._cond:
-                if not (self._pending or self._stopping or self._reset_requested):
+                if not (self._pending or self._stopping or self._reset_requested or self._slot_ops):
                     self._cond.wait(0.1)
 
     def _step(self) -> None:
         active = [(i, r) for i, r in enumerate(self._slots) if r is not None and r.decoding and not r.gen.finished]
-        if not active:
-            return
+        # One target decode runs under one set of LoRA scales: as llama-server batches only slots
+        # whose adapters are equal, the slots of each set step together, one set after another.
+        by_lora: dict[tuple[float, ...], list] = {}
+        for i, r in active:
+            by_lora.setdefault(r.lora, []).append((i, r))
+        for scales, group in by_lora.items():
+            self._lora.apply(self._ctx, scales)
+            self._step_slots(group)
+
+    def _step_slots(self, active: list) -> None:
+        """One speculative step over these decoding slots: one draft call, one target decode."""
         try:
             pieces = speculative_step(self._ctx, self._drafter, [r.gen for _, r in active], self._step_cost)
         except BaseException as e:  # noqa: BLE001 - a shared step failed: every slot in it fails
@@ -363,5 +437,12 @@ class Scheduler:
             pending, self._pending = list(self._pending), collections.deque()
         for sub in pending:
             sub._emit("cancelled")
+        with self._cond:
+            ops, self._slot_ops = self._slot_ops, []
+        for _, _, future in ops:
+            if future.set_running_or_notify_cancel():
+                from pyllama_spec.errors import ClosedError
+
+                future.set_exception(ClosedError("the engine closed before the slot was free"))
         if self._reset_requested is not None:
             self._reset_requested.set()

@@ -27,6 +27,7 @@ import numpy as np
 
 from pyllama_spec.drafters import Drafter, DraftRequest, Proposal, TargetDecode
 from pyllama_spec.spec.draft_length import StepCost, plan_lengths
+from pyllama_spec.spec.line_rules import LineRules
 from pyllama_spec.spec.logprobs import TokenLogprob, token_logprobs
 from pyllama_spec.spec.sequence import Sequence
 from pyllama_spec.spec.stats import GenerationStats, Stopwatch
@@ -36,10 +37,25 @@ ProgressCallback = Callable[[str, int, int], None]
 
 
 @dataclasses.dataclass(frozen=True)
+class Ending:
+    """How a generation ended, on its last piece: what llama-server's final response reports."""
+
+    stop_type: str  # "eos", "word" (a stop string) or "limit" (max_tokens, the context, a line rule)
+    stopping_word: str = ""  # the stop string that ended it
+    truncated: bool = False  # it ended because the sequence's context was full
+    #: Characters at the end of the streamed text that the whole answer drops (llama-server's
+    #: n_indent cuts a line short after streaming it; line_rules.py).
+    retract: int = 0
+    cache_rows: int = 0  # cache rows of the prompt and the output but its last token (llama-server's tokens_cached)
+    #: The prompt's text token arrays (media chunks left out), for llama-server's ``prompt`` field.
+    prompt: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class Piece:
     """A piece of streamed output: the text and tokens accepted in one step.
 
-    The last piece of a stream has ``finish_reason`` and ``stats`` set.
+    The last piece of a stream has ``finish_reason``, ``stats`` and ``ending`` set.
     """
 
     text: str
@@ -56,6 +72,9 @@ class Piece:
     drafted: int = 0
     #: With ``logprobs`` asked: one entry per token of ``tokens`` (spec/logprobs.py).
     logprobs: tuple[TokenLogprob, ...] = ()
+    ending: Ending | None = None
+    #: On the pieces before the last: a copy of the stats at this step (the generation goes on).
+    so_far: GenerationStats | None = None
 
 
 @dataclasses.dataclass
@@ -74,7 +93,10 @@ class Result:
             tokens.extend(piece.tokens)
             last = piece
         assert last is not None and last.stats is not None
-        return cls("".join(text), tokens, last.finish_reason or "stop", last.stats)
+        joined = "".join(text)
+        if last.ending is not None and last.ending.retract:
+            joined = joined[:len(joined) - last.ending.retract]
+        return cls(joined, tokens, last.finish_reason or "stop", last.stats)
 
 
 class Generation:
@@ -83,7 +105,8 @@ class Generation:
     def __init__(self, seq: Sequence | None, model, parts: list, verifier, stats: GenerationStats, *,
                  max_tokens: int, stop: list[str], draft_length, draft_min: int, cache_prompt: bool = True,
                  progress: ProgressCallback | None = None, draft_positions: str = "target",
-                 draft_tree: int = 0, logprobs: int | None = None) -> None:
+                 draft_tree: int = 0, logprobs: int | None = None, n_indent: int = 0,
+                 t_max_predict_ms: float = 0) -> None:
         self.seq = seq  # None until a scheduler gives it a slot
         self.draft_tree = draft_tree  # > 0: verify a tree of up to this many drafted tokens (tree.py)
         self.logprobs = logprobs  # None: none; N: each token's log-probability and the N most likely
@@ -98,6 +121,7 @@ class Generation:
         self.cache_prompt = cache_prompt
         self.progress = progress
         self.out = _TextAssembler(model, stop)
+        self.lines = LineRules(n_indent, t_max_predict_ms)  # llama-server's n_indent / t_max_predict_ms
         self.generated = 0
         self.id_last: int | None = None
         self.finished = False
@@ -119,6 +143,9 @@ class Generation:
             seq.reset()
             todo = list(self.parts)
         stats.prompt_reused = seq.positions.n_rows
+        if self.progress:  # the rows the cache already holds, of the whole prompt's
+            self.progress("cache", stats.prompt_reused,
+                          stats.prompt_reused + sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in todo))
         for rows_left in prefill_parts(seq, todo, stats, n_batch, projector, self.progress, encode_async):
             if isinstance(rows_left, Future):
                 yield rows_left
@@ -135,7 +162,7 @@ class Generation:
         if self.max_tokens == 0:
             stats.prefill_seconds = time.perf_counter() - self._t0
             self.finished = True
-            return Piece("", (), "length", stats)
+            return Piece("", (), "length", stats, ending=self._ending("limit"))
         with Stopwatch(stats, "target_seconds"):
             id_last = self.verifier.first(self.seq.ctx)
         self._t1 = time.perf_counter()
@@ -174,31 +201,69 @@ class Generation:
         ``rows``: the target's output row that verified each of ``new_tokens``."""
         stats = self.stats
         emit, finish = self._emittable(new_tokens)
+        # The context is full at the token after which one cache row is left (llama-server without
+        # --context-shift ends there, ``truncated``): the rows before this step's first token, and
+        # how many of its tokens fit until then.
+        fit = self.seq.n_ctx - (self.seq.positions.n_rows - len(new_tokens) + 1)
+        truncated = len(emit) >= fit
+        if truncated:
+            emit, finish = emit[:max(fit, 0)], "length"
         if self.logprobs is not None and emit:
             origin_logprobs = tuple(token_logprobs(self.seq.ctx, rows, emit, self.logprobs))
         else:
             origin_logprobs = ()
+        texts, hit_stop = self.out.push_each(emit)
+        if hit_stop and self.out.stopped_at < len(emit) - 1:
+            truncated = False  # the stop string came first
+        stop_type = "limit" if truncated else "word" if hit_stop else "eos" if finish == "stop" else "limit"
+        if hit_stop and not truncated:
+            finish = "stop"
+        retract = None
+        if self.lines.active:
+            t_gen_ms = (time.perf_counter() - self._t1) * 1000
+            for k, text in enumerate(texts):
+                if hit_stop and k >= self.out.stopped_at:
+                    break  # the stop string came first
+                retract = self.lines.push(text, t_gen_ms)
+                if retract is not None:  # a line rule ends the generation at token k
+                    emit, texts, origin_logprobs = emit[:k + 1], texts[:k + 1], origin_logprobs[:k + 1]
+                    finish, stop_type, hit_stop = "length", "limit", False
+                    break
         self.generated += len(emit)
         stats.generated_tokens = self.generated  # kept current: an interrupted stream's stats stay true
         stats.decode_seconds = time.perf_counter() - self._t1
-        texts, hit_stop = self.out.push_each(emit)
-        if hit_stop:
-            finish = "stop"
-        if finish is None and self.seq.positions.n_rows + 1 > self.seq.n_ctx:
-            finish = "length"  # no cache row left for the next token
+        if retract is not None:
+            truncated = False  # a line rule ended it first
         # All but the last of a step's tokens are accepted drafts (the first token has no draft).
         origin = dict(token_texts=texts, from_draft=min(len(emit), len(new_tokens) - 1), drafted=drafted,
                       logprobs=origin_logprobs)
         self.id_last = new_tokens[-1]
         if finish is None:
-            return Piece("".join(texts), tuple(emit), **origin) if emit else None
+            return Piece("".join(texts), tuple(emit), **origin, so_far=self._so_far()) if emit else None
         self.finished = True
         stats.decode_target_seconds = stats.target_seconds - self._prefill_split[0]
         stats.decode_draft_seconds = stats.draft_seconds - self._prefill_split[1]
-        rest = self.out.flush()
-        if rest and texts:
-            origin["token_texts"] = (*texts[:-1], texts[-1] + rest)
-        return Piece("".join(texts) + ("" if emit else rest), tuple(emit), finish, stats, **origin)
+        # what the sampler held back (a partial character, a possible stop string's start) ends the
+        # text, unless a line rule cut the line it is on
+        rest = self.out.flush() if not retract else ""
+        if rest:
+            texts = (*texts[:-1], texts[-1] + rest) if texts else (rest,)
+            origin["token_texts"] = texts if emit else ()
+        ending = self._ending(stop_type, truncated=truncated, retract=retract or 0)
+        return Piece("".join(texts), tuple(emit), finish, stats, **origin, ending=ending)
+
+    def _ending(self, stop_type: str, *, truncated: bool = False, retract: int = 0) -> Ending:
+        # the rows of what the client saw: the prompt and every emitted token but the last (never
+        # decoded); a step cut short may have left rows of tokens it did not emit after them
+        rows = min(self.seq.positions.n_rows, self.stats.prompt_tokens + max(self.generated - 1, 0))
+        return Ending(stop_type, self.out.stopping_word, truncated, retract, rows,
+                      tuple(p for p in self.parts if isinstance(p, np.ndarray)))
+
+    def _so_far(self) -> GenerationStats:
+        """A copy of the stats now (its lists too), for a piece that is not the last."""
+        s = self.stats
+        return dataclasses.replace(s, per_position_drafted=list(s.per_position_drafted),
+                                   per_position_accepted=list(s.per_position_accepted))
 
     def _emittable(self, tokens: list[int]) -> tuple[list[int], str | None]:
         """The tokens to show from one step, cut at end-of-generation or the token limit."""
@@ -440,6 +505,8 @@ class _TextAssembler:
         self._held_off = 0
         self._held_len = 0
         self.stopped = False
+        self.stopping_word = ""  # the stop string that matched
+        self.stopped_at = 0  # push_each: the token at which it matched
 
     @property
     def held(self) -> str:
@@ -447,8 +514,14 @@ class _TextAssembler:
         return "".join(self._held)[self._held_off:]
 
     def push_each(self, tokens: list[int]) -> tuple[tuple[str, ...], bool]:
-        """``push`` token by token: the text released at each token, and whether a stop string was hit."""
-        texts = [self.push([tok])[0] for tok in tokens]  # after a stop string, each releases ""
+        """``push`` token by token: the text released at each token, and whether a stop string was hit
+        (``stopped_at``: at which of these tokens)."""
+        texts = []
+        for i, tok in enumerate(tokens):
+            was = self.stopped
+            texts.append(self.push([tok])[0])  # after a stop string, each releases ""
+            if self.stopped and not was:
+                self.stopped_at = i
         return tuple(texts), self.stopped
 
     def push(self, tokens: list[int]) -> tuple[str, bool]:
@@ -459,15 +532,16 @@ class _TextAssembler:
             return "", False
         if not self._matchers:
             return new, False
-        end, longest = len(new), 0  # the earliest completion so far: its end in ``new``, its length
+        end, longest, word = len(new), 0, ""  # the earliest completion so far: its end in ``new``, its length
         for m in self._matchers:
             at = m.feed(new, end)
             if at >= 0 and (at < end or len(m.s) > longest):
-                end, longest = at, len(m.s)
+                end, longest, word = at, len(m.s), m.s
         self._held.append(new)
         self._held_len += len(new)
         if longest:  # a stop string ends at new[end - 1]: release what comes before its first character
             self.stopped = True
+            self.stopping_word = word
             out = self._release(self._held_len - (len(new) - end) - longest)
             self._held.clear()
             self._held_off = self._held_len = 0

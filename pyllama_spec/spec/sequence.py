@@ -41,6 +41,38 @@ class CachedMedia:
     n_pos: int
 
 
+@dataclasses.dataclass(frozen=True)
+class SavedSequence:
+    """A sequence's cache taken out of its context (``Sequence.save_state``), to be put back later
+    into a sequence of a context of the same model and cache layout (``Sequence.restore_state``).
+
+    ``parts``: what the cache holds, in order (int32 token arrays for text, ``CachedMedia`` for
+    media items); ``draft_positions``: the position mode it was laid out by; ``memory``: the
+    target's memory of the sequence (its KV cells with their positions, or its recurrent
+    state), as llama.cpp serializes it. Its positions follow from the parts (``positions``).
+    """
+
+    parts: tuple
+    draft_positions: str
+    memory: bytes
+
+    def positions(self) -> SequencePositions:
+        """Where a sequence holding these parts stands."""
+        p = SequencePositions(self.draft_positions)
+        _advance_over(p, self.parts)
+        return p
+
+
+def _advance_over(positions: SequencePositions, parts) -> None:
+    """Move ``positions`` over cached parts: a text token one row and one position, a media item
+    its rows and its positions."""
+    for part in parts:
+        if isinstance(part, CachedMedia):
+            positions.advance_media(part.n_tokens, part.n_pos)
+        else:
+            positions.advance_text(len(part))
+
+
 class Sequence:
     """One slot's sequence: ``seq_id`` in the target context (and the drafter), its positions and cache."""
 
@@ -162,6 +194,42 @@ class Sequence:
         if self._batch is not None:
             self._batch.close()
             self._batch = None
+
+    # ------------------------------------------------------------------ saving and restoring
+    def save_state(self) -> SavedSequence:
+        """What this sequence holds, to put back later with ``restore_state``. The drafter's state
+        is not part of it (see ``restore_state``)."""
+        return SavedSequence(tuple(self.cached), self.positions.draft_positions,
+                             self.ctx.memory.save_seq(self.seq_id))
+
+    def restore_state(self, saved: SavedSequence) -> None:
+        """Make this sequence hold what ``saved`` holds: the target's memory, the cached parts (so
+        that a later prompt reuses them) and the positions they take.
+
+        The drafter starts this sequence afresh: it sees the rows decoded from here on, not the
+        restored ones (its drafts have less context, so fewer may be accepted; the output, which
+        the target verifies, is the same). When the target refuses the memory (KVMemoryError),
+        or it does not end where the parts say, the sequence is left empty."""
+        self.reset()
+        positions = saved.positions()
+        try:
+            self.ctx.memory.load_seq(self.seq_id, saved.memory)
+            last = self.ctx.memory.pos_max(self.seq_id)
+            ends_in_text = bool(saved.parts) and not isinstance(saved.parts[-1], CachedMedia)
+            # text ends at its last position; a media item's rows may all sit on its first one
+            lowest = positions.pos_next - 1 if ends_in_text or not saved.parts else \
+                positions.pos_next - saved.parts[-1].n_pos
+            if not lowest <= last <= positions.pos_next - 1:
+                raise KVMemoryError("Sequence.restore_state", None,
+                                    f"the restored memory of sequence {self.seq_id} ends at position {last}, "
+                                    f"but its {positions.n_rows} cached rows end at {positions.pos_next - 1}")
+        except BaseException:
+            self.reset()
+            raise
+        self.positions.reset()
+        self.positions.draft_positions = saved.draft_positions
+        _advance_over(self.positions, saved.parts)
+        self.cached = [p.copy() if isinstance(p, np.ndarray) else p for p in saved.parts]
 
     # ------------------------------------------------------------------ the prompt cache
     def keep_prefix(self, parts: list) -> list:

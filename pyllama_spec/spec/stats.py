@@ -110,6 +110,9 @@ class StatsTotals:
     drafted: int = 0
     accepted: int = 0
     target_steps: int = 0
+    spec_steps: int = 0  # target steps that verified a draft
+    per_position_accepted: list = dataclasses.field(default_factory=list)  # accepted drafts by position
+    longest_sequence: int = 0  # the most cache rows one generation's sequence held
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -122,6 +125,13 @@ class StatsTotals:
         self.drafted += s.drafted
         self.accepted += s.accepted
         self.target_steps += s.target_steps
+        self.spec_steps += s.spec_steps
+        grow = len(s.per_position_accepted) - len(self.per_position_accepted)
+        self.per_position_accepted.extend([0] * max(grow, 0))
+        for i, n in enumerate(s.per_position_accepted):
+            self.per_position_accepted[i] += n
+        # the last token generated is sampled, never decoded into the cache
+        self.longest_sequence = max(self.longest_sequence, s.prompt_tokens + max(s.generated_tokens - 1, 0))
         self.prefill_seconds += s.prefill_seconds
         self.decode_seconds += s.decode_seconds
 

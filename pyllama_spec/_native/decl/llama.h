@@ -257,16 +257,9 @@ void llama_sampler_free(struct llama_sampler * smpl);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
 
 /* one sequence's state (its KV cells, recurrent state): slot save and restore */
-typedef uint32_t llama_state_seq_flags;
-size_t llama_state_seq_get_size_ext(struct llama_context * ctx, llama_seq_id seq_id, llama_state_seq_flags flags);
-size_t llama_state_seq_get_data_ext(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id,
-                                    llama_state_seq_flags flags);
-size_t llama_state_seq_set_data_ext(struct llama_context * ctx, const uint8_t * src, size_t size,
-                                    llama_seq_id dest_seq_id, llama_state_seq_flags flags);
-size_t llama_state_seq_save_file(struct llama_context * ctx, const char * filepath, llama_seq_id seq_id,
-                                 const llama_token * tokens, size_t n_token_count);
-size_t llama_state_seq_load_file(struct llama_context * ctx, const char * filepath, llama_seq_id dest_seq_id,
-                                 llama_token * tokens_out, size_t n_token_capacity, size_t * n_token_count_out);
+size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
+size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
+size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id);
 
 /* LoRA adapters (llama-server's --lora, --lora-scaled, /lora-adapters) */
 struct llama_adapter_lora;
@@ -274,7 +267,5 @@ struct llama_adapter_lora * llama_adapter_lora_init(struct llama_model * model, 
 int32_t llama_adapter_meta_val_str(const struct llama_adapter_lora * adapter, const char * key, char * buf,
                                    size_t buf_size);
 void llama_adapter_lora_free(struct llama_adapter_lora * adapter);
-uint64_t llama_adapter_get_alora_n_invocation_tokens(const struct llama_adapter_lora * adapter);
-const llama_token * llama_adapter_get_alora_invocation_tokens(const struct llama_adapter_lora * adapter);
 int32_t llama_set_adapters_lora(struct llama_context * ctx, struct llama_adapter_lora ** adapters, size_t n_adapters,
                                 float * scales);

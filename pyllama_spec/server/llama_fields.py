@@ -1,0 +1,154 @@
+"""llama-server's response fields for /completion (and /infill), field for field, with the request
+options that shape them (schema.ResponseOptions): the final body (``to_json_non_oaicompat`` in
+tools/server/server-task.cpp), a streamed chunk, ``generation_settings`` (``task_params::to_json``),
+the ``prompt_progress`` events of ``return_progress``, and the ``response_fields`` filter.
+
+Where this differs from llama-server:
+* a progress event's ``tokens`` is ``[]`` (llama-server sends ``[0]``, a token it never sampled),
+  and it carries no ``timings`` (the prompt's timings come with the first token);
+* ``generation_settings`` describes this server: the sampling values as given (not rounded to
+  float32), ``speculative.types`` this server's method, ``reasoning_format`` "none" (no reasoning is
+  parsed out), ``n_predict`` the limit that applies (llama-server writes -1 for none; here there is
+  always one, ``--n-predict`` or the server's default);
+* a streamed chunk holds the tokens of one speculative step (llama-server: one token a chunk), with
+  the step's ``pyllama_spec`` extension, also a token whose text is held back (half a character;
+  llama-server streams no chunk for it);
+* ``post_sampling_probs``: every probability after the chain is exact for greedy sampling (the pick
+  has probability 1, as llama-server reports it); at temperature > 0 it is refused (400), as this
+  server does not read the sampler's candidates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from pyllama_spec.server.errors import bad_request
+from pyllama_spec.server.schema import GenerationRequest, ResponseOptions
+from pyllama_spec.server.slots import generation_params
+from pyllama_spec.spec.sampling import SamplingParams
+
+_DEFAULTS = SamplingParams()
+
+
+def check_post_sampling_probs(req: GenerationRequest, default_sampling: dict) -> None:
+    """A 400 for post_sampling_probs with probabilities asked at temperature > 0 (see the module)."""
+    args = req.engine_args
+    if not (req.options.post_sampling_probs and args.get("logprobs")):
+        return
+    if args.get("temperature", default_sampling.get("temperature", _DEFAULTS.temperature)) > 0:
+        raise bad_request("post_sampling_probs is given only for greedy sampling (temperature 0) here: this server "
+                          "does not read the sampler's candidates at temperature > 0; leave it out for the "
+                          "probabilities before sampling", "post_sampling_probs")
+
+
+def post_sampling_entries(entries: list[dict]) -> list[dict]:
+    """Greedy sampling's probabilities after the chain, from log-probability entries (logprobs.py):
+    the pick has probability 1 and is the only candidate left (llama-server drops those at 0)."""
+    def prob(e: dict) -> dict:
+        return {"id": e["id"], "token": e["token"], "bytes": e["bytes"], "prob": 1.0}
+
+    return [{**prob(e), "top_probs": [prob(e)] if e["top_logprobs"] else []} for e in entries]
+
+
+def generation_settings(service, args: dict, *, stream: bool, options: ResponseOptions, grammar: str = "") -> dict:
+    """llama-server's ``generation_settings`` of one generation (``args``, its Engine keywords): the
+    fields /slots shows as its ``params`` (slots.generation_params, the same task_params::to_json),
+    and those only the final body has."""
+    given = {**service.engine.config.sampling, **args}
+    # -inf (a forbidden token) is written as null, as llama-server's JSON writer does
+    bias = [{"bias": None if b is False or b == float("-inf") else float(b), "token": int(t)}
+            for t, b in (given.get("logit_bias") or ())]
+    out = generation_params(service, args, stream)
+    out.update({
+        "dry_sequence_breakers": list(given.get("dry_sequence_breakers", _DEFAULTS.dry_sequence_breakers)),
+        "adaptive_target": -1.0, "adaptive_decay": 0.9,  # llama-server's adaptive sampler: not here
+        "stop": list(given.get("stop", [])), "n_keep": options.n_keep, "n_discard": options.n_discard,
+        "logit_bias": bias, "grammar": grammar, "grammar_lazy": False, "grammar_triggers": [],
+        "preserved_tokens": [], "chat_format": "Content-only", "reasoning_format": "none",
+        "reasoning_in_content": False, "generation_prompt": "", "timings_per_token": options.timings_per_token,
+        "post_sampling_probs": options.post_sampling_probs, "backend_sampling": False,
+        "lora": [dict(x) for x in args.get("lora", [])],
+    })
+    return out
+
+
+def select_fields(paths: tuple[str, ...], body: dict) -> dict:
+    """llama-server's ``response_fields``: only those fields, each under its path ("a/b" reads b in
+    a, and is named "a/b"); a path that names nothing is left out. No paths: the whole body."""
+    if not paths:
+        return body
+    out = {}
+    for path in paths:
+        value, found = body, True
+        for key in path.split("/"):
+            if isinstance(value, dict) and key in value:
+                value = value[key]
+            else:
+                found = False
+                break
+        if found:
+            out[path] = value
+    return out
+
+
+def wants(paths: tuple[str, ...], field: str) -> bool:
+    """Whether the final body's ``field`` survives the ``response_fields`` filter."""
+    return not paths or any(p == field or p.startswith(field + "/") for p in paths)
+
+
+def prompt_text(model, arrays: tuple) -> str:
+    """llama-server's ``prompt``: the prompt's text tokens (media left out) detokenized, special
+    tokens written out. Native work linear in the prompt: the caller runs a long one on a thread."""
+    if not arrays:
+        return ""
+    return model.detokenize(np.concatenate(arrays), special=True)
+
+
+@dataclasses.dataclass
+class FinalFields:
+    """What a generation's final body says beyond its stats, gathered by the route."""
+
+    index: int
+    content: str
+    tokens: list
+    id_slot: Any
+    model: str
+    prompt: str
+    has_new_line: bool
+    settings: dict
+
+
+def final_body(f: FinalFields, last, timings: dict) -> dict:
+    """The final /completion body (``last`` the generation's last piece), in llama-server's order;
+    the caller adds ``completion_probabilities`` and applies ``response_fields``."""
+    stats, ending = last.stats, last.ending
+    return {"index": f.index, "content": f.content, "tokens": f.tokens, "id_slot": f.id_slot, "stop": True,
+            "model": f.model, "tokens_predicted": stats.generated_tokens, "tokens_evaluated": stats.prompt_tokens,
+            "generation_settings": f.settings, "prompt": f.prompt, "has_new_line": f.has_new_line,
+            "truncated": ending.truncated, "stop_type": ending.stop_type, "stopping_word": ending.stopping_word,
+            "tokens_cached": ending.cache_rows, "timings": timings}
+
+
+class Progress:
+    """One generation's ``prompt_progress`` (llama-server's return_progress), from the engine's
+    progress events: ("cache", rows reused, rows in all, t), then ("prefill", rows decoded, rows
+    to decode, t) after each batch."""
+
+    def __init__(self) -> None:
+        self.total = self.cache = 0
+        self.t0: float | None = None
+
+    def event(self, value) -> dict:
+        stage, done, total, t = value
+        if stage == "cache" or self.t0 is None:
+            self.t0 = t
+        if stage == "cache":
+            self.cache, self.total = done, total
+            processed = done
+        else:
+            processed = self.cache + done
+        return {"total": self.total, "cache": self.cache, "processed": processed,
+                "time_ms": int((t - self.t0) * 1000)}
