@@ -73,7 +73,7 @@ async def answer(service: Service, request: Request, req: GenerationRequest) -> 
     jobs = service.submit(req)
     if req.stream:
         return EventSourceResponse(_stream_events(service, req, jobs), ping=15)
-    return await _complete(service, req, jobs, request)
+    return JSONResponse(await complete_body(service, req, jobs, request))
 
 
 def timings(stats) -> dict:
@@ -231,7 +231,11 @@ async def _gather(job: Job) -> _Choice:
     return out
 
 
-async def _complete(service: Service, req: GenerationRequest, jobs: list[Job], request: Request) -> Response:
+async def complete_body(service: Service, req: GenerationRequest, jobs: list[Job], request: Request) -> Any:
+    """The whole answer to a request whose ``jobs`` were submitted, as the JSON value its route
+    answers (OpenAI's chat.completion / text_completion, or llama-server's /completion body or
+    list); the other APIs (Messages, Responses) translate the chat one. Raises APIError (499
+    when the client left)."""
     gone = asyncio.ensure_future(_until_disconnected(request))
     work = asyncio.ensure_future(asyncio.gather(*(_gather(job) for job in jobs)))
     try:
@@ -250,7 +254,7 @@ async def _complete(service: Service, req: GenerationRequest, jobs: list[Job], r
     if req.kind == "llama":
         bodies = [await _llama_final(service, req, jobs[i], i, c, id_slot=jobs[i].slot) for i, c in enumerate(choices)]
         # llama-server: a list for several prompts or n_cmpl > 1, indexed prompt by prompt
-        return JSONResponse(bodies[0] if len(bodies) == 1 else bodies)
+        return bodies[0] if len(bodies) == 1 else bodies
     out = []
     for i, c in enumerate(choices):
         # llama-server answers OpenAI's chat shape {"content": [...]} on both routes
@@ -263,8 +267,8 @@ async def _complete(service: Service, req: GenerationRequest, jobs: list[Job], r
             choice["text"] = _text(c)
         out.append(choice)
     stats = [c.last.stats for c in choices]
-    return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": out,
-                         "usage": usage(stats, req.n), "timings": timings(stats[0])})
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": out,
+            "usage": usage(stats, req.n), "timings": timings(stats[0])}
 
 
 async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
@@ -285,10 +289,24 @@ async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
 
 
 async def _stream_events(service: Service, req: GenerationRequest, jobs: list[Job]) -> AsyncIterator[dict]:
-    """Server-sent events: OpenAI chunks ending with [DONE] (llama-server's chunks for /completion,
-    each step's, then the final body), each naming its choice by ``index``; with return_progress,
-    a chunk with ``prompt_progress`` after each prompt batch; with timings_per_token, ``timings``
-    in every chunk."""
+    """Server-sent events: ``stream_objects``' chunks, each a ``data:`` event, then ``[DONE]`` on
+    OpenAI's routes (unless the stream ended with an error)."""
+    failed = False
+    async with contextlib.aclosing(stream_objects(service, req, jobs)) as objects:
+        async for obj in objects:
+            failed = "error" in obj
+            yield {"data": json.dumps(obj, ensure_ascii=False)}
+    if req.kind != "llama" and not failed:
+        yield {"data": "[DONE]"}
+
+
+async def stream_objects(service: Service, req: GenerationRequest, jobs: list[Job]) -> AsyncIterator[dict]:
+    """The chunks of a streamed answer as JSON objects: OpenAI chunks (llama-server's chunks for
+    /completion, each step's, then the final body), each naming its choice by ``index``; with
+    return_progress, a chunk with ``prompt_progress`` after each prompt batch; with
+    timings_per_token, ``timings`` in every chunk; an error ends it with ``{"error": ...}``.
+    Closing it (the client left) cancels the jobs. The other APIs (Messages, Responses)
+    translate the chat chunks into their own events."""
     rid, _ = _ids(req)
     created, model = int(time.time()), service.settings.alias
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
@@ -334,48 +352,43 @@ async def _stream_events(service: Service, req: GenerationRequest, jobs: list[Jo
         event["pyllama_spec"] = speculation(piece)
         return event
 
-    def data(obj_: dict) -> dict:
-        return {"data": json.dumps(obj_, ensure_ascii=False)}
-
     final_stats = {}
     streamed_new_line = [False] * len(jobs)
     try:
         if req.kind == "chat":
             for i in range(len(jobs)):
-                yield data(chunk(i, None, None, role=True))
+                yield chunk(i, None, None, role=True)
         async with contextlib.aclosing(_merged(jobs)) as events:  # the client going away cancels this
             async for i, kind, piece in events:
                 if kind == "error":
-                    yield data(engine_error(piece).body())
+                    yield engine_error(piece).body()
                     return
                 if kind == "done":
                     continue
                 if kind == "progress":
-                    yield data(progress_chunk(i, piece))
+                    yield progress_chunk(i, piece)
                     continue
                 if req.kind == "llama":
                     # each step's tokens, then (as llama-server) the final body with empty content
                     if piece.text or piece.tokens:
-                        yield data(llama_chunk(i, piece))
+                        yield llama_chunk(i, piece)
                     if piece.stats is not None:
                         last = _Choice(last=piece, has_new_line=streamed_new_line[i] or "\n" in piece.text)
-                        yield data(await _llama_final(service, req, jobs[i], i, last, id_slot=jobs[i].slot))
+                        yield await _llama_final(service, req, jobs[i], i, last, id_slot=jobs[i].slot)
                     streamed_new_line[i] = streamed_new_line[i] or "\n" in piece.text
                     continue
                 # A step whose text is held back (a partial character, a possible stop string) still
                 # gets its chunk, with empty content, so that every token's origin is reported.
                 if piece.text or piece.tokens:
-                    yield data(chunk(i, piece.text, None, piece=piece))
+                    yield chunk(i, piece.text, None, piece=piece)
                 if piece.stats is not None:
                     final_stats[i] = piece.stats
                     final = chunk(i, None, piece.finish_reason)
                     final["timings"] = timings(piece.stats)
-                    yield data(final)
-        if req.kind != "llama":
-            if req.include_usage and len(final_stats) == len(jobs):
-                yield data({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                            "usage": usage([final_stats[i] for i in sorted(final_stats)], req.n)})
-            yield {"data": "[DONE]"}
+                    yield final
+        if req.kind != "llama" and req.include_usage and len(final_stats) == len(jobs):
+            yield {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                   "usage": usage([final_stats[i] for i in sorted(final_stats)], req.n)}
     finally:
         for job in jobs:
             job.cancel()  # the client went away (or the stream ended): stop generating within one step
