@@ -419,3 +419,20 @@ def test_metrics_carry_llama_servers_series_with_the_same_counts(tiny_dense):
         ours.stop()
         engine.close()
         theirs.stop()
+
+
+@pytest.mark.parametrize("extra", [{}, {"dry_penalty_last_n": -1}, {"dry_penalty_last_n": 8}])
+def test_dry_gives_the_same_tokens_with_llama_servers_defaults(servers, extra):
+    """DRY on (its multiplier only, llama-server's defaults for the rest: a look-back of 64
+    tokens, allowed length 2, base 1.75, its sequence breakers): the same greedy tokens."""
+    body = {"prompt": PROMPT + " x" * 40 + PROMPT, "n_predict": 24, "temperature": 0, "dry_multiplier": 2.0,
+            "return_tokens": True, "cache_prompt": False, **extra}
+    (s1, a), (s2, b) = both(servers, "/completion", body)
+    if extra.get("dry_penalty_last_n") == -1:
+        # -1 (the whole context, as llama.cpp's samplers and older llama-servers take it) is
+        # refused by this pin's request schema (hard limits 0..INT32_MAX); taken here
+        assert (s1, s2) == (200, 400), (a, b)
+        return
+    assert s1 == s2 == 200
+    assert a["tokens"] == b["tokens"]
+    assert a["generation_settings"]["dry_penalty_last_n"] == b["generation_settings"]["dry_penalty_last_n"]

@@ -179,4 +179,5 @@ def test_sampler_names_as_llama_server_takes_them():
     with pytest.raises(ValueError, match="letter"):
         sampler_order("kq")
     p = sampling_params({"penalty_last_n": -1, "logit_bias": {"7": -np.inf}}, n_ctx=512, n_vocab=100)
-    assert p.penalty_last_n == 512 and p.dry_penalty_last_n == 512 and p.logit_bias == ((7, -np.inf),)
+    assert p.penalty_last_n == 512 and p.dry_penalty_last_n == 64 and p.logit_bias == ((7, -np.inf),)  # 64: its default
+    assert sampling_params({"dry_penalty_last_n": -1}, n_ctx=512, n_vocab=100).dry_penalty_last_n == 512

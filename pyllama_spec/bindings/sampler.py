@@ -34,7 +34,7 @@ class Sampler(NativeHandle):
                  xtc_probability: float = 0.0, xtc_threshold: float = 0.1, repeat_penalty: float = 1.0,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0, penalty_last_n: int = 64,
                  dry_multiplier: float = 0.0, dry_base: float = 1.75, dry_allowed_length: int = 2,
-                 dry_penalty_last_n: int = -1, dry_sequence_breakers: Sequence[str] = ("\n", ":", '"', "*"),
+                 dry_penalty_last_n: int = 64, dry_sequence_breakers: Sequence[str] = ("\n", ":", '"', "*"),
                  dynatemp_range: float = 0.0, dynatemp_exponent: float = 1.0, mirostat: int = 0,
                  mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, min_keep: int = 0,
                  logit_bias: Sequence[tuple[int, float]] = (), samplers: Sequence[str] = _DEFAULT_ORDER,

@@ -71,7 +71,7 @@ class SamplingParams:
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
     dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1  # -1: the context size
+    dry_penalty_last_n: int = 64  # llama-server's default; -1: the context size
     dry_sequence_breakers: tuple[str, ...] = DRY_SEQUENCE_BREAKERS
     dynatemp_range: float = 0.0
     dynatemp_exponent: float = 1.0
