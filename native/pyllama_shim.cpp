@@ -1,6 +1,7 @@
 // Thin extern "C" forwarding, plus the one piece of logic that must be native: noticing
 // Ctrl-C while a long native call runs (Python's own handler only runs between bytecodes).
 #include "pyllama_shim.h"
+#include "pyllama_shim_internal.h"
 
 #include "json-schema-to-grammar.h"
 #include "llama-ext.h"
@@ -189,6 +190,14 @@ const char * skip_space(const char * pos) {
 }
 }  // namespace
 
+}  // extern "C"
+
+int32_t pyllama::fail(const char * what) {
+    return failed(what);
+}
+
+extern "C" {
+
 const char * pyllama_last_error(void) {
     return g_last_error.c_str();
 }
@@ -287,7 +296,7 @@ int64_t pyllama_json_schema_to_grammar(const char * schema_json, char * out, siz
 }
 
 int32_t pyllama_shim_abi_version(void) {
-    return 3;
+    return 4;
 }
 
 }

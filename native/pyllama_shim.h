@@ -72,6 +72,36 @@ int32_t      pyllama_sampler_accept(struct llama_sampler * smpl, int32_t token);
 int64_t      pyllama_json_schema_to_grammar(const char * schema_json, char * out, size_t n_out);
 const char * pyllama_last_error(void);
 
+/* Chat (native/pyllama_chat.cpp): llama.cpp's common chat layer, JSON in and out, as llama-server
+ * uses it. The char * results are malloc'd JSON for pyllama_string_free; NULL when llama.cpp threw
+ * (the reason in pyllama_last_error()).
+ * pyllama_chat_templates_init: common_chat_templates_init (override: template text, or NULL/"" for
+ * the model's own). _info: {"caps", "source", "tool_use_source", "example", "supports_thinking"}.
+ * _apply: common_chat_templates_apply of {"messages", "tools", "tool_choice", "json_schema",
+ * "grammar", "use_jinja", "parallel_tool_calls", "add_generation_prompt", "continue_final_message",
+ * "reasoning_format", "enable_thinking", "force_pure_content", "chat_template_kwargs"} giving
+ * common_chat_params as {"prompt", "format", "format_name", "grammar", "grammar_lazy",
+ * "generation_prompt", "supports_thinking", "thinking_start_tag", "thinking_end_tags",
+ * "grammar_triggers", "preserved_tokens", "additional_stops", "parser"}.
+ * pyllama_chat_parser_*: one generation's parse state (llama-server's task_result_state); _update
+ * adds text and gives {"message", "diffs"} (OpenAI's message and deltas).
+ * pyllama_sampler_init_chat_constraint: the grammar (lazy, with triggers) and reasoning budget of
+ * common_sampler as one llama_sampler; NULL with an empty reason when there is nothing to constrain. */
+struct pyllama_chat_templates;
+struct pyllama_chat_parser;
+struct llama_vocab;
+void                           pyllama_string_free(char * s);
+struct pyllama_chat_templates * pyllama_chat_templates_init(const struct llama_model * model, const char * override_src);
+void                           pyllama_chat_templates_free(struct pyllama_chat_templates * t);
+char *                         pyllama_chat_templates_info(const struct pyllama_chat_templates * t, bool use_jinja,
+                                                           const char * kwargs_json);
+char *                         pyllama_chat_templates_apply(const struct pyllama_chat_templates * t, const char * inputs_json);
+struct pyllama_chat_parser *   pyllama_chat_parser_init(const char * params_json);
+void                           pyllama_chat_parser_free(struct pyllama_chat_parser * p);
+char *                         pyllama_chat_parser_update(struct pyllama_chat_parser * p, const char * text_added, size_t n,
+                                                          bool is_partial);
+struct llama_sampler *         pyllama_sampler_init_chat_constraint(const struct llama_vocab * vocab, const char * spec_json);
+
 /* Version of this shim's C API, checked by the Python side at import. */
 int32_t         pyllama_shim_abi_version(void);
 

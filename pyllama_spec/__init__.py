@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pyllama_spec.embedded import embedded_models
 from pyllama_spec.errors import (
+    ChatTemplateError,
     ClosedError,
     ContextOverflowError,
     DecodeError,
@@ -51,7 +52,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "ClosedError", "ContextOverflowError", "DecodeError", "EngineBusyError",
-    "GenerationCancelledError", "GenerationStats", "ImageError", "IncompatibleModelsError", "InsufficientMemoryError",
+    "GenerationCancelledError", "GenerationStats", "ChatTemplateError", "ImageError", "IncompatibleModelsError", "InsufficientMemoryError",
     "KVMemoryError", "ModelFileError", "NativeCallError", "NativeLibraryError", "ProjectorError",
     "PyllamaError", "RemoteDeviceError", "embedded_models", *_LAZY,
 ]

@@ -31,6 +31,11 @@ class IncompatibleModelsError(PyllamaError, ValueError):
     """A draft does not fit its target, or a combination would abort natively."""
 
 
+class ChatTemplateError(PyllamaError, ValueError):
+    """The chat template (the model's, or the one given) cannot be used: llama-server refuses to
+    start with it too."""
+
+
 class ContextOverflowError(PyllamaError, ValueError):
     """The prompt (or prompt + generation) does not fit in the context."""
 

@@ -1,9 +1,12 @@
-"""The GGUF's own Jinja chat template, rendered as HF renders it; llama.cpp's built-in one as
-the fallback, and the engine says which it used.
+"""Chat templates rendered by llama.cpp's own chat layer (common/chat.h, through the shim), as
+llama-server renders them: a GGUF's template or a --chat-template override, image parts as the
+media marker where the template puts the part's text, template variables (Qwen3's thinking
+switch), the refusals of a template that raises, and the engine saying which renderer it used.
 
 The templates below are written like the real ones (Qwen2.5-VL, Qwen3-VL with its thinking
-switch, Gemma 3 with raise_exception and bos_token, HunyuanVL with strftime_now); each is
-stored in a tiny GGUF's tokenizer.chat_template and rendered from there.
+switch, Gemma 3 with raise_exception and bos_token, HunyuanVL with strftime_now); the real ones of
+the pinned source are rendered with tools, tool results, images and reasoning in
+test_chat_tools.py, against llama-server's own /apply-template.
 """
 
 from __future__ import annotations
@@ -12,10 +15,9 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
+from pyllama_spec.bindings.model import Model
 from pyllama_spec.devtools import tiny
-from pyllama_spec.serving.chat_template import TemplateRenderError, render
-
-pytest.importorskip("jinja2", reason="chat templates are rendered with jinja2")
+from pyllama_spec.serving.prompt import ChatOptions, ChatRenderer, ChatSettings
 
 M = ps.MEDIA_MARKER
 
@@ -76,46 +78,55 @@ MESSAGES = [
 ]
 
 
-def _prepared(messages):
-    """The messages as the engine hands them to a template (images as placeholders)."""
-    from pyllama_spec.serving.prompt import normalize_content
+@pytest.fixture(scope="module")
+def vocab(tiny_dense):
+    with Model(tiny_dense.target, vocab_only=True) as model:
+        yield model
 
-    return [{"role": m["role"], "content": normalize_content(m["content"])[0]} for m in messages]
+
+def _render(vocab, template, messages=MESSAGES, **options) -> str:
+    return ChatRenderer(vocab, ChatSettings(template=template)).render(messages, ChatOptions(**options)).prompt
 
 
 @pytest.mark.parametrize("template,expected", [
     (QWEN25_VL, f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{M}What is it?<|im_end|>\n"
                 "<|im_start|>assistant\nA cat.<|im_end|>\n<|im_start|>user\nAnd the colour?<|im_end|>\n"
                 "<|im_start|>assistant\n"),
+    # llama-server gives a template it does not see thinking in enable_thinking = false
     (QWEN3_VL, f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n{M}What is it?<|im_end|>\n"
                "<|im_start|>assistant\nA cat.<|im_end|>\n<|im_start|>user\nAnd the colour?<|im_end|>\n"
-               "<|im_start|>assistant\n"),
-    (GEMMA3, f"<bos><start_of_turn>user\nBe brief.\n\n{M}What is it?<end_of_turn>\n<start_of_turn>model\n"
+               "<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+    # bos_token is the vocabulary's (the tiny one's BOS is <|endoftext|>, and it adds none itself)
+    (GEMMA3, f"<|endoftext|><start_of_turn>user\nBe brief.\n\n{M}What is it?<end_of_turn>\n<start_of_turn>model\n"
              "A cat.<end_of_turn>\n<start_of_turn>user\nAnd the colour?<end_of_turn>\n<start_of_turn>model\n"),
+    (HUNYUAN_VL, f"<｜hy_begin▁of▁sentence｜>Be brief.<｜hy_place▁holder▁no▁3｜><｜hy_User｜>{M}What is it?"
+                 "<｜hy_Assistant｜>A cat.<｜hy_place▁holder▁no▁2｜><｜hy_User｜>And the colour?<｜hy_Assistant｜>"),
 ])
-def test_real_style_templates_render_as_hf_does_with_the_marker_where_the_image_goes(template, expected):
-    assert render(template, _prepared(MESSAGES), bos_token="<bos>", media_marker=M) == expected
+def test_real_style_templates_render_with_the_marker_where_the_image_goes(vocab, template, expected):
+    assert _render(vocab, template) == expected
 
 
-def test_the_qwen3_thinking_switch_is_a_template_variable():
-    msgs = _prepared([{"role": "user", "content": "Hi"}])
-    assert render(QWEN3_VL, msgs, media_marker=M).endswith("<|im_start|>assistant\n")
-    assert render(QWEN3_VL, msgs, media_marker=M, enable_thinking=False).endswith("<think>\n\n</think>\n\n")
+def test_the_qwen3_thinking_switch_is_a_template_variable(vocab):
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert _render(vocab, QWEN3_VL, msgs, template_kwargs={"enable_thinking": True}).endswith("<|im_start|>assistant\n")
+    assert _render(vocab, QWEN3_VL, msgs, template_kwargs={"enable_thinking": False}).endswith("<think>\n\n</think>\n\n")
+    assert _render(vocab, QWEN3_VL, msgs, reasoning_effort="none").endswith("<think>\n\n</think>\n\n")
 
 
-def test_a_template_that_raises_or_does_not_compile_gives_a_render_error():
-    with pytest.raises(TemplateRenderError, match="refused these messages: this template refuses everything"):
-        render(RAISES, _prepared(MESSAGES), media_marker=M)
-    with pytest.raises(TemplateRenderError, match="alternate"):
-        render(GEMMA3, _prepared([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]), media_marker=M)
-    with pytest.raises(TemplateRenderError, match="compile"):
-        render("{% for %}", [], media_marker=M)
+def test_a_template_that_raises_is_refused_at_load_or_for_the_chat_it_raises_on(vocab):
+    # llama-server renders an example chat when it starts, and does not start when that fails
+    with pytest.raises(ps.ChatTemplateError, match="(?s)cannot be used .*this template refuses everything"):
+        ChatRenderer(vocab, ChatSettings(template=RAISES))
+    with pytest.raises(ValueError, match="alternate"):
+        _render(vocab, GEMMA3, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])
+    with pytest.raises(ps.ChatTemplateError, match="cannot be used"):
+        ChatRenderer(vocab, ChatSettings(template="{% for %}"))
 
 
-def test_the_sandbox_refuses_to_reach_python_internals():
+def test_the_renderer_reaches_no_python_internals(vocab):
     evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
-    with pytest.raises(TemplateRenderError):
-        render(evil, _prepared(MESSAGES), media_marker=M)
+    with pytest.raises(ValueError, match="not a function"):
+        ChatRenderer(vocab, ChatSettings(template=evil))
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +151,13 @@ def test_the_engine_renders_the_gguf_template_and_says_so(name, template, models
     assert r.stats.chat_template == "jinja" and r.stats.images == 1 and len(r.tokens) == 4
 
 
-def test_a_template_that_fails_falls_back_to_the_builtin_one_and_says_so(models_with, tiny_dense, caplog):
-    path = models_with("raises", RAISES + "<|im_start|>")  # still recognisable as ChatML by llama.cpp
-    with ps.load(path, n_ctx=1024, n_threads=N_THREADS) as e, caplog.at_level("WARNING"):
-        r = e.generate(messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
-    assert r.stats.chat_template == "builtin"
-    assert "built-in chat template" in caplog.text and "refuses everything" in caplog.text
+def test_a_gguf_template_that_cannot_be_used_fails_the_load_and_says_why(models_with):
+    path = models_with("raises", RAISES + "<|im_start|>")
+    with pytest.raises(ValueError, match="refuses everything"):
+        ps.load(path, n_ctx=1024, n_threads=N_THREADS)
+    # --no-jinja: llama.cpp's built-in renderer recognises ChatML by its tokens
+    with ps.load(path, n_ctx=1024, n_threads=N_THREADS, jinja=False) as e:
+        assert e.generate(messages=[{"role": "user", "content": "Hi"}], max_tokens=2).stats.chat_template == "builtin"
 
 
 def test_a_raw_prompt_uses_no_template(tiny_dense):
@@ -153,13 +165,9 @@ def test_a_raw_prompt_uses_no_template(tiny_dense):
         assert e.generate("Hi", max_tokens=1).stats.chat_template is None
 
 
-def test_hugging_faces_generation_tag_renders_its_body():
-    """{% generation %} (the assistant-mask tag of LFM2.5 and poolside Laguna templates) is not
-    jinja2's: the renderer knows it and keeps the body, as llama-server's own renderer does."""
+def test_hugging_faces_generation_tag_renders_its_body(vocab):
+    """{% generation %} (the assistant-mask tag of LFM2.5 and poolside Laguna templates) renders its body."""
     template = ("{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
                 "{% endgeneration %}{% else %}{{ m.content }}{% endif %}</{{ m.role }}>{% endfor %}")
-    text = render(template, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
-                  media_marker="<__media__>")
-    assert text == "<user>hi</user><assistant>yo</assistant>"
-    with pytest.raises(TemplateRenderError, match="does not compile"):
-        render("{% generation %}unclosed", [{"role": "user", "content": "hi"}], media_marker="<__media__>")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "ok"}]
+    assert _render(vocab, template, msgs) == "<user>hi</user><assistant>yo</assistant><user>ok</user>"

@@ -8,7 +8,6 @@ import pytest
 
 import pyllama_spec as ps
 from pyllama_spec.server.schema import RequestLimits, parse_chat
-from pyllama_spec.serving.prompt import render_messages
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
@@ -43,8 +42,11 @@ def test_bad_defaults_fail_the_load_with_what_was_wrong(tiny_dense):
         ps.load(tiny_dense.target, n_ctx=1024, sampling={"top_k": "many"})
     with pytest.raises(ValueError, match="sampling defaults are not valid: .*no_such"):
         ps.load(tiny_dense.target, n_ctx=1024, sampling={"no_such": 1})
-    with pytest.raises(ValueError, match="no built-in chat template 'no-such-template'"):
-        ps.load(tiny_dense.target, n_ctx=1024, chat_template="no-such-template")
+    with pytest.raises(ps.ChatTemplateError, match="no built-in chat template 'no-such-template'"):
+        ps.load(tiny_dense.target, n_ctx=1024, chat_template="no-such-template", jinja=False)
+    # with Jinja, a template llama-server's renderer refuses is refused at load (llama-server does not start)
+    with pytest.raises(ps.ChatTemplateError, match="chat template cannot be used"):
+        ps.load(tiny_dense.target, n_ctx=1024, chat_template="{% for %}")
 
 
 def test_ignore_eos_forbids_every_end_of_generation_token(tiny_dense, plain):
@@ -56,29 +58,29 @@ def test_ignore_eos_forbids_every_end_of_generation_token(tiny_dense, plain):
         assert engine.generate(messages=MESSAGES, max_tokens=40).tokens == got.tokens
 
 
-def test_a_chat_template_by_name_or_text_replaces_the_models(plain):
-    text, _, renderer = render_messages(plain.model, MESSAGES, template="chatml")
-    assert renderer == "builtin" and text == "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"
+def _rendered(tiny_dense, **config) -> tuple[str, str]:
+    with ps.load(tiny_dense.target, n_ctx=1024, **config) as engine:
+        chat = engine.chat_params(MESSAGES)
+    return chat.renderer, chat.prompt
+
+
+def test_a_chat_template_by_name_or_text_replaces_the_models(tiny_dense):
+    # a built-in's name (--no-jinja, or any name but chatml): llama.cpp's built-in renderer
+    assert _rendered(tiny_dense, chat_template="llama3") == (
+        "builtin", "<|start_header_id|>user<|end_header_id|>\n\nhello there<|eot_id|>"
+                   "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    # "chatml" is llama.cpp's ChatML template, in Jinja (as llama-server reads it)
+    assert _rendered(tiny_dense, chat_template="chatml") == (
+        "jinja", "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n")
     jinja = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}>{% endif %}"
-    text, _, renderer = render_messages(plain.model, MESSAGES, template=jinja)
-    assert (renderer, text) == ("jinja", "[user] hello there\n>")
+    assert _rendered(tiny_dense, chat_template=jinja) == ("jinja", "[user] hello there\n>")
     # --no-jinja: llama.cpp's renderer even for Jinja text it recognises (here: the model's own)
-    own, _, renderer = render_messages(plain.model, MESSAGES, jinja=False)
+    renderer, own = _rendered(tiny_dense, jinja=False)
     assert renderer == "builtin" and "hello there" in own
 
 
-def test_an_override_jinja2_cannot_render_falls_back_to_llama_cpp_reading_the_override(plain):
-    """A --chat-template text jinja2 cannot render (here: a filter it lacks): llama.cpp's renderer
-    reads that same text (it recognises Llama 3's), never the model's own template (ChatML-like)."""
-    override = ("{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
-                "{{ m.content | no_such_filter }}<|eot_id|>{% endfor %}")
-    text, _, renderer = render_messages(plain.model, MESSAGES, template=override)
-    assert renderer == "builtin"
-    assert text == "<|start_header_id|>user<|end_header_id|>\n\nhello there<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
-
-
 def test_an_engine_with_a_template_renders_requests_with_it(tiny_dense):
-    with ps.load(tiny_dense.target, n_ctx=1024, chat_template="chatml") as engine:
+    with ps.load(tiny_dense.target, n_ctx=1024, chat_template="chatml", jinja=False) as engine:
         result = engine.generate(messages=MESSAGES, max_tokens=2)
         assert result.stats.chat_template == "builtin"
         assert result.stats.prompt_tokens == len(engine.model.tokenize(

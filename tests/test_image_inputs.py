@@ -234,6 +234,66 @@ def test_an_oversized_data_uri_is_refused_before_it_is_decoded(monkeypatch):
     assert "larger than 1000 bytes" in e.message
 
 
+# --------------------------------------------------------------------------- a request's images together
+
+
+def _chat_with_images(n: int, side: int, last_side: int | None = None) -> dict:
+    def uri(side):
+        return "data:image/png;base64," + base64.b64encode(_png_bytes(Image.new("RGB", (side, side)))).decode()
+
+    sides = [side] * (n - 1) + [last_side or side]
+    parts = [{"type": "image_url", "image_url": {"url": uri(s)}} for s in sides] + [{"type": "text", "text": "x"}]
+    return {"messages": [{"role": "user", "content": parts}]}
+
+
+def _limits(**images_limits):
+    from pyllama_spec.server.schema import RequestLimits
+
+    return RequestLimits(max_tokens=8, default_max_tokens=4, draft_max=0, images=ImageLimits(**images_limits))
+
+
+def test_an_agents_conversation_may_carry_dozens_of_screenshots_by_default():
+    from pyllama_spec.server.schema import parse_chat
+
+    assert parse_chat(_chat_with_images(40, 16), _limits()).n_images == 40
+
+
+@pytest.mark.parametrize("route", ["chat", "completion"])
+def test_more_images_than_a_request_may_hold_is_a_400_and_the_one_past_the_limit_is_not_decoded(route, monkeypatch):
+    from pyllama_spec.server.prompts import parse_prompts
+    from pyllama_spec.server.schema import parse_chat
+
+    decoded = []
+    monkeypatch.setattr(images, "_check_decodable", lambda *a: decoded.append(a[2]))
+    with pytest.raises(APIError) as info:
+        if route == "chat":
+            parse_chat(_chat_with_images(3, 4), _limits(max_images=2))
+        else:
+            payload = base64.b64encode(_rgb_png()).decode()
+            parse_prompts({"prompt_string": "<__media__>" * 3 + "x", "multimodal_data": [payload] * 3},
+                          n_vocab=100, images=ImageLimits(max_images=2), max_prompts=4)
+    assert info.value.status == 400 and info.value.code == "too_many_images"
+    assert info.value.message == "at most 2 images per request"
+    assert len(decoded) == (2 if route == "chat" else 0)  # /completion counts its list first
+
+
+def test_the_pixels_of_a_requests_images_together_are_bounded_read_from_their_headers(monkeypatch):
+    """Decoding costs by the pixel whatever the encoded size: the image that would go over the
+    request's total is refused before it is decoded (its header gives its size)."""
+    from pyllama_spec.server.schema import parse_chat
+
+    body = _chat_with_images(3, 100, last_side=99)
+    loaded = []
+    real_load = Image.Image.load
+    monkeypatch.setattr(Image.Image, "load", lambda im: loaded.append(im.size) or real_load(im))
+    with pytest.raises(APIError) as info:
+        parse_chat(body, _limits(max_total_pixels=25_000))
+    e = info.value
+    assert e.status == 400 and e.param == "messages[0].content[2]" and "more than 25000 pixels together" in e.message
+    assert (100, 100) in loaded and (99, 99) not in loaded  # the third was never decoded
+    assert parse_chat(_chat_with_images(2, 100), _limits(max_total_pixels=25_000)).n_images == 2
+
+
 # --------------------------------------------------------------------------- local files
 
 

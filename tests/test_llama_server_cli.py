@@ -108,7 +108,8 @@ def test_every_llama_server_flag_is_accepted_honoured_or_dropped_with_a_reason()
               "--samplers": "top_k;temperature", "--sampler-seq": "kt", "-np": "2", "--port": "8081",
               "--spec-draft-p-min": "0.5", "--top-p": "0.9", "--min-p": "0.1", "--typical": "1.0",
               "--xtc-probability": "0.1", "--xtc-threshold": "0.2", "--mirostat": "0", "-lm": "auto",
-              "--slot-save-path": ".", "--lora-scaled": "a.gguf:0.5"}
+              "--slot-save-path": ".", "--lora-scaled": "a.gguf:0.5", "--chat-template-kwargs": '{"a": 1}',
+              "--reasoning-format": "deepseek", "-rea": "on"}
     argv, dropped = [], []
     for f in L.FLAGS:
         if f.preset_only or f.names[0] in ("-h", "--models-preset"):
@@ -141,6 +142,22 @@ def test_llama_server_spellings_and_values():
     assert params["jinja"] is False and params["chat_template"] == "chatml"
     assert params["logit_bias"] == ((15043, -1.0), (2, float("inf")))
     assert "ignored --threads-http 5" in warnings and "ignored --fit-target 2000" in warnings
+
+
+def test_the_chat_flags_are_honoured():
+    params, warnings = _parse(["--chat_template_kwargs", '{"enable_thinking": false, "x": [1]}', "--reasoning", "off",
+                               "--reasoning-format", "none", "--reasoning-budget", "64", "--reasoning-budget-message",
+                               "Enough.", "--skip-chat-parsing", "--no-prefill-assistant", "--reasoning-effort", "low",
+                               "--no-reasoning-preserve"])
+    assert params["chat_template_kwargs"] == {"enable_thinking": False, "x": [1]} and params["reasoning"] == "off"
+    assert (params["reasoning_format"], params["reasoning_budget"], params["reasoning_budget_message"]) == (
+        "none", 64, "Enough.")
+    assert params["skip_chat_parsing"] is True and params["prefill_assistant"] is False
+    assert (params["reasoning_effort"], params["reasoning_preserve"]) == ("low", False)
+    assert "ignored" not in warnings
+    for bad in (["--chat-template-kwargs", "[1]"], ["--reasoning", "maybe"], ["--reasoning-budget", "-2"]):
+        with pytest.raises(click.BadParameter):
+            _parse(bad)
 
 
 def test_spec_types_llama_server_knows_but_this_server_lacks_are_refused_with_the_list():

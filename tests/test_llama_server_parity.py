@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import re
 import math
 import subprocess
 import tempfile
@@ -153,20 +154,17 @@ def test_constrained_output_matches(servers, constraint):
 
 
 def test_response_format_json_gives_the_schemas_grammar_output(servers):
-    """Chat's response_format: the text llama-server's /completion gives for the same schema on the
-    same rendered prompt. (llama-server's chat route builds its own grammar for it, which lets the
-    reply start with whitespace, and then strips it: the text can differ; bench/RESULTS.md.)"""
+    """Chat's response_format: the chat layer's grammar for it (after the generation prompt; it lets
+    the reply open a ```json block or start with whitespace), as llama-server's chat route builds
+    it: the same message, the same tokens."""
     schema = {"type": "array", "items": {"type": "integer"}}
     messages = [{"role": "user", "content": "a number"}]
-    ours, theirs = servers
-    s1, a = post(ours, "/v1/chat/completions", {"messages": messages, "max_tokens": 20, "temperature": 0,
-                                                 "response_format": {"type": "json_schema",
-                                                                     "json_schema": {"schema": schema}}})
-    _, rendered = post(theirs, "/apply-template", {"messages": messages})
-    s2, b = post(theirs, "/completion", {"prompt": rendered["prompt"], "n_predict": 20, "temperature": 0,
-                                         "json_schema": schema})
+    body = {"messages": messages, "max_tokens": 20, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
+    (s1, a), (s2, b) = both(servers, "/v1/chat/completions", body)
     assert s1 == s2 == 200
-    assert a["choices"][0]["message"]["content"] == b["content"]
+    assert a["choices"][0]["message"] == b["choices"][0]["message"]
+    assert a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"]
 
 
 # Where this server answers differently, on purpose: llama-server answers a body that is not JSON
@@ -218,7 +216,8 @@ def _stream(base: str, path: str, body) -> list[dict]:
     req = urllib.request.Request(base + path, data=json.dumps({**body, "stream": True}).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
-        return [json.loads(line[6:]) for line in r.read().decode().splitlines()
+        # SSE lines end at CR or LF only (str.splitlines would split a model's U+2028 too)
+        return [json.loads(line[6:]) for line in re.split(r"\r\n|\r|\n", r.read().decode())
                 if line.startswith("data: ") and line != "data: [DONE]"]
 
 
@@ -436,3 +435,36 @@ def test_dry_gives_the_same_tokens_with_llama_servers_defaults(servers, extra):
     assert s1 == s2 == 200
     assert a["tokens"] == b["tokens"]
     assert a["generation_settings"]["dry_penalty_last_n"] == b["generation_settings"]["dry_penalty_last_n"]
+
+
+@pytest.fixture(scope="module")
+def trained_servers():
+    """The embedded trained pair (its draft is accepted often): this server with the draft,
+    llama-server with the target alone."""
+    import pyllama_spec as ps
+
+    em = ps.embedded_models()
+    theirs = _Process(["-m", str(em.target), "-c", str(N_CTX), "-np", "1", "--no-warmup", "-t", "2"])
+    engine = ps.load(em.target, draft=em.draft, n_ctx=N_CTX, draft_max=7)
+    ours = LocalServer(engine, ServerSettings(alias="trained"))
+    yield ours.url, theirs.url
+    ours.stop()
+    engine.close()
+    theirs.stop()
+
+
+@pytest.mark.parametrize("stop", ["name", "self", "\n"])
+def test_a_stop_string_inside_a_speculative_step_counts_the_tokens_up_to_it(trained_servers, stop):
+    """A stop string completed by a drafted token in the middle of a verified step: the tokens
+    the step accepted after it were never generated (llama-server, one token at a time, never
+    reaches them), so tokens_predicted and usage count up to the stop."""
+    code = "class Counter:\n    def __init__(self, name):\n        self.name = name\n        self."
+    body = {"prompt": code, "n_predict": 64, "temperature": 0, "stop": [stop], "cache_prompt": False}
+    (s1, a), (s2, b) = both(trained_servers, "/completion", body)
+    assert s1 == s2 == 200
+    assert a["timings"]["draft_n_accepted"] > 0  # drafts were accepted on the way
+    for field in ("content", "stop_type", "stopping_word", "tokens_predicted"):
+        assert a[field] == b[field], field
+    chat = {"prompt": code, "max_tokens": 64, "temperature": 0, "stop": [stop]}
+    (s1, a), (s2, b) = both(trained_servers, "/v1/completions", chat)
+    assert s1 == s2 == 200 and a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"]

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
@@ -141,6 +142,26 @@ def test_readme_server_bash_block_runs_as_written(tmp_path):
     assert '"chat.completion"' in res.stdout and '"draft_n"' in res.stdout, res.stdout[-2000:]
     answer = json.loads(next(line for line in res.stdout.splitlines() if '"chat.completion"' in line))
     assert_writes_code(answer["choices"][0]["message"]["content"], block)
+
+
+def test_readme_tool_call_bash_block_runs_as_written(tmp_path):
+    """The tool-call example: a server with a template that renders tools answers a forced call."""
+    from pyllama_spec.bindings.native_info import build_record
+
+    if not (Path(build_record().get("source", {}).get("path", "/nonexistent")) / "models" / "templates").is_dir():
+        pytest.skip("the pinned llama.cpp source tree (its models/templates/) is not on this machine")
+    block = next(b for b in BASH_BLOCKS if "pyllama-spec serve" in b and '"tools"' in b)
+    script = block.replace("8081", str(_free_port())) + "\nkill %1\n"
+    script = script.replace("pyllama-spec serve", "pyllama-spec serve -t 1")
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=180, cwd=tmp_path, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    answer = json.loads(next(line for line in res.stdout.splitlines() if '"chat.completion"' in line))
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["click"]
+    assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {}
+    assert answer["timings"]["draft_n"] > 0
 
 
 def test_the_two_commands_ci_runs_are_the_readmes_first_two():

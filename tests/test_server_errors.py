@@ -1,7 +1,7 @@
 """Hostile request bodies are 400s, never 500s: JSON that nests too deeply or holds an integer
 too long to convert, and ``chat_template_kwargs`` that name the chat template's own variables.
-Also the library side: ``render`` / ``render_messages`` refuse those names with a ``ValueError``,
-and a template that raises on a variable's value falls back to llama.cpp's renderer.
+Also the library side: the chat renderer refuses those names with a ``ValueError``, and a
+template that raises on a variable's value is a ValueError (a 400; llama-server answers 500).
 
 One server on 127.0.0.1 (a free port), stopped by its fixture.
 """
@@ -14,10 +14,9 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec.bindings.mtmd import MEDIA_MARKER
+from pyllama_spec.bindings.model import Model
 from pyllama_spec.devtools import tiny
-from pyllama_spec.serving import chat_template
-from pyllama_spec.serving.chat_template import TemplateRenderError
+from pyllama_spec.serving.prompt import RESERVED_VARIABLES, ChatOptions, ChatRenderer, ChatSettings, check_variables
 
 httpx = pytest.importorskip("httpx", reason="the test extra brings httpx")
 uvicorn = pytest.importorskip("uvicorn", reason="the server extra brings uvicorn")
@@ -27,10 +26,8 @@ from pyllama_spec.server import ServerSettings  # noqa: E402
 
 OK_MESSAGES = [{"role": "user", "content": "Hi"}]
 
-#: Every name the render path sets itself (render's own parameters, the variables it passes the
-#: template, its helper functions) and jinja2's Template.render's ``self``.
-RESERVED = ("add_generation_prompt", "bos_token", "eos_token", "media_marker", "messages", "raise_exception", "self",
-            "strftime_now", "template", "tools")
+#: Every name the chat layer sets itself: the template's inputs and its helper functions.
+RESERVED = ("add_generation_prompt", "bos_token", "eos_token", "messages", "raise_exception", "strftime_now", "tools")
 
 
 @pytest.fixture(scope="module")
@@ -130,11 +127,18 @@ def test_chat_template_kwargs_that_name_the_servers_own_variables_are_a_400(serv
     _still_serving(served)
 
 
-def test_the_reserved_names_cover_every_keyword_of_the_render_path():
-    assert set(RESERVED) <= set(chat_template.RESERVED_VARIABLES)
+def test_the_reserved_names_are_the_ones_the_renderer_sets(tiny_dense):
+    """Each reserved name is defined for every template (tools: when a chat has tools)."""
+    assert set(RESERVED) == set(RESERVED_VARIABLES)
+    with Model(tiny_dense.target, vocab_only=True) as model:
+        for name in RESERVED:
+            template = f"{{{{ '{name}:' ~ ({name} is defined) }}}}"
+            options = ChatOptions(tools=[{"type": "function", "function": {"name": "f"}}] if name == "tools" else None)
+            out = ChatRenderer(model, ChatSettings(template=template)).render(OK_MESSAGES, options).prompt
+            assert out.lower() == f"{name}:true", (name, out)
 
 
-@pytest.mark.parametrize("value", [None, 0, -1, 2**80, 1.5, "yes", "", [1, [2]], {"a": {"b": None}}, False])
+@pytest.mark.parametrize("value", [None, 0, -1, 2**80, 1.5, [1, [2]], {"a": {"b": None}}, False])
 def test_chat_template_kwargs_values_of_any_json_type_are_accepted(served, value):
     r = httpx.post(served.url + "/v1/chat/completions",
                    json={"messages": OK_MESSAGES, "max_tokens": 2,
@@ -143,86 +147,75 @@ def test_chat_template_kwargs_values_of_any_json_type_are_accepted(served, value
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("value", ["yes", ""])
+def test_enable_thinking_as_a_string_is_a_400_as_in_llama_server(served, value):
+    r = httpx.post(served.url + "/v1/chat/completions",
+                   json={"messages": OK_MESSAGES, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": value}},
+                   timeout=60)
+    _assert_400(r, param="chat_template_kwargs", match="expected boolean, got string")
+
+
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
-# render's own keyword parameters are its to take; every other reserved name is refused
-@pytest.mark.parametrize("key", [k for k in RESERVED if k not in ("add_generation_prompt", "bos_token", "eos_token",
-                                                                  "media_marker")])
-def test_render_refuses_its_own_variables_with_a_value_error(key):
-    with pytest.raises(ValueError, match="set by the renderer") as info:
-        chat_template.render(TEMPLATE, OK_MESSAGES, media_marker=MEDIA_MARKER, **{key: 1})
-    assert not isinstance(info.value, TemplateRenderError)  # not a render failure to fall back from
-    assert chat_template.render(TEMPLATE, OK_MESSAGES, media_marker=MEDIA_MARKER, enable_thinking=[1]) == "Hi"
+@pytest.mark.parametrize("key", RESERVED)
+def test_the_renderer_refuses_its_own_variables_with_a_value_error(tiny_dense, key):
+    with Model(tiny_dense.target, vocab_only=True) as model:
+        renderer = ChatRenderer(model, ChatSettings(template=TEMPLATE))
+        with pytest.raises(ValueError, match="set by the renderer"):
+            renderer.render(OK_MESSAGES, ChatOptions(template_kwargs={key: 1}))
+        with pytest.raises(ValueError, match="set by the renderer"):  # nor as the engine's defaults
+            ChatRenderer(model, ChatSettings(template=TEMPLATE, template_kwargs={key: 1}))
+        assert renderer.render(OK_MESSAGES, ChatOptions(template_kwargs={"enable_thinking": [1]})).prompt == "Hi"
 
 
-def test_render_refuses_a_variable_name_that_is_not_a_string():
+def test_the_renderer_refuses_a_variable_name_that_is_not_a_string():
     with pytest.raises(ValueError, match="must be strings"):
-        chat_template.check_variables({1: 2})
-
-
-@pytest.mark.parametrize("template", [
-    "{{ 10 // enable_thinking }}",  # ZeroDivisionError
-    "{{ enable_thinking[5] }}",
-    "{{ enable_thinking['x'] }}",
-    "{{ enable_thinking.x.y }}",
-    "{% if enable_thinking > 1 %}{% endif %}",
-])
-def test_render_turns_what_a_template_raises_on_a_value_into_a_render_error(template):
-    for value in (0, [], {}, "", None, 100):
-        try:
-            chat_template.render(template, OK_MESSAGES, media_marker=MEDIA_MARKER, enable_thinking=value)
-        except TemplateRenderError:
-            pass
+        check_variables({1: 2})
 
 
 @pytest.fixture(scope="module")
 def strict_template_model(tiny_dir):
     """A tiny target whose template does arithmetic on ``enable_thinking`` (so it raises on some values)."""
-    # ChatML (so that llama.cpp's built-in renderer, the fallback, knows it)
     template = ("{%- for m in messages -%}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endfor -%}"
-                "{%- if enable_thinking is defined -%}{{ 'think ' * (10 // enable_thinking) }}{%- endif -%}"
+                "{%- if enable_thinking is not boolean -%}{{ 'think ' * (10 - enable_thinking) }}{%- endif -%}"
                 "{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
     return tiny.write_target(tiny_dir / "strict-template-target.gguf", chat_template=template)
 
 
-@pytest.mark.parametrize("key", RESERVED)
-def test_render_messages_refuses_its_own_variables_with_a_value_error(strict_template_model, key):
-    from pyllama_spec.bindings.model import Model
-    from pyllama_spec.serving.prompt import render_messages
-
-    with Model(strict_template_model) as model:
-        with pytest.raises(ValueError, match=repr(key)) as info:
-            render_messages(model, OK_MESSAGES, template_kwargs={key: 1})
-        assert not isinstance(info.value, TemplateRenderError)
+#: (enable_thinking, whether the template renders with it): llama-server's renderer raises on the
+#: others, which is a ValueError here (a 400 from the server).
+STRICT_VALUES = [(5, True), ([1], False), (0, True), ({"a": 1}, False), (None, False), (1.5, False), ([True], False)]
 
 
-@pytest.mark.parametrize("value,renderer", [
-    (5, "jinja"),  # 10 // 5: renders
-    ([1], "builtin"),  # 10 // [1]: TypeError in the template
-    (0, "builtin"),  # 10 // 0: ZeroDivisionError in the template
-    ("x", "builtin"),
-    ({"a": 1}, "builtin"),
-    (10**30, "jinja"),  # 10 // 10**30 == 0: no "think"
-    (1e-300, "builtin"),  # 'think ' * 1e301: a float count
-])
-def test_a_template_that_raises_on_a_value_falls_back_to_the_builtin_renderer(strict_template_model, value, renderer):
-    from pyllama_spec.bindings.model import Model
-    from pyllama_spec.serving.prompt import render_messages
-
-    with Model(strict_template_model) as model:
-        text, images, used = render_messages(model, OK_MESSAGES, template_kwargs={"enable_thinking": value})
-    assert used == renderer and images == []
-    assert "Hi" in text
+@pytest.mark.parametrize("value,renders", STRICT_VALUES)
+def test_a_template_that_raises_on_a_value_is_a_value_error(strict_template_model, value, renders):
+    with Model(strict_template_model, vocab_only=True) as model:
+        renderer = ChatRenderer(model, ChatSettings())
+        if renders:
+            options = ChatOptions(template_kwargs={"enable_thinking": value})
+            assert "think" in renderer.render(OK_MESSAGES, options).prompt
+        else:
+            with pytest.raises(ValueError):
+                renderer.render(OK_MESSAGES, ChatOptions(template_kwargs={"enable_thinking": value}))
 
 
-@pytest.mark.parametrize("value,renderer", [(2, "jinja"), (0, "builtin"), ([True], "builtin")])
-def test_engine_generate_falls_back_when_the_template_raises_on_a_value(strict_template_model, value, renderer):
-    """Through Engine.generate (what the server's worker calls): never an exception the server would answer 500."""
-    with ps.load(strict_template_model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=N_THREADS,
-                 flash_attn=False) as engine:
-        out = engine.generate(messages=OK_MESSAGES, max_tokens=1, chat_template_kwargs={"enable_thinking": value})
-    assert out.stats.chat_template == renderer
+@pytest.mark.parametrize("value,renders", STRICT_VALUES)
+def test_a_template_that_raises_on_a_value_is_a_400_never_a_500(strict_template_model, value, renders):
+    engine = ps.load(strict_template_model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=N_THREADS, flash_attn=False)
+    server = LocalServer(engine, ServerSettings(alias="strict", max_tokens=4, default_max_tokens=1))
+    try:
+        for stream in (False, True):
+            r = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                           json={"messages": OK_MESSAGES, "chat_template_kwargs": {"enable_thinking": value},
+                                 "stream": stream})
+            if renders:
+                assert r.status_code == 200, r.text
+            else:  # refused before the stream starts
+                _assert_400(r, param="messages")
+    finally:
+        server.stop()
+        engine.close()
 
 
 def test_a_body_of_millions_of_tiny_arrays_is_refused_before_it_is_parsed():

@@ -17,6 +17,7 @@ import base64
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -169,7 +170,9 @@ class _Fuzzed:
             assert isinstance(err.get("message"), str) and err["message"], f"{r.text[:500]} for {what}"
             assert "Traceback" not in r.text, what
         elif status == 200 and r.headers.get("content-type", "").startswith("text/event-stream"):
-            events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+            # the SSE spec's line ends only: str.splitlines would also split at U+2028, U+0085, ...,
+            # which a model's text may hold (raw in the JSON, as llama-server writes it too)
+            events = [line[len("data: "):] for line in re.split(r"\r\n|\r|\n", r.text) if line.startswith("data: ")]
             assert events, f"an empty stream for {what}"
             for data in events:
                 if data == "[DONE]":
@@ -359,10 +362,29 @@ FIELD_VALUES = {
                              | json_values),
     "model": text | json_values,
     "extra": json_values | raw_values,
+    # tool calls and reasoning (the chat route's)
+    "tools": st.lists(st.fixed_dictionaries(
+        {"type": st.just("function") | text, "function": st.fixed_dictionaries(
+            {"name": st.just("f") | text | json_values},
+            optional={"parameters": json_values | st.just({"type": "object", "properties": {"x": {"type": "string"}}}),
+                      "description": text})}) | json_values, max_size=2) | json_values,
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | json_values
+    | st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({"name": text})}),
+    "parallel_tool_calls": st.booleans() | json_values,
+    "reasoning_format": st.sampled_from(["none", "deepseek", "deepseek-legacy", "auto"]) | json_values,
+    "reasoning_budget_tokens": numbers,
+    "messages.0.tool_calls": st.lists(st.fixed_dictionaries(
+        {"type": st.just("function"), "id": text | json_values,
+         "function": st.fixed_dictionaries({"name": text, "arguments": text | json_values})}) | json_values,
+        max_size=2) | json_values,
 }
+CHAT_ONLY = ("chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls", "reasoning_format",
+             "reasoning_budget_tokens")
 CHAT_FIELDS = [f for f in FIELD_VALUES if f not in ("prompt", "n_predict")]
-COMPLETION_FIELDS = [f for f in FIELD_VALUES if not f.startswith("messages") and f != "chat_template_kwargs"]
+COMPLETION_FIELDS = [f for f in FIELD_VALUES if not f.startswith("messages") and f not in CHAT_ONLY]
 GENERATION_ROUTES = ["/v1/chat/completions", "/v1/completions", "/completion"]
+#: Every route that reads a generation request (the Messages and Responses APIs translate theirs).
+BODY_ROUTES = GENERATION_ROUTES + ["/v1/messages", "/v1/responses"]
 
 
 def _base(path: str) -> dict:
@@ -376,7 +398,7 @@ def _set(body: dict, field: str, value) -> None:
         m = body.get("messages")
         if not (isinstance(m, list) and m and isinstance(m[0], dict)):
             body["messages"] = m = [{"role": "user", "content": "Hi"}]
-        m[0]["role" if field == "messages.0.role" else "content"] = value
+        m[0][{"messages.0.role": "role", "messages.0.tool_calls": "tool_calls"}.get(field, "content")] = value
     elif field == "extra":
         body["unknown_field"] = value
     elif value is _DELETE:
@@ -447,7 +469,7 @@ CONTENT_TYPES = st.sampled_from(["application/json", "text/plain", "application/
 
 
 @settings(FUZZ, max_examples=1000)
-@given(path=st.sampled_from(GENERATION_ROUTES), body=json_values | st.binary(max_size=300),
+@given(path=st.sampled_from(BODY_ROUTES), body=json_values | st.binary(max_size=300),
        content_type=CONTENT_TYPES | plain_text, how=st.sampled_from(["ascii", "utf8", "utf16"]))
 @example(path="/v1/chat/completions", body=b"", content_type="application/json", how="ascii")
 @example(path="/completion", body=b"\xff\xfe\x00", content_type="application/json", how="ascii")
@@ -462,7 +484,9 @@ ALL_ROUTES = GENERATION_ROUTES + ["/v1/models", "/models", "/health", "/props", 
                                   "/v1/chat/completions/", "/V1/MODELS", "//health", "/static/\x00",
                                   "/tokenize", "/detokenize", "/apply-template", "/v1/chat/completions/input_tokens",
                                   "/slots", "/slots/0", "/slots/0?action=save", "/slots/0?action=restore",
-                                  "/slots/0?action=erase", "/slots/-1?action=save", "/slots/99999999999?action=erase"]
+                                  "/slots/0?action=erase", "/slots/-1?action=save", "/slots/99999999999?action=erase",
+                                  "/v1/messages", "/v1/messages/count_tokens", "/v1/responses", "/responses",
+                                  "/v1/responses/input_tokens"]
 METHODS = st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
 path_strings = st.text(st.characters(min_codepoint=33, max_codepoint=0x10FFFF, exclude_characters="?#"),
                        max_size=20).map(lambda s: "/" + s)

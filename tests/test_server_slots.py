@@ -524,8 +524,9 @@ def test_save_and_erase_answer_in_llama_servers_shape_and_counts(pair):
 def test_props_and_models_have_llama_servers_fields(pair):
     ours, theirs = pair
     a, b = _ok(ours.http.get("/props")), _ok(theirs.get("/props"))
-    # not read here: the GGUF's file type, llama-server's web-UI settings, its template capabilities
-    assert set(b) - set(a) == {"model_ftype", "ui_settings", "chat_template_caps"}
+    # not read here: the GGUF's file type, llama-server's web-UI settings
+    assert set(b) - set(a) == {"model_ftype", "ui_settings"}
+    assert (a["chat_template"], a["chat_template_caps"]) == (b["chat_template"], b["chat_template_caps"])
     assert a["default_generation_settings"]["n_ctx"] == b["default_generation_settings"]["n_ctx"]
     assert set(b["default_generation_settings"]) <= set(a["default_generation_settings"])
     assert (a["bos_token"], a["eos_token"], a["modalities"]) == (b["bos_token"], b["eos_token"], b["modalities"])

@@ -5,7 +5,7 @@
   vocabulary-only (no weights: no Engine can hold them), through the routes' own functions, give
   the tokens of their .inp/.out test vectors and llama-server's round trips.
 * Real chat templates: for each of models/templates/*.jinja, /apply-template's prompt is the text
-  a chat generation renders, with the model's own template wherever jinja2 can render it.
+  a chat generation renders (test_chat_tools.py compares them with llama-server's).
 * Over HTTP on the tiny target: the same bodies and statuses as the pinned llama-server on the same
   files (the differences named in BAD_REQUESTS), bad requests answered 400, huge requests in time
   linear in their size while the server goes on answering.
@@ -17,7 +17,6 @@ import base64
 import concurrent.futures
 import io
 import json
-import re
 import time
 import urllib.request
 from pathlib import Path
@@ -28,8 +27,6 @@ from conftest import N_THREADS
 
 import pyllama_spec as ps
 from pyllama_spec.bindings.model import Model
-from pyllama_spec.bindings.mtmd import MEDIA_MARKER
-from pyllama_spec.serving import chat_template
 
 pytest.importorskip("starlette", reason="the server needs the 'server' extra")
 from pyllama_spec.server import ServerSettings, tokens  # noqa: E402
@@ -161,16 +158,6 @@ CONVERSATION = {"messages": [{"role": "system", "content": "You are terse."}, {"
                              {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "What is 2+2?"}]}
 LIMITS = RequestLimits(max_tokens=64, default_max_tokens=16, draft_max=0, images=ImageLimits())
 
-#: Templates jinja2 cannot render for CONVERSATION, with the reason: the chat route (and so
-#: /apply-template) renders these with llama.cpp's built-in renderer instead.
-NOT_JINJA = {
-    # tool-use templates iterate `tools`, which the renderer sets to none (tools are not rendered yet)
-    "CohereForAI-c4ai-command-r-plus-tool_use.jinja": "'NoneType' object is not iterable",
-    "NousResearch-Hermes-2-Pro-Llama-3-8B-tool_use.jinja": "'NoneType' object is not iterable",
-    "NousResearch-Hermes-3-Llama-3.1-8B-tool_use.jinja": "'NoneType' object is not iterable",
-    "fireworks-ai-llama-3-firefunction-v2.jinja": "'functions' is undefined",  # reads a variable nobody sets
-    "google-gemma-2-2b-it.jinja": "System role not supported",  # the template raises on a system message
-}
 TEMPLATE_NAMES = sorted(p.name for p in TEMPLATES.glob("*.jinja")) or ["(no templates)"]
 
 
@@ -178,30 +165,24 @@ def test_every_vocabulary_and_template_of_the_pinned_source_is_covered():
     if not MODELS.exists():
         pytest.skip(NO_SOURCE)
     assert {p.name for p in MODELS.glob("ggml-vocab-*.gguf.inp")} == {f"ggml-vocab-{n}.gguf.inp" for n in VOCABS}
-    assert len(TEMPLATE_NAMES) >= 60 and set(NOT_JINJA) <= set(TEMPLATE_NAMES)
+    assert len(TEMPLATE_NAMES) >= 60
 
 
 @pytest.mark.parametrize("name", TEMPLATE_NAMES)
 def test_apply_template_gives_what_the_chat_route_renders_with_each_real_template(name, tiny_dense):
     """An engine loaded with the template (llama-server's --chat-template-file): /apply-template's
     prompt is the text its chat generations render (Engine._prompt_text, which a chat request's
-    generation calls), by the template itself (jinja) unless it is one of NOT_JINJA."""
+    generation calls), by the template itself."""
     if not TEMPLATES.exists():
         pytest.skip(NO_SOURCE)
     text = (TEMPLATES / name).read_text()
     with ps.load(tiny_dense.target, n_ctx=256, n_threads=N_THREADS, chat_template=text) as engine:
         prompt, images = tokens.chat_prompt(engine, CONVERSATION, LIMITS)
-        messages = parse_chat(CONVERSATION, LIMITS).engine_args["messages"]
-        fed, _, renderer = engine._prompt_text(None, messages, (), None)
-    assert prompt == fed and images == []
-    if name in NOT_JINJA:
-        assert renderer == "builtin"
-        with pytest.raises(chat_template.TemplateRenderError, match=re.escape(NOT_JINJA[name])):
-            chat_template.render(text, messages, media_marker=MEDIA_MARKER)
-    else:
-        assert renderer == "jinja", f"{name} no longer renders with jinja2"
-        # every message's text (not always in order: Mistral-Nemo puts the system text last)
-        assert all(m["content"] in prompt for m in CONVERSATION["messages"]), prompt
+        args = parse_chat(CONVERSATION, LIMITS).engine_args
+        fed, _, chat = engine._prompt_text(None, args["messages"], (), args["chat_options"])
+    assert prompt == fed and images == [] and chat.renderer == "jinja"
+    # every message's text (not always in order: Mistral-Nemo puts the system text last)
+    assert all(m["content"] in prompt for m in CONVERSATION["messages"]), prompt
 
 
 # --- HTTP: this server, and llama-server on the same files
@@ -259,6 +240,8 @@ SAME_ANSWERS = [
     ("/apply-template", {"messages": [{"role": "developer", "content": "x"}, {"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "chat_template_kwargs": {"x": 1}}),
     ("/apply-template", {"messages": _with_image("look:")}),  # the media marker where the image goes
+    ("/apply-template", {**CONVERSATION, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+    ("/apply-template", {**CONVERSATION, "reasoning_effort": "low"}),
     ("/v1/chat/completions/input_tokens", CONVERSATION),
     ("/chat/completions/input_tokens", {"messages": _with_image("look:"), "max_tokens": 3}),  # images counted
 ]
@@ -280,8 +263,8 @@ def test_same_answers_as_llama_server(ours, theirs, path, body):
 
 #: (path, body, this server's status, llama-server's): where llama-server answers a client's error
 #: with a 500 (its JSON library's exception, a vector's range check), or reads past a value of
-#: the wrong type (a default for a flag that is not a boolean; 1.5 or true read as the id 1), or
-#: renders a field this server cannot apply yet, this server answers 400.
+#: the wrong type (a default for a flag that is not a boolean; 1.5 or true read as the id 1),
+#: this server answers 400.
 BAD_REQUESTS = [
     ("/tokenize", {"content": None}, 400, 500),
     ("/tokenize", {"content": 5}, 400, 500),
@@ -310,8 +293,6 @@ BAD_REQUESTS = [
     ("/apply-template", {**CONVERSATION, "continue_final_message": True}, 400, 400),
     ("/apply-template", {"messages": [{"content": "x"}]}, 400, 500),
     ("/apply-template", {**CONVERSATION, "add_generation_prompt": "no"}, 400, 200),
-    ("/apply-template", {**CONVERSATION, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, 200),
-    ("/apply-template", {**CONVERSATION, "reasoning_effort": "low"}, 400, 200),
     ("/apply-template", {"messages": [{"role": "user", "content": "\ud800"}]}, 400, 500),
     ("/v1/chat/completions/input_tokens", {}, 400, 400),
     ("/chat/completions/input_tokens", {"messages": [{"role": "user", "content": [

@@ -34,7 +34,7 @@ class FakeModel:
     def __init__(self, pieces: list[bytes]) -> None:
         self.pieces = pieces
 
-    def token_to_bytes(self, tok: int) -> bytes:
+    def token_to_bytes(self, tok: int, special: bool = False) -> bytes:
         return self.pieces[tok]
 
 

@@ -47,7 +47,8 @@ def server(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("web-server") / "serve.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "pyllama_spec", "serve", "--port", str(port), "-t", "1"],
+        proc = subprocess.Popen([sys.executable, "-m", "pyllama_spec", "serve", "--port", str(port), "-t", "1",
+                                 "--max-images", "8"],
                                 stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -357,7 +358,7 @@ def test_speculation_off_shades_nothing_and_a_refused_message_is_shown_and_left_
     assert "nothing drafted" in answer.locator(".charts svg").first.get_attribute("aria-label")
     assert "drafted 0 · accepted 0" in answer.locator(".timings").text_content()
 
-    # A request the server refuses (over its 8 images): its message is shown, the turn is left out.
+    # A request the server refuses (over the 8 images of its --max-images): its message is shown, the turn is left out.
     page.check("#speculative")
     b64 = base64.b64encode(_card_png(64)).decode()
     page.evaluate("""b64 => {

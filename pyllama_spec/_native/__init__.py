@@ -16,7 +16,7 @@ import threading
 
 from pyllama_spec.errors import NativeLibraryError, set_native_problem_source
 
-SHIM_ABI_VERSION = 3
+SHIM_ABI_VERSION = 4
 
 try:
     from pyllama_spec._native._pyllama_cffi import ffi, lib  # type: ignore[import-not-found]

@@ -6,10 +6,16 @@ the pick (a seeded draw; mirostat 1/2 after the temperature; the most likely tok
 temperature is 0). The grammar comes first (llama-server's "grammar first"), so a token it
 forbids is never drawn; it sees every token the chain accepts, so its state follows exactly
 the tokens of the output. Settings are ``spec.sampling.SamplingParams``' fields, as keywords.
+
+A chat's constraint takes the grammar's place (the shim's pyllama_sampler_init_chat_constraint,
+common_sampler's logic): a lazy grammar that applies from its first trigger on, a chat's grammar
+that starts with the generation prompt already seen, and the reasoning budget, which forces the
+end of thinking when it runs out (a lazy grammar sees no token while the model thinks).
 """
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Sequence
 
 from pyllama_spec._native import ffi, lib
@@ -38,7 +44,11 @@ class Sampler(NativeHandle):
                  dynatemp_range: float = 0.0, dynatemp_exponent: float = 1.0, mirostat: int = 0,
                  mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, min_keep: int = 0,
                  logit_bias: Sequence[tuple[int, float]] = (), samplers: Sequence[str] = _DEFAULT_ORDER,
-                 grammar: str | None = None, seed: int = 0) -> None:
+                 grammar: str | None = None, grammar_lazy: bool = False,
+                 grammar_triggers: Sequence[tuple[int, str]] = (), preserved_tokens: Sequence[str] = (),
+                 grammar_type: str = "user", generation_prompt: str = "", reasoning_budget_tokens: int = -1,
+                 reasoning_budget_start: str = "", reasoning_budget_end: Sequence[str] = (),
+                 reasoning_budget_message: str = "", seed: int = 0) -> None:
         self.temperature = temperature
         seed &= 0xFFFFFFFF
         n_vocab = model.n_vocab
@@ -49,7 +59,26 @@ class Sampler(NativeHandle):
             for i, (token, bias) in enumerate(logit_bias):
                 biases[i].token, biases[i].bias = int(token), float(bias)
             add(lib.llama_sampler_init_logit_bias(n_vocab, len(logit_bias), biases))
-        if grammar is not None:
+        chat = _chat_constraint_spec(grammar, grammar_lazy, grammar_triggers, preserved_tokens, grammar_type,
+                                     generation_prompt, reasoning_budget_tokens, reasoning_budget_start,
+                                     reasoning_budget_end, reasoning_budget_message)
+        if chat is not None:
+            if grammar is not None:
+                try:
+                    check_grammar(grammar)
+                except GrammarError:
+                    self.close()
+                    raise
+            forget_native_problems()
+            c = lib.pyllama_sampler_init_chat_constraint(model._vocab_ptr(), json.dumps(chat).encode())
+            if c == ffi.NULL:
+                reason = _last_error()
+                if reason:  # (an empty reason: the budget is off and there is no grammar)
+                    self.close()
+                    raise GrammarError(with_native_log(f"llama.cpp refused the chat's constraint: {reason}"))
+            else:
+                add(c)
+        elif grammar is not None:
             try:
                 check_grammar(grammar)  # the parser's reason, which llama_sampler_init_grammar only prints
             except GrammarError:
@@ -134,3 +163,21 @@ class Sampler(NativeHandle):
 
     def reset(self) -> None:
         lib.llama_sampler_reset(self.ptr)
+
+
+def _chat_constraint_spec(grammar, lazy, triggers, preserved, grammar_type, generation_prompt, budget_tokens,
+                          budget_start, budget_end, budget_message) -> dict | None:
+    """The shim's spec of a chat's constraint (pyllama_sampler_init_chat_constraint), or None when
+    the plain grammar sampler (or none) does: a lazy grammar, a chat's grammar that starts after the
+    generation prompt, or a reasoning budget with its tags."""
+    prefill = grammar_type != "user"
+    budget = bool(budget_start and budget_end)
+    if not (grammar is not None and (lazy or prefill)) and not budget:
+        return None
+    spec = {"grammar": grammar or "", "lazy": bool(lazy), "preserved_tokens": list(preserved),
+            "triggers": [{"type": int(t), "value": v} for t, v in triggers], "generation_prompt": generation_prompt,
+            "prefill_grammar": prefill, "reasoning_budget": None}
+    if budget:
+        spec["reasoning_budget"] = {"tokens": int(budget_tokens), "start": budget_start, "end": list(budget_end),
+                                    "message": budget_message}
+    return spec

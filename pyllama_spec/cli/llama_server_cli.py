@@ -86,8 +86,6 @@ _REASONS = (
     (("--reuse-port", "--sse-ping-interval", "--sleep-idle-seconds"), "not configurable here"),
     (("--embedding", "--embeddings", "--rerank", "--reranking", "--pooling", "--embd-"),
      "this is a generation server: no embeddings or reranking"),
-    (("--reasoning", "--reasoning-", "-rea", "--skip-chat-parsing", "--prefill-assistant", "--chat-template-kwargs"),
-     "the reply text is returned as generated (no reasoning or tool-call parsing yet)"),
     (("--spec-draft-p-split", "--spec-synth-", "--spec-ngram-", "--spec-draft-backend-sampling", "-bs",
       "--backend-sampling", "--adaptive-", "-lcs", "-lcd", "--lookup-cache"),
      "that speculative or sampling option is not implemented here"),

@@ -4,6 +4,7 @@ one-line summaries (speculative mode, stats footer) that chat, generate and serv
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -209,6 +210,39 @@ SAMPLING_FLAGS = (
 )
 
 
+class _JsonObject(click.ParamType):
+    """A JSON object given as text (llama-server's --chat-template-kwargs)."""
+
+    name = "json"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, dict):
+            return value
+        try:
+            parsed = json.loads(value)
+        except ValueError as e:
+            self.fail(f"not JSON: {e}", param, ctx)
+        if not isinstance(parsed, dict):
+            self.fail("must be a JSON object", param, ctx)
+        return parsed
+
+
+class _OnOffAuto(click.ParamType):
+    """llama-server's on/off/auto values (is_truthy / is_falsey / is_autoy)."""
+
+    name = "on|off|auto"
+
+    def convert(self, value, param, ctx):
+        v = str(value).strip().lower()
+        if v in ("on", "enabled", "true", "1"):
+            return "on"
+        if v in ("off", "disabled", "false", "0"):
+            return "off"
+        if v == "auto":
+            return "auto"
+        self.fail(f"unknown value {value!r}: use on, off or auto", param, ctx)
+
+
 def _read_text(path: str, what: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
@@ -289,6 +323,26 @@ def model_options(f):
                      help="a Jinja chat template file instead of the model's"),
         click.option("--jinja/--no-jinja", "jinja", default=True, show_default=True,
                      help="render chat templates with Jinja (--no-jinja: llama.cpp's built-in renderer)"),
+        click.option("--chat-template-kwargs", "chat_template_kwargs", type=_JsonObject(), default=None,
+                     metavar="JSON", help="extra variables for the chat template, a JSON object"),
+        click.option("-rea", "--reasoning", "reasoning", type=_OnOffAuto(), default="auto", show_default=True,
+                     help="thinking in the chat: on, off, or auto (where the template can think)"),
+        click.option("--reasoning-format", "reasoning_format", default="deepseek", show_default=True,
+                     type=click.Choice(["none", "auto", "deepseek", "deepseek-legacy"]),
+                     help="none: thoughts stay in content; deepseek/auto: in reasoning_content; deepseek-legacy: "
+                          "both"),
+        click.option("--reasoning-budget", "reasoning_budget", type=click.IntRange(min=-1), default=-1,
+                     show_default=True, help="most tokens of thinking (-1: no limit, 0: none)"),
+        click.option("--reasoning-budget-message", "reasoning_budget_message", default="",
+                     help="text written before the end-of-thinking tag when the budget runs out"),
+        click.option("--reasoning-effort", "reasoning_effort", default=None, metavar="LEVEL",
+                     help="reasoning_effort given to the chat template ('default': the template's own)"),
+        click.option("--reasoning-preserve/--no-reasoning-preserve", "reasoning_preserve", default=None,
+                     help="keep earlier turns' reasoning in the prompt where the template can (default: on)"),
+        click.option("--skip-chat-parsing/--no-skip-chat-parsing", "skip_chat_parsing", default=False,
+                     help="no reasoning or tool-call parsing: everything the model writes is content"),
+        click.option("--prefill-assistant/--no-prefill-assistant", "prefill_assistant", default=True,
+                     show_default=True, help="a chat ending with an assistant message continues it"),
         click.option("-n", "--max-tokens", "--predict", "--n-predict", "max_tokens", default=512, show_default=True,
                      help="tokens per reply (-1: up to the server's cap)"),
         click.option("--temp", "--temperature", "temperature", type=float, default=0.0, show_default=True),
@@ -338,6 +392,13 @@ def _load_engine(o: dict):
                   split_mode=o["split_mode"], tensor_split=o["tensor_split"] or (), main_gpu=o["main_gpu"],
                   n_parallel=o.get("n_parallel", 1), draft_min=o["draft_min"], draft_p_min=o["draft_p_min"],
                   sampling=_sampling(o), chat_template=_chat_template(o), jinja=o["jinja"],
+                  chat_template_kwargs=o.get("chat_template_kwargs") or {}, reasoning=o.get("reasoning", "auto"),
+                  reasoning_format=o.get("reasoning_format", "deepseek"),
+                  reasoning_budget=o.get("reasoning_budget", -1),
+                  reasoning_budget_message=o.get("reasoning_budget_message", ""),
+                  reasoning_effort=None if o.get("reasoning_effort") in (None, "default") else o["reasoning_effort"],
+                  reasoning_preserve=o.get("reasoning_preserve"), skip_chat_parsing=o.get("skip_chat_parsing", False),
+                  prefill_assistant=o.get("prefill_assistant", True),
                   lora=lora_adapters(o), lora_init_without_apply=o.get("lora_init_without_apply", False))
     model, mmproj, draft = o["model"], o["mmproj"], o["draft"]
     if model is None:

@@ -134,8 +134,12 @@ def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
               help="requests that may wait for a slot; more get 503")
 @click.option("--allowed-image-dir", type=click.Path(file_okay=False, exists=True), default=None,
               help="allow image_url parts that name local files under this folder")
-@click.option("--max-images", default=8, show_default=True, help="images per request")
+@click.option("--max-images", default=64, show_default=True, help="images per request (an agent's conversation "
+              "holds every screenshot so far)")
 @click.option("--max-image-pixels", default=4096 * 4096, show_default=True, help="pixels per image")
+@click.option("--max-request-pixels", type=click.IntRange(min=1), default=None,
+              help="pixels of all a request's images together (decoding costs by the pixel)  "
+                   "[default: 8 x --max-image-pixels]")
 @click.option("--max-body-mib", default=64, show_default=True, help="largest request body, MiB")
 @click.option("-to", "--timeout", "body_timeout", default=60.0, show_default=True, type=click.FloatRange(min=0.1),
               help="seconds a request body may take to arrive (then 408); a request head must arrive "
@@ -154,7 +158,7 @@ def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
 @click.option("--lora-init-without-apply", "lora_init_without_apply", is_flag=True, default=False,
               help="load the --lora adapters at scale 0 (set their scales with POST /lora-adapters)")
 def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed_image_dir, max_images,
-          max_image_pixels, max_body_mib, body_timeout, models_max, models_autoload, endpoint_slots, slot_save_path,
+          max_image_pixels, max_request_pixels, max_body_mib, body_timeout, models_max, models_autoload, endpoint_slots, slot_save_path,
           endpoint_props, **o):
     """OpenAI- and llama-server-compatible HTTP server (chat with images, speculative stats); takes
     llama-server's flags and --models-preset files. Needs the 'server' extra."""
@@ -182,7 +186,7 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
     settings = ServerSettings(alias=alias or Path(engine.model.path).stem, api_key=",".join(keys) or None,
                               max_queue=max_queue, default_max_tokens=_max_tokens(o["max_tokens"]),
                               max_images=max_images, max_image_pixels=max_image_pixels,
-                              max_body_bytes=max_body_mib * 2**20,
+                              max_request_pixels=max_request_pixels, max_body_bytes=max_body_mib * 2**20,
                               allowed_image_dir=Path(allowed_image_dir) if allowed_image_dir else None,
                               body_timeout=body_timeout, endpoint_slots=endpoint_slots, endpoint_props=endpoint_props,
                               slot_save_path=Path(slot_save_path) if slot_save_path else None)

@@ -16,6 +16,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pyllama_spec.server.chat import prepare
 from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.llama_fields import (
     FinalFields,
@@ -68,8 +69,10 @@ async def generation(service: Service, request: Request, parse) -> Response:
 
 
 async def answer(service: Service, request: Request, req: GenerationRequest) -> Response:
-    """Run a parsed request (its jobs queued now) and answer it whole or as server-sent events."""
+    """Run a parsed request (its jobs queued now) and answer it whole or as server-sent events.
+    A chat is rendered first, on a thread (server/chat.py's ``prepare``: tools, reasoning)."""
     check_post_sampling_probs(req, service.engine.config.sampling)
+    await prepare(service, req)
     jobs = service.submit(req)
     if req.stream:
         return EventSourceResponse(_stream_events(service, req, jobs), ping=15)
@@ -261,7 +264,12 @@ async def complete_body(service: Service, req: GenerationRequest, jobs: list[Job
         probs = await _final_logprobs(service, req, c) if asked else []
         choice: dict = {"index": i, "finish_reason": c.last.finish_reason,
                         "logprobs": {"content": probs} if probs else None}  # llama-server: null when none
-        if req.kind == "chat":
+        if req.kind == "chat" and req.chat is not None:  # content, reasoning_content, tool_calls
+            parser = req.chat.parsers[i]
+            await parser.feed(_text(c), final=True)
+            choice["message"] = parser.message
+            choice["finish_reason"] = parser.finish_reason(c.last.finish_reason)
+        elif req.kind == "chat":
             choice["message"] = {"role": "assistant", "content": _text(c)}
         else:
             choice["text"] = _text(c)
@@ -314,11 +322,14 @@ async def stream_objects(service: Service, req: GenerationRequest, jobs: list[Jo
     per_token = req.options.timings_per_token
     progress = [Progress() for _ in jobs]
 
-    def chunk(i: int, delta_text: str | None, finish: str | None, role: bool = False, piece=None) -> dict:
+    def chunk(i: int, delta_text: str | None, finish: str | None, role: bool = False, piece=None,
+              delta: dict | None = None) -> dict:
+        """A chunk of choice i: ``delta_text`` as its content, or a parsed chat's ``delta``."""
         lp = {"content": _probabilities(service, req, piece.logprobs)} if asked and piece is not None else None
         if req.kind == "chat":
-            delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else
-                                                                      {"content": delta_text})
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else
+                                                                          {"content": delta_text})
             c = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             c = {"index": i, "text": delta_text or "", "logprobs": lp, "finish_reason": finish}
@@ -379,11 +390,22 @@ async def stream_objects(service: Service, req: GenerationRequest, jobs: list[Jo
                     continue
                 # A step whose text is held back (a partial character, a possible stop string) still
                 # gets its chunk, with empty content, so that every token's origin is reported.
-                if piece.text or piece.tokens:
+                finish = piece.finish_reason
+                if req.kind == "chat" and req.chat is not None:
+                    # the parsed answer's deltas (content, reasoning_content, tool_calls), a chunk each;
+                    # the step's extension and logprobs ride on its last one
+                    parser = req.chat.parsers[i]
+                    deltas = await parser.feed(piece.text, final=piece.stats is not None)
+                    if piece.text or piece.tokens or deltas:
+                        for d in deltas[:-1]:
+                            yield chunk(i, None, None, delta=d)
+                        yield chunk(i, None, None, piece=piece, delta=deltas[-1] if deltas else {})
+                    finish = parser.finish_reason(finish)
+                elif piece.text or piece.tokens:
                     yield chunk(i, piece.text, None, piece=piece)
                 if piece.stats is not None:
                     final_stats[i] = piece.stats
-                    final = chunk(i, None, piece.finish_reason)
+                    final = chunk(i, None, finish)
                     final["timings"] = timings(piece.stats)
                     yield final
         if req.kind != "llama" and req.include_usage and len(final_stats) == len(jobs):

@@ -23,32 +23,57 @@ _MIME_TYPES = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "i
 
 @dataclasses.dataclass(frozen=True)
 class ImageLimits:
-    max_images: int = 8  # per request
+    # An agent's conversation holds every screenshot so far: many images per request. Decoding
+    # costs by the pixel whatever the encoded size (a flat 4096x4096 PNG is a few KiB), so the
+    # pixels of all of a request's images are bounded too: by eight of the largest images.
+    max_images: int = 64  # per request
     max_pixels: int = 4096 * 4096  # width x height of one image
+    max_total_pixels: int = 8 * 4096 * 4096  # of all the images of one request
     max_bytes: int = 20 * 2**20  # encoded size of one image
     allowed_dir: Path | None = None  # local files are refused unless they are under this folder
+
+
+class ImageBudget:
+    """What one request's images may still use: how many more, and how many more pixels."""
+
+    def __init__(self, limits: ImageLimits) -> None:
+        self.limits = limits
+        self.images = limits.max_images
+        self.pixels = limits.max_total_pixels
+
+    def take(self, n: int, param: str) -> None:
+        """Count ``n`` more images (a 400 past max_images)."""
+        if n > self.images:
+            raise bad_request(f"at most {self.limits.max_images} images per request", param, code="too_many_images")
+        self.images -= n
+
+    def take_pixels(self, w: int, h: int, where: str) -> None:
+        if w * h > self.pixels:
+            raise _error(f"{where}: the request's images are more than {self.limits.max_total_pixels} pixels "
+                         "together", where)
+        self.pixels -= w * h
 
 
 def _error(message: str, param: str):
     return bad_request(message, param, code="invalid_image")
 
 
-def decode_image_url(url: str, limits: ImageLimits, where: str) -> bytes:
+def decode_image_url(url: str, limits: ImageLimits, where: str, budget: ImageBudget | None = None) -> bytes:
     """The encoded image bytes behind an image_url, checked; raises a 400 APIError."""
     if url[:5].lower() == "data:":  # URI schemes are case-insensitive (RFC 3986)
         data = _data_uri(url, limits, where)
     else:
         data = _local_file(url, limits, where)
-    _check_decodable(data, limits, where)
+    _check_decodable(data, limits, where, budget)
     return data
 
 
-def check_image_bytes(data: bytes, limits: ImageLimits, where: str) -> bytes:
+def check_image_bytes(data: bytes, limits: ImageLimits, where: str, budget: ImageBudget | None = None) -> bytes:
     """Encoded image bytes (from base64 a request sent: llama-server's multimodal_data), checked as
     an image_url's are; raises a 400 APIError."""
     if len(data) > limits.max_bytes:
         raise _error(f"{where}: the image is larger than {limits.max_bytes} bytes", where)
-    _check_decodable(data, limits, where)
+    _check_decodable(data, limits, where, budget)
     return data
 
 
@@ -135,7 +160,7 @@ def _open_problem(e: OSError) -> str:
     return f"cannot be opened ({_reason(e)})"
 
 
-def _check_decodable(data: bytes, limits: ImageLimits, where: str) -> None:
+def _check_decodable(data: bytes, limits: ImageLimits, where: str, budget: ImageBudget | None) -> None:
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -143,6 +168,8 @@ def _check_decodable(data: bytes, limits: ImageLimits, where: str) -> None:
             w, h = im.size  # read from the header: nothing is decoded yet
             if w * h > limits.max_pixels:
                 raise _error(f"{where}: the image is {w}x{h}, more than {limits.max_pixels} pixels", where)
+            if budget is not None:
+                budget.take_pixels(w, h, where)
             if im.format not in _MIME_TYPES.values():
                 raise _error(f"{where}: unsupported image format {im.format} (PNG, JPEG or WebP)", where)
             im.load()

@@ -78,11 +78,15 @@ async def _health(service: Service) -> Response:
 
 
 async def _props(service: Service) -> Response:
-    """llama-server's fields that apply (it also gives model_ftype, ui_settings,
-    chat_template_caps: not read here), and this project's: ``default_generation_settings`` also
-    holds ``max_tokens`` and the ``speculative`` settings (the chat page reads them)."""
+    """llama-server's fields that apply (it also gives model_ftype and ui_settings: not read
+    here), and this project's: ``default_generation_settings`` also holds ``max_tokens`` and the
+    ``speculative`` settings (the chat page reads them)."""
     f, d, settings = service.facts, service.engine.drafter, service.settings
+    chat = service.engine.chat
+    tool_use = {"chat_template_tool_use": chat.tool_use_source} if chat.use_jinja and chat.tool_use_source else {}
     return JSONResponse({
+        **tool_use,
+        "chat_template_caps": chat.caps,
         "model_alias": settings.alias,
         "model_path": f["model_path"],
         "build_info": f"pyllama-spec {__version__}",

@@ -30,7 +30,7 @@ import numpy as np
 
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER
 from pyllama_spec.server.errors import bad_request
-from pyllama_spec.server.images import ImageLimits, check_image_bytes
+from pyllama_spec.server.images import ImageBudget, ImageLimits, check_image_bytes
 
 #: llama-server's message for a prompt of no known shape (its clients may look for it).
 _SHAPES = ('"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt string, '
@@ -55,11 +55,11 @@ def parse_prompts(value: Any, *, n_vocab: int, images: ImageLimits, max_prompts:
         subprompts = value
     else:
         subprompts = [value]
-    budget = [images.max_images]  # images left for the request, over all its prompts
+    budget = ImageBudget(images)  # what the request's images may use, over all its prompts
     return [_one(p, i if len(subprompts) > 1 else None, n_vocab, images, budget) for i, p in enumerate(subprompts)]
 
 
-def _one(p: Any, i: int | None, n_vocab: int, limits: ImageLimits, budget: list[int]) -> dict:
+def _one(p: Any, i: int | None, n_vocab: int, limits: ImageLimits, budget: ImageBudget) -> dict:
     where = "prompt" if i is None else f"prompt[{i}]"
     if isinstance(p, dict) and "prompt_string" in p:
         text = p["prompt_string"]
@@ -108,16 +108,14 @@ def _ids(ids: list[int], where: str, n_vocab: int) -> np.ndarray:
     return arr.astype(np.int32)
 
 
-def _multimodal(text: Any, data: Any, where: str, limits: ImageLimits, budget: list[int]) -> dict:
+def _multimodal(text: Any, data: Any, where: str, limits: ImageLimits, budget: ImageBudget) -> dict:
     if limits.max_images == 0:  # llama-server's words: the server has no projector (--mmproj)
         raise bad_request("Multimodal data provided, but model does not support multimodal requests.", "prompt")
     if not isinstance(text, str):
         raise bad_request(f"{where}.prompt_string must be a string when multimodal_data is given", "prompt")
     if not isinstance(data, list) or not all(isinstance(d, str) for d in data):
         raise bad_request(f"{where}.multimodal_data must be a list of base64 strings", "prompt")
-    if len(data) > budget[0]:
-        raise bad_request(f"at most {limits.max_images} images per request", "prompt", code="too_many_images")
-    budget[0] -= len(data)
+    budget.take(len(data), "prompt")
     if text.count(MEDIA_MARKER) != len(data):  # mtmd_tokenize refuses it too
         raise bad_request(f"{where}.prompt_string holds {text.count(MEDIA_MARKER)} media markers ({MEDIA_MARKER}, "
                           f"/props' media_marker) for {len(data)} images in multimodal_data: one marker per image",
@@ -132,7 +130,7 @@ def _multimodal(text: Any, data: Any, where: str, limits: ImageLimits, budget: l
             raw = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError) as e:
             raise bad_request(f"{at} is not valid base64 ({e})", "prompt", code="invalid_image") from None
-        images.append(check_image_bytes(raw, limits, at))
+        images.append(check_image_bytes(raw, limits, at, budget))
     if text.endswith(MEDIA_MARKER):
         # the engine decodes text after the last image (its logits start the answer)
         raise bad_request(f"{where}.prompt_string must end with text after its last media marker", "prompt",

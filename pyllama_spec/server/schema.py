@@ -13,10 +13,10 @@ import math
 import reprlib
 from typing import Any
 
+from pyllama_spec.server.chat_schema import chat_options, message_extras
 from pyllama_spec.server.errors import bad_request
-from pyllama_spec.server.images import ImageLimits, decode_image_url
+from pyllama_spec.server.images import ImageBudget, ImageLimits, decode_image_url
 from pyllama_spec.server.prompts import parse_prompts
-from pyllama_spec.serving.chat_template import RESERVED_VARIABLES
 
 #: How deeply a request body may nest arrays and objects (an OpenAI request needs a handful of
 #: levels, a tool's JSON schema a few dozen): deeper is a 400, whatever Python's stack would allow.
@@ -118,6 +118,9 @@ class GenerationRequest:
     #: its n choices (None: engine_args holds the one prompt, or the messages)
     prompts: list[dict] | None = None
     options: ResponseOptions = dataclasses.field(default_factory=lambda: ResponseOptions())
+    #: a chat request's rendered chat (serving.prompt.ChatParams), once server/chat.py's ``prepare``
+    #: rendered it: its parser reads the answer into content, reasoning and tool calls
+    chat: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -439,7 +442,7 @@ class RequestLimits:
     max_prompts: int = 16  # prompts x choices per request: the server's queue (--max-queue)
 
 
-def _content_parts(content: Any, where: str, limits: RequestLimits, images: list) -> Any:
+def _content_parts(content: Any, where: str, limits: RequestLimits, images: list, budget: ImageBudget) -> Any:
     """A message's content with every image_url part decoded (and checked) into image bytes."""
     if isinstance(content, str):
         return content
@@ -459,10 +462,8 @@ def _content_parts(content: Any, where: str, limits: RequestLimits, images: list
             url = ref.get("url") if isinstance(ref, dict) else ref
             if not isinstance(url, str):
                 raise bad_request(f"{where}.content[{k}].image_url.url must be a string", f"{where}.content")
-            if len(images) >= limits.images.max_images:
-                raise bad_request(f"at most {limits.images.max_images} images per request", "messages",
-                                  code="too_many_images")
-            data = decode_image_url(url, limits.images, f"{where}.content[{k}]")
+            budget.take(1, "messages")
+            data = decode_image_url(url, limits.images, f"{where}.content[{k}]", budget)
             images.append(data)
             parts.append({"type": "image", "image": data})
         else:
@@ -478,7 +479,7 @@ def parse_chat(body: Any, limits: RequestLimits) -> GenerationRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("'messages' must be a non-empty list", "messages")
-    out, images = [], []
+    out, images, budget = [], [], ImageBudget(limits.images)
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
@@ -487,24 +488,27 @@ def parse_chat(body: Any, limits: RequestLimits) -> GenerationRequest:
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise bad_request(f"{where}.role must be system, developer, user, assistant or tool, got {_show(role)}",
                               "messages")
+        extras = message_extras(m, where)  # tool_calls, tool_call_id, name, reasoning_content
         content = m.get("content")
+        if role == "assistant" and "content" not in m and "tool_calls" not in m:
+            raise bad_request(f"{where}: Assistant message must contain either 'content' or 'tool_calls'!", "messages")
         if content is None and role == "assistant":
             content = ""
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _content_parts(content, where, limits, images)})
+        # developer stays developer: the template layer maps it to system (but for GPT-OSS's), as llama-server
+        out.append({"role": role, "content": _content_parts(content, where, limits, images, budget), **extras})
     stream, include_usage = _n_and_stream(body)
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise bad_request("'chat_template_kwargs' must be an object", "chat_template_kwargs")
-    for key in kwargs or ():
-        if not isinstance(key, str):  # never from JSON; from a caller of parse_chat
-            raise bad_request(f"'chat_template_kwargs' names must be strings, got {_show(key)}", "chat_template_kwargs")
-        if key in RESERVED_VARIABLES:
-            raise bad_request(f"'chat_template_kwargs' cannot set {_show(key)}: it is set by the server "
-                              f"(reserved: {', '.join(sorted(RESERVED_VARIABLES))})", "chat_template_kwargs")
-    args = dict(messages=out, **_sampling(body, limits.max_tokens, limits.default_max_tokens),
-                **_speculative(body, limits.draft_max, limits.draft_tree), chat_template_kwargs=kwargs,
-                logprobs=_logprobs(body, chat=True), **_lora(body, limits.n_lora))
+    sampling = _sampling(body, limits.max_tokens, limits.default_max_tokens)
+    if body.get("json_schema") is not None and body.get("grammar"):
+        raise bad_request("Cannot use both json_schema and grammar", "grammar")
+    # a response format is the chat template's to turn into a grammar (after the generation prompt,
+    # with the template's reasoning); a grammar of the caller's stays the sampler's
+    chat = chat_options(body, json_schema=sampling.pop("json_schema", None), grammar=sampling.get("grammar"))
+    logprobs = _logprobs(body, chat=True)
+    if logprobs is not None and stream and chat.tools:
+        raise bad_request("logprobs is not supported with tools + stream", "logprobs")
+    args = dict(messages=out, chat_options=chat, **sampling,
+                **_speculative(body, limits.draft_max, limits.draft_tree),
+                logprobs=logprobs, **_lora(body, limits.n_lora))
     options, line_rules = _llama_fields(body)
     return GenerationRequest("chat", stream, include_usage, {**args, **line_rules}, len(images),
                              _choices(body, limits.n_max), _id_slot(body, limits.n_max), options=options)

@@ -49,13 +49,18 @@ class ServerSettings:
     max_body_bytes: int = 64 * 2**20
     max_tokens: int = 32768  # largest max_tokens a request may ask for
     default_max_tokens: int = 512  # when a request gives none (llama-server's -n)
-    max_images: int = 8
+    max_images: int = 64  # an agent's conversation holds every screenshot so far
     max_image_pixels: int = 4096 * 4096
+    max_request_pixels: int | None = None  # of all a request's images; None: 8 x max_image_pixels
     allowed_image_dir: Path | None = None
     body_timeout: float = 60.0  # seconds a request body may take to arrive; then 408
     endpoint_slots: bool = True  # GET /slots (llama-server's --slots / --no-slots)
     endpoint_props: bool = False  # POST /props (llama-server's --props)
     slot_save_path: Path | None = None  # POST /slots/{id}?action=save|restore|erase (--slot-save-path)
+    # /v1/responses kept for previous_response_id (server/responses.py): at most this many, holding at
+    # most this many bytes of conversation; the least recently used go first
+    responses_stored: int = 1024
+    responses_stored_bytes: int = 256 * 2**20
 
 
 #: Request bodies larger than this (bytes) are checked on a thread, not on the event loop.
@@ -149,7 +154,9 @@ class Service:
             n_max=engine.config.n_parallel, n_lora=len(engine.lora), n_vocab=engine.model.n_vocab,
             max_prompts=settings.max_queue,
             images=ImageLimits(max_images=settings.max_images if engine.projector else 0,
-                               max_pixels=settings.max_image_pixels, allowed_dir=settings.allowed_image_dir))
+                               max_pixels=settings.max_image_pixels,
+                               max_total_pixels=settings.max_request_pixels or 8 * settings.max_image_pixels,
+                               allowed_dir=settings.allowed_image_dir))
         self.worker = None  # made by start(): one slot, or the engine's slots (-np N)
         self.task_ids = itertools.count()  # llama-server's id_task of each generation (/slots)
         self.logprobs = LogprobFormatter(engine.model)
@@ -159,7 +166,7 @@ class Service:
 
         model, proj = engine.model, engine.projector
         self.facts = dict(n_ctx=engine.ctx.n_ctx, n_vocab=model.n_vocab, n_params=model.n_params,
-                          size=model.size_bytes, model_path=str(model.path), chat_template=model.chat_template or "",
+                          size=model.size_bytes, model_path=str(model.path), chat_template=engine.chat.source,
                           vision=bool(proj and proj.supports_vision), audio=bool(proj and proj.supports_audio),
                           media_marker=MEDIA_MARKER, n_ctx_slot=engine.ctx.n_ctx_seq, n_ctx_train=model.n_ctx_train,
                           n_embd=model.n_embd_inp, bos_token=_token_text(model, model.bos),

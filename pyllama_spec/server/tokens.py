@@ -5,8 +5,8 @@ Tokens are the target's vocabulary, as llama-server's are (tools/server/server-c
 /tokenize takes a string, or llama-server's mixed list of strings and token ids; a piece, and
 /detokenize's text, is each token's ``common_token_to_piece`` (special tokens written out) joined.
 /apply-template renders a chat body as the chat route does (``schema.parse_chat``, then the
-engine's chat template and --jinja setting through ``serving.prompt.render_messages``), so its
-prompt is the text the chat route feeds the model, with the media marker where each image goes;
+engine's chat templates through ``Engine.chat_params``: tools, tool results, reasoning and all), so
+its prompt is the text the chat route feeds the model, with the media marker where each image goes;
 input_tokens counts the rows the chat route tokenizes that prompt into, images included.
 
 Every bit of tokenizer and template work runs on a thread, never on the event loop: llama.cpp's
@@ -17,8 +17,7 @@ llama.cpp's tokenizer holds some 30 to 60 bytes of memory per byte of text while
 
 Where this differs from llama-server: a request llama-server answers with a 500 (a value of the
 wrong JSON type, a token id outside the vocabulary) or reads past (a flag that is not a boolean,
-a token id that is not an integer, a body that is not an object) is a 400 here; see also
-``_NOT_RENDERED``.
+a token id that is not an integer, a body that is not an object) is a 400 here.
 """
 
 from __future__ import annotations
@@ -39,20 +38,10 @@ from pyllama_spec.server.errors import bad_request
 from pyllama_spec.server.schema import RequestLimits, parse_chat
 from pyllama_spec.server.service import PARSE_ON_A_THREAD_ABOVE, RouteSpec, Service, read_json
 from pyllama_spec.serving.engine import Engine
-from pyllama_spec.serving.prompt import render_messages
 
 #: Token ids in /tokenize's mixed content are llama_token (int32), passed through unchecked as
 #: llama-server passes them (it wraps a larger number around; that is a 400 here).
 _INT32 = range(-(2**31), 2**31)
-
-#: Chat fields llama-server applies to the chat template that the chat route does not (yet):
-#: refused with a 400 rather than dropped, so that /apply-template never shows a prompt other
-#: than the one the chat route would use. The value that changes nothing passes.
-_NOT_RENDERED = {
-    "tools": "tool definitions are not rendered into the chat template by this server yet",
-    "continue_final_message": "continuing the final assistant message is not supported by this server yet",
-    "reasoning_effort": "reasoning_effort is not passed to the chat template by this server yet",
-}
 
 _SHOW = reprlib.Repr()
 _SHOW.maxstring = _SHOW.maxother = 60
@@ -60,7 +49,7 @@ _SHOW.maxstring = _SHOW.maxother = 60
 
 def routes(service: Service) -> list[RouteSpec]:
     """The routes under llama-server's paths."""
-    run = _Runner()
+    run = ThreadRunner()
 
     def handler(route):
         return lambda request: route(service, request, run)
@@ -74,7 +63,7 @@ def routes(service: Service) -> list[RouteSpec]:
     ]
 
 
-class _Runner:
+class ThreadRunner:
     """Runs a request's work on a thread: at once when the request is small, one at a time with
     the other large ones when it is large (the memory of one huge tokenization at a time)."""
 
@@ -110,17 +99,17 @@ class _Runner:
 # --- the routes
 
 
-async def _tokenize_route(service: Service, request: Request, run: _Runner) -> Response:
+async def _tokenize_route(service: Service, request: Request, run: ThreadRunner) -> Response:
     body, size = await _body(service, request)
     return await run(size, tokenize_response, service.engine.model, body)
 
 
-async def _detokenize_route(service: Service, request: Request, run: _Runner) -> Response:
+async def _detokenize_route(service: Service, request: Request, run: ThreadRunner) -> Response:
     body, size = await _body(service, request)
     return await run(size, detokenize_response, service.engine.model, body)
 
 
-async def _apply_template_route(service: Service, request: Request, run: _Runner) -> Response:
+async def _apply_template_route(service: Service, request: Request, run: ThreadRunner) -> Response:
     body, size = await _body(service, request)
 
     def answer() -> Response:
@@ -130,7 +119,7 @@ async def _apply_template_route(service: Service, request: Request, run: _Runner
     return await run(size, answer)
 
 
-async def _input_tokens_route(service: Service, request: Request, run: _Runner) -> Response:
+async def _input_tokens_route(service: Service, request: Request, run: ThreadRunner) -> Response:
     body, size = await _body(service, request)
 
     def answer() -> Response:
@@ -309,21 +298,16 @@ def _flag(body: dict, name: str, default: bool) -> bool:
 def chat_prompt(engine: Engine, body: Any, limits: RequestLimits) -> tuple[str, list]:
     """The prompt text the chat route would feed the model for chat ``body``, and its images in
     marker order: the body read by the chat route's own parser (what it refuses is refused here),
-    rendered with the engine's chat template and --jinja setting, as ``Engine`` renders it.
-
-    ``add_generation_prompt: false`` leaves out the assistant's header (llama-server's field; the
-    chat route always adds it). The fields in ``_NOT_RENDERED`` are refused.
+    rendered with the engine's chat templates and chat settings (``Engine.chat_params``), as the chat
+    route renders it: tools, tool results, reasoning, add_generation_prompt, continue_final_message.
     """
     req = parse_chat(body, limits)
-    for name, why in _NOT_RENDERED.items():
-        if body.get(name) not in (None, False, []):
-            raise bad_request(f"'{name}' is refused here: {why}", name)
     args = req.engine_args
-    text, images, _ = render_messages(engine.model, args["messages"],
-                                      add_assistant=_flag(body, "add_generation_prompt", True),
-                                      template_kwargs=args["chat_template_kwargs"],
-                                      template=engine.config.chat_template, jinja=engine.config.jinja)
-    return text, images
+    try:
+        chat = engine.chat_params(args["messages"], args["chat_options"])
+    except ValueError as e:
+        raise bad_request(str(e), "messages") from None
+    return chat.prompt, list(chat.images)
 
 
 def count_prompt_tokens(engine: Engine, text: str, images: list) -> int:

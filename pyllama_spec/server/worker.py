@@ -64,6 +64,7 @@ class Job:
         self.n_decoded = 0  # tokens generated
         self.has_new_line = False  # its text holds a newline
         self.stats = None  # its GenerationStats, once its last piece came
+        self.ending = None  # how it ended (its last piece's Ending: the stop string, ...), once that came
         self.done = False  # its last event went out
 
     @property
@@ -80,7 +81,7 @@ class Job:
             self.n_decoded += len(value.tokens)
             self.has_new_line = self.has_new_line or "\n" in value.text
             if value.stats is not None:
-                self.stats = value.stats
+                self.stats, self.ending = value.stats, value.ending
         elif kind != "progress":  # ("progress", ...) events come before the pieces
             self.done = True
         try:

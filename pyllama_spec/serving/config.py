@@ -61,6 +61,18 @@ class EngineConfig:
     # built-in templates ("chatml", "llama3", ...), used instead of the model's own.
     chat_template: str | None = None
     jinja: bool = True  # False (--no-jinja): llama.cpp's built-in renderer, never Jinja
+    # llama-server's other chat flags (serving/prompt.py's ChatSettings): --chat-template-kwargs
+    # (name -> JSON value), --reasoning on|off|auto, --reasoning-format, --reasoning-budget(-message),
+    # --reasoning-effort, --(no-)reasoning-preserve, --(no-)prefill-assistant, --skip-chat-parsing
+    chat_template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    reasoning: str = "auto"
+    reasoning_format: str = "deepseek"
+    reasoning_budget: int = -1
+    reasoning_budget_message: str = ""
+    reasoning_effort: str | None = None
+    reasoning_preserve: bool | None = None
+    prefill_assistant: bool = True
+    skip_chat_parsing: bool = False
     # LoRA adapters of the target (llama-server's --lora FILE / --lora-scaled FILE:SCALE): paths or
     # (path, scale) pairs, ids in this order; lora_init_without_apply (--lora-init-without-apply)
     # starts every global scale at 0 until set_scales (POST /lora-adapters). See serving/lora.py.

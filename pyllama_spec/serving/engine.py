@@ -48,7 +48,7 @@ from pyllama_spec.serving.config import (
 from pyllama_spec.serving.gate import EngineGate
 from pyllama_spec.serving.load_plan import plan_drafts, plan_load
 from pyllama_spec.serving.lora import EngineAdapters, lora_specs
-from pyllama_spec.serving.prompt import as_list, render_messages
+from pyllama_spec.serving.prompt import ChatOptions, ChatParams, ChatRenderer, ChatSettings, as_list
 from pyllama_spec.serving.request import Request
 from pyllama_spec.serving.scheduler import Scheduler
 from pyllama_spec.spec.draft_length import AdaptiveLength, FixedLength, StepCost
@@ -127,6 +127,26 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
     return Engine(cfg)
 
 
+def _single_tokens(model: Model, texts) -> frozenset[int]:
+    """The tokens among ``texts`` that are one token each (special tokens parsed): llama-server writes
+    these preserved tokens out in the text, where the chat's parser looks for them."""
+    out = set()
+    for t in texts:
+        ids = model.tokenize(t, add_special=False, parse_special=True)
+        if len(ids) == 1:
+            out.add(int(ids[0]))
+    return frozenset(out)
+
+
+def _chat_settings(c: EngineConfig) -> ChatSettings:
+    """The chat settings of an engine's configuration (llama-server's chat flags)."""
+    return ChatSettings(template=c.chat_template, jinja=c.jinja, template_kwargs=dict(c.chat_template_kwargs),
+                        reasoning=c.reasoning, reasoning_format=c.reasoning_format, reasoning_budget=c.reasoning_budget,
+                        reasoning_budget_message=c.reasoning_budget_message, reasoning_effort=c.reasoning_effort,
+                        reasoning_preserve=c.reasoning_preserve, prefill_assistant=c.prefill_assistant,
+                        skip_chat_parsing=c.skip_chat_parsing)
+
+
 def _bias_pairs(bias) -> list:
     """A logit_bias given as {token: bias} or pairs, as pairs (None: none)."""
     if bias is None:
@@ -180,11 +200,14 @@ class Engine:
         self.ctx: Context | None = None
         #: The target's LoRA adapters and their scales (serving/lora.py); loaded in _open.
         self.lora = EngineAdapters()
+        #: The chat templates with the chat settings (serving/prompt.py); made once the model is loaded.
+        self.chat: ChatRenderer | None = None
         plan = plan_load(config, self.method)
         self.config, self.placement, self.memory_estimate = plan.config, plan.placement, plan.memory_estimate
         self.model = Model(config.model, n_gpu_layers=config.n_gpu_layers, use_mmap=config.use_mmap,
                            use_mlock=config.use_mlock, role="target", placement=self.placement.target)
         try:
+            self.chat = ChatRenderer(self.model, _chat_settings(config))  # checks the template, as llama-server
             self._open()
             self._check_defaults()
         except BaseException:
@@ -203,9 +226,6 @@ class Engine:
             self._request(prompt="")
         except (ValueError, TypeError) as e:
             raise ValueError(f"the sampling defaults are not valid: {e}") from None
-        if self.config.chat_template is not None:
-            render_messages(self.model, [{"role": "user", "content": "hi"}], template=self.config.chat_template,
-                            jinja=self.config.jinja)
 
     def _load_draft_model(self) -> Model:
         c = self.config
@@ -261,7 +281,7 @@ class Engine:
         self._gate.close()
         for seq in self.sequences:
             seq.close()
-        for obj in (self.drafter, self.projector, self.ctx, self.lora, self.draft_model, self.model):
+        for obj in (self.drafter, self.projector, self.ctx, self.lora, self.draft_model, self.chat, self.model):
             if obj is not None:
                 obj.close()
 
@@ -281,21 +301,26 @@ class Engine:
         """Generate a completion: ``stream``'s arguments, the pieces joined into one Result."""
         return Result.from_pieces(self.stream(prompt, **kwargs))
 
-    def stream(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None, images=(),
-               max_tokens: int = 128, seed: int | None = None, stop: Sequence[str] | str = (), cache_prompt: bool = True,
+    def stream(self, prompt: str | None = None, *, messages: Sequence[dict] | None = None,
+               chat: ChatParams | None = None, images=(), max_tokens: int = 128, seed: int | None = None,
+               stop: Sequence[str] | str = (), cache_prompt: bool = True,
                progress: ProgressCallback | None = None, draft_max: int | None = None,
                draft_min: int | None = None, draft_positions: str | None = None,
                verify: str | None = None, draft_tree: int | None = None,
-               chat_template_kwargs: dict | None = None, logprobs: int | None = None, lora=None,
+               chat_template_kwargs: dict | None = None, chat_options: ChatOptions | None = None,
+               logprobs: int | None = None, lora=None,
                n_indent: int = 0, t_max_predict_ms: float = 0, **sampling: Any) -> Iterator[Piece]:
         """Yield pieces of text as the target accepts them; the last piece carries the stats.
 
         ``prompt`` is used as is, with ``MEDIA_MARKER`` where each image goes (or, as llama-server
         takes it, a list of token ids mixed with strings: the strings tokenized, the first with the
         model's special tokens when the list starts with it; no images then); ``messages``
-        go through the model's own Jinja chat template (``chat_template_kwargs`` are extra
-        variables for it, e.g. ``{"enable_thinking": False}``), or llama.cpp's built-in one
-        when it cannot be rendered (``stats.chat_template`` says which). Images: paths, bytes, PIL images or arrays.
+        go through the chat template as llama-server renders them (``chat_params``;
+        ``chat_template_kwargs`` are extra variables for it, e.g. ``{"enable_thinking": False}``,
+        and ``chat_options`` the chat's other fields: tools, tool_choice, ...),
+        and ``chat`` is a chat ``chat_params`` rendered already (with tools, reasoning, ...): its
+        prompt, images, grammar, stop strings and reasoning budget. Images: paths, bytes, PIL
+        images or arrays.
         With ``cache_prompt`` (the default) the longest prefix already in the cache (earlier
         turns' text and images) is kept and only the rest is decoded. ``progress(stage, done,
         total)`` is called during prefill: first ("cache", rows reused from the cache, rows of the
@@ -338,10 +363,12 @@ class Engine:
         The generation owns the engine from its first step to its end (see ``Engine``);
         with n_parallel > 1 it runs in a slot of the scheduler instead (see ``submit``).
         """
-        request = self._request(prompt=prompt, messages=messages, images=images, max_tokens=max_tokens, seed=seed,
+        request = self._request(prompt=prompt, messages=messages, chat=chat, images=images, max_tokens=max_tokens,
+                                seed=seed,
                                 stop=stop, cache_prompt=cache_prompt, progress=progress, draft_max=draft_max,
                                 draft_min=draft_min, draft_positions=draft_positions, verify=verify,
                                 draft_tree=draft_tree, chat_template_kwargs=chat_template_kwargs,
+                                chat_options=chat_options,
                                 logprobs=logprobs, lora=lora, n_indent=n_indent,
                                 t_max_predict_ms=t_max_predict_ms, **sampling)
         if self.config.n_parallel > 1:
@@ -413,17 +440,25 @@ class Engine:
         (a stream never iterated takes no slot); leaving it early cancels it."""
         yield from self._scheduler.submit(request)  # refuses once the engine is closed
 
-    def _request(self, *, prompt=None, messages=None, images=(), max_tokens: int = 128, seed: int | None = None,
+    def _request(self, *, prompt=None, messages=None, chat=None, images=(), max_tokens: int = 128,
+                 seed: int | None = None,
                  stop: Sequence[str] | str = (), cache_prompt: bool = True, progress: ProgressCallback | None = None,
                  draft_max: int | None = None, draft_min: int | None = None, draft_positions: str | None = None,
                  verify: str | None = None, draft_tree: int | None = None, chat_template_kwargs: dict | None = None,
-                 logprobs: int | None = None, lora=None, n_indent: int = 0, t_max_predict_ms: float = 0,
-                 **sampling: Any) -> Request:
+                 chat_options: ChatOptions | None = None, logprobs: int | None = None, lora=None, n_indent: int = 0,
+                 t_max_predict_ms: float = 0, **sampling: Any) -> Request:
         """One call's arguments, checked (before anything runs) and normalised."""
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
-        if (prompt is None) == (messages is None):
-            raise ValueError("give exactly one of prompt= or messages=")
+        if (prompt is not None) + (messages is not None) + (chat is not None) != 1:
+            raise ValueError("give exactly one of prompt=, messages= or chat=")
+        if chat is not None and not isinstance(chat, ChatParams):
+            raise ValueError(f"chat must be what chat_params() renders, got {type(chat).__name__}")
+        if chat_options is not None and not isinstance(chat_options, ChatOptions):
+            raise ValueError(f"chat_options must be a ChatOptions, got {type(chat_options).__name__}")
+        if chat_template_kwargs:
+            chat_options = dataclasses.replace(chat_options or ChatOptions(), template_kwargs={
+                **((chat_options.template_kwargs or {}) if chat_options else {}), **chat_template_kwargs})
         drafting = self._draft_settings(draft_max, draft_min, draft_positions)
         verify = verify or self.config.verify
         if verify not in VERIFY_RULES:
@@ -464,10 +499,10 @@ class Engine:
                 raise ValueError(f"{name} must be a number >= 0 (0: off), got {v!r}")
         if prompt is not None and not isinstance(prompt, str):
             prompt = self._mixed_prompt(prompt, images)
-        return Request(prompt=prompt, messages=messages, images=images, max_tokens=int(max_tokens),
+        return Request(prompt=prompt, messages=messages, chat=chat, images=images, max_tokens=int(max_tokens),
                        drafting=drafting, verify=verify, draft_tree=int(tree), sampling=params, seed=int(seed),
                        stop=[stop] if isinstance(stop, str) else list(stop), cache_prompt=cache_prompt,
-                       progress=progress, template_kwargs=chat_template_kwargs,
+                       progress=progress, chat_options=chat_options,
                        logprobs=None if logprobs is None else int(logprobs),
                        lora=None if lora is None else self.lora.resolve(lora),
                        n_indent=int(n_indent), t_max_predict_ms=float(t_max_predict_ms))
@@ -546,15 +581,32 @@ class Engine:
         return _PreparedGeneration(self, seq, request)
 
     # ------------------------------------------------------------------ prompt
-    def _prompt_text(self, prompt, messages, images, template_kwargs=None) -> tuple[str, list, str | None]:
-        """The prompt text, its images, and the chat template renderer used (None for a raw prompt)."""
+    def chat_params(self, messages: Sequence[dict], options: ChatOptions | None = None, **kwargs: Any) -> ChatParams:
+        """``messages`` rendered by the chat template as llama-server renders a chat request, with
+        ``options`` (or ChatOptions' fields as keywords: tools, tool_choice, parallel_tool_calls,
+        add_generation_prompt, continue_final_message, reasoning_format, reasoning_effort,
+        template_kwargs, json_schema, grammar, reasoning_budget, ...): the prompt, its images and
+        what the chat asks of the generation (``stream(chat=...)``) and of the parser of its
+        answer (``bindings.chat.ChatParser(params.parser_params())``). ValueError for a chat the
+        template refuses. Safe on any thread, beside running generations (the templates are
+        read-only).
+
+        >>> params = engine.chat_params(messages, tools=tools, tool_choice="required")  # doctest: +SKIP
+        >>> text = engine.generate(chat=params).text
+        """
+        if options is not None and kwargs:
+            raise ValueError("give options= or ChatOptions' fields as keywords, not both")
+        return self.chat.render(messages, options or ChatOptions(**kwargs))
+
+    def _prompt_text(self, prompt, messages, images, chat_options: ChatOptions | None = None,
+                     chat: ChatParams | None = None) -> tuple[str, list, ChatParams | None]:
+        """The prompt text, its images, and the rendered chat (None for a raw prompt)."""
         image_list = as_list(images)
-        renderer = None
         if messages is not None:
-            text, message_images, renderer = render_messages(self.model, messages, template_kwargs=template_kwargs,
-                                                             template=self.config.chat_template,
-                                                             jinja=self.config.jinja)
-            image_list = message_images + image_list
+            chat = self.chat_params(messages, chat_options)
+        if chat is not None:
+            text = chat.prompt
+            image_list = list(chat.images) + image_list
         else:
             text = prompt
         if image_list and self.projector is None:
@@ -562,7 +614,7 @@ class Engine:
         if image_list and text.count(MEDIA_MARKER) == 0:
             # Images given without markers go first, as llama.cpp's CLI does.
             text = MEDIA_MARKER * len(image_list) + "\n" + text
-        return text, image_list, renderer
+        return text, image_list, chat
 
     def _tokenize(self, text: str | tuple, bitmaps: list[Bitmap]) -> list:
         """The prompt as parts: int32 token arrays (text) and Chunk objects (media); checked against
@@ -689,15 +741,20 @@ class _PreparedGeneration:
         e, r = self.engine, self.request
         n_max, n_min, mode = r.drafting
         try:
-            text, image_list, renderer = e._prompt_text(r.prompt, r.messages, r.images, r.template_kwargs)
+            text, image_list, chat = e._prompt_text(r.prompt, r.messages, r.images, r.chat_options, r.chat)
             self._bitmaps = [Bitmap.load(im) for im in image_list]
             parts = e._tokenize(text, self._bitmaps)
-            stats = GenerationStats(images=len(self._bitmaps), chat_template=renderer)
+            stats = GenerationStats(images=len(self._bitmaps), chat_template=chat.renderer if chat else None)
             e.last_stats = stats
-            params = r.sampling
+            params, stop = r.sampling, r.stop
+            if chat is not None:  # the chat's grammar (else the caller's), its stop strings, its budget
+                params = dataclasses.replace(params, **chat.sampling())
+                stop = [*stop, *chat.additional_stops]
             self._sampler = Sampler(e.model, seed=r.seed, **dataclasses.asdict(params))
-            verifier = (RejectionVerifier(params, r.seed, e.model.n_vocab)
-                        if r.verify == "rejection" and not params.greedy else MatchVerifier(self._sampler))
+            # rejection sampling's numpy chain has no grammar or budget: a chat's constraint verifies by "match"
+            rejection = r.verify == "rejection" and not params.greedy and not params.chat_constrained
+            verifier = (RejectionVerifier(params, r.seed, e.model.n_vocab) if rejection
+                        else MatchVerifier(self._sampler))
             d = e.drafter
             # One cost of a step per engine: its slots share each step, and requests share the hardware.
             if n_max == "auto":
@@ -705,10 +762,11 @@ class _PreparedGeneration:
             else:
                 length = FixedLength(n_max)
             return Generation(self.seq, e.model, parts, verifier, stats, max_tokens=r.max_tokens,
-                              stop=r.stop, draft_length=length, draft_min=n_min,
+                              stop=stop, draft_length=length, draft_min=n_min,
                               cache_prompt=r.cache_prompt, progress=r.progress, draft_positions=mode,
                               draft_tree=r.draft_tree, logprobs=r.logprobs, n_indent=r.n_indent,
-                              t_max_predict_ms=r.t_max_predict_ms)
+                              t_max_predict_ms=r.t_max_predict_ms,
+                              special_tokens=_single_tokens(e.model, params.preserved_tokens))
         except BaseException:
             self.__exit__()
             raise

@@ -13,7 +13,8 @@ from pyllama_spec.spec.sampling import SamplingParams
 class Request:
     prompt: str | tuple[int | str, ...] | None  # a raw prompt (MEDIA_MARKER where each image goes), or
     # token ids mixed with strings (llama-server's mixed prompt), or
-    messages: Sequence[Any] | None  # chat messages through the model's template
+    messages: Sequence[Any] | None  # chat messages through the model's template, or
+    chat: Any  # a chat rendered already (serving.prompt.ChatParams), or None
     images: Any  # paths, bytes, PIL images or RGB arrays, in marker order
     max_tokens: int
     drafting: tuple[int | str, int, str]  # (draft_max or "auto", draft_min, draft position mode)
@@ -24,7 +25,7 @@ class Request:
     stop: list[str]
     cache_prompt: bool
     progress: Callable[[str, int, int], None] | None
-    template_kwargs: dict | None
+    chat_options: Any  # serving.prompt.ChatOptions of ``messages`` (tools, template variables, ...), or None
     logprobs: int | None = None  # per emitted token: its log-probability and this many top alternatives
     n_indent: int = 0  # llama-server's line rules (spec/line_rules.py); 0: off
     t_max_predict_ms: float = 0

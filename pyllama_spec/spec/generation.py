@@ -106,7 +106,7 @@ class Generation:
                  max_tokens: int, stop: list[str], draft_length, draft_min: int, cache_prompt: bool = True,
                  progress: ProgressCallback | None = None, draft_positions: str = "target",
                  draft_tree: int = 0, logprobs: int | None = None, n_indent: int = 0,
-                 t_max_predict_ms: float = 0) -> None:
+                 t_max_predict_ms: float = 0, special_tokens: frozenset[int] = frozenset()) -> None:
         self.seq = seq  # None until a scheduler gives it a slot
         self.draft_tree = draft_tree  # > 0: verify a tree of up to this many drafted tokens (tree.py)
         self.logprobs = logprobs  # None: none; N: each token's log-probability and the N most likely
@@ -120,7 +120,7 @@ class Generation:
         self.draft_min = draft_min
         self.cache_prompt = cache_prompt
         self.progress = progress
-        self.out = _TextAssembler(model, stop)
+        self.out = _TextAssembler(model, stop, special_tokens)
         self.lines = LineRules(n_indent, t_max_predict_ms)  # llama-server's n_indent / t_max_predict_ms
         self.generated = 0
         self.id_last: int | None = None
@@ -215,6 +215,9 @@ class Generation:
         texts, hit_stop = self.out.push_each(emit)
         if hit_stop and self.out.stopped_at < len(emit) - 1:
             truncated = False  # the stop string came first
+            # the tokens after the one that completed it were never generated, as llama-server counts
+            k = self.out.stopped_at + 1
+            emit, texts, origin_logprobs = emit[:k], texts[:k], origin_logprobs[:k]
         stop_type = "limit" if truncated else "word" if hit_stop else "eos" if finish == "stop" else "limit"
         if hit_stop and not truncated:
             finish = "stop"
@@ -496,8 +499,9 @@ class _TextAssembler:
     same character the one that starts earliest; the output ends right before its first character.
     """
 
-    def __init__(self, model, stop: list[str]) -> None:
+    def __init__(self, model, stop: list[str], special_tokens: frozenset[int] = frozenset()) -> None:
         self.model = model
+        self.special = special_tokens  # written out as their text (a chat's preserved tokens), as llama-server
         self.stop = [s for s in stop if s]
         self._matchers = [_StopMatcher(s) for s in self.stop]
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -527,7 +531,7 @@ class _TextAssembler:
     def push(self, tokens: list[int]) -> tuple[str, bool]:
         if self.stopped:
             return "", True
-        new = "".join(self.decoder.decode(self.model.token_to_bytes(t)) for t in tokens)
+        new = "".join(self.decoder.decode(self.model.token_to_bytes(t, special=t in self.special)) for t in tokens)
         if not new:
             return "", False
         if not self._matchers:

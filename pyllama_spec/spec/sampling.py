@@ -82,6 +82,36 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     samplers: tuple[str, ...] = DEFAULT_SAMPLERS
     grammar: str | None = None  # GBNF; the output follows it
+    # A chat's constraint, as llama-server's sampler takes it from the chat template (common/chat.h):
+    # a lazy grammar applies from the first match of one of its triggers on ((type, value): 1 a word,
+    # 2 a pattern, 3 a pattern matching the whole output; common_grammar_trigger_type); preserved
+    # tokens are written out in the text (and a one-token trigger word must be one); a "tool_calls"
+    # or "output_format" grammar (a chat's) starts with the generation prompt already seen.
+    grammar_lazy: bool = False
+    grammar_triggers: tuple[tuple[int, str], ...] = ()
+    preserved_tokens: tuple[str, ...] = ()
+    grammar_type: str = "user"  # "user", "output_format" or "tool_calls" (llama-server's common_grammar_type)
+    generation_prompt: str = ""
+    # The reasoning budget (llama-server's --reasoning-budget): at most this many tokens between the
+    # start tag and one of the end tags, then the message and the first end tag are forced (-1: no
+    # limit; tags from the chat template).
+    reasoning_budget_tokens: int = -1
+    reasoning_budget_start: str = ""
+    reasoning_budget_end: tuple[str, ...] = ()
+    reasoning_budget_message: str = ""
+
+    @property
+    def reasoning_budget_active(self) -> bool:
+        """Whether the budget sampler runs (common_sampler_init's rule: tags, and a limit or a lazy
+        grammar, which pauses while the model thinks)."""
+        return bool(self.reasoning_budget_start and self.reasoning_budget_end) and \
+            (self.grammar_lazy or self.reasoning_budget_tokens >= 0)
+
+    @property
+    def chat_constrained(self) -> bool:
+        """Whether the chat constraint (grammar with triggers or a prefill, reasoning budget) is on."""
+        return (self.grammar is not None and (self.grammar_lazy or self.grammar_type != "user")) or \
+            self.reasoning_budget_active
 
     @property
     def greedy(self) -> bool:
@@ -94,7 +124,8 @@ class SamplingParams:
 
     def rejection_unsupported(self) -> list[str]:
         """The settings turned on here that the numpy chain does not apply (see the module's doc)."""
-        on = {"grammar": self.grammar is not None, "dry_multiplier": self.dry_multiplier > 0,
+        on = {"grammar": self.grammar is not None, "reasoning_budget": self.reasoning_budget_active,
+              "dry_multiplier": self.dry_multiplier > 0,
               "xtc_probability": self.xtc_probability > 0 and self.xtc_threshold <= 0.5,
               "typical_p": self.typical_p < 1.0, "top_n_sigma": self.top_n_sigma > 0,
               "mirostat": self.mirostat != 0, "dynatemp_range": self.dynatemp_range > 0,
@@ -146,6 +177,7 @@ def sampling_params(given: dict, *, n_ctx: int, n_vocab: int) -> SamplingParams:
         if isinstance(b, str) or not all(isinstance(x, str) and x for x in b) or not len(b):
             raise ValueError("dry_sequence_breakers must be a non-empty list of non-empty strings")
         v["dry_sequence_breakers"] = tuple(b)
+    _chat_constraint(v)
     if v.get("grammar") is not None and not isinstance(v["grammar"], str):
         raise ValueError(f"grammar must be a GBNF string, got {type(v['grammar']).__name__}")
     if v.get("grammar") == "":
@@ -153,6 +185,39 @@ def sampling_params(given: dict, *, n_ctx: int, n_vocab: int) -> SamplingParams:
     if v.get("grammar") is not None:
         _check_grammar_size(v["grammar"])
     return SamplingParams(**v)
+
+
+GRAMMAR_TYPES = ("user", "output_format", "tool_calls")
+GRAMMAR_TRIGGER_TYPES = {1: "word", 2: "pattern", 3: "pattern_full"}
+
+
+def _chat_constraint(v: dict) -> None:
+    """Check (and make tuples of) the chat constraint's settings in ``v``."""
+    if "grammar_type" in v and v["grammar_type"] not in GRAMMAR_TYPES:
+        raise ValueError(f"grammar_type must be one of {GRAMMAR_TYPES}, got {v['grammar_type']!r}")
+    for name in ("grammar_lazy",):
+        if name in v and not isinstance(v[name], bool):
+            raise ValueError(f"{name} must be a boolean, got {v[name]!r}")
+    for name in ("generation_prompt", "reasoning_budget_start", "reasoning_budget_message"):
+        if name in v and not isinstance(v[name], str):
+            raise ValueError(f"{name} must be a string, got {v[name]!r}")
+    for name in ("preserved_tokens", "reasoning_budget_end"):
+        if name in v:
+            if isinstance(v[name], str) or not all(isinstance(x, str) for x in v[name]):
+                raise ValueError(f"{name} must be a list of strings, got {v[name]!r}")
+            v[name] = tuple(v[name])
+    if "grammar_triggers" in v:
+        triggers = []
+        for t in v["grammar_triggers"]:
+            if not (isinstance(t, (tuple, list)) and len(t) == 2 and t[0] in GRAMMAR_TRIGGER_TYPES
+                    and isinstance(t[1], str)):
+                raise ValueError(f"grammar_triggers must be (type, text) pairs with a type of "
+                                 f"{GRAMMAR_TRIGGER_TYPES}, got {t!r}")
+            triggers.append((int(t[0]), t[1]))
+        v["grammar_triggers"] = tuple(triggers)
+    n = v.get("reasoning_budget_tokens", -1)
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < -1:
+        raise ValueError(f"reasoning_budget_tokens must be an integer >= -1 (-1: no limit), got {n!r}")
 
 
 #: The largest grammar taken, and how deeply its groups may nest: llama.cpp's parser and its

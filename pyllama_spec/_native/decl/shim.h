@@ -1,4 +1,6 @@
 /* cffi declarations: native/pyllama_shim.h (C linkage over src/llama-ext.h). */
+struct pyllama_chat_templates;
+struct pyllama_chat_parser;
 void     pyllama_set_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid, bool value);
 float *  pyllama_get_embeddings_layer_inp(struct llama_context * ctx, uint32_t lid);
 void     pyllama_set_embeddings_nextn(struct llama_context * ctx, bool value, bool masked);
@@ -21,6 +23,15 @@ int32_t  pyllama_sampler_sample(struct llama_sampler * smpl, struct llama_contex
 int32_t  pyllama_sampler_accept(struct llama_sampler * smpl, int32_t token);
 int64_t  pyllama_json_schema_to_grammar(const char * schema_json, char * out, size_t n_out);
 const char * pyllama_last_error(void);
+void     pyllama_string_free(char * s);
+struct pyllama_chat_templates * pyllama_chat_templates_init(const struct llama_model * model, const char * override_src);
+void     pyllama_chat_templates_free(struct pyllama_chat_templates * t);
+char *   pyllama_chat_templates_info(const struct pyllama_chat_templates * t, bool use_jinja, const char * kwargs_json);
+char *   pyllama_chat_templates_apply(const struct pyllama_chat_templates * t, const char * inputs_json);
+struct pyllama_chat_parser * pyllama_chat_parser_init(const char * params_json);
+void     pyllama_chat_parser_free(struct pyllama_chat_parser * p);
+char *   pyllama_chat_parser_update(struct pyllama_chat_parser * p, const char * text_added, size_t n, bool is_partial);
+struct llama_sampler * pyllama_sampler_init_chat_constraint(const struct llama_vocab * vocab, const char * spec_json);
 int32_t  pyllama_shim_abi_version(void);
 
 /* Python callbacks (cffi "extern Python"): native logs and mtmd's post-decode hook. */
