@@ -66,8 +66,8 @@ def test_target_is_deterministic_and_has_keys(tmp_path, arch):
     tensors = meta["__tensors__"]
     assert tensors["token_embd.weight"][0] == (64, tiny.N_VOCAB)
     assert tensors["output.weight"][0] == (64, tiny.N_VOCAB)
-    if arch == "qwen35":
-        assert meta["qwen35.full_attention_interval"] == 2
+    if arch in ("qwen35", "qwen35moe"):
+        assert meta[f"{arch}.full_attention_interval"] == 2
         assert "blk.0.ssm_a" in tensors and tensors["blk.1.attn_q.weight"][0] == (64, 128)
     else:
         assert tensors["blk.0.attn_k.weight"][0] == (64, 32)
@@ -144,13 +144,16 @@ def test_wider_target_shapes_are_consistent(tmp_path, arch):
     assert t["token_embd.weight"] == ((128, tiny.N_VOCAB), F16)
     assert t["output.weight"] == ((128, tiny.N_VOCAB), F16)
     assert t["output_norm.weight"] == ((128,), F32)
+    moe = "exps" if arch == "qwen35moe" else ""  # qwen35moe: tiny.MOE_N_EXPERT experts per layer
+    n_exp = (tiny.MOE_N_EXPERT,) if moe else ()
     for i in range(2):
         assert t[f"blk.{i}.attn_norm.weight"] == ((128,), F32)
-        assert t[f"blk.{i}.ffn_gate.weight"] == ((128, 256), F16)
-        assert t[f"blk.{i}.ffn_up.weight"] == ((128, 256), F16)
-        assert t[f"blk.{i}.ffn_down.weight"] == ((256, 128), F16)
-    attn = 1 if arch == "qwen35" else 0  # qwen35: layer 0 is a delta net, layer 1 attention
-    q_out = 2 * 128 if arch == "qwen35" else 128
+        assert t[f"blk.{i}.ffn_gate{'_' * bool(moe)}{moe}.weight"] == ((128, 256, *n_exp), F16)
+        assert t[f"blk.{i}.ffn_up{'_' * bool(moe)}{moe}.weight"] == ((128, 256, *n_exp), F16)
+        assert t[f"blk.{i}.ffn_down{'_' * bool(moe)}{moe}.weight"] == ((256, 128, *n_exp), F16)
+    hybrid = arch in ("qwen35", "qwen35moe")
+    attn = 1 if hybrid else 0  # qwen35(moe): layer 0 is a delta net, layer 1 attention
+    q_out = 2 * 128 if hybrid else 128
     assert t[f"blk.{attn}.attn_q.weight"] == ((128, q_out), F16)
     assert t[f"blk.{attn}.attn_k.weight"] == ((128, 64), F16)
     assert t[f"blk.{attn}.attn_v.weight"] == ((128, 64), F16)
@@ -159,10 +162,10 @@ def test_wider_target_shapes_are_consistent(tmp_path, arch):
         assert t["blk.0.attn_q.bias"] == ((128,), F32) and t["blk.0.attn_k.bias"] == ((64,), F32)
     else:
         assert t[f"blk.{attn}.attn_q_norm.weight"] == ((64,), F32)
-    if arch == "qwen35":
+    if hybrid:
         # delta net: 1 key head and 2 value heads of 64
-        assert meta["qwen35.ssm.state_size"] == 64 and meta["qwen35.ssm.group_count"] == 1
-        assert meta["qwen35.ssm.time_step_rank"] == 2 and meta["qwen35.ssm.inner_size"] == 128
+        assert meta[f"{arch}.ssm.state_size"] == 64 and meta[f"{arch}.ssm.group_count"] == 1
+        assert meta[f"{arch}.ssm.time_step_rank"] == 2 and meta[f"{arch}.ssm.inner_size"] == 128
         assert t["blk.0.attn_qkv.weight"] == ((128, 2 * 64 + 128), F16)
         assert t["blk.0.attn_gate.weight"] == ((128, 128), F16)
         assert t["blk.0.ssm_conv1d.weight"] == ((4, 2 * 64 + 128), F32)

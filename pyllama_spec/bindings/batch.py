@@ -77,6 +77,25 @@ class Batch(NativeHandle):
         self._check_add(rc, n)
         self._pos0.append(pos)
 
+    def add_tokens_with_states(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
+                               states: np.ndarray, *, outputs: Sequence[bool] | np.ndarray | bool = False,
+                               seq_id: int = 0) -> None:
+        """Token rows that each carry a state row besides their token: ``states`` float32 [n, n_embd]
+        (an MTP context's rows: the target's hidden state paired with each token)."""
+        st = np.ascontiguousarray(states, dtype=np.float32)
+        n = len(tokens)
+        if st.ndim != 2 or st.shape[0] != n:
+            raise ValueError(f"{n} tokens need {n} state rows, got shape {st.shape}")
+        first = self.n_rows
+        self.add_tokens(tokens, positions, outputs=outputs, seq_id=seq_id)
+        row = ffi.new("struct llama_embd *")
+        row.n_rows, row.n_embd = 1, st.shape[1]
+        base = ffi.cast("float *", ffi.from_buffer("float[]", st))
+        for i in range(n):
+            row.data = base + i * st.shape[1]  # llama.cpp copies the row
+            if not lib.llama_batch_ext_set_embd_token(self.ptr, first + i, row[0]):
+                self._check_add(-2, n)
+
     def add_tree_tokens(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
                         seq_ids: Sequence[Sequence[int]]) -> None:
         """Token rows that each belong to several sequences (``seq_ids[i]``, ascending: a row

@@ -43,7 +43,9 @@ class Context(NativeHandle):
     """An inference context (KV cache, compute buffers) on a Model.
 
     ``role`` ("target" or "draft") is named in every error. ``ctx_other`` lets a
-    DFlash draft borrow the target's token embeddings and output head.
+    DFlash draft borrow the target's token embeddings and output head. ``mtp=True`` makes a
+    context that runs the model's multi-token-prediction (nextn) block instead of its layers
+    (llama.cpp's ``LLAMA_CONTEXT_TYPE_MTP``; the model must be loaded with ``load_mtp``).
     """
 
     _what = "context"
@@ -52,7 +54,8 @@ class Context(NativeHandle):
                  n_seq_max: int = 1, n_rs_seq: int = 0, n_threads: int | None = None,
                  n_threads_batch: int | None = None, type_k: str = "f16", type_v: str = "f16",
                  flash_attn: bool | None = False, swa_full: bool = False, embeddings: bool = False,
-                 kv_unified: bool = False, ctx_other: "Context | None" = None, role: str = "target") -> None:
+                 kv_unified: bool = False, ctx_other: "Context | None" = None, role: str = "target",
+                 mtp: bool = False) -> None:
         self.model = model
         self.role = role
         self._other = ctx_other  # keeps the borrowed context alive as long as this one
@@ -97,6 +100,11 @@ class Context(NativeHandle):
         params.no_perf = True
         if ctx_other is not None:
             params.ctx_other = ctx_other.ptr
+        if mtp:
+            if not getattr(model, "load_mtp", False) or model.n_layer_nextn == 0:
+                raise IncompatibleModelsError(f"an MTP context needs a model with a nextn block loaded with "
+                                              f"load_mtp=True ({model.path.name})")
+            params.ctx_type = lib.LLAMA_CONTEXT_TYPE_MTP
         if n_rs_seq > 0 and model.is_recurrent and params.n_ubatch <= n_rs_seq + 1:
             # llama.cpp aborts (split_equal: n_ubatch > n_keep_tail) instead of refusing.
             raise ValueError(f"a recurrent {role} model with n_rs_seq={n_rs_seq} needs n_ubatch > {n_rs_seq + 1}, "
@@ -194,6 +202,25 @@ class Context(NativeHandle):
         self.model.check_remote()  # lost during this decode: its outputs are zeros, or rc says "failed"
         ctrl_c = rc == 2 and interrupted_during_call()
         check_decode(rc, "llama_process(DECODE)", role=self.role, n_rows=batch.n_rows, offset=batch.first_pos,
+                     detail="interrupted (Ctrl-C)" if ctrl_c else "")
+        self.last_decode_rows = batch.n_rows
+
+    def encode(self, batch: "Batch") -> None:
+        """Run the model's encoder graph over a batch (an EAGLE3 draft's feature fusion: every row
+        is an output, read with ``draft_embeddings``); the batch must fit in one ubatch.
+        Raises DecodeError naming this context."""
+        forget_native_problems()
+        self.last_decode_rows = 0
+        self.model.check_remote()
+        if batch.n_rows > self.n_ubatch:  # llama.cpp asserts (aborts) instead of refusing
+            raise ValueError(f"the {self.role} context encodes at most n_ubatch={self.n_ubatch} rows at once, "
+                             f"got {batch.n_rows}")
+        arm_interrupts()
+        rc = lib.llama_process(self.ptr, lib.LLAMA_PROCESS_TYPE_ENCODE, batch.ptr)
+        raise_carried()
+        self.model.check_remote()
+        ctrl_c = rc == 2 and interrupted_during_call()
+        check_decode(rc, "llama_process(ENCODE)", role=self.role, n_rows=batch.n_rows, offset=batch.first_pos,
                      detail="interrupted (Ctrl-C)" if ctrl_c else "")
         self.last_decode_rows = batch.n_rows
 

@@ -73,7 +73,7 @@ class Model(NativeHandle):
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0, main_gpu: int = 0,
                  vocab_only: bool = False, use_mmap: bool = True, use_mlock: bool = False,
-                 role: str = "target", placement: "Placement | None" = None) -> None:
+                 role: str = "target", placement: "Placement | None" = None, load_mtp: bool = False) -> None:
         self.path = check_gguf_file(path, f"{role} model")
         self.role = role
         self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
@@ -85,6 +85,9 @@ class Model(NativeHandle):
         params.n_gpu_layers = n_gpu_layers
         params.main_gpu = main_gpu
         params.vocab_only = vocab_only
+        # the multi-token-prediction (nextn) block's weights: skipped unless an MTP context will run them
+        params.load_mtp = load_mtp
+        self.load_mtp = load_mtp
         keep_alive = placement.apply(params) if placement is not None else []  # devices, split, overrides
         if use_mlock and not lib.llama_supports_mlock():
             raise ValueError("--mlock is not supported on this system")
@@ -156,6 +159,11 @@ class Model(NativeHandle):
     @property
     def n_layer(self) -> int:
         return lib.llama_model_n_layer(self.ptr)
+
+    @property
+    def n_layer_nextn(self) -> int:
+        """Multi-token-prediction (nextn) blocks after the last layer (Qwen3.5's MTP head); 0 for none."""
+        return lib.llama_model_n_layer_nextn(self.ptr)
 
     @property
     def n_ctx_train(self) -> int:

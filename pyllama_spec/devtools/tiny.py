@@ -162,7 +162,13 @@ TINY_N_EMBD = N_HEAD * HEAD_DIM
 # wider models: head dim 64, n_embd // 64 query heads, half as many KV heads
 WIDE_HEAD_DIM = 64
 DTYPES = {"f32": np.float32, "f16": np.float16}
-TARGET_ARCHS = ("hunyuan_vl", "qwen35", "qwen2vl", "qwen3vl")
+TARGET_ARCHS = ("hunyuan_vl", "qwen35", "qwen35moe", "qwen2vl", "qwen3vl")
+#: Target architectures ``write_target(mtp=True)`` can give a multi-token-prediction block.
+MTP_ARCHS = ("qwen35", "qwen35moe")
+#: The tiny qwen35moe's experts: how many, how many a token uses (its shared expert comes besides).
+MOE_N_EXPERT, MOE_N_EXPERT_USED = 4, 2
+#: Size of the hidden state's contribution to the tiny MTP block's input (``_add_mtp_block``).
+MTP_HIDDEN_STD = 0.5
 PROJECTORS = ("qwen2vl_merger", "qwen3vl_merger")
 # deepstack of the tiny qwen3vl set: vision blocks 0 and 1 feed target layers 0 and 1
 QWEN3VL_DEEPSTACK_LAYERS = (0, 1)
@@ -258,7 +264,7 @@ def _ones(n: int) -> np.ndarray:
 
 
 def _add_attention_hparams(w: GGUFWriter, arch: str, *, g: _Geometry, n_layer: int, n_ff: int,
-                           rope_sections: list[int]) -> None:
+                           rope_sections: list[int] | None) -> None:
     n_embd = g.n_embd
     w.add_string("general.architecture", arch)
     w.add_uint32(f"{arch}.context_length", TINY_CONTEXT_LENGTH)
@@ -272,7 +278,8 @@ def _add_attention_hparams(w: GGUFWriter, arch: str, *, g: _Geometry, n_layer: i
     w.add_uint32(f"{arch}.rope.dimension_count", g.head_dim)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
-    w.add_array(f"{arch}.rope.dimension_sections", ValueType.INT32, rope_sections)
+    if rope_sections is not None:  # None: a plain 1-D rope
+        w.add_array(f"{arch}.rope.dimension_sections", ValueType.INT32, rope_sections)
 
 
 def _add_attention_layer(w: GGUFWriter, r: _Weights, i: int, g: _Geometry, *, q_out: int) -> None:
@@ -332,7 +339,7 @@ def _embedding_and_head(r: _Weights, g: _Geometry, predictable: float, fim_seed:
 def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n_embd: int = 64,
                  n_layer: int = 4, n_ff: int = 128, predictable: float = 0.0,
                  n_deepstack: int | None = None, dtype: str = "f32", chat_template: str = CHAT_TEMPLATE,
-                 fim: bool = False) -> Path:
+                 fim: bool = False, mtp: bool = False) -> Path:
     """Write a tiny M-RoPE target (one of ``TARGET_ARCHS``) that can feed a DFlash draft.
 
     ``chat_template`` is the ``tokenizer.chat_template`` it carries (a minimal ChatML by default).
@@ -351,7 +358,12 @@ def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n
     ``n_deepstack`` (``qwen3vl`` only; default ``len(QWEN3VL_DEEPSTACK_LAYERS)``, at most
     ``n_layer``): the ``qwen3vl.n_deepstack_layers`` key; the matching mmproj is
     ``write_mmproj(projector="qwen3vl_merger", deepstack_layers=...)`` with as many layers.
+    ``mtp=True`` (``MTP_ARCHS``): one multi-token-prediction (nextn) block after the last layer,
+    as Qwen3.5 GGUFs carry it (``_add_mtp_block``); ``block_count`` counts it, as llama.cpp's loader
+    expects (``nextn_predict_layers`` 1).
     """
+    if mtp and arch not in MTP_ARCHS:
+        raise ValueError(f"mtp=True needs one of {MTP_ARCHS}, got {arch!r}")
     if arch not in TARGET_ARCHS:
         raise ValueError(f"arch must be one of {TARGET_ARCHS}, got {arch!r}")
     if arch != "qwen3vl" and n_deepstack:
@@ -364,24 +376,32 @@ def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n
     np_dtype = _np_dtype(dtype)
     if not 0.0 <= predictable <= 1.0:
         raise ValueError("predictable must be in [0, 1]")
-    if arch == "qwen35" and n_layer % 2:
-        raise ValueError("qwen35 needs an even n_layer (full_attention_interval 2)")
+    hybrid = arch in ("qwen35", "qwen35moe")  # gated delta net layers between attention layers
+    if hybrid and n_layer % 2:
+        raise ValueError(f"{arch} needs an even n_layer (full_attention_interval 2)")
     r = _Weights(seed, g.layer_std, fast=not g.tiny, dtype=np_dtype)
     w = GGUFWriter()
     # [2, 3, 3, 0] sums to head_dim / 2; first two > 0 make it M-RoPE (Qwen2-VL's [16, 24, 24, 0]
     # scaled to head_dim 16; the interleaved M-RoPE of qwen35 / qwen3vl takes the same sections)
-    _add_attention_hparams(w, arch, g=g, n_layer=n_layer, n_ff=n_ff, rope_sections=g.rope_sections)
+    _add_attention_hparams(w, arch, g=g, n_layer=n_layer + int(mtp), n_ff=n_ff, rope_sections=g.rope_sections)
     w.add_string("general.name", f"tiny-{arch}")
+    if mtp:
+        w.add_uint32(f"{arch}.nextn_predict_layers", 1)
     if arch == "qwen3vl":
         w.add_uint32("qwen3vl.n_deepstack_layers", n_deepstack)
-    if arch == "qwen35":
+    if hybrid:
         # gated delta net: n_head_kv key heads, n_head value heads, of head_dim (2 x 16, 4 x 16 at 64)
-        w.add_uint32("qwen35.ssm.conv_kernel", 4)
-        w.add_uint32("qwen35.ssm.state_size", g.head_dim)
-        w.add_uint32("qwen35.ssm.group_count", g.n_head_kv)
-        w.add_uint32("qwen35.ssm.time_step_rank", g.n_head)
-        w.add_uint32("qwen35.ssm.inner_size", g.n_head * g.head_dim)
-        w.add_uint32("qwen35.full_attention_interval", 2)
+        w.add_uint32(f"{arch}.ssm.conv_kernel", 4)
+        w.add_uint32(f"{arch}.ssm.state_size", g.head_dim)
+        w.add_uint32(f"{arch}.ssm.group_count", g.n_head_kv)
+        w.add_uint32(f"{arch}.ssm.time_step_rank", g.n_head)
+        w.add_uint32(f"{arch}.ssm.inner_size", g.n_head * g.head_dim)
+        w.add_uint32(f"{arch}.full_attention_interval", 2)
+    if arch == "qwen35moe":
+        w.add_uint32("qwen35moe.expert_count", MOE_N_EXPERT)
+        w.add_uint32("qwen35moe.expert_used_count", MOE_N_EXPERT_USED)
+        w.add_uint32("qwen35moe.expert_feed_forward_length", n_ff)
+        w.add_uint32("qwen35moe.expert_shared_feed_forward_length", n_ff)
     _add_tokenizer(w, chat_template=chat_template, fim=fim)
 
     embd, head = _embedding_and_head(r, g, predictable, fim_seed=seed + 3_000_017 if fim else None)
@@ -402,10 +422,54 @@ def write_target(path: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, n
                 _add_attention_layer(w, r, i, g, q_out=2 * g.n_head * g.head_dim)
             else:
                 _add_delta_net_layer(w, r, i, g)
-        _add_ffn(w, r, i, n_embd, n_ff)
+        (_add_moe_ffn if arch == "qwen35moe" else _add_ffn)(w, r, i, n_embd, n_ff)
+    if mtp:
+        _add_mtp_block(w, n_layer, g, n_ff, seed=seed, dtype=np_dtype, moe=arch == "qwen35moe")
     path = Path(path)
     w.write(path)
     return path
+
+
+def _add_moe_ffn(w: GGUFWriter, r: _Weights, i: int, n_embd: int, n_ff: int) -> None:
+    """A qwen35moe feed-forward: ``MOE_N_EXPERT`` experts of width n_ff behind a router, and a
+    gated shared expert of width n_ff (src/models/qwen35moe.cpp)."""
+    p, n_exp = f"blk.{i}", MOE_N_EXPERT
+    w.add_tensor(f"{p}.ffn_gate_inp.weight", r.mat(n_exp, n_embd, keep_f32=True))
+    # ggml dims [n_embd, n_ff, n_expert] / [n_ff, n_embd, n_expert]: numpy shapes reversed
+    w.add_tensor(f"{p}.ffn_gate_exps.weight", np.stack([r.mat(n_ff, n_embd) for _ in range(n_exp)]))
+    w.add_tensor(f"{p}.ffn_up_exps.weight", np.stack([r.mat(n_ff, n_embd) for _ in range(n_exp)]))
+    w.add_tensor(f"{p}.ffn_down_exps.weight", np.stack([r.mat(n_embd, n_ff) for _ in range(n_exp)]))
+    w.add_tensor(f"{p}.ffn_gate_inp_shexp.weight", r.vec(n_embd))
+    w.add_tensor(f"{p}.ffn_gate_shexp.weight", r.mat(n_ff, n_embd))
+    w.add_tensor(f"{p}.ffn_up_shexp.weight", r.mat(n_ff, n_embd))
+    w.add_tensor(f"{p}.ffn_down_shexp.weight", r.mat(n_embd, n_ff))
+
+
+def _add_mtp_block(w: GGUFWriter, i: int, g: _Geometry, n_ff: int, *, seed: int, dtype, moe: bool = False) -> None:
+    """The nextn block ``blk.{i}`` of a qwen35 target (src/models/qwen35.cpp, ``graph_mtp``; with
+    ``moe``, of a qwen35moe one, whose block has the same experts as its layers): a
+    full-attention qwen35 layer (query and gate in one projection) behind ``eh_proj``, which maps
+    ``[enorm(token embedding), hnorm(target hidden)]`` to the block's input; it reads out with the
+    target's own output norm and head.
+
+    ``eh_proj`` passes the token embedding through (identity plus small noise) and adds the hidden
+    state through a random matrix: the head then proposes about what the target's bigram does
+    (the tiny targets' choice is dominated by the current token, module docstring), so with
+    ``predictable`` > 0 drafts are often accepted, and which hidden row a token is paired with
+    changes the drafts (a wrong pairing shows). Drawn from a generator of its own, so the other
+    tensors are the same as without the block."""
+    r = _Weights(seed + 7_000_003, g.layer_std, fast=not g.tiny, dtype=dtype)
+    n_embd, p = g.n_embd, f"blk.{i}"
+    w.add_tensor(f"{p}.attn_norm.weight", _ones(n_embd))
+    w.add_tensor(f"{p}.post_attention_norm.weight", _ones(n_embd))
+    _add_attention_layer(w, r, i, g, q_out=2 * g.n_head * g.head_dim)
+    (_add_moe_ffn if moe else _add_ffn)(w, r, i, n_embd, n_ff)
+    e_part = np.eye(n_embd, dtype=np.float32) + r.mat(n_embd, n_embd, keep_f32=True)
+    h_part = r.mat(n_embd, n_embd, std=MTP_HIDDEN_STD / np.sqrt(n_embd), keep_f32=True)
+    # ggml dims [2 n_embd, n_embd]: numpy (n_embd, 2 n_embd), the embedding half first (ggml_concat order)
+    w.add_tensor(f"{p}.nextn.eh_proj.weight", np.concatenate([e_part, h_part], axis=1).astype(dtype))
+    w.add_tensor(f"{p}.nextn.enorm.weight", _ones(n_embd))
+    w.add_tensor(f"{p}.nextn.hnorm.weight", _ones(n_embd))
 
 
 def _add_biased_attention_layer(w: GGUFWriter, r: _Weights, i: int, g: _Geometry) -> None:
@@ -679,6 +743,74 @@ def _add_dflash2(w: GGUFWriter, *, seed: int, g: _Geometry, n_layer: int, select
     w.add_tensor("selector_hidden.weight", r.mat(rank, n_embd, std=0.1))
 
 
+EAGLE3_TARGET_LAYERS = (1, 2, 3)  # a tiny 4-layer target's layers whose inputs feed an EAGLE3 draft
+
+
+def write_eagle3_draft(path: str | Path, target: str | Path, *, target_layers: tuple[int, ...] = EAGLE3_TARGET_LAYERS,
+                       d2t: int | None = None, n_ff: int = 128, seed: int = 0, passthrough: float = 1.0) -> Path:
+    """Write a tiny ``eagle3`` draft for the tiny ``target`` file (its width, layers and vocabulary).
+
+    As src/models/eagle3.cpp loads it: keys ``eagle3.target_layers`` (three target layers whose
+    *inputs* the encoder reads, each < the target's layer count) and ``eagle3.target_hidden_size``;
+    ``fc`` [3 x target n_embd -> n_embd], one decoder layer whose attention reads
+    [token embedding, g] (``attn_norm`` / ``attn_norm_2``, Q/K/V 2 x n_embd wide), no token
+    embedding of its own (it borrows the target's through ``ctx_other``).
+
+    ``d2t`` None: no reduced vocabulary, the draft borrows the target's output head too.
+    ``d2t`` = n: a reduced vocabulary of n draft tokens: tensor ``d2t`` (I64, the absolute target
+    id of each draft token, as convert_hf_to_gguf writes it) and an output head of n rows, copied
+    from the target's rows for those ids. The ids are drawn from the seed among the plain tokens,
+    always with ``ATTRACTOR_TOKEN_ID``.
+
+    ``passthrough``: ``fc`` passes the last named layer's input through at this gain (plus small
+    noise), so the draft's first guess follows the target's residual stream: with a
+    ``predictable=1`` target (which repeats the attractor) every draft is accepted; with random
+    targets few are.
+    """
+    from pyllama_spec.gguf.reader import read_gguf, read_tensor
+
+    info = read_gguf(target, "target model")
+    arch = info.arch
+    n_tgt, n_layer_tgt = int(info.metadata[f"{arch}.embedding_length"]), int(info.metadata[f"{arch}.block_count"])
+    n_vocab = len(info.metadata["tokenizer.ggml.tokens"])
+    if len(target_layers) != 3 or any(not 0 <= t < n_layer_tgt for t in target_layers):
+        raise ValueError(f"target_layers must be three layers in [0, {n_layer_tgt})")
+    g = _geometry(n_tgt, "the target's n_embd")
+    n_embd = n_tgt
+    r = _Weights(seed + 5_000_011, g.layer_std, fast=not g.tiny)
+    w = GGUFWriter()
+    _add_attention_hparams(w, "eagle3", g=g, n_layer=1, n_ff=n_ff, rope_sections=None)  # 1-D rope (LLAMA_ROPE_TYPE_NORM)
+    w.add_string("general.name", "tiny-eagle3")
+    w.add_array("eagle3.target_layers", ValueType.INT32, list(target_layers))
+    w.add_uint32("eagle3.target_hidden_size", n_tgt)
+    _add_tokenizer(w, fim=n_vocab > N_VOCAB)
+
+    fc = r.mat(n_embd, 3 * n_tgt)
+    fc[:, 2 * n_tgt:] += np.float32(passthrough) * np.eye(n_embd, n_tgt, dtype=np.float32)
+    w.add_tensor("fc.weight", fc)
+    w.add_tensor("output_norm.weight", _ones(n_embd))
+    if d2t is not None:
+        plain = np.array([t for t in range(FIRST_SPECIAL_ID) if t != ATTRACTOR_TOKEN_ID])
+        if not 1 <= d2t <= len(plain) + 1:
+            raise ValueError(f"d2t must be in [1, {len(plain) + 1}] draft tokens")
+        rng = np.random.default_rng(seed + 5_000_077)
+        ids = np.sort(np.concatenate([[ATTRACTOR_TOKEN_ID], rng.choice(plain, d2t - 1, replace=False)]))
+        w.add_tensor("d2t", ids.astype(np.int64))
+        w.add_tensor("output.weight", read_tensor(info, "output.weight")[ids].astype(np.float32))
+    i = 0
+    w.add_tensor(f"blk.{i}.attn_norm.weight", _ones(n_embd))
+    w.add_tensor(f"blk.{i}.attn_norm_2.weight", _ones(n_embd))
+    w.add_tensor(f"blk.{i}.attn_q.weight", r.mat(g.n_head * g.head_dim, 2 * n_embd))
+    w.add_tensor(f"blk.{i}.attn_k.weight", r.mat(g.n_head_kv * g.head_dim, 2 * n_embd))
+    w.add_tensor(f"blk.{i}.attn_v.weight", r.mat(g.n_head_kv * g.head_dim, 2 * n_embd))
+    w.add_tensor(f"blk.{i}.attn_output.weight", r.mat(n_embd, g.n_head * g.head_dim))
+    w.add_tensor(f"blk.{i}.ffn_norm.weight", _ones(n_embd))
+    _add_ffn(w, r, i, n_embd, n_ff)
+    path = Path(path)
+    w.write(path)
+    return path
+
+
 # -- cached set --------------------------------------------------------------------
 
 
@@ -724,6 +856,7 @@ class _SetSpec:
     dtype: str = "f32"
     dflash2: bool = False
     fim: bool = False  # the vocabulary has FIM tokens (write_target's fim)
+    mtp: bool = False  # the target carries an MTP (nextn) block (write_target's mtp)
     # kind / n_embd / n_ff / dtype enter the file-name hash only for the bench set, whose sizes are
     # parameters; the tiny set's are fixed, and leaving them out keeps its cached file names valid
     sizes_in_key: bool = False
@@ -736,6 +869,8 @@ class _SetSpec:
         _np_dtype(self.dtype)
         if not self.target_layers or any(not 0 <= t < self.n_layer for t in self.target_layers):
             raise ValueError(f"target_layers must be non-empty and in [0, {self.n_layer})")
+        if self.mtp and self.arch not in MTP_ARCHS:
+            raise ValueError(f"mtp=True needs one of {MTP_ARCHS}, got {self.arch!r}")
 
     def cache_key(self) -> dict:
         """The parameters hashed into the file names (see ``_set_paths``)."""
@@ -749,6 +884,8 @@ class _SetSpec:
             key["dflash2"] = True
         if self.fim:
             key["fim"] = True
+        if self.mtp:
+            key["mtp"] = True
         return key
 
 
@@ -763,7 +900,7 @@ def _make_set(folder: str | Path, spec: _SetSpec) -> TinyModels:
     if not models.target.exists():
         _write_atomic(write_target, models.target, arch=spec.arch, seed=spec.seed, n_embd=spec.n_embd,
                       n_layer=spec.n_layer, n_ff=spec.n_ff, predictable=spec.predictable, dtype=spec.dtype,
-                      fim=spec.fim, **deep)
+                      fim=spec.fim, mtp=spec.mtp, **deep)
     if not models.mmproj.exists():
         _write_atomic(write_mmproj, models.mmproj, target_n_embd=spec.n_embd, seed=spec.seed, dtype=spec.dtype,
                       **proj)
@@ -778,8 +915,8 @@ def _make_set(folder: str | Path, spec: _SetSpec) -> TinyModels:
 
 def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0, window: int | None = 32,
                   predictable: float = 0.5, n_layer: int = 4, target_layers: tuple[int, ...] = (1, 3),
-                  block_size: int = 16, draft_n_layer: int = 1, dflash2: bool = False, fim: bool = False
-                  ) -> TinyModels:
+                  block_size: int = 16, draft_n_layer: int = 1, dflash2: bool = False, fim: bool = False,
+                  mtp: bool = False) -> TinyModels:
     """Write (or reuse) a target, mmproj and draft that fit together, in ``folder``.
 
     ``arch`` is one of ``TARGET_ARCHS``; a ``qwen3vl`` set gets a ``qwen3vl_merger`` mmproj
@@ -789,12 +926,14 @@ def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0
     reuses them.  ``dflash2=True`` makes the draft a DFlash2 draft (``write_draft(dflash2=True)``,
     default selector / convolution sizes); it enters the hash only when set, so the
     names of the plain sets do not change. ``fim=True`` gives the target and draft the FIM tokens
-    (``write_target(fim=True)``), for /infill; it too enters the hash only when set.
+    (``write_target(fim=True)``), for /infill; it too enters the hash only when set. ``mtp=True``
+    gives the target its MTP head (``write_target(mtp=True)``; ``MTP_ARCHS`` only), for draft-mtp; it
+    too enters the hash only when set.
     """
     return _make_set(folder, _SetSpec(
         prefix="tiny", arch=arch, seed=seed, window=window, predictable=predictable, n_layer=n_layer,
         target_layers=tuple(target_layers), block_size=block_size, draft_n_layer=draft_n_layer, dflash2=dflash2,
-        fim=fim))
+        fim=fim, mtp=mtp))
 
 
 def bench_n_params(*, n_embd: int = 1024, n_layer: int = 12, n_ff: int = 2816, arch: str = "hunyuan_vl",
@@ -803,12 +942,14 @@ def bench_n_params(*, n_embd: int = 1024, n_layer: int = 12, n_ff: int = 2816, a
     g = _geometry(n_embd)
     attn = 2 * n_embd * g.n_head * g.head_dim + 2 * n_embd * g.n_head_kv * g.head_dim + 2 * g.head_dim
     ffn = 3 * n_embd * n_ff
+    if arch == "qwen35moe":  # router, experts, shared expert and its gate (_add_moe_ffn)
+        ffn = MOE_N_EXPERT * n_embd + (MOE_N_EXPERT + 1) * 3 * n_embd * n_ff + n_embd
     norms = 2 * n_embd
     if arch in ("hunyuan_vl", "qwen3vl"):
         layers = n_layer * (attn + ffn + norms)
     elif arch == "qwen2vl":
         layers = n_layer * (attn - 2 * g.head_dim + (g.n_head + 2 * g.n_head_kv) * g.head_dim + ffn + norms)
-    else:  # qwen35: attention (with a query gate) on odd layers, gated delta net on even ones
+    else:  # qwen35(moe): attention (with a query gate) on odd layers, gated delta net on even ones
         kd, vd, nv = g.n_head_kv * g.head_dim, g.n_head * g.head_dim, g.n_head
         delta = (2 * kd + vd) * n_embd + vd * n_embd + (2 * kd + vd) * 4 + 2 * nv + 2 * nv * n_embd \
             + g.head_dim + n_embd * vd

@@ -6,7 +6,8 @@ A drafter serves ``n_seq`` sequences (one per slot; see sequence.py), named by `
 * ``process(decode)``: the target just decoded a batch; ``decode`` (a ``TargetDecode``)
   gives its rows, one ``TargetRows`` per sequence in it (prompt text, media slices, the
   verify rows of every slot), and what the target computed for them (``features``).
-  DFlash injects the target's features here, n-gram records tokens;
+  DFlash injects the target's features here, MTP writes each token with the target's hidden
+  state of the row before it (``hidden``), n-gram records tokens;
 * ``draft(requests)``: one ``Proposal`` per ``DraftRequest``, made together (one draft
   decode for all slots where the method allows): up to n_max tokens following
   ``id_last``, which sits at the request's position (none when fewer than n_min are
@@ -99,6 +100,14 @@ class TargetDecode:
             raise ValueError("this TargetDecode carries no features (made without the target's context)")
         at = rows.decoded_rows()
         return np.concatenate([self._source.layer_input(lid, self.n_decoded)[at] for lid in layers], axis=1)
+
+    def hidden(self, rows: TargetRows) -> np.ndarray:
+        """The target's final hidden state (after its output norm: what its head reads) at ``rows``:
+        float32 [rows.n_rows, n_embd], a copy. Recorded for every row when the method's registry
+        entry reads the "final hidden state" (llama.cpp's unmasked nextn embeddings)."""
+        if self._source is None:
+            raise ValueError("this TargetDecode carries no hidden states (made without the target's context)")
+        return np.array(self._source.draft_embeddings(self.n_decoded)[rows.decoded_rows()])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,10 +59,11 @@ class Method:
     module: str  # the module implementing check_pair and make
     aliases: tuple[str, ...] = ()
     draft_file: bool = True  # needs a draft model (-md)
-    target_features: str = "none"  # what it reads of each target decode: "layer inputs" or "none"
+    target_features: str = "none"  # what it reads of each target decode: "layer inputs", "final hidden state" or "none"
     uses_target_head: bool = False  # computes with the target's token embedding and output head
     trees: bool = False  # a draft tree can be built from its drafts (with per-position logits)
     counts_draft_memory: bool = False  # memory.estimate counts its draft's weights and caches
+    loads_target_mtp: bool = False  # the target is loaded with its multi-token-prediction (nextn) block
 
     def _impl(self):
         return importlib.import_module(self.module)
@@ -78,13 +79,20 @@ class Method:
         anything is decoded): the drafter receives it in each ``TargetDecode``."""
         if self.target_features == "layer inputs":
             target_ctx.enable_layer_inputs(pairing.target_layers)
+        elif self.target_features == "final hidden state":
+            # every row's (not only the output rows'): an MTP head pairs each token with the row before it
+            target_ctx.enable_draft_embeddings(True, masked=False)
 
 
 METHODS = (
     Method("draft-dflash", "pyllama_spec.drafters.dflash", aliases=("dflash",), target_features="layer inputs",
            uses_target_head=True, trees=True, counts_draft_memory=True),
+    Method("draft-eagle3", "pyllama_spec.drafters.eagle3", aliases=("eagle3",), target_features="layer inputs",
+           uses_target_head=True),
     Method("draft-simple", "pyllama_spec.drafters.draft_model"),
     Method("ngram-simple", "pyllama_spec.drafters.ngram", draft_file=False),
+    Method("draft-mtp", "pyllama_spec.drafters.mtp", draft_file=False,
+           target_features="final hidden state", loads_target_mtp=True),
 )
 _BY_NAME = {name: m for m in METHODS for name in (m.name, *m.aliases)}
 

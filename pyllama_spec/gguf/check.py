@@ -41,7 +41,7 @@ ROPE_SCALING_TYPES = ("none", "linear", "yarn", "longrope")
 # n_embd_head_v == n_embd_head_k,
 KV_HEADS_EQUAL = frozenset({"qwen2vl", "qwen3vl", "qwen3vlmoe", "hunyuan_vl", "qwen35", "qwen35moe", "qwen3",
                             "qwen3moe", "qwen3next", "qwen4exp", "llama", "minimax-01", "minimax-m2", "nemotron_h",
-                            "muse-glimmer", "nanbeige", "dflash"})
+                            "muse-glimmer", "nanbeige", "dflash", "eagle3"})
 # n_embd_head == n_rot,
 ROPE_SPANS_THE_HEAD = frozenset({"llama", "qwen2vl", "qwen3vl", "qwen3vlmoe", "hunyuan_vl", "qwen3",
                                  "qwen3moe", "minimax-01", "minimax-m2"})
@@ -84,6 +84,8 @@ def validate_gguf(path: str | os.PathLike, what: str = "model") -> GGUFInfo:
     if info.arch != "clip":
         _check_vocab(info, fail)
         _check_hparams(info, fail)
+    if info.arch == "eagle3":
+        _check_eagle3(info, fail)
     remember_validated(key)
     return info
 
@@ -108,8 +110,23 @@ def _check_tensor_types(info: GGUFInfo, fail: Callable[[str], NoReturn]) -> None
         # 1-D tensors (norms, biases, ssm_a ...) are added or multiplied onto F32 activations, and
         # ggml-cpu's binary ops take an F32 second operand only (binary-ops.cpp GGML_ABORT); the
         # converter and llama-quantize always keep them F32
-        if len(t.dims) == 1 and t.ggml_type != 0:
+        if len(t.dims) == 1 and t.ggml_type != 0 and not (info.arch == "eagle3" and t.name == "d2t"):
             fail(f"tensor {t.name!r} is {t.type_name}; 1-D tensors (norms, biases) must be F32")
+
+
+def _check_eagle3(info: GGUFInfo, fail: Callable[[str], NoReturn]) -> None:
+    """What src/models/eagle3.cpp asserts instead of refusing: one decoder layer, and a d2t
+    (draft -> target ids) that is an I64 vector as long as the draft's own output head."""
+    if _scalar(info, "eagle3.block_count") not in (None, 1):
+        fail(f"eagle3.block_count is {info.metadata['eagle3.block_count']}; the eagle3 graph has one decoder layer")
+    d2t, head = info.tensors.get("d2t"), info.tensors.get("output.weight")
+    if d2t is None:
+        return
+    if d2t.ggml_type != 27 or len(d2t.dims) != 1:
+        fail(f"tensor 'd2t' is a {len(d2t.dims)}-D {d2t.type_name} tensor; eagle3 needs a 1-D I64 vector")
+    if head is None or len(head.dims) != 2 or head.dims[1] != d2t.dims[0]:
+        fail(f"tensor 'd2t' maps {d2t.dims[0]} draft tokens, but the draft has no output head of that many rows "
+             "(output.weight)")
 
 
 def _check_vocab(info: GGUFInfo, fail: Callable[[str], NoReturn]) -> None:

@@ -407,16 +407,16 @@ def _parse(buf, size: int, path: Path, fail: Callable[[str], NoReturn]) -> GGUFI
 
 
 def read_tensor(info: GGUFInfo, name: str) -> np.ndarray:
-    """The data of one F32 or F16 tensor of a file read by ``read_gguf``, as a numpy array of
+    """The data of one F32, F16 or I64 tensor of a file read by ``read_gguf``, as a numpy array of
     numpy shape (the reversed ggml dims), in the file's dtype (a copy: the file is closed again).
 
     Only what the package's own tools need (``widen.py`` reads the trained pair with it):
     other types raise ``ValueError``; a tensor the file does not hold, ``KeyError``.
     """
     t = info.tensors[name]
-    dtype = {0: np.dtype("<f4"), 1: np.dtype("<f2")}.get(t.ggml_type)
+    dtype = {0: np.dtype("<f4"), 1: np.dtype("<f2"), 27: np.dtype("<i8")}.get(t.ggml_type)
     if dtype is None:
-        raise ValueError(f"{info.path}: tensor {name!r} is {t.type_name}; read_tensor reads F32 and F16 only")
+        raise ValueError(f"{info.path}: tensor {name!r} is {t.type_name}; read_tensor reads F32, F16 and I64 only")
     with open(info.path, "rb") as f:
         f.seek(info.data_offset + t.offset)
         data = f.read(t.nbytes)

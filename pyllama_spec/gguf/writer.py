@@ -37,9 +37,11 @@ from pyllama_spec.gguf.reader import SCALAR_FORMAT as _SCALAR_FORMAT
 class GGMLType(IntEnum):
     F32 = 0
     F16 = 1
+    I64 = 27  # index tensors, e.g. an EAGLE3 draft's d2t
 
 
-_NUMPY_TO_GGML = {np.dtype(np.float32): GGMLType.F32, np.dtype(np.float16): GGMLType.F16}
+_NUMPY_TO_GGML = {np.dtype(np.float32): GGMLType.F32, np.dtype(np.float16): GGMLType.F16,
+                  np.dtype(np.int64): GGMLType.I64}
 
 
 def _pack_string(s: str) -> bytes:
@@ -104,7 +106,7 @@ class GGUFWriter:
         """Add a tensor; ``array`` has numpy (row-major) shape, e.g. [n_vocab, n_embd]."""
         array = np.ascontiguousarray(array)
         if array.dtype not in _NUMPY_TO_GGML:
-            raise TypeError(f"{name}: only float32/float16 tensors are supported, got {array.dtype}")
+            raise TypeError(f"{name}: only float32/float16/int64 tensors are supported, got {array.dtype}")
         if name in self._tensors:
             raise KeyError(f"duplicate tensor {name!r}")
         self._tensors[name] = array

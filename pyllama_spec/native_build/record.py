@@ -25,10 +25,21 @@ def dflash_capable_archs(source_dir: Path) -> list[str]:
     (``case LLM_ARCH_FOO: return new llama_model_foo(...)``) and to GGUF names through
     src/llama-arch.cpp.
     """
+    return _archs_whose_graph_has(source_dir, "t_layer_inp[")
+
+
+def mtp_capable_archs(source_dir: Path) -> list[str]:
+    """Architectures whose model builds an MTP (nextn) draft graph (``LLM_GRAPH_TYPE_DECODER_MTP``),
+    read from the built source as ``dflash_capable_archs`` reads its own."""
+    return _archs_whose_graph_has(source_dir, "LLM_GRAPH_TYPE_DECODER_MTP")
+
+
+def _archs_whose_graph_has(source_dir: Path, needle: str) -> list[str]:
+    """GGUF architecture names of the model classes whose src/models/ file contains ``needle``."""
     recording_classes: set[str] = set()
     for path in (source_dir / "src" / "models").glob("*.cpp"):
         text = path.read_text(errors="replace")
-        if "t_layer_inp[" in text:
+        if needle in text:
             recording_classes.update(re.findall(r"\bllama_model_([a-z0-9_]+)::", text))
     factory = (source_dir / "src" / "llama-model.cpp").read_text(errors="replace")
     arch_names = dict(re.findall(r"\{\s*(LLM_ARCH_[A-Z0-9_]+)\s*,\s*\"([^\"]+)\"\s*\}",
@@ -52,6 +63,7 @@ def write_build_record(build: NativeBuild, path: Path) -> None:
         "key": build.key,
         "rpc": build.rpc,
         "dflash_target_archs": dflash_capable_archs(build.source.path),
+        "mtp_target_archs": mtp_capable_archs(build.source.path),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     path.write_text(json.dumps(record, indent=2) + "\n")

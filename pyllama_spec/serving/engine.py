@@ -107,7 +107,8 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
 
     ``spec_type`` (llama.cpp's names): "draft-dflash" (also "dflash"; the default when a
     draft is given), "draft-simple" (a small model with the target's vocabulary as the
-    draft), "ngram-simple" (prompt lookup, no draft model) or "none" (target only).
+    draft), "ngram-simple" (prompt lookup, no draft model), "draft-mtp" (the target's own
+    multi-token-prediction head, Qwen3.5's nextn block: no draft model) or "none" (target only).
     Other keywords are EngineConfig's, named as in llama.cpp: n_ctx, n_batch, n_ubatch,
     n_gpu_layers, draft_max, draft_min, draft_p_min, flash_attn, n_threads,
     draft_positions ("target" or "sequential"); where layers go: rpc_servers (["host:port", ...]),
@@ -205,7 +206,8 @@ class Engine:
         plan = plan_load(config, self.method)
         self.config, self.placement, self.memory_estimate = plan.config, plan.placement, plan.memory_estimate
         self.model = Model(config.model, n_gpu_layers=config.n_gpu_layers, use_mmap=config.use_mmap,
-                           use_mlock=config.use_mlock, role="target", placement=self.placement.target)
+                           use_mlock=config.use_mlock, role="target", placement=self.placement.target,
+                           load_mtp=bool(self.method and self.method.loads_target_mtp))
         try:
             self.chat = ChatRenderer(self.model, _chat_settings(config))  # checks the template, as llama-server
             self._open()

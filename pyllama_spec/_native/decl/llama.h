@@ -18,6 +18,7 @@ enum llama_flash_attn_type {
     LLAMA_FLASH_ATTN_TYPE_AUTO, LLAMA_FLASH_ATTN_TYPE_DISABLED, LLAMA_FLASH_ATTN_TYPE_ENABLED, ...
 };
 enum llama_process_type { LLAMA_PROCESS_TYPE_ENCODE, LLAMA_PROCESS_TYPE_DECODE, ... };
+enum llama_context_type { LLAMA_CONTEXT_TYPE_DEFAULT, LLAMA_CONTEXT_TYPE_MTP, ... };
 
 typedef struct llama_token_data {
     llama_token id;
@@ -72,6 +73,7 @@ struct llama_model_params {
     const float * tensor_split;
     bool vocab_only;
     bool check_tensors;
+    bool load_mtp;
     ...;
 };
 
@@ -92,6 +94,7 @@ struct llama_context_params {
     bool swa_full;
     bool kv_unified;
     struct llama_context * ctx_other;
+    enum llama_context_type ctx_type;
     ...;
 };
 
@@ -136,6 +139,7 @@ int32_t llama_model_n_ctx_train(const struct llama_model * model);
 int32_t llama_model_n_embd(const struct llama_model * model);
 int32_t llama_model_n_embd_inp(const struct llama_model * model);
 int32_t llama_model_n_layer(const struct llama_model * model);
+int32_t llama_model_n_layer_nextn(const struct llama_model * model);
 int32_t llama_model_n_head(const struct llama_model * model);
 int32_t llama_model_n_head_kv(const struct llama_model * model);
 int32_t llama_model_n_swa(const struct llama_model * model);
@@ -207,6 +211,7 @@ int32_t llama_batch_ext_add_embd(struct llama_batch_ext * batch, llama_seq_id se
 bool llama_batch_ext_add_seq(struct llama_batch_ext * batch, int32_t idx, llama_seq_id seq_id);
 bool llama_batch_ext_set_pos(struct llama_batch_ext * batch, int32_t idx, const llama_pos * pos);
 bool llama_batch_ext_set_output_logits(struct llama_batch_ext * batch, int32_t idx, bool value);
+bool llama_batch_ext_set_embd_token(struct llama_batch_ext * batch, int32_t idx, struct llama_embd embd);
 int32_t llama_process(struct llama_context * ctx, enum llama_process_type type, struct llama_batch_ext * batch);
 
 /* outputs */

@@ -1,0 +1,242 @@
+"""MTP drafting: the target's own multi-token-prediction head (Qwen3.5/3.6's ``nextn`` block).
+
+No draft file: the head is a block of the target's GGUF, run by a second context of the target
+model (llama.cpp's ``LLAMA_CONTEXT_TYPE_MTP``, its own KV cache). The block reads a token's
+embedding beside the target's final hidden state of the position before it, one transformer
+layer, and the target's head: it predicts the token after next.
+
+The pairing rule (llama.cpp's ``common_speculative_impl_draft_mtp``, single-head mode): the head
+holds, at target position p, the pair (x_p, h_{p-1}) - the token at p with the target's hidden
+state one row earlier. ``process`` writes these pairs for every text row the target decodes;
+the last hidden row of each sequence is carried to the next batch (``_pending``), and a verify
+step's rejected rows move it back (``forget``: the hidden row of the last row kept). A draft
+starts with (id_last, pending) at the sequence's ``pos_next`` and feeds each drafted token
+back with the head's own hidden state at the next position; those rows are dropped again once
+read (the target's verify rows replace them).
+
+Through images: the pinned llama.cpp graph takes a row's token embedding and its hidden state
+from one buffer when the row has no token id (``llm_graph_input_embd_h``; the batch API's
+separate "state" row, ``llama_batch_ext_set_embd_state``, is a TODO there), so a media row
+cannot be given to the head with both its embedding and the right hidden state. Media rows are
+therefore not written into the head's cache (a gap in its positions, which attention does not
+mind; pinned or not, nothing overflows); what is kept right is the pairing: the first text token
+after a media item pairs with the hidden state of the item's last row, and drafts start at
+``pos_next`` (the M-RoPE position after the item), never at a row count. llama.cpp skips media
+batches too, but keeps the hidden state of the text before them, so its first token after an
+image pairs with the wrong row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from pyllama_spec.bindings.batch import Batch
+from pyllama_spec.bindings.context import Context
+from pyllama_spec.bindings.model import Model
+from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, TargetDecode
+from pyllama_spec.errors import IncompatibleModelsError
+
+#: Architectures whose MTP head this drafter drives: one trained head (llama.cpp's single-head
+#: mode, ``n_layer_nextn`` 1). Chained heads (step35) and heads sharing the target's cache
+#: (gemma4) are other modes of llama.cpp's driver, not implemented here.
+SINGLE_HEAD_ARCHS = ("qwen35", "qwen35moe")
+DRAFT_TOP_K = 10  # upstream reads the head's choice through a top-k 10 sampler
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    """Facts about the target's head."""
+
+    n_layer_nextn: int
+    n_embd: int
+
+
+def check_pair(target: Model, draft, build_record: dict):
+    """The registry's pairing check (registry.py): the target must carry one nextn block, of an
+    architecture whose MTP graph this build has and whose mode this drafter drives."""
+    from pyllama_spec.drafters.registry import Pairing
+
+    built = build_record.get("mtp_target_archs")
+    if built is not None and target.arch not in built:
+        raise IncompatibleModelsError(
+            f"this build of llama.cpp has no MTP graph for the target architecture {target.arch!r}; "
+            f"architectures with one: {', '.join(built)}")
+    if target.arch not in SINGLE_HEAD_ARCHS:
+        raise IncompatibleModelsError(
+            f"draft-mtp drives the single MTP head of {', '.join(SINGLE_HEAD_ARCHS)} targets; "
+            f"{target.path.name} is a {target.arch!r} model")
+    n = target.n_layer_nextn
+    if n == 0:
+        raise IncompatibleModelsError(
+            f"the target {target.path.name} has no MTP head (no nextn layers: {target.arch}.nextn_predict_layers "
+            "is 0 or absent; a GGUF converted without its MTP block cannot draft with draft-mtp)")
+    if n != 1:
+        raise IncompatibleModelsError(f"the target {target.path.name} has {n} nextn layers; the {target.arch} "
+                                      "MTP graph runs exactly one")
+    if not getattr(target, "load_mtp", False):
+        raise IncompatibleModelsError(f"the target {target.path.name} was loaded without its MTP block (load_mtp)")
+    return Pairing(limit=DRAFT_TOKEN_LIMIT, per_position_logits=True, data=MTPConfig(n, target.n_embd))
+
+
+def make(setup) -> "MTPDrafter":
+    """The registry's constructor (registry.py)."""
+    return MTPDrafter(setup.target_ctx, n_max=setup.n_max, n_min=setup.n_min, p_min=setup.p_min,
+                      n_seq=setup.n_seq, n_batch=setup.n_batch, n_ubatch=setup.n_ubatch,
+                      n_threads=setup.n_threads, flash_attn=setup.flash_attn, **setup.cache_types)
+
+
+class MTPDrafter:
+    """The MTP method behind the drafter protocol (see drafters/__init__.py), for ``n_seq`` sequences."""
+
+    name = "mtp"
+
+    def __init__(self, target_ctx: Context, *, n_max: int, n_min: int = 0, p_min: float = 0.0, n_seq: int = 1,
+                 n_batch: int = 512, n_ubatch: int = 512, n_threads: int | None = None,
+                 flash_attn: bool | None = False, type_k: str = "f16", type_v: str = "f16") -> None:
+        self.target_ctx = target_ctx
+        model = target_ctx.model
+        self.n_max_limit = DRAFT_TOKEN_LIMIT
+        self.n_max = max(1, min(n_max, self.n_max_limit))
+        self.n_min = min(n_min, self.n_max)
+        self.p_min = p_min
+        # As llama-server: the head's cache holds as many positions per sequence as the target's.
+        self.ctx = Context(model, n_ctx=target_ctx.n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq,
+                           n_threads=n_threads, flash_attn=flash_attn, type_k=type_k, type_v=type_v,
+                           mtp=True, role="draft")
+        self.ctx.enable_draft_embeddings(True, masked=True)  # the head's own hidden state, per drafted row
+        self._batch = Batch(self.ctx)
+        n_embd = model.n_embd
+        # Per sequence: the hidden state the next row pairs with, and whether it is known (after a
+        # forget to a position whose hidden state is gone, the next row is left out instead of mispaired).
+        self._pending = np.zeros((n_seq, n_embd), dtype=np.float32)
+        self._known = np.ones(n_seq, dtype=bool)
+        # The target position the pending state pairs at (None: wherever the next text row is, after
+        # a media item); a row elsewhere (a restored cache the head never saw) is not paired with it.
+        self._pending_pos: list[int | None] = [0] * n_seq
+        # Per sequence: the last text rows processed (first position, hidden states; a verify step's
+        # worth): forget moves the pending state back to one of them (its last accepted row).
+        self._recent: list[tuple[int, np.ndarray] | None] = [None] * n_seq
+        self.trace: list[tuple] | None = None  # set to [] to record (call, seq, first position, rows)
+
+    # --- protocol
+    def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
+        """Drop the head's rows from target position ``pos`` on; the next row pairs with h_{pos-1}."""
+        self.ctx.memory.remove(seq_id, pos, -1)
+        self._pending_pos[seq_id] = pos
+        recent = self._recent[seq_id]
+        if pos == 0:
+            self._pending[seq_id] = 0.0  # as llama.cpp starts: nothing before position 0
+            self._known[seq_id] = True
+        elif recent is not None and recent[0] <= pos - 1 < recent[0] + len(recent[1]):
+            self._pending[seq_id] = recent[1][pos - 1 - recent[0]]
+            self._known[seq_id] = True
+        else:
+            self._known[seq_id] = False
+        if recent is not None and pos <= recent[0]:
+            self._recent[seq_id] = None
+
+    def process(self, decode: TargetDecode) -> None:
+        """Write (x_p, h_{p-1}) for every text row the target just decoded, all sequences in one decode."""
+        tokens, states, positions, seqs = [], [], [], []
+        for r in decode.rows:
+            s = r.seq_id
+            h = decode.hidden(r)
+            if r.has_embeddings:
+                # Not written (module docstring); the row after the media item pairs with its last row.
+                self._log("media", s, int(r.section0[0]), r.n_rows)
+                self._pending[s] = h[-1]
+                self._known[s] = True
+                self._pending_pos[s] = None
+                continue
+            paired = np.concatenate([self._pending[s][None], h[:-1]])
+            at = self._pending_pos[s]
+            known = self._known[s] and (at is None or at == int(r.section0[0]))
+            first = 0 if known else 1  # an unknown h_{p-1}: leave that row out
+            if first < r.n_rows:
+                tokens.append(r.tokens[first:])
+                states.append(paired[first:])
+                positions.append(r.section0[first:])
+                seqs.append(np.full(r.n_rows - first, s, dtype=np.int32))
+                self._log("pair", s, int(r.section0[first]), r.n_rows - first)
+            self._pending[s] = h[-1]
+            self._known[s] = True
+            self._pending_pos[s] = int(r.section0[-1]) + 1
+            keep = self.n_max_limit + 1  # the most rows a verify step can cut back into
+            self._recent[s] = (int(r.section0[-keep:][0]), h[-keep:])
+        if not tokens:
+            return
+        tokens, states = np.concatenate(tokens), np.concatenate(states)
+        positions, seqs = np.concatenate(positions), np.concatenate(seqs)
+        step = self.ctx.n_batch
+        for at in range(0, len(tokens), step):
+            self._batch.clear()
+            part = slice(at, at + step)
+            for seq in np.unique(seqs[part]):  # rows of one sequence are contiguous
+                mine = np.flatnonzero(seqs[part] == seq) + at
+                self._batch.add_tokens_with_states(tokens[mine], positions[mine], states[mine], seq_id=int(seq))
+            self.ctx.decode(self._batch)
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
+        """Up to n_max tokens after each request's id_last: one head decode per drafted position,
+        for every drafting sequence at once. Fewer than a request's n_min tokens: nothing."""
+        drafted: dict[int, list[int]] = {rq.seq_id: [] for rq in requests}
+        logits_of: dict[int, list[np.ndarray]] = {rq.seq_id: [] for rq in requests}
+        active = [rq for rq in requests if self._known[rq.seq_id] and self._pending_pos[rq.seq_id] in (None, rq.pos)
+                  and min(rq.n_max, self.n_max_limit) > 0]
+        self._batch.clear()
+        for rq in active:
+            self._batch.add_tokens_with_states([rq.id_last], [rq.pos], self._pending[rq.seq_id][None],
+                                               outputs=True, seq_id=rq.seq_id)
+            self._log("draft", rq.seq_id, rq.pos, 1)
+        step = 0
+        while active:
+            self.ctx.decode(self._batch)
+            logits = self.ctx.output_logits(len(active))
+            hidden = self.ctx.draft_embeddings(len(active))
+            self._batch.clear()
+            going_on = []
+            for j, rq in enumerate(active):
+                s = rq.seq_id
+                tok, p = _top_choice(logits[j])
+                if p < self.p_min:
+                    continue
+                drafted[s].append(tok)
+                logits_of[s].append(logits[j].copy())
+                if len(drafted[s]) >= min(rq.n_max, self.n_max_limit):
+                    continue
+                # the drafted token with the head's own hidden state, at the next position
+                self._batch.add_tokens_with_states([tok], [rq.pos + step + 1], hidden[j][None], outputs=True,
+                                                   seq_id=s)
+                going_on.append(rq)
+            active = going_on
+            step += 1
+        for rq in requests:
+            # The drafted rows are guesses: the target's verify rows replace them (process).
+            self.ctx.memory.remove(rq.seq_id, rq.pos, -1)
+        out = []
+        for rq in requests:
+            tokens = drafted[rq.seq_id]
+            if len(tokens) < rq.n_min or not tokens:
+                out.append(Proposal([]))
+            else:
+                out.append(Proposal(tokens, np.stack(logits_of[rq.seq_id])))
+        return out
+
+    def close(self) -> None:
+        self._batch.close()
+        self.ctx.close()
+
+    def _log(self, call: str, seq: int, pos: int, n_rows: int) -> None:
+        if self.trace is not None:
+            self.trace.append((call, seq, pos, n_rows))
+
+
+def _top_choice(logits: np.ndarray) -> tuple[int, float]:
+    """The most likely token and its probability among the top-k candidates (as upstream's top-k 10
+    sampler reports it, which its p_min is compared with)."""
+    best = int(np.argmax(logits))
+    top = np.partition(logits, -DRAFT_TOP_K)[-DRAFT_TOP_K:]
+    return best, float(1.0 / np.exp(top - logits[best]).sum())
