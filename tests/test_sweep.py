@@ -68,3 +68,43 @@ def test_sweep_greedy_speculative_equals_target_only(case, tiny_dir):
         assert spec.drafter.ctx.memory.pos_max() <= p.draft_pos_next - 1
     assert got.tokens == expected.tokens
     assert got.stats.prompt_positions == expected.stats.prompt_positions
+
+
+def _eagle3_cases(n: int, seed: int = 13) -> list[tuple]:
+    rng = random.Random(seed)
+    cases = [((2048, 512), 115, 115, 7, "target", "hunyuan_vl"), ((512, 2048), 64, 7, 3, "sequential", "qwen35"),
+             ((1, 1), 1, 1, 15, "target", "qwen35")]
+    while len(cases) < n:
+        n_batch = rng.choice(BATCHES)
+        n_ubatch = rng.choice([b for b in BATCHES if b <= n_batch])
+        cases.append((rng.choice(IMAGE_SIZES), n_batch, n_ubatch, rng.choice(DRAFT_MAX), rng.choice(MODES),
+                      rng.choice(ARCHS)))
+    return cases
+
+
+@pytest.mark.parametrize("case", _eagle3_cases(14), ids=lambda c: "{0[0]}x{0[1]}-b{1}-ub{2}-d{3}-{4}-{5}".format(*c))
+def test_sweep_eagle3_greedy_speculative_equals_target_only(case, tiny_dir):
+    """The same shapes through an EAGLE3 draft, whose 1-D cache holds an image's pinned rows spread
+    over the image's positions: no native failure, the target's output, both caches in step."""
+    (h, w), n_batch, n_ubatch, draft_max, mode, arch = case
+    models = tiny.make_tiny_set(tiny_dir, arch=arch, seed=0, window=32, predictable=0.5)
+    draft = tiny.write_eagle3_draft(tiny_dir / f"eagle3-{arch}.gguf", models.target)
+    prompt = f"Look: {ps.MEDIA_MARKER} and tell me."
+    image = _image((h, w))
+    common = dict(mmproj=models.mmproj, n_ctx=4096, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=N_THREADS,
+                  flash_attn=False)
+    if arch == "qwen35" and n_ubatch < 3:
+        with pytest.raises(ValueError, match="n_ubatch >= 3"):
+            ps.load(models.target, draft=draft, spec_type="draft-eagle3", draft_max=draft_max,
+                    draft_positions=mode, **common)
+        return
+    with ps.load(models.target, spec_type="none", **common) as plain:
+        expected = plain.generate(prompt, images=[image], max_tokens=16)
+    with ps.load(models.target, draft=draft, spec_type="draft-eagle3", draft_max=draft_max, draft_positions=mode,
+                 **common) as spec:
+        got = spec.generate(prompt, images=[image], max_tokens=16)
+        p = spec.positions
+        assert spec.ctx.memory.pos_max() == p.pos_next - 1
+        assert spec.drafter.ctx.memory.pos_max() <= p.draft_pos_next - 1
+    assert got.tokens == expected.tokens
+    assert got.stats.prompt_positions == expected.stats.prompt_positions

@@ -181,27 +181,42 @@ class _Rows:
                      np.concatenate([self.pos, other.pos]), np.concatenate([self.pinned, other.pinned]))
 
 
-def _lay_out(rows: _Rows, next_pos: int) -> tuple[np.ndarray, int]:
-    """Positions for ``rows`` when the row after them sits at ``next_pos``, and how many of them have
-    one. A run of pinned rows (one image: the same first position ``a``) is laid in order over the
-    positions it spans, [a, the next row's position); a run still at the end has no next row yet."""
-    pos = rows.pos.copy()
-    n, i = len(rows), 0
+def _lay_out(rows: _Rows, next_pos: int | None) -> tuple[_Rows, int]:
+    """``rows`` with their draft positions, and how many of the given rows they cover (a prefix).
+
+    A run of image rows (they share their first position ``a``) is laid in order over the positions
+    the image spans, [a, the next row's position), one position after another, since a 1-D cache
+    takes consecutive positions only: several rows to a position when the image has more rows than
+    positions (a pinned image), a row repeated when it has fewer (a tall, thin picture). A run still
+    at the end has no next row yet: it and what follows are left unplaced."""
+    parts, n, i = [], len(rows), 0
     while i < n:
+        j = i + 1
         if not rows.pinned[i]:
-            i += 1
+            while j < n and not rows.pinned[j]:
+                j += 1
+            parts.append(rows[i:j])
+            i = j
             continue
-        j = i
         while j < n and rows.pinned[j] and rows.pos[j] == rows.pos[i]:
             j += 1
         end = int(rows.pos[j]) if j < n else next_pos
-        a = int(rows.pos[i])
         if end is None:
-            return pos, i
-        span = max(1, min(end - a, j - i))  # never more positions than rows (then it would not be pinned)
-        pos[i:j] = a + (np.arange(j - i) * span) // (j - i)
+            break
+        a, k = int(rows.pos[i]), j - i
+        span = max(1, end - a)
+        if k >= span:  # each position gets one or more rows, in order
+            run = rows[i:j]
+            run.pos = (a + (np.arange(k) * span) // k).astype(np.int32)
+        else:  # each position gets one row, rows repeated in order
+            run = rows[i + (np.arange(span) * k) // span]
+            run.pos = (a + np.arange(span)).astype(np.int32)
+        parts.append(run)
         i = j
-    return pos, n
+    placed = _Rows.empty(rows.g.shape[1])
+    for part in parts:
+        placed = placed + part
+    return placed, i
 
 
 class Eagle3Drafter:
@@ -268,14 +283,16 @@ class Eagle3Drafter:
             at += r.n_rows
             self._last[r.seq_id] = new
             rows = self._pending[r.seq_id] + new
-            pos, n_placed = _lay_out(rows, None)
-            n_write = min(n_placed, len(rows) - 1)  # the last row waits for its partner
+            placed, n_placed = _lay_out(rows, None)
+            # each placed row's partner is the next row's token; the last row of all waits for its own
+            following = rows.tokens[n_placed:n_placed + 1] if len(placed) else rows.tokens[:0]
+            partners = np.concatenate([placed.tokens[1:], following])
+            n_write = len(partners)
             if n_write > 0:
-                done = rows[:n_write]
-                done.pos = pos[:n_write]
-                done.tokens = rows.tokens[1:n_write + 1]  # each row's partner: the next row's token
+                done = placed[:n_write]
+                done.tokens = partners.astype(np.int32)
                 writes.append((r.seq_id, done))
-            self._pending[r.seq_id] = rows[n_write:]
+            self._pending[r.seq_id] = placed[n_write:] + rows[n_placed:]
         self._write(writes)
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
@@ -288,19 +305,19 @@ class Eagle3Drafter:
             n = min(rq.n_max, self.n_max_limit)
             if not len(rows) or n <= 0:
                 continue
-            pos, n_placed = _lay_out(rows, rq.draft_pos)
-            if n_placed != len(rows) or pos[-1] != rq.draft_pos - 1:
+            placed, n_placed = _lay_out(rows, rq.draft_pos)
+            if n_placed != len(rows) or placed.pos[-1] != rq.draft_pos - 1:
                 continue  # the held-back row is not where this sequence ends: nothing to draft from
-            seed = _Rows(np.append(rows.tokens[1:], rq.id_last).astype(np.int32), rows.g, pos, rows.pinned)
+            pos = placed.pos
+            seed = _Rows(np.append(placed.tokens[1:], rq.id_last).astype(np.int32), placed.g, pos, placed.pinned)
             self._start_at(rq.seq_id, int(pos[0]))
-            outputs = np.zeros(len(rows), dtype=bool)
+            outputs = np.zeros(len(seed), dtype=bool)
             outputs[-1] = True
             self._batch.add_tokens_with_states(seed.tokens, seed.pos, seed.g, outputs=outputs, seq_id=rq.seq_id)
             self._log("seed", rq.seq_id, int(pos[0]), len(rows))
             # the seed rows are now in the draft's cache; the last stays held back (its partner, id_last,
             # is only a guess until the target verifies: a rollback rewrites it)
-            self._pending[rq.seq_id] = rows[-1:]
-            self._pending[rq.seq_id].pos = pos[-1:]
+            self._pending[rq.seq_id] = placed[-1:]
             active.append((rq, n))
         drafted = {rq.seq_id for rq, _ in active}
         proposals = {rq.seq_id: ([], []) for rq in requests}
@@ -354,7 +371,9 @@ class Eagle3Drafter:
         n = r.n_rows
         if r.draft_positions != "target":
             return r.first_draft_pos + np.arange(n, dtype=np.int32), np.zeros(n, bool)
-        if r.pinned:
+        if r.pinned or r.has_embeddings:
+            # an image's rows share section 0's first position (pinned or not: its other sections
+            # advance): a run that _lay_out spreads over the positions the image spans
             return np.full(n, int(r.section0[0]), dtype=np.int32), np.ones(n, bool)
         return np.asarray(r.section0, dtype=np.int32).copy(), np.zeros(n, bool)
 
