@@ -209,3 +209,43 @@ def test_ps_load_and_the_chat_command_take_draft_eagle3(tiny_dense, drafts):
     result = CliRunner().invoke(main, ["chat", "-t", "1", "-m", str(tiny_dense.target), "-md", str(drafts["full"]),
                                        "--spec-type", "draft-eagle3", "-n", "8"], input="hi\n/quit\n")
     assert result.exit_code == 0, result.output
+
+
+def test_the_server_answers_image_chats_through_eagle3_on_two_slots(tiny_dense, drafts):
+    """`serve -md eagle3.gguf --spec-type draft-eagle3 -np 2`: two image chats at once, each the
+    target's own answer, with drafts proposed."""
+    import base64
+    import concurrent.futures
+    import io
+
+    from PIL import Image
+
+    pytest.importorskip("starlette", reason="the server needs the 'server' extra")
+    from serving import LocalServer, http
+
+    from pyllama_spec.server import ServerSettings
+
+    def body(seed):
+        buf = io.BytesIO()
+        Image.fromarray((np.random.default_rng(seed).random((64, 96, 3)) * 255).astype(np.uint8)).save(buf, "PNG")
+        uri = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                                          {"type": "text", "text": "What is this?"}]}],
+                "max_tokens": MAX_TOKENS, "temperature": 0}
+
+    answers = {}
+    for name, spec in (("target", {"spec_type": "none"}), ("eagle3", {"draft": drafts["d2t"],
+                                                                      "spec_type": "draft-eagle3"})):
+        engine = ps.load(tiny_dense.target, mmproj=tiny_dense.mmproj, n_ctx=4096, n_parallel=2, n_threads=N_THREADS,
+                         draft_max=DRAFT_MAX, **spec)
+        server = LocalServer(engine, ServerSettings(alias="tiny"))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                answers[name] = list(pool.map(lambda s: http(server.url, "/v1/chat/completions", body(s)), (1, 2)))
+        finally:
+            server.stop()
+            engine.close()
+    for (s1, a), (s2, b) in zip(answers["eagle3"], answers["target"]):
+        assert s1 == s2 == 200
+        assert a["choices"][0]["message"] == b["choices"][0]["message"]
+        assert a["timings"]["draft_n"] > 0
