@@ -162,7 +162,9 @@ def test_the_chat_flags_are_honoured():
 
 def test_spec_types_llama_server_knows_but_this_server_lacks_are_refused_with_the_list():
     with pytest.raises(click.BadParameter, match="not implemented here; the types served here are draft-dflash"):
-        _parse(["--spec-type", "draft-mtp"])
+        _parse(["--spec-type", "ngram-mod"])
+    assert _parse(["--spec-type", "draft-mtp"])[0]["spec_type"] == "draft-mtp"
+    assert _parse(["--spec-type", "draft-eagle3"])[0]["spec_type"] == "draft-eagle3"
     with pytest.raises(click.BadParameter, match="not a speculative type llama-server knows"):
         _parse(["--spec-type", "draft-foo"])
     with pytest.raises(click.BadParameter, match="one method at a time"):
