@@ -9,6 +9,7 @@ lossless with pictures in the prompt and on every slot, each slot accepting what
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import tempfile
 import time
@@ -22,13 +23,18 @@ from conftest import BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, N_THREADS
 
 import pyllama_spec as ps
 from pyllama_spec import native_build
+from pyllama_spec.bindings.native_info import build_record
 from pyllama_spec.cli import main
 from pyllama_spec.devtools import tiny
 
 IMAGE_PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
-# ~170 text tokens between the image and the generation: drafting a hundred positions after it
+# ~275 text tokens between the image and the generation: drafting a few hundred positions after it
 LONG_AFTER = f"Look: {ps.MEDIA_MARKER} " + "and then the story goes on, line after line, " * 8 + "so:"
 KW = dict(n_ctx=2048, n_batch=64, n_ubatch=64, n_threads=N_THREADS, flash_attn=False)
+MEDIA_PATCH = "0004-mtp-media-rows.patch"
+# media rows reach the head only where the build carries a state beside an embedding (patches/)
+needs_media_patch = pytest.mark.skipif(MEDIA_PATCH not in build_record().get("patches", []),
+                                       reason=f"this llama.cpp build was made without patches/{MEDIA_PATCH}")
 
 
 @pytest.fixture(scope="module")
@@ -128,20 +134,182 @@ def test_the_heads_cache_ends_where_the_targets_does(tiny_mtp):
         assert head.pos_min(0) == 0
 
 
-def test_media_rows_are_not_written_into_the_head_and_text_after_them_is_paired_at_its_positions(
-        tiny_mtp, big_image):
+def _cells_held(memory, seq_id: int = 0) -> int:
+    """The KV cells a sequence holds, read from llama.cpp's serialization of it (``save_seq``): after
+    the magic and the sequence id, the (first) attention cache writes its number of streams, then
+    each stream's cell count, streams without the sequence first; in a cache that is not unified
+    only the sequence's own stream holds its cells."""
+    data = memory.save_seq(seq_id)
+    n_stream = int.from_bytes(data[8:12], "little")
+    for i in range(n_stream):
+        count = int.from_bytes(data[12 + 4 * i:16 + 4 * i], "little")
+        if count:
+            return count
+    return 0
+
+
+def test_the_head_writes_media_rows_exactly_where_the_build_has_the_patch(tiny_mtp):
+    with _load(tiny_mtp, draft_max=4) as engine:
+        assert engine.drafter.writes_media == (MEDIA_PATCH in build_record().get("patches", []))
+
+
+@needs_media_patch
+def test_an_embedding_row_with_its_own_state_is_read_as_the_token_row_it_embeds(tiny_mtp):
+    """The patch, through the MTP graph: rows given as (the token's embedding, h) by
+    llama_batch_ext_set_embd_state give the head's logits and hidden state of the token rows (x, h),
+    row for row, also where the batch is split into ubatches of 2; h taken from the embedding
+    buffer (the pinned source's reading) gives others."""
+    from pyllama_spec.bindings.batch import Batch
+    from pyllama_spec.bindings.context import Context
+    from pyllama_spec.bindings.model import Model
+
+    tokens = np.array([97, 98, 99, 100, 101], dtype=np.int32)
+    n = len(tokens)
+    with Model(tiny_mtp.target, load_mtp=True) as model:
+        kw = dict(n_ctx=256, n_batch=16, n_threads=N_THREADS, flash_attn=False)
+        with Context(model, n_ubatch=16, **kw) as target:
+            target.enable_layer_inputs([0])  # the first layer's input: the token embeddings
+            target.decode_tokens(tokens, np.arange(n))
+            embd = np.array(target.layer_input(0, n))
+        states = np.random.default_rng(0).standard_normal((n, model.n_embd)).astype(np.float32)
+        positions = np.repeat(np.arange(n, dtype=np.int32)[:, None], 4, axis=1)
+        positions[:, 3] = 0  # a text row's M-RoPE positions: (p, p, p, 0)
+        with Context(model, n_ubatch=2, mtp=True, role="draft", **kw) as head, Batch(head) as batch:
+            head.enable_draft_embeddings(True, masked=True)
+
+            def run(add) -> tuple[np.ndarray, np.ndarray]:
+                head.memory.clear()
+                batch.clear()
+                add()
+                head.decode(batch)
+                return np.array(head.output_logits(n)), np.array(head.draft_embeddings(n))
+
+            as_tokens = run(lambda: batch.add_tokens_with_states(tokens, np.arange(n), states, outputs=True))
+            as_embd = run(lambda: batch.add_embeddings_with_states(embd, positions, states, outputs=True))
+            h_from_embd = run(lambda: batch.add_embeddings(embd, positions, outputs=True))
+    for a, b in zip(as_tokens, as_embd):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    assert not np.allclose(as_tokens[0], h_from_embd[0], atol=1e-2)
+
+
+@needs_media_patch
+def test_media_rows_are_written_into_the_head_at_their_own_positions(tiny_mtp, big_image):
     with _load(tiny_mtp, draft_max=4) as engine:
         engine.drafter.trace = []
         engine.generate(IMAGE_PROMPT, images=[big_image], max_tokens=8, temperature=0)
         trace = engine.drafter.trace
     media = [t for t in trace if t[0] == "media"]
-    assert sum(n for *_, n in media) == BIG_IMAGE_N_TOKENS
+    assert sum(n for *_, n in media) == BIG_IMAGE_N_TOKENS and not [t for t in trace if t[0] == "skip"]
     image_at = media[0][2]
+    assert all(t[2] == image_at for t in media)  # an M-RoPE image's rows share one section-0 position
     after = [t for t in trace if t[0] == "pair" and t[2] > image_at]
     # the text after the image starts at the image's position plus its positions, not its rows
     assert after[0][2] == image_at + BIG_IMAGE_N_POS
     drafts = [t for t in trace if t[0] == "draft"]
     assert drafts[0][2] > image_at + BIG_IMAGE_N_POS and drafts[0][2] < image_at + BIG_IMAGE_N_TOKENS
+
+
+@needs_media_patch
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_the_heads_cache_holds_a_row_for_every_row_the_target_holds_after_an_image(
+        tiny_mtp, tiny_mtp_moe, big_image, arch):
+    models = tiny_mtp if arch == "qwen35" else tiny_mtp_moe
+    with _load(models, draft_max=4) as engine:
+        for prompt, max_tokens in ((IMAGE_PROMPT, 24), (LONG_AFTER, 40)):
+            result = engine.generate(prompt, images=[big_image], max_tokens=max_tokens, temperature=0)
+            assert result.stats.accepted > 0
+            head, target, p = engine.drafter.ctx.memory, engine.ctx.memory, engine.positions
+            assert p.n_rows > p.pos_next  # the image's rows outnumber its positions
+            assert _cells_held(head) == _cells_held(target) == p.n_rows
+            assert head.pos_max(0) == target.pos_max(0) == p.pos_next - 1 and head.pos_min(0) == 0
+
+
+@needs_media_patch
+def test_a_media_row_pairs_its_embedding_with_the_hidden_state_of_the_row_before_it(tiny_mtp, big_image):
+    with _load(tiny_mtp, draft_max=4) as engine:
+        drafter = engine.drafter
+        seen, written = [], []
+        process, add = drafter.process, drafter._batch.add_embeddings_with_states
+
+        def recording_process(decode):
+            for r in decode.rows:
+                seen.append((r.has_embeddings, r.positions.copy(), decode.hidden(r),
+                             None if r.embeddings is None else r.embeddings.copy()))
+            process(decode)
+
+        def recording_add(embd, positions, states, **kw):
+            written.append((np.array(embd), np.array(positions), np.array(states)))
+            add(embd, positions, states, **kw)
+
+        drafter.process, drafter._batch.add_embeddings_with_states = recording_process, recording_add
+        engine.generate(IMAGE_PROMPT, images=[big_image], max_tokens=4, temperature=0)
+    first_media = next(i for i, s in enumerate(seen) if s[0])
+    media = [s for s in seen if s[0]]
+    embd = np.concatenate([np.array(w[0]) for w in written])
+    positions = np.concatenate([w[1] for w in written])
+    states = np.concatenate([w[2] for w in written])
+    target_embd = np.concatenate([m[3] for m in media])
+    target_pos = np.concatenate([m[1] for m in media], axis=1).T
+    hidden = np.concatenate([m[2] for m in media])
+    assert len(embd) == BIG_IMAGE_N_TOKENS
+    np.testing.assert_array_equal(embd, target_embd)  # what the target decoded the rows from
+    np.testing.assert_array_equal(positions, target_pos)  # at their own M-RoPE positions
+    assert len(np.unique(positions[:, 1:], axis=0)) > 1  # (which differ in their other sections)
+    np.testing.assert_array_equal(states[0], seen[first_media - 1][2][-1])  # the last text row's
+    np.testing.assert_array_equal(states[1:], hidden[:-1])  # then each row with the one before it
+
+
+def test_a_build_without_the_state_setter_leaves_media_rows_out_and_stays_lossless(tiny_mtp, big_image):
+    # (a user's own llama.cpp checkout: llama_batch_ext_set_embd_state refuses every row there)
+    with _load(tiny_mtp, spec_type="none") as plain:
+        expected = plain.generate(IMAGE_PROMPT, images=[big_image], max_tokens=24, temperature=0)
+    with _load(tiny_mtp, draft_max=4) as engine:
+        engine.drafter.writes_media = False
+        engine.drafter.trace = []
+        got = engine.generate(IMAGE_PROMPT, images=[big_image], max_tokens=24, temperature=0)
+        trace = engine.drafter.trace
+        head, p = engine.drafter.ctx.memory, engine.positions
+        assert _cells_held(head) == p.n_rows - BIG_IMAGE_N_TOKENS  # a hole where the image is
+    assert got.tokens == expected.tokens and got.stats.accepted > 0
+    assert sum(t[3] for t in trace if t[0] == "skip") == BIG_IMAGE_N_TOKENS
+    assert not [t for t in trace if t[0] == "media"]
+
+
+@needs_media_patch
+def test_the_heads_first_draft_after_an_image_reads_the_image_rows(tiny_mtp, big_image):
+    """The head attends over the image rows it holds: its distribution at the first drafted position
+    after an image is not the one it has with the image left out (the tiny head's top choices may
+    still agree: the acceptance test's figures are the same either way on this set)."""
+    firsts = []
+    for writes in (True, False):
+        with _load(tiny_mtp, draft_max=4) as engine:
+            drafter, original = engine.drafter, engine.drafter.draft
+            drafter.writes_media = writes
+            seen = []
+
+            def draft(requests, original=original, seen=seen):
+                proposals = original(requests)
+                seen.extend(np.array(pr.logits[0]) for pr in proposals if pr.tokens)
+                return proposals
+
+            drafter.draft = draft
+            engine.generate(IMAGE_PROMPT, images=[big_image], max_tokens=4, temperature=0)
+            firsts.append(seen[0])
+    assert not np.allclose(firsts[0], firsts[1], atol=1e-3)
+
+
+@needs_media_patch
+def test_the_head_holds_pinned_image_rows_because_its_cache_is_as_large_as_the_targets(tiny_mtp, big_image):
+    """The one rule for pinned rows (TargetRows.pinned): a windowed cache cannot hold an M-RoPE
+    image's rows, all at one position; the head's is a full cache with the target's cells per
+    sequence, so it holds them. A smaller one would leave them out, as a windowed one must."""
+    with _load(tiny_mtp, draft_max=4, n_parallel=2, n_ctx=4096) as engine:
+        drafter = engine.drafter
+        assert drafter.ctx.n_ctx_seq == engine.ctx.n_ctx_seq == 2048 and drafter.holds_pinned_rows
+        drafter.holds_pinned_rows = False  # what a smaller cache would decide
+        drafter.trace = []
+        engine.generate(IMAGE_PROMPT, images=[big_image], max_tokens=8, temperature=0)
+        assert sum(t[3] for t in drafter.trace if t[0] == "skip") == BIG_IMAGE_N_TOKENS
 
 
 def test_the_first_text_token_after_an_image_pairs_with_the_hidden_state_of_its_last_row(tiny_mtp, big_image):
@@ -257,23 +425,102 @@ def test_output_equals_target_only_text_and_after_an_image(tiny_mtp, tiny_mtp_mo
         assert got.stats.prompt_tokens > got.stats.prompt_positions  # an M-RoPE image: rows != positions
 
 
-def test_four_slots_are_lossless_and_each_accepts_what_it_accepts_alone(tiny_mtp, big_image):
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_four_slots_are_lossless_and_each_accepts_what_it_accepts_alone(tiny_mtp, tiny_mtp_moe, big_image, arch,
+                                                                         temperature):
+    tiny_mtp = tiny_mtp if arch == "qwen35" else tiny_mtp_moe
     prompts = ["The quick brown fox", IMAGE_PROMPT, "def add(a, b):", LONG_AFTER]
     images = [[], [big_image], [], [big_image]]
+    args = {"max_tokens": 24, "temperature": temperature, "seed": 3}
     alone = []
     with _load(tiny_mtp, draft_max=4) as engine:
         for p, im in zip(prompts, images):
-            alone.append(engine.generate(p, images=im, max_tokens=24, temperature=0))
+            alone.append(engine.generate(p, images=im, **args))
     with _load(tiny_mtp, spec_type="none") as plain:
-        expected = [plain.generate(p, images=im, max_tokens=24, temperature=0).tokens
-                    for p, im in zip(prompts, images)]
+        expected = [plain.generate(p, images=im, **args).tokens for p, im in zip(prompts, images)]
     with _load(tiny_mtp, draft_max=4, n_parallel=4, n_ctx=4096) as engine:  # 1024 rows a slot
-        subs = [engine.submit(p, images=im, max_tokens=24, temperature=0) for p, im in zip(prompts, images)]
+        subs = [engine.submit(p, images=im, **args) for p, im in zip(prompts, images)]
         together = [s.result() for s in subs]
     for a, t, e in zip(alone, together, expected):
         assert a.tokens == t.tokens == e
         assert (t.stats.drafted, t.stats.accepted) == (a.stats.drafted, a.stats.accepted)
         assert t.stats.accepted > 0
+
+
+# --------------------------------------------------------------------------- pinned images, every shape
+
+
+SWEEP_IMAGES = [(1, 1), (2048, 512), (512, 2048), (37, 1000), (300, 17), (224, 224), (672, 672), (1023, 97)]
+
+
+def _sweep_cases(n: int, seed: int = 17) -> list[tuple]:
+    rng = random.Random(seed)
+    # the corners first: the smallest image, the tallest and widest at small batches
+    cases = [((1, 1), 64, 64, 4, "qwen35"), ((2048, 512), 115, 115, 7, "qwen35moe"),
+             ((512, 2048), 7, 7, 3, "qwen35")]
+    while len(cases) < n:
+        n_batch = rng.choice([7, 64, 115, 512])
+        n_ubatch = rng.choice([b for b in (7, 64, 115, 512) if b <= n_batch])
+        cases.append((rng.choice(SWEEP_IMAGES), n_batch, n_ubatch, rng.choice([1, 3, 7, 15]),
+                      rng.choice(["qwen35", "qwen35moe"])))
+    return cases
+
+
+@needs_media_patch
+@pytest.mark.parametrize("case", _sweep_cases(10), ids=lambda c: "{0[0]}x{0[1]}-b{1}-ub{2}-d{3}-{4}".format(*c))
+def test_every_picture_shape_is_lossless_and_the_head_holds_the_targets_rows(case, tiny_mtp, tiny_mtp_moe):
+    """Pinned or not, tall, wide, one pixel or large, cut into slices of any batch size: no native
+    failure, the target's output, and the head's cache holding the rows the target's holds."""
+    (h, w), n_batch, n_ubatch, draft_max, arch = case
+    models = tiny_mtp if arch == "qwen35" else tiny_mtp_moe
+    image = (np.random.default_rng(0).random((h, w, 3)) * 255).astype(np.uint8)
+    prompt = f"Look: {ps.MEDIA_MARKER} and tell me."
+    kw = {"n_batch": n_batch, "n_ubatch": n_ubatch, "n_ctx": 4096}
+    with _load(models, spec_type="none", **kw) as plain:
+        expected = plain.generate(prompt, images=[image], max_tokens=16, temperature=0)
+    with _load(models, draft_max=draft_max, **kw) as spec:
+        got = spec.generate(prompt, images=[image], max_tokens=16, temperature=0)
+        p = spec.positions
+        assert spec.ctx.memory.pos_max() == spec.drafter.ctx.memory.pos_max() == p.pos_next - 1
+        assert _cells_held(spec.drafter.ctx.memory) == _cells_held(spec.ctx.memory) == p.n_rows
+    assert got.tokens == expected.tokens
+    assert got.stats.prompt_positions == expected.stats.prompt_positions
+
+
+# --------------------------------------------------------------------------- acceptance after an image
+
+
+ACCEPTANCE_PROMPTS = ["The quick brown fox", "def add(a, b):", "Once upon a time", "Numbers: 1, 2, 3,",
+                      "Dear friend,", "SELECT name FROM"]
+
+
+def _acceptance(engine, image=None, max_tokens: int = 48) -> tuple[int, int]:
+    """(drafted, accepted) over ACCEPTANCE_PROMPTS, greedy; with ``image``, right after it (the
+    prompt, then the picture: the first drafted token is the first one after the picture)."""
+    drafted = accepted = 0
+    for prompt in ACCEPTANCE_PROMPTS:
+        if image is None:
+            r = engine.generate(prompt, max_tokens=max_tokens, temperature=0)
+        else:
+            r = engine.generate(f"{prompt} {ps.MEDIA_MARKER}", images=[image], max_tokens=max_tokens, temperature=0)
+        drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
+    return drafted, accepted
+
+
+@needs_media_patch
+@pytest.mark.parametrize("arch", ["qwen35", "qwen35moe"])
+def test_acceptance_right_after_an_image_is_at_least_nine_tenths_of_text_only(
+        tiny_mtp, tiny_mtp_moe, big_image, arch):
+    models = tiny_mtp if arch == "qwen35" else tiny_mtp_moe
+    with _load(models, draft_max=4) as engine:
+        text_d, text_a = _acceptance(engine)
+        image_d, image_a = _acceptance(engine, big_image)
+    text_rate, image_rate = text_a / text_d, image_a / image_d
+    print(f"\n{arch}: text-only {text_a}/{text_d} = {text_rate:.3f}, right after an image "
+          f"{image_a}/{image_d} = {image_rate:.3f}, ratio {image_rate / text_rate:.3f}")
+    assert text_rate > 0.15  # the predictable set makes drafts acceptable
+    assert image_rate >= 0.9 * text_rate
 
 
 # --------------------------------------------------------------------------- llama-server

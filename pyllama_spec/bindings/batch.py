@@ -141,6 +141,46 @@ class Batch(NativeHandle):
         self._pos0.append(np.ascontiguousarray(p[:, 0]))
         self.has_embeddings = True
 
+    def add_embeddings_with_states(self, embd: np.ndarray, positions: np.ndarray, states: np.ndarray, *,
+                                   outputs: Sequence[bool] | np.ndarray | bool = False, seq_id: int = 0) -> None:
+        """Embedding rows that each carry a state row too (``llama_batch_ext_set_embd_state``): an
+        MTP context's media rows, the image row's embedding beside the target's hidden state paired
+        with it. ``embd`` float32 [n, n_embd], ``positions`` int32 [n, n_pos], ``states`` float32
+        [n, n_embd]. Raises NativeCallError where the build cannot carry them (``carries_embedding_states``)."""
+        st = np.ascontiguousarray(states, dtype=np.float32)
+        n = len(embd)
+        if st.ndim != 2 or st.shape[0] != n:
+            raise ValueError(f"{n} embedding rows need {n} state rows, got shape {st.shape}")
+        first = self.n_rows
+        self.add_embeddings(embd, positions, outputs=outputs, seq_id=seq_id)
+        row = ffi.new("struct llama_embd *")
+        row.n_rows, row.n_embd = 1, st.shape[1]
+        base = ffi.cast("float *", ffi.from_buffer("float[]", st))
+        for i in range(n):
+            row.data = base + i * st.shape[1]  # llama.cpp copies the row
+            if not lib.llama_batch_ext_set_embd_state(self.ptr, first + i, row[0]):
+                before = self.n_rows
+                self.clear()
+                raise NativeCallError("llama_batch_ext_set_embd_state", None,
+                                      f"a state row of {st.shape[1]} floats was refused ({self._ctx.role} context, "
+                                      f"batch of {before} rows; the batch was cleared): this llama.cpp build cannot "
+                                      "carry a state beside an embedding (patches/0004-mtp-media-rows.patch)")
+
+    def carries_embedding_states(self, n_embd: int) -> bool:
+        """Whether this build lets an embedding row carry a state row of ``n_embd`` floats besides
+        (``add_embeddings_with_states``): the pinned llama.cpp leaves ``llama_batch_ext_set_embd_state``
+        a TODO that refuses every row, patches/0004-mtp-media-rows.patch implements it. Tried on one
+        row of zeros; the batch is cleared."""
+        self.clear()
+        zeros = np.zeros((1, n_embd), dtype=np.float32)
+        try:
+            self.add_embeddings(zeros, np.zeros((1, self._ctx.model.n_pos_per_embd), dtype=np.int32))
+            row = ffi.new("struct llama_embd *")
+            row.data, row.n_rows, row.n_embd = ffi.cast("float *", ffi.from_buffer("float[]", zeros)), 1, n_embd
+            return bool(lib.llama_batch_ext_set_embd_state(self.ptr, 0, row[0]))
+        finally:
+            self.clear()
+
     def _check_add(self, rc: int, n: int) -> None:
         if rc < 0:
             # The native fill stops at the bad row with the rows before it added: clear the

@@ -132,9 +132,18 @@ class EmbeddingBatch:
 class Chunk:
     """One chunk of a tokenized prompt: text tokens, or a media item (image/audio). A view into Chunks."""
 
+    #: The same media item as a vision draft model's own projector cuts it (a Chunk of that
+    #: projector's, set by the engine that pairs the two tokenizations); None otherwise.
+    draft: "Chunk | None" = None
+
     def __init__(self, owner: "Chunks", ptr) -> None:
         self._owner = owner  # keeps the native list alive
         self._ptr = ptr
+
+    @property
+    def projector(self) -> "Projector | None":
+        """The projector whose tokenize made this chunk (it encodes it)."""
+        return self._owner.projector
 
     @property
     def type(self) -> str:
@@ -184,8 +193,9 @@ class Chunks(NativeHandle):
 
     _what = "chunks"
 
-    def __init__(self, ptr) -> None:
+    def __init__(self, ptr, projector: "Projector | None" = None) -> None:
         self._ptr = ptr
+        self.projector = projector  # the projector that cut them (its encode reads their media chunks)
 
     def _free(self, ptr) -> None:
         lib.mtmd_input_chunks_free(ptr)
@@ -253,9 +263,10 @@ class Projector(NativeHandle):
     _what = "projector"
 
     def __init__(self, path: str | os.PathLike, model: Model, *, use_gpu: bool = True, n_threads: int | None = None,
-                 flash_attn: bool | None = False, warmup: bool = False) -> None:
+                 flash_attn: bool | None = False, warmup: bool = False, role: str = "target") -> None:
         self.path = check_gguf_file(path, "mmproj")
         self.model = model
+        self.role = role  # whose projector: "target", or "draft" (a vision draft model's own)
         params = lib.mtmd_context_params_default()
         params.use_gpu = use_gpu
         params.print_timings = False
@@ -274,10 +285,12 @@ class Projector(NativeHandle):
             raise
         if ptr == ffi.NULL:
             raise ProjectorError(with_native_log(
-                f"mtmd_init_from_file could not load the projector {self.path} for the {model.arch} target "
+                f"mtmd_init_from_file could not load the projector {self.path} for the {model.arch} {role} "
                 f"{model.path.name} (not an mmproj, corrupt, or its projection size does not match the "
-                f"target's input width n_embd_inp {model.n_embd_inp})"))
+                f"{role}'s input width n_embd_inp {model.n_embd_inp})"))
         self._ptr = ptr
+        # where its encoder runs: a GPU when asked for and the build has one (encode_media decides by it)
+        self.on_gpu = bool(use_gpu) and bool(lib.llama_supports_gpu_offload())
         model.dependents.add(self)  # freed before the model it reads from
         # Ctrl-C stops an encode between graph nodes (patches/0002; a no-op on an unpatched tree).
         lib.pyllama_mtmd_set_abort_callback(ptr)
@@ -325,7 +338,7 @@ class Projector(NativeHandle):
         if rc != 0:
             lib.mtmd_input_chunks_free(chunks)
         check_tokenize(rc)
-        return Chunks(chunks)
+        return Chunks(chunks, self)
 
     def encode(self, chunk: Chunk) -> np.ndarray:
         """Run the vision encoder on a media chunk: float32 [n_tokens, n_embd] (a copy)."""

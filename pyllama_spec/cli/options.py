@@ -259,6 +259,9 @@ def model_options(f):
         click.option("-mm", "--mmproj", type=click.Path(), help="multimodal projector GGUF (images)"),
         click.option("-md", "--model-draft", "--spec-draft-model", "draft", type=click.Path(),
                      help="draft GGUF (DFlash, or a small model for draft-simple)"),
+        click.option("--mmproj-draft", "mmproj_draft", type=click.Path(), default=None,
+                     help="the draft model's own projector GGUF: a small VLM drafts seeing the pictures too "
+                          "(draft-simple, the default --spec-type with it; llama-server has no such flag)"),
         click.option("--spec-type", type=_SpecType(), default=None,
                      help=f"speculative method, llama.cpp's names: {', '.join([*SPEC_TYPES[1:], 'none'])} "
                           "(default: draft-dflash when a draft is given)"),
@@ -401,10 +404,13 @@ def _load_engine(o: dict):
                   prefill_assistant=o.get("prefill_assistant", True),
                   lora=lora_adapters(o), lora_init_without_apply=o.get("lora_init_without_apply", False))
     model, mmproj, draft = o["model"], o["mmproj"], o["draft"]
+    if o.get("mmproj_draft"):
+        kwargs["mmproj_draft"] = o["mmproj_draft"]
     if model is None:
-        if mmproj or draft:
+        if mmproj or draft or o.get("mmproj_draft"):
             # half an embedded pair with a file of the user's would not fit: refuse rather than guess
-            raise ValueError("--mmproj and -md go with -m (without -m the embedded pair is used whole)")
+            raise ValueError("--mmproj, -md and --mmproj-draft go with -m (without -m the embedded pair is used "
+                             "whole)")
         from pyllama_spec.embedded import embedded_models
 
         embedded = embedded_models()

@@ -23,6 +23,8 @@ llama.cpp / libmtmd in a few milliseconds.
 * ``make_tiny_set``: all three, cached in a folder by a hash of the parameters.
 * ``write_draft(dflash2=True)`` / ``make_tiny_set(dflash2=True)``: a DFlash2 draft (conv
   layers plus a candidate selector whose lattice the engine walks).
+* ``make_draft_vlm``: a small VLM with the same vocabulary and a projector of its own, wider
+  than the targets (a vision draft model for ``draft-simple`` with ``mmproj_draft``).
 * ``make_bench_set``: the same three, wider (n_embd 1024, 12 layers: a 142M-parameter
   f16 target) for benchmarks, cached the same way.
 
@@ -530,7 +532,7 @@ def _add_patch_embeddings(w: GGUFWriter, r: "_Weights", n_embd: int, patch: int)
 
 def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0,
                  projector: str = "qwen2vl_merger", deepstack_layers: tuple[int, ...] = (),
-                 dtype: str = "f32") -> Path:
+                 dtype: str = "f32", patch: int = 14) -> Path:
     """Write a tiny ``clip`` vision projector for a target of width ``target_n_embd``.
 
     ``projector``: ``qwen2vl_merger`` (one vision block, separate q/k/v) or
@@ -541,9 +543,15 @@ def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0,
     wide: it fits a ``qwen3vl`` target written with ``n_deepstack=len(deepstack_layers)``.
     The vision tower is 32 wide at any ``target_n_embd`` (which may be any positive width);
     ``dtype`` ("f32" or "f16") is the storage type of its matrices (the patch and position
-    embeddings, norms and biases stay f32).
+    embeddings, norms and biases stay f32). ``patch`` (``qwen2vl_merger`` only): the patch size,
+    which sets the grid a picture is cut into (14: a 672x672 image is 576 rows over 24 positions;
+    16: 441 rows over 21; 12: 784 rows over 28).
     """
     np_dtype = _np_dtype(dtype)
+    if patch != 14 and projector != "qwen2vl_merger":
+        raise ValueError("patch is a qwen2vl_merger setting")
+    if patch < 2 or patch % 2:
+        raise ValueError(f"patch must be an even size >= 2, got {patch}")
     if target_n_embd <= 0:
         raise ValueError(f"target_n_embd must be positive, got {target_n_embd}")
     if projector not in PROJECTORS:
@@ -553,7 +561,7 @@ def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0,
                                      deepstack_layers=tuple(deepstack_layers), np_dtype=np_dtype)
     if deepstack_layers:
         raise ValueError("deepstack_layers needs projector='qwen3vl_merger'")
-    n_embd, n_ff, patch, merged = 32, 64, 14, 32 * 4
+    n_embd, n_ff, merged = 32, 64, 32 * 4
     r = _Weights(seed + 1_000_003, std=0.05, fast=target_n_embd != TINY_N_EMBD, dtype=np_dtype)
     w = _clip_writer("tiny-mmproj", "qwen2vl_merger", n_embd=n_embd, n_ff=n_ff, n_block=1,
                      target_n_embd=target_n_embd, image_size=448, patch=patch)
@@ -934,6 +942,51 @@ def make_tiny_set(folder: str | Path, *, arch: str = "hunyuan_vl", seed: int = 0
         prefix="tiny", arch=arch, seed=seed, window=window, predictable=predictable, n_layer=n_layer,
         target_layers=tuple(target_layers), block_size=block_size, draft_n_layer=draft_n_layer, dflash2=dflash2,
         fim=fim, mtp=mtp))
+
+
+@dataclass(frozen=True)
+class TinyDraftVLM:
+    """A small vision-language model with a projector of its own, to draft for a tiny target."""
+
+    model: Path
+    mmproj: Path
+
+
+def make_draft_vlm(folder: str | Path, *, arch: str = "qwen2vl", seed: int = 1, n_embd: int = 128,
+                   n_layer: int = 2, predictable: float = 0.5, patch: int = 16) -> TinyDraftVLM:
+    """Write (or reuse) a vision draft model for the tiny targets: a small VLM with their vocabulary
+    and a projector of its own (``load(target, mmproj=..., draft=vlm.model, mmproj_draft=vlm.mmproj)``).
+
+    By default another width than the targets' 64 (128: heads of 64, M-RoPE sections [8, 12, 12, 0]
+    where the targets have [2, 3, 3, 0]), another architecture, fewer layers and another seed: so
+    neither model can read the other's image rows, and only its own projector shows it the picture.
+    Its projector's ``patch`` (16 by default, the targets' 14) cuts a picture into another grid: a
+    672x672 image is 441 rows over 21 positions in the draft, 576 over 24 in the target.
+    ``arch``: an attention-only one of ``TARGET_ARCHS`` (a draft model must roll back); a ``qwen3vl``
+    one gets the ``qwen3vl_merger`` projector with ``QWEN3VL_DEEPSTACK_LAYERS`` (patch 14 only).
+    Cached in ``folder`` by a hash of the parameters, as ``make_tiny_set``.
+    """
+    if arch not in TARGET_ARCHS or arch in ("qwen35", "qwen35moe"):
+        raise ValueError(f"arch must be an attention-only one of {TARGET_ARCHS}, got {arch!r}")
+    _geometry(n_embd)
+    qwen3vl = arch == "qwen3vl"
+    if qwen3vl and patch != 14:
+        raise ValueError("a qwen3vl draft's projector has patch 14")
+    key = dict(v=GENERATOR_VERSION, kind="draft-vlm", arch=arch, seed=seed, n_embd=n_embd, n_layer=n_layer,
+               predictable=float(predictable), patch=patch)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    vlm = TinyDraftVLM(*(folder / f"draft-vlm-{arch}-{digest}-{part}.gguf" for part in ("model", "mmproj")))
+    if not vlm.model.exists():
+        deep = dict(n_deepstack=len(QWEN3VL_DEEPSTACK_LAYERS)) if qwen3vl else {}
+        _write_atomic(write_target, vlm.model, arch=arch, seed=seed, n_embd=n_embd, n_layer=n_layer,
+                      predictable=predictable, **deep)
+    if not vlm.mmproj.exists():
+        proj = dict(projector="qwen3vl_merger", deepstack_layers=QWEN3VL_DEEPSTACK_LAYERS) if qwen3vl else \
+            dict(patch=patch)
+        _write_atomic(write_mmproj, vlm.mmproj, target_n_embd=n_embd, seed=seed, **proj)
+    return vlm
 
 
 def bench_n_params(*, n_embd: int = 1024, n_layer: int = 12, n_ff: int = 2816, arch: str = "hunyuan_vl",

@@ -6,8 +6,9 @@ A drafter serves ``n_seq`` sequences (one per slot; see sequence.py), named by `
 * ``process(decode)``: the target just decoded a batch; ``decode`` (a ``TargetDecode``)
   gives its rows, one ``TargetRows`` per sequence in it (prompt text, media slices, the
   verify rows of every slot), and what the target computed for them (``features``).
-  DFlash injects the target's features here, MTP writes each token with the target's hidden
-  state of the row before it (``hidden``), n-gram records tokens;
+  DFlash injects the target's features here, MTP writes each token (and each media row, by its
+  ``embeddings``) with the target's hidden state of the row before it (``hidden``), n-gram
+  records tokens;
 * ``draft(requests)``: one ``Proposal`` per ``DraftRequest``, made together (one draft
   decode for all slots where the method allows): up to n_max tokens following
   ``id_last``, which sits at the request's position (none when fewer than n_min are
@@ -29,9 +30,20 @@ hands it over in the ``TargetDecode``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftMedia:
+    """A media item as a vision draft model's own projector cut and encoded it (spec/media.py):
+    ``chunk`` (that projector's chunk: its rows and positions in the draft), ``embd`` float32
+    [chunk.n_tokens, the draft's n_embd_inp], and ``target_rows``, the rows the target gave the item."""
+
+    chunk: Any
+    embd: np.ndarray
+    target_rows: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +61,12 @@ class TargetRows:
     ``draft_positions``: the sequence's position mode ("target" or "sequential").
     ``row_index``: where each row is among the rows of the target's last decode, when they
     are not the ``n_rows`` rows from ``row_offset`` on (the accepted path of a draft tree).
+    ``draft_media``: on the first slice of a media chunk, the same item through the draft's own
+    projector (a vision draft model; ``DraftMedia``), to decode at ``first_draft_pos``; else None.
+    ``embeddings``: media rows only, what the target decoded them from (float32 [n_rows, n_embd_inp],
+    the target projector's output for this slice): a view, not a copy, so it costs nothing to a
+    drafter that does not read it (MTP does); None where not given (a test's view). Read it inside
+    ``process``.
     """
 
     positions: np.ndarray
@@ -60,6 +78,8 @@ class TargetRows:
     row_offset: int = 0
     draft_positions: str = "target"
     row_index: np.ndarray | None = None
+    draft_media: DraftMedia | None = None
+    embeddings: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def decoded_rows(self) -> np.ndarray | slice:
         """These rows' indices among the rows of the target's last decode."""

@@ -14,16 +14,38 @@ starts with (id_last, pending) at the sequence's ``pos_next`` and feeds each dra
 back with the head's own hidden state at the next position; those rows are dropped again once
 read (the target's verify rows replace them).
 
-Through images: the pinned llama.cpp graph takes a row's token embedding and its hidden state
-from one buffer when the row has no token id (``llm_graph_input_embd_h``; the batch API's
-separate "state" row, ``llama_batch_ext_set_embd_state``, is a TODO there), so a media row
-cannot be given to the head with both its embedding and the right hidden state. Media rows are
-therefore not written into the head's cache (a gap in its positions, which attention does not
-mind; pinned or not, nothing overflows); what is kept right is the pairing: the first text token
-after a media item pairs with the hidden state of the item's last row, and drafts start at
-``pos_next`` (the M-RoPE position after the item), never at a row count. llama.cpp skips media
-batches too, but keeps the hidden state of the text before them, so its first token after an
-image pairs with the wrong row.
+Through images: a media row is written like a token, its embedding in place of the token's
+(``TargetRows.embeddings``, what the target decoded it from), beside the target's hidden state of
+the row before it, at the row's own M-RoPE positions (the graph rotates them with
+``ggml_rope_multi`` and the target's sections): the pair (e_r, h_{r-1}), so the head's cache
+holds a row for every row the target's holds, and the first text token after an item pairs with
+the hidden state of the item's last row. This is vLLM's Qwen3.5 MTP input too (the image's
+embeddings merged into ``inputs_embeds``, then normalised and concatenated with the hidden state).
+The pinned llama.cpp cannot take such a row: its MTP graph reads a row without a token id from one
+buffer for both its embedding and h, and the batch API's separate state row
+(``llama_batch_ext_set_embd_state``) is a TODO that refuses it; patches/0004-mtp-media-rows.patch
+implements that setter (``Batch.add_embeddings_with_states``). A build without it (a user's own
+checkout) leaves media rows out of the head's cache, a gap attention does not mind, keeping the
+pairing right.
+
+Pinned image positions (``TargetRows.pinned``, one rule for every drafter): an M-RoPE image's rows
+share one section-0 position. A windowed cache cannot hold them (it frees cells by position, and
+they would never free); the head's cache is a full one (no window: the nextn block is a
+full-attention layer) with as many cells per sequence as the target's, and it holds one row for
+each row the target holds, plus at most a draft's rows, which the target's room for the verify
+step bounds (``draft_limit``): it holds them, so pinned rows are written too
+(``holds_pinned_rows``; were it smaller, they would be left out as a build without the patch
+does). Drafts start at ``pos_next`` (the M-RoPE position after the item), never at a row count.
+
+Differences from llama.cpp's ``--spec-type draft-mtp`` (text-only drafts, tokens and counts are
+the same: tests/test_mtp.py compares them with llama-server):
+
+* media rows: llama.cpp's ``process`` returns early on any embedding batch, so its head never sees
+  an image (a hole in its cache) and its first token after one pairs with the hidden state of the
+  text before the image; here every media row is written, paired as above (without the patch:
+  left out, the pairing still right);
+* a row whose h_{p-1} is unknown (after a ``forget`` to a position whose hidden state is gone, or
+  a restored cache the head never saw) is left out rather than paired with a stale state.
 """
 
 from __future__ import annotations
@@ -109,6 +131,11 @@ class MTPDrafter:
         self.ctx.enable_draft_embeddings(True, masked=True)  # the head's own hidden state, per drafted row
         self._batch = Batch(self.ctx)
         n_embd = model.n_embd
+        # Media rows need a state row beside an embedding row (patches/0004-mtp-media-rows.patch).
+        self.writes_media = self._batch.carries_embedding_states(n_embd)
+        # The one rule for pinned rows (module docstring): a full cache with the target's cells per
+        # sequence holds every row the target holds.
+        self.holds_pinned_rows = self.ctx.n_ctx_seq >= target_ctx.n_ctx_seq
         # Per sequence: the hidden state the next row pairs with, and whether it is known (after a
         # forget to a position whose hidden state is gone, the next row is left out instead of mispaired).
         self._pending = np.zeros((n_seq, n_embd), dtype=np.float32)
@@ -119,7 +146,9 @@ class MTPDrafter:
         # Per sequence: the last text rows processed (first position, hidden states; a verify step's
         # worth): forget moves the pending state back to one of them (its last accepted row).
         self._recent: list[tuple[int, np.ndarray] | None] = [None] * n_seq
-        self.trace: list[tuple] | None = None  # set to [] to record (call, seq, first position, rows)
+        # set to [] to record (call, seq, first position, rows): "pair" text rows written, "media" media
+        # rows written, "skip" media rows left out, "draft" a draft's first row
+        self.trace: list[tuple] | None = None
 
     # --- protocol
     def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
@@ -139,14 +168,15 @@ class MTPDrafter:
             self._recent[seq_id] = None
 
     def process(self, decode: TargetDecode) -> None:
-        """Write (x_p, h_{p-1}) for every text row the target just decoded, all sequences in one decode."""
-        tokens, states, positions, seqs = [], [], [], []
+        """Write (x_p, h_{p-1}) for every row the target just decoded, x_p a token or a media row's
+        embedding, all sequences in one decode (text rows; media rows in another: a batch holds one kind)."""
+        text, media = [], []  # (rows of one sequence: token ids or embeddings, positions, paired states, seq)
         for r in decode.rows:
             s = r.seq_id
             h = decode.hidden(r)
-            if r.has_embeddings:
-                # Not written (module docstring); the row after the media item pairs with its last row.
-                self._log("media", s, int(r.section0[0]), r.n_rows)
+            if r.has_embeddings and not self._writes(r):
+                # Left out (module docstring); the row after the media item pairs with its last row.
+                self._log("skip", s, int(r.section0[0]), r.n_rows)
                 self._pending[s] = h[-1]
                 self._known[s] = True
                 self._pending_pos[s] = None
@@ -156,28 +186,49 @@ class MTPDrafter:
             known = self._known[s] and (at is None or at == int(r.section0[0]))
             first = 0 if known else 1  # an unknown h_{p-1}: leave that row out
             if first < r.n_rows:
-                tokens.append(r.tokens[first:])
-                states.append(paired[first:])
-                positions.append(r.section0[first:])
-                seqs.append(np.full(r.n_rows - first, s, dtype=np.int32))
-                self._log("pair", s, int(r.section0[first]), r.n_rows - first)
+                rows = r.embeddings if r.has_embeddings else r.tokens
+                (media if r.has_embeddings else text).append(
+                    (rows[first:], r.positions[:, first:], paired[first:], s))
+                self._log("media" if r.has_embeddings else "pair", s, int(r.section0[first]), r.n_rows - first)
             self._pending[s] = h[-1]
             self._known[s] = True
+            if r.has_embeddings:
+                self._pending_pos[s] = None  # the text after an item starts past its positions, not its rows
+                continue
             self._pending_pos[s] = int(r.section0[-1]) + 1
             keep = self.n_max_limit + 1  # the most rows a verify step can cut back into
             self._recent[s] = (int(r.section0[-keep:][0]), h[-keep:])
-        if not tokens:
-            return
-        tokens, states = np.concatenate(tokens), np.concatenate(states)
-        positions, seqs = np.concatenate(positions), np.concatenate(seqs)
+        for parts, add in ((text, self._add_text), (media, self._add_media)):
+            if parts:
+                self._decode_rows(parts, add)
+
+    def _writes(self, rows) -> bool:
+        """Whether media ``rows`` go into the head's cache: their embeddings are given, the build can
+        carry them, and, pinned, this cache can hold them (module docstring)."""
+        return rows.embeddings is not None and self.writes_media and (self.holds_pinned_rows or not rows.pinned)
+
+    def _add_text(self, tokens, positions, states, seq_id: int) -> None:
+        self._batch.add_tokens_with_states(tokens, positions[0], states, seq_id=seq_id)
+
+    def _add_media(self, embd, positions, states, seq_id: int) -> None:
+        self._batch.add_embeddings_with_states(embd, np.ascontiguousarray(positions.T), states, seq_id=seq_id)
+
+    def _decode_rows(self, parts, add) -> None:
+        """Decode ``parts`` (one sequence's rows each, in order), filling batches of n_batch rows."""
         step = self.ctx.n_batch
-        for at in range(0, len(tokens), step):
-            self._batch.clear()
-            part = slice(at, at + step)
-            for seq in np.unique(seqs[part]):  # rows of one sequence are contiguous
-                mine = np.flatnonzero(seqs[part] == seq) + at
-                self._batch.add_tokens_with_states(tokens[mine], positions[mine], states[mine], seq_id=int(seq))
+        self._batch.clear()
+        for rows, positions, states, seq in parts:
+            at = 0
+            while at < len(rows):
+                n = min(step - self._batch.n_rows, len(rows) - at)
+                add(rows[at:at + n], positions[:, at:at + n], states[at:at + n], seq)
+                at += n
+                if self._batch.n_rows == step:
+                    self.ctx.decode(self._batch)
+                    self._batch.clear()
+        if self._batch.n_rows:
             self.ctx.decode(self._batch)
+            self._batch.clear()
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         """Up to n_max tokens after each request's id_last: one head decode per drafted position,

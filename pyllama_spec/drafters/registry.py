@@ -35,7 +35,8 @@ class Pairing:
 @dataclasses.dataclass(frozen=True)
 class DrafterSetup:
     """Everything ``make`` may use: the target's context, the draft model (None without a file),
-    the pairing, and the engine's settings for drafts and the draft's context."""
+    the pairing, the engine's settings for drafts and the draft's context, and the draft's own
+    projector (a vision draft model)."""
 
     target_ctx: Any
     draft_model: Any
@@ -51,6 +52,7 @@ class DrafterSetup:
     flash_attn: bool | None
     swa_full: bool
     cache_types: dict
+    draft_projector: Any = None  # the draft model's own projector (draft-simple with mmproj_draft), or None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,7 @@ class Method:
     trees: bool = False  # a draft tree can be built from its drafts (with per-position logits)
     counts_draft_memory: bool = False  # memory.estimate counts its draft's weights and caches
     loads_target_mtp: bool = False  # the target is loaded with its multi-token-prediction (nextn) block
+    draft_projector: bool = False  # its draft model may take a projector of its own (mmproj_draft: it sees pictures)
 
     def _impl(self):
         return importlib.import_module(self.module)
@@ -89,7 +92,7 @@ METHODS = (
            uses_target_head=True, trees=True, counts_draft_memory=True),
     Method("draft-eagle3", "pyllama_spec.drafters.eagle3", aliases=("eagle3",), target_features="layer inputs",
            uses_target_head=True),
-    Method("draft-simple", "pyllama_spec.drafters.draft_model"),
+    Method("draft-simple", "pyllama_spec.drafters.draft_model", draft_projector=True),
     Method("ngram-simple", "pyllama_spec.drafters.ngram", draft_file=False),
     Method("draft-mtp", "pyllama_spec.drafters.mtp", draft_file=False,
            target_features="final hidden state", loads_target_mtp=True),

@@ -14,6 +14,9 @@ class EngineConfig:
     model: str
     mmproj: str | None = None
     draft: str | None = None
+    # the draft model's own projector (draft-simple: a small VLM that sees the pictures too). Not a
+    # llama-server flag: its draft-simple is fed the target's image rows where the widths match
+    mmproj_draft: str | None = None
     spec_type: str = "dflash"
     n_ctx: int = 4096
     n_batch: int = 512

@@ -34,6 +34,7 @@ from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
 from pyllama_spec.bindings.sampler import Sampler
 from pyllama_spec.drafters import Drafter
 from pyllama_spec.drafters.registry import (
+    METHODS,
     DrafterSetup,
     Pairing,
     canonical_spec_type,
@@ -60,6 +61,7 @@ from pyllama_spec.spec.generation import (
     prefill_parts,
     speculative_step,
 )
+from pyllama_spec.spec.media import check_draft_projector, pair_with_draft
 from pyllama_spec.spec.positions import SequencePositions
 from pyllama_spec.spec.sampling import MAX_TOP_LOGPROBS, sampling_params
 from pyllama_spec.spec import sequence
@@ -109,6 +111,8 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
     draft is given), "draft-simple" (a small model with the target's vocabulary as the
     draft), "ngram-simple" (prompt lookup, no draft model), "draft-mtp" (the target's own
     multi-token-prediction head, Qwen3.5's nextn block: no draft model) or "none" (target only).
+    ``mmproj_draft``: the draft model's own projector, for a draft-simple draft that is a small VLM
+    (the default spec_type then): the draft sees every picture through it (drafters/draft_model.py).
     Other keywords are EngineConfig's, named as in llama.cpp: n_ctx, n_batch, n_ubatch,
     n_gpu_layers, draft_max, draft_min, draft_p_min, flash_attn, n_threads,
     draft_positions ("target" or "sequential"); where layers go: rpc_servers (["host:port", ...]),
@@ -116,8 +120,10 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
     n_gpu_layers_draft); LoRA adapters of the target (llama-server's --lora / --lora-scaled):
     lora ([path or (path, scale), ...]) and lora_init_without_apply (serving/lora.py).
     """
-    if spec_type is None:
-        spec_type = "draft-dflash" if draft is not None else "none"
+    if spec_type is None:  # a draft with a projector of its own is a vision draft model (draft-simple)
+        spec_type = ("draft-simple" if kwargs.get("mmproj_draft") else "draft-dflash") if draft is not None else "none"
+    if kwargs.get("mmproj_draft"):
+        kwargs["mmproj_draft"] = os.fspath(kwargs["mmproj_draft"])
     if "n_gpu_layers_draft" in kwargs:  # llama.cpp's name (-ngld) for draft_n_gpu_layers
         ngld = kwargs.pop("n_gpu_layers_draft")
         if kwargs.get("draft_n_gpu_layers", ngld) != ngld:
@@ -177,6 +183,10 @@ class Engine:
         self.method = method(config.spec_type)
         if self.method is not None and self.method.draft_file and config.draft is None:
             raise ValueError(f"spec_type={config.spec_type!r} needs a draft model (draft=...)")
+        if config.mmproj_draft is not None and not (self.method and self.method.draft_projector and config.draft):
+            takes = " or ".join(repr(m.name) for m in METHODS if m.draft_projector)
+            raise ValueError(f"mmproj_draft is a draft model's own projector: it needs a draft model (draft=...) "
+                             f"and spec_type {takes}, got spec_type {config.spec_type!r}")
         if config.n_ubatch > config.n_batch:
             raise ValueError(f"n_ubatch ({config.n_ubatch}) cannot exceed n_batch ({config.n_batch})")
         dm = config.draft_max
@@ -196,6 +206,8 @@ class Engine:
         self.last_stats: GenerationStats | None = None
         self.sequences: list[sequence.Sequence] = []
         self.projector: Projector | None = None
+        #: The draft model's own projector (a vision draft model: mmproj_draft), or None.
+        self.draft_projector: Projector | None = None
         self.drafter: Drafter | None = None
         self.draft_model: Model | None = None
         self.ctx: Context | None = None
@@ -260,13 +272,19 @@ class Engine:
             offload = c.n_gpu_layers != 0 if c.mmproj_offload is None else c.mmproj_offload
             self.projector = Projector(c.mmproj, self.model, use_gpu=offload, n_threads=c.n_threads,
                                        flash_attn=c.flash_attn)
+        if c.mmproj_draft:
+            draft_layers = c.n_gpu_layers if c.draft_n_gpu_layers is None else c.draft_n_gpu_layers
+            offload = draft_layers != 0 if c.mmproj_offload is None else c.mmproj_offload
+            self.draft_projector = Projector(c.mmproj_draft, self.draft_model, use_gpu=offload,
+                                             n_threads=c.n_threads, flash_attn=c.flash_attn, role="draft")
+            check_draft_projector(self.projector, self.draft_projector)
         if m is not None:
             m.open_target_features(self.ctx, pairing)
             self.drafter = m.make(DrafterSetup(
                 target_ctx=self.ctx, draft_model=self.draft_model, pairing=pairing, n_max=draft_max, n_min=c.draft_min,
                 p_min=c.draft_p_min, n_seq=n_seq, n_ctx=c.n_ctx, n_batch=c.n_batch, n_ubatch=c.n_ubatch,
                 n_threads=c.n_threads, flash_attn=c.flash_attn, swa_full=c.swa_full,
-                cache_types=self._draft_cache_types()))
+                cache_types=self._draft_cache_types(), draft_projector=self.draft_projector))
         if self.drafter is not None and n_rs_seq:
             self.drafter.n_max_limit = n_rs_seq  # rollback snapshots bound how far a draft can go
         self.sequences = [sequence.Sequence(self.ctx, self.drafter, i, draft_positions=c.draft_positions, n_seq=n_seq)
@@ -283,7 +301,8 @@ class Engine:
         self._gate.close()
         for seq in self.sequences:
             seq.close()
-        for obj in (self.drafter, self.projector, self.ctx, self.lora, self.draft_model, self.chat, self.model):
+        for obj in (self.drafter, self.projector, self.draft_projector, self.ctx, self.lora, self.draft_model,
+                    self.chat, self.model):
             if obj is not None:
                 obj.close()
 
@@ -628,6 +647,8 @@ class Engine:
             if self.projector is not None:
                 chunks = self.projector.tokenize(text, bitmaps)
                 parts = [c.tokens if c.is_text else c for c in chunks]  # media chunks keep `chunks` alive
+                if self.draft_projector is not None and bitmaps:  # a vision draft model cuts them with its own
+                    pair_with_draft(parts, self.draft_projector.tokenize(text, bitmaps))
             else:
                 if MEDIA_MARKER in text:
                     raise ImageError("the prompt has a media marker but the engine has no projector")

@@ -30,7 +30,8 @@ class LoadPlan:
 def plan_load(config: EngineConfig, method: Method | None) -> LoadPlan:
     """Check ``config`` against its files and devices; raise before anything is allocated."""
     c = config
-    for path, what in ((c.model, "target model"), (c.draft, "draft model"), (c.mmproj, "mmproj")):
+    for path, what in ((c.model, "target model"), (c.draft, "draft model"), (c.mmproj, "mmproj"),
+                       (c.mmproj_draft, "draft mmproj")):
         if path is not None:
             check_gguf_file(path, what)  # a clear error for a bad file comes first
     info = read_gguf_shared(c.model)

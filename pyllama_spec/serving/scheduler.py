@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from pyllama_spec.errors import GenerationCancelledError
 from pyllama_spec.spec.generation import Generation, Piece, Result, speculative_step
+from pyllama_spec.spec.media import encode_media
 
 if TYPE_CHECKING:
     from pyllama_spec.serving.request import Request
@@ -358,9 +359,9 @@ class Scheduler:
             return 1
 
     def _encode_async(self, chunk) -> Future:
-        def encode():
+        def encode():  # the target's encode, and a vision draft model's of the same item (spec/media.py)
             t = time.perf_counter()
-            return self._projector.encode(chunk), time.perf_counter() - t
+            return encode_media(self._projector, chunk), time.perf_counter() - t
 
         future = self._encoder.submit(encode)
         future.add_done_callback(lambda _: self._wake())

@@ -64,11 +64,18 @@ class SequencePositions:
         self.n_rows += n
         self.draft_pos_next += n
 
-    def advance_media(self, n_tokens: int, n_pos: int) -> None:
-        """A media item of n_tokens rows spanning n_pos positions was decoded at pos_next."""
+    def advance_media(self, n_tokens: int, n_pos: int, draft_n_pos: int | None = None) -> None:
+        """A media item of n_tokens rows spanning n_pos positions was decoded at pos_next.
+
+        ``draft_n_pos``: the positions the item spans in the draft, when the draft decodes it through
+        a projector of its own (a vision draft model: its rows and M-RoPE grid may differ from the
+        target's); the draft then moves by that, whatever the mode."""
         self.pos_next += n_pos
         self.n_rows += n_tokens
-        self.draft_pos_next += n_tokens if self.draft_positions == "sequential" else n_pos
+        if draft_n_pos is not None:
+            self.draft_pos_next += draft_n_pos
+        else:
+            self.draft_pos_next += n_tokens if self.draft_positions == "sequential" else n_pos
         self._segments.append(_Segment(self.pos_next, self.draft_pos_next, self.n_rows))
 
     # --- mapping

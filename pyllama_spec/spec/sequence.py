@@ -26,19 +26,22 @@ from typing import Iterator
 import numpy as np
 
 from pyllama_spec.bindings.context import Context
-from pyllama_spec.drafters import Drafter, TargetDecode, TargetRows
+from pyllama_spec.drafters import DraftMedia, Drafter, TargetDecode, TargetRows
 from pyllama_spec.errors import KVMemoryError
+from pyllama_spec.spec.media import EncodedMedia, encode_media
 from pyllama_spec.spec.positions import SequencePositions, is_pinned
 from pyllama_spec.spec.stats import GenerationStats, Stopwatch
 
 
 @dataclasses.dataclass(frozen=True)
 class CachedMedia:
-    """A media item in the cache: its content id, rows and positions."""
+    """A media item in the cache: its content id, rows and positions (``draft_n_pos``: the
+    positions it spans in the draft, where a vision draft model decoded it through its own projector)."""
 
     id: str | None
     n_tokens: int
     n_pos: int
+    draft_n_pos: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +71,7 @@ def _advance_over(positions: SequencePositions, parts) -> None:
     its rows and its positions."""
     for part in parts:
         if isinstance(part, CachedMedia):
-            positions.advance_media(part.n_tokens, part.n_pos)
+            positions.advance_media(part.n_tokens, part.n_pos, part.draft_n_pos)
         else:
             positions.advance_text(len(part))
 
@@ -123,15 +126,22 @@ class Sequence:
             self._remember_text(np.asarray(tokens[:n_kept], dtype=np.int32))
 
     def decode_media(self, projector, chunk, stats: GenerationStats, *, n_batch: int,
-                     embd: np.ndarray | None = None) -> Iterator[int]:
+                     embd: EncodedMedia | None = None) -> Iterator[int]:
         """Encode a media chunk (unless its embeddings ``embd`` are given: encoded elsewhere), then
         decode its rows in slices of n_batch, yielding after each slice (the rows of the chunk
         decoded so far), so that a scheduler can run other sequences' steps in between.
-        Positions advance when the last slice is in."""
+        Positions advance when the last slice is in.
+
+        A vision draft model's twin of the chunk (``chunk.draft``: the same item through the
+        draft's projector) is encoded with it (spec/media.py) and handed to the drafter with the
+        first slice; the draft's positions then move by the twin's n_pos, not the target's."""
         p = self.positions
         if embd is None:
             with Stopwatch(stats, "target_seconds"):
-                embd = projector.encode(chunk)
+                embd = encode_media(projector, chunk)
+        twin = chunk.draft if self.drafter is not None and embd.draft is not None else None
+        draft_media = None if twin is None else DraftMedia(twin, embd.draft, chunk.n_tokens)
+        embd = embd.target
         positions = projector.media_positions(chunk, p.pos_next)  # [n_tokens, n_pos]
         pinned = is_pinned(chunk.n_tokens, chunk.n_pos)  # for the whole chunk, whatever its slices
         non_causal = projector.uses_non_causal(chunk)
@@ -150,9 +160,12 @@ class Sequence:
                         if non_causal:
                             self.ctx.set_causal_attn(True)
                 if self.drafter is not None:
-                    # (first_draft_pos matters in "sequential" mode only, where every row takes a draft position)
+                    # (first_draft_pos matters in "sequential" mode, where every row takes a draft position,
+                    # and on the first slice for a vision draft model: where its own rows of the item start)
                     rows = TargetRows(np.ascontiguousarray(positions[s:e].T), True, p.draft_pos_next + s,
-                                      pinned=pinned, seq_id=self.seq_id, draft_positions=p.draft_positions)
+                                      pinned=pinned, seq_id=self.seq_id, draft_positions=p.draft_positions,
+                                      draft_media=draft_media if s == 0 else None,
+                                      embeddings=embd[s:e])  # a view: free for drafters that do not read it
                     with Stopwatch(stats, "draft_seconds"):
                         self.drafter.process(TargetDecode([rows], self.ctx))
                 yield e
@@ -163,8 +176,9 @@ class Sequence:
             if self.drafter is not None:
                 self.drafter.forget(self.seq_id, p.pos_next, p.draft_pos_next)
             raise
-        p.advance_media(chunk.n_tokens, chunk.n_pos)
-        self.cached.append(CachedMedia(chunk.id, chunk.n_tokens, chunk.n_pos))
+        draft_n_pos = None if twin is None else twin.n_pos
+        p.advance_media(chunk.n_tokens, chunk.n_pos, draft_n_pos)
+        self.cached.append(CachedMedia(chunk.id, chunk.n_tokens, chunk.n_pos, draft_n_pos))
 
     def _media_batch(self):
         if self._batch is None:

@@ -212,6 +212,7 @@ bool llama_batch_ext_add_seq(struct llama_batch_ext * batch, int32_t idx, llama_
 bool llama_batch_ext_set_pos(struct llama_batch_ext * batch, int32_t idx, const llama_pos * pos);
 bool llama_batch_ext_set_output_logits(struct llama_batch_ext * batch, int32_t idx, bool value);
 bool llama_batch_ext_set_embd_token(struct llama_batch_ext * batch, int32_t idx, struct llama_embd embd);
+bool llama_batch_ext_set_embd_state(struct llama_batch_ext * batch, int32_t idx, struct llama_embd embd);
 int32_t llama_process(struct llama_context * ctx, enum llama_process_type type, struct llama_batch_ext * batch);
 
 /* outputs */
