@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Every drafting method on the trained files, on text and after a picture, here and on llama-server
+built from the same pin: acceptance, mean accepted length, decode tokens/s, and whether the output
+equals the target alone.
+
+    python bench/drafters_after_images.py --prompts 16 --max-tokens 128 --temps 0,0.8
+
+Methods (each skipped, with the reason, when its files are not in pyllama_spec/models): on the
+embedded hunyuan_vl target, DFlash (trained-draft.gguf), EAGLE3 (trained-eagle3.gguf), the small
+draft VLM as a text-only draft model (trained-draft-vlm.gguf, today's draft-simple) and as a vision
+draft model (with its own projector, trained-draft-vlm-mmproj.gguf: ``mmproj_draft``); on the
+trained qwen35 target, its own MTP head (trained-qwen35-mtp.gguf, ``draft-mtp``).
+
+Conditions: ``text`` (a held-out prompt), ``image, then 400`` (a picture, then the 400-character
+prompt: generation starts about 400 positions after the picture), ``right after image`` (the prompt,
+then the picture: generation starts right after it). The picture is the demo's test card
+(``draw_demo_image``), not in any training pool. Above temperature 0, prompt i samples with seed i
+(the same in every run), verified by llama.cpp's rule (``verify="match"``), so the output equals the
+target alone's there too. llama-server gets the same prompts through ``/completion``
+(``multimodal_data``), one server per method, each started with the same files and draft length.
+Tokens/s is decode time as each engine reports it (``decode_seconds`` here, ``predicted_ms`` there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+from measure_trained_pair import held_out_prompts, run  # noqa: E402
+
+import pyllama_spec as ps  # noqa: E402
+from pyllama_spec import native_build  # noqa: E402
+from pyllama_spec.devtools.rpc_server import free_port  # noqa: E402
+from pyllama_spec.devtools.tiny import draw_demo_image  # noqa: E402
+
+MODELS = REPO / "pyllama_spec" / "models"
+MARKER = "<__media__>"
+
+
+def methods(draft_max: int) -> dict[str, dict]:
+    """name -> how to load it here (target, mmproj, keywords) and how llama-server runs it (or None)."""
+    t, mm = MODELS / "trained-target.gguf", MODELS / "trained-mmproj.gguf"
+    q, qmm = MODELS / "trained-qwen35-mtp.gguf", MODELS / "trained-qwen35-mtp-mmproj.gguf"
+    vlm, vlm_mm = MODELS / "trained-draft-vlm.gguf", MODELS / "trained-draft-vlm-mmproj.gguf"
+    out = {
+        "target only": dict(files=[t, mm], target=t, mmproj=mm, kw={"spec_type": "none"}, server=[]),
+        "DFlash": dict(files=[t, mm, MODELS / "trained-draft.gguf"], target=t, mmproj=mm,
+                       kw={"draft": MODELS / "trained-draft.gguf", "spec_type": "draft-dflash"},
+                       server=["-md", MODELS / "trained-draft.gguf", "--spec-type", "draft-dflash"]),
+        "EAGLE3": dict(files=[t, mm, MODELS / "trained-eagle3.gguf"], target=t, mmproj=mm,
+                       kw={"draft": MODELS / "trained-eagle3.gguf", "spec_type": "draft-eagle3"},
+                       server=["-md", MODELS / "trained-eagle3.gguf", "--spec-type", "draft-eagle3"]),
+        "draft model, text only": dict(files=[t, mm, vlm], target=t, mmproj=mm,
+                                       kw={"draft": vlm, "spec_type": "draft-simple"},
+                                       server=["-md", vlm, "--spec-type", "draft-simple"]),
+        "vision draft model": dict(files=[t, mm, vlm, vlm_mm], target=t, mmproj=mm,
+                                   kw={"draft": vlm, "mmproj_draft": vlm_mm, "spec_type": "draft-simple"},
+                                   server=None),  # llama-server has no draft projector
+        "qwen35: target only": dict(files=[q, qmm], target=q, mmproj=qmm, kw={"spec_type": "none"}, server=[]),
+        "qwen35: MTP": dict(files=[q, qmm], target=q, mmproj=qmm, kw={"spec_type": "draft-mtp"},
+                            server=["--spec-type", "draft-mtp"]),
+    }
+    for m in out.values():
+        if m["server"]:
+            m["server"] = [str(x) for x in m["server"]] + ["--spec-draft-n-max", str(draft_max),
+                                                           "--spec-draft-n-min", "0"]
+    return out
+
+
+def png_b64(image: np.ndarray) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(image).save(buf, "PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def condition_prompts(prompts: list[str]) -> dict[str, list[str]]:
+    return {"text": prompts, "image, then 400": [f"{MARKER}\n{p}" for p in prompts],
+            "right after image": [f"{p}\n{MARKER}\n" for p in prompts]}
+
+
+def ours(m: dict, prompts: dict, image, args, refs: dict) -> list[dict]:
+    rows = []
+    with ps.load(m["target"], mmproj=m["mmproj"], n_threads=args.threads, draft_max=args.draft_max,
+                 **m["kw"]) as eng:
+        for cond, ps_ in prompts.items():
+            for temp in args.temps:
+                res, toks = _run(eng, ps_, args.max_tokens, image if cond != "text" else None, temp)
+                key = (str(m["target"]), cond, temp)
+                same = refs.setdefault(key, toks) == toks
+                rows.append(dict(condition=cond, temp=temp, lossless=same, **res))
+    return rows
+
+
+def _run(eng, prompts, max_tokens, image, temp):
+    # measure_trained_pair.run puts the marker before the prompt; ours are laid out already
+    return run(_Prompted(eng, image), prompts, max_tokens, image=None, temperature=temp)
+
+
+class _Prompted:
+    """An engine whose generate() adds the picture to prompts holding the marker."""
+
+    def __init__(self, eng, image):
+        self.eng, self.image = eng, image
+
+    def generate(self, prompt, **kw):
+        images = [self.image] if MARKER in prompt else []
+        return self.eng.generate(prompt, images=images, **kw)
+
+
+def theirs(m: dict, prompts: dict, image_b64: str, args) -> list[dict]:
+    server = native_build.find_llama_server()
+    port = free_port()
+    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    proc = subprocess.Popen([str(server), "-m", str(m["target"]), "--mmproj", str(m["mmproj"]), *m["server"],
+                             "-c", "4096", "-np", "1", "-t", str(args.threads), "-td", str(args.threads),
+                             "--no-warmup", "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {Path(log.name).read_text()[-2000:]}")
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("llama-server did not start") from None
+                time.sleep(0.3)
+        # llama-server draws its media marker per process: /props says which
+        marker = json.load(urllib.request.urlopen(url + "/props", timeout=10)).get("media_marker", MARKER)
+        rows = []
+        for cond, ps_ in prompts.items():
+            for temp in args.temps:
+                agg = dict(drafted=0, accepted=0, generated=0, ms=0.0, steps=0)
+                for i, p in enumerate(ps_):
+                    prompt = ({"prompt_string": p.replace(MARKER, marker), "multimodal_data": [image_b64]}
+                              if MARKER in p else p)
+                    body = {"prompt": prompt, "n_predict": args.max_tokens, "temperature": temp, "seed": i,
+                            "cache_prompt": False}
+                    req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                                 {"Content-Type": "application/json"})
+                    t = json.load(urllib.request.urlopen(req, timeout=600))["timings"]
+                    agg["drafted"] += t.get("draft_n", 0)
+                    agg["accepted"] += t.get("draft_n_accepted", 0)
+                    agg["generated"] += t["predicted_n"]
+                    agg["ms"] += t["predicted_ms"]
+                    # the first token comes with the prompt; each step after it yields its accepted
+                    # drafts plus one token of the target's (as this project's target_steps counts them)
+                    agg["steps"] += t["predicted_n"] - 1 - t.get("draft_n_accepted", 0)
+                rows.append(dict(condition=cond, temp=temp, lossless=None,
+                                 acceptance_rate=agg["accepted"] / agg["drafted"] if agg["drafted"] else 0.0,
+                                 mean_accepted_length=1 + agg["accepted"] / agg["steps"] if agg["steps"] else 0.0,
+                                 tokens_per_s=agg["generated"] / agg["ms"] * 1000 if agg["ms"] else 0.0,
+                                 drafted=agg["drafted"], accepted=agg["accepted"], generated=agg["generated"]))
+        return rows
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        Path(log.name).unlink(missing_ok=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temps", default="0,0.8")
+    ap.add_argument("--draft-max", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--only", default=None, help="comma-separated method names to run (default: all)")
+    ap.add_argument("--no-llama-server", action="store_true")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args()
+    args.temps = [float(t) for t in args.temps.split(",")]
+    prompts = condition_prompts(held_out_prompts(args.prompts))
+    image = np.asarray(draw_demo_image(672))
+    image_b64 = png_b64(image)
+    have_server = native_build.find_llama_server() is not None and not args.no_llama_server
+    refs: dict = {}
+    table = []
+    for name, m in methods(args.draft_max).items():
+        if args.only and name not in args.only.split(","):
+            continue
+        missing = [f.name for f in m["files"] if not f.is_file()]
+        if missing:
+            print(f"# {name}: skipped, no {', '.join(missing)}", flush=True)
+            continue
+        for row in ours(m, prompts, image, args, refs):
+            table.append({"method": name, "engine": "pyllama-spec", **row})
+            print(json.dumps(table[-1]), flush=True)
+        if have_server and m["server"] is not None and m["server"] != []:
+            for row in theirs(m, prompts, image_b64, args):
+                table.append({"method": name, "engine": "llama-server", **row})
+                print(json.dumps(table[-1]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=1) + "\n")
+    print("\n| method | engine | condition | temperature | acceptance | mean accepted length | tokens/s | "
+          "equals target only |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in table:
+        same = "" if r["lossless"] is None else ("yes" if r["lossless"] else "NO")
+        print(f"| {r['method']} | {r['engine']} | {r['condition']} | {r['temp']:g} | {r['acceptance_rate']:.3f} | "
+              f"{r['mean_accepted_length']:.2f} | {r['tokens_per_s']:.0f} | {same} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
