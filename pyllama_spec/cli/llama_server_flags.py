@@ -1,4 +1,4 @@
-"""llama-server's command-line flags, generated from llama.cpp's common/arg.cpp (llama.cpp-832db0699007-padc4ac4caa) by
+"""llama-server's command-line flags, generated from llama.cpp's common/arg.cpp (llama.cpp-832db0699007-p06a2c7186b) by
 ``python -m pyllama_spec.devtools.llama_server_args``: do not edit by hand.
 
 Each entry: (names, negative names, values taken, environment variable, preset only, summary).
