@@ -105,13 +105,14 @@ def test_target_parity_with_pytorch():
     assert float(nll) < 3.0
 
 
-def _image_prompt_through_llama_cpp(image: np.ndarray, text: str):
-    """Decode [<image>, text] with the trained target in llama.cpp: the rows as PyTorch's target
-    takes them (tokens, -1 on image rows; projector embeddings; M-RoPE positions [T, 4]) and
-    llama.cpp's logits and layer inputs for the text rows after the image."""
+def _image_prompt_through_llama_cpp(image: np.ndarray, text: str, model: Path = TARGET, mmproj: Path = MMPROJ):
+    """Decode [<image>, text] with the trained target (or ``model`` with its projector ``mmproj``) in
+    llama.cpp: the rows as PyTorch's target takes them (tokens, -1 on image rows; projector
+    embeddings; M-RoPE positions [T, 4]) and llama.cpp's logits and layer inputs for the text rows
+    after the image."""
     from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
 
-    with Model(TARGET) as m, Projector(MMPROJ, m, n_threads=N_THREADS) as proj, Context(m, **BIG_BATCH) as ctx:
+    with Model(model) as m, Projector(mmproj, m, n_threads=N_THREADS) as proj, Context(m, **BIG_BATCH) as ctx:
         ctx.enable_layer_inputs(range(1, m.n_layer))
         chunks = proj.tokenize(MEDIA_MARKER + text, [Bitmap(image)])
         assert [c.type for c in chunks] == ["text", "image", "text"]

@@ -6,6 +6,22 @@ Not part of the installed package: PyTorch (CPU) is used here for training only.
     pip install torch==2.13.0
     python tools/train_tiny_pair.py --seed 0 --out pyllama_spec/models
 
+Two more drafts for that trained target (loaded, not retrained), each run writing its own files
+and its section of the models' README.md:
+
+    python tools/train_tiny_pair.py --eagle3 --target-from pyllama_spec/models/trained-target.gguf \
+        --seed 0 --minutes 60 --out pyllama_spec/models      # trained-eagle3.gguf
+    python tools/train_tiny_pair.py --draft-vlm --target-from pyllama_spec/models/trained-target.gguf \
+        --seed 0 --minutes 60 --out pyllama_spec/models      # trained-draft-vlm(-mmproj).gguf
+
+* ``--eagle3``: an EAGLE3 draft (``eagle3``, the graph of src/models/eagle3.cpp: ``make_eagle3``)
+  reading target layers (1, 2, 3), trained on the target's greedy continuations and on sequences
+  after a picture (every image row's features, laid out as the drafter lays them in each
+  ``draft_positions`` mode), with EAGLE-3's training-time test (``eagle3_chain_logits``).
+* ``--draft-vlm``: a narrower ``hunyuan_vl`` of the same vocabulary with its own random projector,
+  trained on the target's data (text, and pictures through its own projector) to match the target's
+  next-token distribution (``train_draft_vlm``).
+
 Corpus: the Python standard library's own top-level sources (``<stdlib>/*.py``, sorted by
 name; every 10th file is held out for evaluation), tokenized with the package's tiny
 byte-level tokenizer *through llama.cpp* (so training sees exactly the tokens inference sees).
@@ -91,6 +107,10 @@ class PairConfig:
     target_layers: tuple = (1, 2, 3)  # GGUF values: indices of target layer inputs
     block_size: int = 16
     sliding_window: int = 32
+    # the target's width and heads (of HEAD_DIM); the draft VLM (--draft-vlm) is a narrower hunyuan_vl
+    n_embd: int = N_EMBD
+    n_head: int = N_HEAD
+    n_head_kv: int = N_HEAD_KV
 
 
 # ----------------------------------------------------------------------------- torch modules
@@ -165,21 +185,21 @@ def attention(q, k, v, mask):
     return torch.einsum("bhqk,bkhd->bqhd", p, v)
 
 
-def _layer_params(n_ff: int):
+def _layer_params(n_ff: int, n_embd: int = N_EMBD, n_head: int = N_HEAD, n_head_kv: int = N_HEAD_KV):
     torch = _torch()
     nn = torch.nn
     return nn.ParameterDict(dict(
-        attn_norm=nn.Parameter(torch.ones(N_EMBD)),
-        wq=nn.Parameter(torch.randn(N_HEAD * HEAD_DIM, N_EMBD) / math.sqrt(N_EMBD)),
-        wk=nn.Parameter(torch.randn(N_HEAD_KV * HEAD_DIM, N_EMBD) / math.sqrt(N_EMBD)),
-        wv=nn.Parameter(torch.randn(N_HEAD_KV * HEAD_DIM, N_EMBD) / math.sqrt(N_EMBD)),
-        wo=nn.Parameter(torch.randn(N_EMBD, N_HEAD * HEAD_DIM) / math.sqrt(N_EMBD) * 0.5),
+        attn_norm=nn.Parameter(torch.ones(n_embd)),
+        wq=nn.Parameter(torch.randn(n_head * HEAD_DIM, n_embd) / math.sqrt(n_embd)),
+        wk=nn.Parameter(torch.randn(n_head_kv * HEAD_DIM, n_embd) / math.sqrt(n_embd)),
+        wv=nn.Parameter(torch.randn(n_head_kv * HEAD_DIM, n_embd) / math.sqrt(n_embd)),
+        wo=nn.Parameter(torch.randn(n_embd, n_head * HEAD_DIM) / math.sqrt(n_embd) * 0.5),
         q_norm=nn.Parameter(torch.ones(HEAD_DIM)),
         k_norm=nn.Parameter(torch.ones(HEAD_DIM)),
-        ffn_norm=nn.Parameter(torch.ones(N_EMBD)),
-        gate=nn.Parameter(torch.randn(n_ff, N_EMBD) / math.sqrt(N_EMBD)),
-        up=nn.Parameter(torch.randn(n_ff, N_EMBD) / math.sqrt(N_EMBD)),
-        down=nn.Parameter(torch.randn(N_EMBD, n_ff) / math.sqrt(n_ff) * 0.5),
+        ffn_norm=nn.Parameter(torch.ones(n_embd)),
+        gate=nn.Parameter(torch.randn(n_ff, n_embd) / math.sqrt(n_embd)),
+        up=nn.Parameter(torch.randn(n_ff, n_embd) / math.sqrt(n_embd)),
+        down=nn.Parameter(torch.randn(n_embd, n_ff) / math.sqrt(n_ff) * 0.5),
     ))
 
 
@@ -200,10 +220,12 @@ def make_target(cfg: PairConfig):
         def __init__(self):
             super().__init__()
             self.cfg = cfg
-            self.tok_embd = nn.Parameter(torch.randn(N_VOCAB, N_EMBD))
-            self.output = nn.Parameter(torch.randn(N_VOCAB, N_EMBD) / math.sqrt(N_EMBD))
-            self.output_norm = nn.Parameter(torch.ones(N_EMBD))
-            self.layers = nn.ModuleList([_layer_params(cfg.target_n_ff) for _ in range(cfg.target_n_layer)])
+            E = cfg.n_embd
+            self.tok_embd = nn.Parameter(torch.randn(N_VOCAB, E))
+            self.output = nn.Parameter(torch.randn(N_VOCAB, E) / math.sqrt(E))
+            self.output_norm = nn.Parameter(torch.ones(E))
+            self.layers = nn.ModuleList([_layer_params(cfg.target_n_ff, E, cfg.n_head, cfg.n_head_kv)
+                                         for _ in range(cfg.target_n_layer)])
 
         def forward(self, tokens, pos=None, *, layer_ids=(), embd=None):
             """tokens [B, T] -> logits [B, T, V], {lid: layer input [B, T, n_embd]}.
@@ -222,12 +244,12 @@ def make_target(cfg: PairConfig):
                 if il in layer_ids:
                     feats[il] = x
                 h = rms_norm(x, L["attn_norm"])
-                q = F.linear(h, L["wq"]).view(B, T, N_HEAD, HEAD_DIM)
-                k = F.linear(h, L["wk"]).view(B, T, N_HEAD_KV, HEAD_DIM)
-                v = F.linear(h, L["wv"]).view(B, T, N_HEAD_KV, HEAD_DIM)
+                q = F.linear(h, L["wq"]).view(B, T, cfg.n_head, HEAD_DIM)
+                k = F.linear(h, L["wk"]).view(B, T, cfg.n_head_kv, HEAD_DIM)
+                v = F.linear(h, L["wv"]).view(B, T, cfg.n_head_kv, HEAD_DIM)
                 q = rms_norm(rope_neox(q, pos, sections), L["q_norm"])
                 k = rms_norm(rope_neox(k, pos, sections), L["k_norm"])
-                a = attention(q, k, v, causal).reshape(B, T, N_HEAD * HEAD_DIM)
+                a = attention(q, k, v, causal).reshape(B, T, cfg.n_head * HEAD_DIM)
                 x = x + F.linear(a, L["wo"])
                 x = x + _ffn(L, x)
             logits = F.linear(rms_norm(x, self.output_norm), self.output)
@@ -333,20 +355,23 @@ def _np(p) -> np.ndarray:
     return p.detach().cpu().numpy().astype(np.float32)
 
 
-def _add_hparams(w: GGUFWriter, arch: str, n_layer: int, n_ff: int, sections: list[int]) -> None:
+def _add_hparams(w: GGUFWriter, arch: str, n_layer: int, n_ff: int, sections: list[int] | None,
+                 n_embd: int = N_EMBD, n_head: int = N_HEAD, n_head_kv: int = N_HEAD_KV) -> None:
+    """Hyper-parameters of a file written here; ``sections`` None: a plain 1-D rope."""
     w.add_string("general.architecture", arch)
     w.add_uint32(f"{arch}.context_length", 4096)
-    w.add_uint32(f"{arch}.embedding_length", N_EMBD)
+    w.add_uint32(f"{arch}.embedding_length", n_embd)
     w.add_uint32(f"{arch}.block_count", n_layer)
     w.add_uint32(f"{arch}.feed_forward_length", n_ff)
-    w.add_uint32(f"{arch}.attention.head_count", N_HEAD)
-    w.add_uint32(f"{arch}.attention.head_count_kv", N_HEAD_KV)
+    w.add_uint32(f"{arch}.attention.head_count", n_head)
+    w.add_uint32(f"{arch}.attention.head_count_kv", n_head_kv)
     w.add_uint32(f"{arch}.attention.key_length", HEAD_DIM)
     w.add_uint32(f"{arch}.attention.value_length", HEAD_DIM)
     w.add_uint32(f"{arch}.rope.dimension_count", HEAD_DIM)
     w.add_float32(f"{arch}.rope.freq_base", ROPE_BASE)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", EPS)
-    w.add_array(f"{arch}.rope.dimension_sections", ValueType.INT32, sections)
+    if sections is not None:
+        w.add_array(f"{arch}.rope.dimension_sections", ValueType.INT32, sections)
 
 
 _LAYER_TENSORS = [("attn_norm", "attn_norm"), ("wq", "attn_q"), ("wk", "attn_k"), ("wv", "attn_v"),
@@ -357,7 +382,8 @@ _LAYER_TENSORS = [("attn_norm", "attn_norm"), ("wq", "attn_q"), ("wk", "attn_k")
 def write_target_gguf(path, params: dict, cfg: PairConfig, name: str = "trained-tiny-hunyuan_vl") -> Path:
     """params: numpy arrays keyed as the torch module's state_dict."""
     w = GGUFWriter()
-    _add_hparams(w, "hunyuan_vl", cfg.target_n_layer, cfg.target_n_ff, TARGET_ROPE_SECTIONS)
+    _add_hparams(w, "hunyuan_vl", cfg.target_n_layer, cfg.target_n_ff, TARGET_ROPE_SECTIONS, cfg.n_embd, cfg.n_head,
+                 cfg.n_head_kv)
     w.add_string("general.name", name)
     tiny._add_tokenizer(w)
     w.add_tensor("token_embd.weight", params["tok_embd"])
@@ -420,7 +446,9 @@ def load_pair(target_path, draft_path=None):
     torch = _torch()
     tmeta, tt = read_gguf_tensors(target_path)
     cfg = PairConfig(target_n_layer=int(tmeta["hunyuan_vl.block_count"]),
-                     target_n_ff=int(tmeta["hunyuan_vl.feed_forward_length"]))
+                     target_n_ff=int(tmeta["hunyuan_vl.feed_forward_length"]),
+                     n_embd=int(tmeta["hunyuan_vl.embedding_length"]), n_head=int(tmeta["hunyuan_vl.attention.head_count"]),
+                     n_head_kv=int(tmeta["hunyuan_vl.attention.head_count_kv"]))
     dt = None
     if draft_path is not None:
         dmeta, dt = read_gguf_tensors(draft_path)
@@ -643,11 +671,14 @@ def _text_positions(p0: int, n: int) -> np.ndarray:
     return np.stack([p, p, p, np.zeros_like(p)], axis=1)
 
 
-def image_text_batch(rng, toks: np.ndarray, encoded: list[EncodedImage], batch: int, text_len: int):
+def image_text_batch(rng, toks: np.ndarray, encoded: list[EncodedImage], batch: int, text_len: int,
+                     teacher: list[EncodedImage] | None = None):
     """One target batch of [picture, corpus text] (one picture per batch, so rows line up):
-    tokens [B, T + 1] (-1 on image rows), M-RoPE positions [T, 4], embeddings [T, n_embd]."""
+    tokens [B, T + 1] (-1 on image rows), M-RoPE positions [T, 4], embeddings [T, n_embd]; with
+    ``teacher`` (the same pictures through another projector), also the teacher's embeddings."""
     torch = _torch()
-    e = encoded[int(rng.integers(0, len(encoded)))]
+    pick = int(rng.integers(0, len(encoded)))
+    e = encoded[pick]
     n_img = len(e.embd)
     head = np.concatenate([e.pre, np.full(n_img, -1), e.post])
     rows = []
@@ -657,17 +688,22 @@ def image_text_batch(rng, toks: np.ndarray, encoded: list[EncodedImage], batch: 
     T = len(rows[0]) - 1
     n_after = T - len(e.pre) - n_img
     pos = np.concatenate([_text_positions(0, len(e.pre)), e.pos, _text_positions(len(e.pre) + e.n_pos, n_after)])
-    embd = np.zeros((T, N_EMBD), np.float32)
-    embd[len(e.pre):len(e.pre) + n_img] = e.embd
-    return (torch.from_numpy(np.stack(rows).astype(np.int64)), torch.from_numpy(pos),
-            torch.from_numpy(embd))
+    def rows_of(image_embd):
+        embd = np.zeros((T, image_embd.shape[1]), np.float32)
+        embd[len(e.pre):len(e.pre) + n_img] = image_embd
+        return torch.from_numpy(embd)
+
+    out = (torch.from_numpy(np.stack(rows).astype(np.int64)), torch.from_numpy(pos), rows_of(e.embd))
+    if teacher is not None:  # the same picture through the teacher's projector (--draft-vlm)
+        out += (rows_of(teacher[pick].embd),)
+    return out
 
 
 def _image_text_loss(target, x, pos, embd):
     """Next-token loss on the text rows of an image_text_batch."""
     torch = _torch()
     B, T = x.shape[0], x.shape[1] - 1
-    logits, _ = target(x[:, :-1], pos[None].expand(B, T, 4), embd=embd[None].expand(B, T, N_EMBD))
+    logits, _ = target(x[:, :-1], pos[None].expand(B, T, 4), embd=embd[None].expand(B, T, embd.shape[-1]))
     labels = x[:, 1:].masked_fill(x[:, 1:] < 0, -100)
     return torch.nn.functional.cross_entropy(logits.reshape(-1, N_VOCAB), labels.reshape(-1), ignore_index=-100)
 
@@ -907,9 +943,548 @@ def eval_draft(draft, target, data: DraftData, cfg, seq, n_blocks, seed, batch=1
                 mean_accepted_full_block=round(float(run.mean()), 2))
 
 
+# ----------------------------------------------------------------------------- EAGLE3 draft (--eagle3)
+#
+# src/models/eagle3.cpp, operation for operation (no q/k norms; plain 1-D rope, LLAMA_ROPE_TYPE_NORM):
+#   encoder: g = fc f   (f = the target's layer inputs at ``target_layers``, side by side)
+#   decoder row (token t, g) at position p:  h = [rms(tok_embd[t]) * attn_norm | rms(g) * attn_norm_2];
+#       q, k, v = h Wq, h Wk, h Wv (2 x n_embd wide inputs); q, k = rope_norm(q, p), rope_norm(k, p)
+#       x = Wo attn_causal(q, k, v) + g;  prenorm = x + Wdown(silu(Wgate x') * Wup x'), x' = rms(x) * ffn_norm
+#       logits = target output(rms(prenorm) * output_norm)    (token embedding and head: the target's)
+# Input convention (common_speculative_impl_draft_eagle3): the row at position P is (t_{P+1}, g_P);
+# a drafted token is fed with the previous row's prenorm as its g, at the next position.
+
+
+@dataclass
+class Eagle3Config:
+    target_layers: tuple = (1, 2, 3)  # eagle3.target_layers: the target layers whose inputs the encoder reads
+    n_ff: int = 256
+    ttt_steps: int = 7  # training-time test: chain steps trained per anchor (step 0 reads the target's g)
+
+
+def rope_norm(x, pos):
+    """ggml's plain rope (LLAMA_ROPE_TYPE_NORM, the one llama.cpp gives the eagle3 arch): rotation pair
+    j is (x[2j], x[2j + 1]), turned by the angle of NeoX's pair j (x[j], x[j + d/2])."""
+    torch = _torch()
+    d = x.shape[-1]
+    perm = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
+    return rope_neox(x[..., perm], pos)[..., torch.argsort(perm)]
+
+
+def make_eagle3(ecfg: Eagle3Config):
+    torch = _torch()
+    nn = torch.nn
+    F = torch.nn.functional
+
+    class TinyEagle3(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ecfg = ecfg
+            n_in, n_attn_in = len(ecfg.target_layers) * N_EMBD, 2 * N_EMBD
+            self.fc = nn.Parameter(torch.randn(N_EMBD, n_in) / math.sqrt(n_in))
+            self.output_norm = nn.Parameter(torch.ones(N_EMBD))
+            self.blk = nn.ParameterDict(dict(
+                attn_norm=nn.Parameter(torch.ones(N_EMBD)),  # input_layernorm, on the token embedding
+                hidden_norm=nn.Parameter(torch.ones(N_EMBD)),  # attn_norm_2, on g
+                wq=nn.Parameter(torch.randn(N_HEAD * HEAD_DIM, n_attn_in) / math.sqrt(n_attn_in)),
+                wk=nn.Parameter(torch.randn(N_HEAD_KV * HEAD_DIM, n_attn_in) / math.sqrt(n_attn_in)),
+                wv=nn.Parameter(torch.randn(N_HEAD_KV * HEAD_DIM, n_attn_in) / math.sqrt(n_attn_in)),
+                wo=nn.Parameter(torch.randn(N_EMBD, N_HEAD * HEAD_DIM) / math.sqrt(N_EMBD) * 0.5),
+                ffn_norm=nn.Parameter(torch.ones(N_EMBD)),
+                gate=nn.Parameter(torch.randn(ecfg.n_ff, N_EMBD) / math.sqrt(N_EMBD)),
+                up=nn.Parameter(torch.randn(ecfg.n_ff, N_EMBD) / math.sqrt(N_EMBD)),
+                down=nn.Parameter(torch.randn(N_EMBD, ecfg.n_ff) / math.sqrt(ecfg.n_ff) * 0.5),
+            ))
+
+        def encode(self, feats):
+            """The encoder graph: g = fc f, for target features [..., 3 x n_embd]."""
+            return F.linear(feats, self.fc)
+
+        def qkv(self, emb, g, pos):
+            """q, k, v of rows (token embedding emb, g) [B, T, n_embd] at 1-D positions pos [B, T]."""
+            B, T, _ = emb.shape
+            L = self.blk
+            h = torch.cat([rms_norm(emb, L["attn_norm"]), rms_norm(g, L["hidden_norm"])], dim=-1)
+            q = rope_norm(F.linear(h, L["wq"]).view(B, T, N_HEAD, HEAD_DIM), pos)
+            k = rope_norm(F.linear(h, L["wk"]).view(B, T, N_HEAD_KV, HEAD_DIM), pos)
+            return q, k, F.linear(h, L["wv"]).view(B, T, N_HEAD_KV, HEAD_DIM)
+
+        def finish(self, a, g, output):
+            """(logits, prenorm) from the attention output a [B, T, H, D] of rows whose g is g."""
+            x = F.linear(a.reshape(*a.shape[:2], N_HEAD * HEAD_DIM), self.blk["wo"]) + g
+            prenorm = x + _ffn(self.blk, x)
+            return F.linear(rms_norm(prenorm, self.output_norm), output), prenorm
+
+        def forward(self, emb, g, pos, output):
+            """All rows at once, each seeing every row at or before its position (llama.cpp's causal
+            mask on a 1-D cache: rows that share a position see each other): (logits, prenorm)."""
+            q, k, v = self.qkv(emb, g, pos)
+            return self.finish(attention(q, k, v, pos[:, None, :] <= pos[:, :, None]), g, output)
+
+    return TinyEagle3()
+
+
+def _attention_with_chain(q, k0, v0, mask0, chain):
+    """attention() over the rows k0/v0 (mask0 [B, A, T]) plus, for each query, one key of each earlier
+    chain step (chain: [(k, v) [B, A, Hkv, D]], query a's own keys): a drafted row sees the context and
+    the rows drafted before it in its own chain."""
+    torch = _torch()
+    q, k0, v0 = _f16(q), _f16(k0), _f16(v0)
+    rep = q.shape[2] // k0.shape[2]
+    k0, v0 = k0.repeat_interleave(rep, dim=2), v0.repeat_interleave(rep, dim=2)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s0 = torch.einsum("bqhd,bkhd->bhqk", q, k0) * scale
+    s0 = s0.masked_fill(~mask0[:, None], float("-inf"))
+    ks = [_f16(k).repeat_interleave(rep, dim=2) for k, _ in chain]
+    vs = [_f16(v).repeat_interleave(rep, dim=2) for _, v in chain]
+    sc = torch.stack([(q * k).sum(-1) for k in ks], dim=-1).permute(0, 2, 1, 3) * scale  # [B, H, A, j]
+    p = _f16(torch.softmax(torch.cat([s0, sc], dim=-1), dim=-1))
+    T = k0.shape[1]
+    out = torch.einsum("bhqk,bkhd->bqhd", p[..., :T], v0)
+    for i, v in enumerate(vs):
+        out = out + p[..., T + i].permute(0, 2, 1)[..., None] * v
+    return out
+
+
+def eagle3_chain_logits(draft, emb_table, output, partners, feats, pos, key_ok, anchors, steps):
+    """Training-time test: logits [steps][B, A, V] of chains drafted from anchor rows.
+
+    Rows r < T (feats [B, T, n_in], 1-D positions pos [B, T], key_ok [B, T]: rows that exist) are
+    the draft's cache, (partners[r], g_r) at pos[r].  The chain at anchor a (anchors [B, A]): step 0
+    is row a itself (llama.cpp's held-back row, written by draft() with id_last); step j >= 1 is
+    (partners[a + j], the prenorm of step j - 1) at pos[a] + j, as draft() feeds a drafted token.
+    Each step sees the cache rows at or before pos[a] and the chain's earlier steps.  ``partners``
+    [B, >= T + steps - 1]: the tokens (the real ones: teacher forcing; the drafted ones for parity)."""
+    torch = _torch()
+    B, T = feats.shape[:2]
+    g_all = draft.encode(feats)
+    q_all, k0, v0 = draft.qkv(emb_table[partners[:, :T]], g_all, pos)
+
+    def take(x):  # the anchor rows of x [B, T, ...]
+        return torch.gather(x, 1, anchors.view(B, -1, *([1] * (x.ndim - 2))).expand(-1, -1, *x.shape[2:]))
+
+    apos = torch.gather(pos, 1, anchors)
+    mask0 = (pos[:, None, :] <= apos[:, :, None]) & key_ok[:, None, :]
+    g = take(g_all)
+    chain, out = [], []
+    for j in range(steps):
+        if j == 0:
+            q = take(q_all)
+            a = attention(q, k0, v0, mask0)
+        else:
+            tok = torch.gather(partners, 1, anchors + j)
+            q, k, v = draft.qkv(emb_table[tok], g, apos + j)
+            chain.append((k, v))
+            a = _attention_with_chain(q, k0, v0, mask0, chain)
+        logits, g = draft.finish(a, g, output)
+        out.append(logits)
+    return out
+
+
+_EAGLE3_TENSORS = [("fc", "fc.weight"), ("output_norm", "output_norm.weight"),
+                   ("blk.attn_norm", "blk.0.attn_norm.weight"), ("blk.hidden_norm", "blk.0.attn_norm_2.weight"),
+                   ("blk.wq", "blk.0.attn_q.weight"), ("blk.wk", "blk.0.attn_k.weight"),
+                   ("blk.wv", "blk.0.attn_v.weight"), ("blk.wo", "blk.0.attn_output.weight"),
+                   ("blk.ffn_norm", "blk.0.ffn_norm.weight"), ("blk.gate", "blk.0.ffn_gate.weight"),
+                   ("blk.up", "blk.0.ffn_up.weight"), ("blk.down", "blk.0.ffn_down.weight")]
+
+
+def write_eagle3_gguf(path, params: dict, ecfg: Eagle3Config, name: str = "trained-tiny-eagle3") -> Path:
+    """An ``eagle3`` draft as pyllama_spec.devtools.tiny.write_eagle3_draft lays one out (no d2t: it
+    borrows the target's token embedding and output head)."""
+    w = GGUFWriter()
+    _add_hparams(w, "eagle3", 1, ecfg.n_ff, None)
+    w.add_string("general.name", name)
+    w.add_array("eagle3.target_layers", ValueType.INT32, list(ecfg.target_layers))
+    w.add_uint32("eagle3.target_hidden_size", N_EMBD)
+    tiny._add_tokenizer(w)
+    for k, t in _EAGLE3_TENSORS:
+        w.add_tensor(t, params[k])
+    path = Path(path)
+    w.write(path)
+    return path
+
+
+def load_eagle3(path):
+    """(TinyEagle3 module, Eagle3Config) holding the weights of an eagle3 file written here."""
+    torch = _torch()
+    meta, tensors = read_gguf_tensors(path)
+    ecfg = Eagle3Config(target_layers=tuple(int(x) for x in meta["eagle3.target_layers"]),
+                        n_ff=int(meta["eagle3.feed_forward_length"]))
+    draft = make_eagle3(ecfg)
+    draft.load_state_dict({k: torch.from_numpy(tensors[t].copy()) for k, t in _EAGLE3_TENSORS})
+    return draft.eval(), ecfg
+
+
+@dataclass
+class ImageContinuations:
+    """Sequences [``MEDIA_MARKER + "\\n"`` with a picture, a corpus prompt, the target's greedy
+    continuation of it], decoded by the trained target in llama.cpp, with every row's target layer
+    inputs. The rows up to the picture's last one (its "head") do not depend on what follows, so
+    they are kept once per picture; the text after it per sequence. ``rows`` lays a sequence out as
+    the EAGLE3 drafter holds it, in either ``draft_positions`` mode, with its own ``_lay_out``."""
+
+    head_tokens: list  # per picture: own tokens of the rows before the text (the media token on image rows)
+    head_feats: list  # per picture: their layer inputs [n, n_in]
+    head_pos: list  # per picture: their target positions (section 0; an image's rows share its first)
+    n_image: list  # per picture: image rows
+    n_pos: list  # per picture: positions the image spans
+    picture: np.ndarray  # [N]: the picture of each sequence
+    tokens: np.ndarray  # [N, n_post]: the text after the picture
+    feats: np.ndarray  # [N, n_post, n_in]
+    greedy: np.ndarray  # [N, n_post]: the target's argmax after each text row
+
+    def rows(self, i: int, mode: str):
+        """(own tokens, feats, greedy (-1: none), 1-D draft positions) of sequence i as the drafter
+        lays it out in ``mode`` (drafters/eagle3.py: _positions, _lay_out)."""
+        from pyllama_spec.drafters.eagle3 import _lay_out, _Rows
+
+        p = int(self.picture[i])
+        n_head, n_img, n_post = len(self.head_tokens[p]), self.n_image[p], self.tokens.shape[1]
+        n_pre = n_head - n_img
+        tokens = np.concatenate([self.head_tokens[p], self.tokens[i]])
+        greedy = np.concatenate([np.full(n_head, -1, np.int32), self.greedy[i]])
+        if mode == "target":
+            a = int(self.head_pos[p][n_pre])
+            pos = np.concatenate([self.head_pos[p], a + self.n_pos[p] + np.arange(n_post)]).astype(np.int32)
+            pinned = np.arange(n_head + n_post) >= n_pre
+            pinned[n_head:] = False
+        else:
+            pos = np.arange(n_head + n_post, dtype=np.int32)
+            pinned = np.zeros(n_head + n_post, bool)
+        # lay out row indices (carried as the one-column "g") to know which row went where
+        index = np.arange(len(tokens), dtype=np.float32)[:, None]
+        placed, n_placed = _lay_out(_Rows(tokens.astype(np.int32), index, pos, pinned), None)
+        assert n_placed == len(tokens)
+        src = placed.g[:, 0].astype(np.int64)
+        feats = np.concatenate([self.head_feats[p], self.feats[i]])[src]
+        return placed.tokens, feats, greedy[src], placed.pos
+
+
+def generate_image_continuations(target_gguf, mmproj_gguf, toks: np.ndarray, images: list[np.ndarray], n_seqs: int,
+                                 prompt_len: int, gen_len: int, target_layers, seed: int,
+                                 log=print) -> ImageContinuations:
+    """n_seqs sequences [picture, corpus prompt, greedy continuation] decoded by the trained target in
+    llama.cpp, with the layer inputs ``target_layers`` of every row (see ImageContinuations)."""
+    from pyllama_spec.bindings.context import Context
+    from pyllama_spec.bindings.model import Model
+    from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
+    from pyllama_spec.drafters.eagle3 import media_token
+
+    rng = np.random.default_rng(seed + 43)
+    lids = list(target_layers)
+    t0 = time.time()
+    with Model(target_gguf) as m, Projector(mmproj_gguf, m, n_threads=1) as proj:
+        media = media_token(m)
+        prepared = []
+        for img in images:
+            chunks = proj.tokenize(MEDIA_MARKER + "\n", [Bitmap(img)])
+            if [c.type for c in chunks] != ["text", "image", "text"]:
+                raise RuntimeError(f"unexpected chunk layout for an image prompt: {[c.type for c in chunks]}")
+            prepared.append((chunks, proj.encode(chunks[1])))
+        n_pre = len(prepared[0][0][0].tokens)
+        n_post = len(prepared[0][0][2].tokens) + prompt_len + gen_len
+        n_in = len(lids) * N_EMBD
+        heads = [None] * len(images)
+        out = ImageContinuations(head_tokens=[], head_feats=[], head_pos=[], n_image=[], n_pos=[],
+                                 picture=np.zeros(n_seqs, np.int64), tokens=np.zeros((n_seqs, n_post), np.int32),
+                                 feats=np.zeros((n_seqs, n_post, n_in), np.float32),
+                                 greedy=np.zeros((n_seqs, n_post), np.int32))
+        max_rows = max(c[1].n_tokens for c, _ in prepared)
+        with Context(m, n_ctx=n_pre + max_rows + n_post + 16, n_batch=512, n_ubatch=512, n_threads=1,
+                     flash_attn=False) as ctx:
+            ctx.enable_layer_inputs(lids)
+
+            def features(n):
+                return np.concatenate([ctx.layer_input(lid, n) for lid in lids], axis=1)
+
+            for i in range(n_seqs):
+                p = int(rng.integers(0, len(images)))
+                s = int(rng.integers(0, len(toks) - prompt_len))
+                chunks, embd = prepared[p]
+                pre, chunk, post_start = chunks[0].tokens, chunks[1], chunks[2].tokens
+                ctx.memory.clear()
+                ctx.decode_tokens(pre, np.arange(n_pre), outputs=True)
+                head = [features(n_pre).copy()]
+                pos = proj.decode_media(ctx, chunk, embd, n_pre, n_batch=ctx.n_batch,
+                                        on_batch=lambda b, head=head: head.append(features(b.n_rows).copy()))
+                if heads[p] is None:  # the same rows each time: keep them once
+                    section0 = chunk.decoder_positions(n_pre)[:, 0]
+                    heads[p] = (np.concatenate([pre, np.full(chunk.n_tokens, media)]).astype(np.int32),
+                                np.concatenate(head), np.concatenate([np.arange(n_pre), section0]).astype(np.int32),
+                                chunk.n_tokens, pos - n_pre)
+                prompt = np.concatenate([post_start, toks[s:s + prompt_len]]).astype(np.int32)
+                n_p = len(prompt)
+                ctx.decode_tokens(prompt, pos + np.arange(n_p), outputs=True)
+                out.picture[i] = p
+                out.tokens[i, :n_p] = prompt
+                out.feats[i, :n_p] = features(n_p)
+                out.greedy[i, :n_p] = ctx.output_logits(n_p).argmax(-1)
+                for j in range(n_p, n_post):
+                    t = int(out.greedy[i, j - 1])
+                    ctx.decode_tokens([t], [pos + j], outputs=True)
+                    out.tokens[i, j] = t
+                    out.feats[i, j] = features(1)[0]
+                    out.greedy[i, j] = int(np.argmax(ctx.logits(-1)))
+                if i % 128 == 0:
+                    log(f"image continuations: {i}/{n_seqs} ({time.time() - t0:.0f}s)")
+    empty = (np.zeros(0, np.int32), np.zeros((0, n_in), np.float32), np.zeros(0, np.int32), 0, 0)
+    for tokens, feats, pos, n_image, n_pos in (h or empty for h in heads):  # pictures never drawn stay empty
+        out.head_tokens.append(tokens)
+        out.head_feats.append(feats)
+        out.head_pos.append(pos)
+        out.n_image.append(n_image)
+        out.n_pos.append(n_pos)
+    return out
+
+
+def target_features(target, seqs: np.ndarray, layers, batch: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """The PyTorch target's layer inputs ``layers`` (side by side) [N, T, n_in] and greedy choices
+    [N, T] for token sequences [N, T] (computed once: the draft's training reads them many times)."""
+    torch = _torch()
+    feats, greedy = [], []
+    with torch.no_grad():
+        for s in range(0, len(seqs), batch):
+            logits, f = target(torch.from_numpy(seqs[s:s + batch].astype(np.int64)), layer_ids=layers)
+            feats.append(torch.cat([f[lid] for lid in layers], dim=-1).numpy())
+            greedy.append(logits.argmax(-1).numpy().astype(np.int32))
+    return np.concatenate(feats), np.concatenate(greedy)
+
+
+@dataclass
+class Eagle3Data:
+    """EAGLE3 training sequences: corpus windows (features from the PyTorch target), windows of the
+    target's greedy text (``gen``, with ``gen_feats`` = target_features(gen)), and (``images``)
+    greedy text after a picture in either mode."""
+
+    toks: np.ndarray
+    gen: np.ndarray | None = None
+    gen_share: float = 0.0
+    images: ImageContinuations | None = None
+    image_share: float = 0.0
+    image_modes: tuple = ("target", "sequential")
+    gen_feats: tuple | None = None  # (feats [N, T, n_in], greedy [N, T]) of gen
+
+    def sample(self, rng, batch: int, seq: int) -> list[tuple]:
+        """batch sequences (own tokens, feats or None, greedy or None, positions)."""
+        rows = []
+        for _ in range(batch):
+            if self.images is not None and rng.random() < self.image_share:
+                i = int(rng.integers(0, len(self.images.picture)))
+                rows.append(self.images.rows(i, self.image_modes[int(rng.integers(0, len(self.image_modes)))]))
+                continue
+            if self.gen is not None and rng.random() < self.gen_share:
+                i = int(rng.integers(0, len(self.gen)))
+                o = int(rng.integers(0, self.gen.shape[1] - seq + 1))
+                f, g = self.gen_feats[0][i, o:o + seq], self.gen_feats[1][i, o:o + seq]
+                rows.append((self.gen[i, o:o + seq].astype(np.int32), f, g, np.arange(seq, dtype=np.int32)))
+                continue
+            s = int(rng.integers(0, len(self.toks) - seq - 1))
+            rows.append((self.toks[s:s + seq].astype(np.int32), None, None, np.arange(seq, dtype=np.int32)))
+        return rows
+
+
+def _eagle3_step_data(target, rng, data: Eagle3Data, ecfg: Eagle3Config, batch, seq, n_anchors):
+    """One batch, as groups of sequences of one length (text; after a picture), each a tuple
+    (partners [B, T + steps - 1], feats [B, T, n_in], pos [B, T], key_ok [B, T], anchors [B, A],
+    labels [steps, B, A]).  A row's partner is the next row's own token; the label of chain step j
+    from anchor a is the target's greedy choice after row a + 1 + j (-100 where that row is not text,
+    or a row between is not)."""
+    torch = _torch()
+    steps = ecfg.ttt_steps
+    rows = data.sample(rng, batch, seq)
+    text = [k for k, r in enumerate(rows) if r[1] is None]
+    if text:
+        x = torch.from_numpy(np.stack([rows[k][0] for k in text]).astype(np.int64))
+        with torch.no_grad():
+            logits, f = target(x, layer_ids=ecfg.target_layers)
+        feats = torch.cat([f[lid] for lid in ecfg.target_layers], dim=-1).numpy()
+        greedy = logits.argmax(-1).numpy()
+        for n, k in enumerate(text):
+            rows[k] = (rows[k][0], feats[n], greedy[n], rows[k][3])
+    # sequences of one length together (text windows; sequences after a picture): less padding
+    groups = []
+    for members in ([k for k in range(len(rows)) if len(rows[k][0]) == seq],
+                    [k for k in range(len(rows)) if len(rows[k][0]) != seq]):
+        if not members:
+            continue
+        n_rows = [len(rows[k][0]) - 1 for k in members]  # the last row has no partner yet
+        T, B = max(n_rows), len(members)
+        n_in = rows[members[0]][1].shape[1]
+        partners = np.zeros((B, T + steps - 1), np.int64)
+        feats = np.zeros((B, T, n_in), np.float32)
+        pos = np.zeros((B, T), np.int64)
+        key_ok = np.zeros((B, T), bool)
+        labels = np.full((steps, B, n_anchors), -100, np.int64)
+        anchors = np.zeros((B, n_anchors), np.int64)
+        for b, (k, n) in enumerate(zip(members, n_rows)):
+            own, f, gr, p = rows[k]
+            partners[b, :n] = own[1:]
+            feats[b, :n], pos[b, :n], key_ok[b, :n] = f[:n], p[:n], True
+            pos[b, n:] = p[n - 1] + 1 + np.arange(T - n)  # padding: after every real row (never a key)
+            # y[r]: the target's choice after row r, for text rows; a chain through a non-text row is void
+            y = np.where(gr >= 0, gr, -100).astype(np.int64)
+            ok = np.cumsum(gr < 0)  # non-text rows up to r
+            valid = [a for a in range(n) if y[a + 1] >= 0 and ok[a + 1] == ok[a]]
+            pick = rng.choice(valid, min(n_anchors, len(valid)), replace=False) if valid else []
+            anchors[b, :len(pick)] = pick
+            for c, a in enumerate(pick):
+                for j in range(steps):
+                    r = a + 1 + j
+                    if r > n or y[r] < 0 or ok[r] != ok[a]:
+                        break
+                    labels[j, b, c] = y[r]
+        groups.append(tuple(torch.from_numpy(v) for v in (partners, feats, pos, key_ok, anchors, labels)))
+    return groups
+
+
+def _eagle3_group_loss(draft, target, group, ecfg, weights):
+    """(weighted loss, per-step (loss sum, correct, count), correct [steps, B, A] bool) of one group."""
+    torch = _torch()
+    F = torch.nn.functional
+    partners, feats, pos, key_ok, anchors, labels = group
+    logits = eagle3_chain_logits(draft, target.tok_embd, target.output, partners, feats, pos, key_ok, anchors,
+                                 ecfg.ttt_steps)
+    total, stats, correct = 0.0, [], []
+    for j, lg in enumerate(logits):
+        lab = labels[j].reshape(-1)
+        n = int((lab >= 0).sum())
+        lsum = F.cross_entropy(lg.reshape(-1, N_VOCAB), lab, ignore_index=-100, reduction="sum")
+        hit = (lg.argmax(-1) == labels[j]) & (labels[j] >= 0)
+        correct.append(hit)
+        total = total + weights[j] * lsum / max(1, n)
+        stats.append((float(lsum.detach()), int(hit.sum()), n))
+    return total, stats, torch.stack(correct)
+
+
+def train_eagle3(draft, target, data: Eagle3Data, held: dict, ecfg, *, steps, seconds, batch, seq, n_anchors, seed,
+                 log):
+    """AdamW on the chain loss (step j weighted 0.8^j, as EAGLE-3): the draft learns the target's
+    greedy choice from the target's features at step 0 and from its own outputs after."""
+    torch = _torch()
+    rng = np.random.default_rng(seed + 29)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    weights = [0.8 ** j for j in range(ecfg.ttt_steps)]
+    weights = [w / sum(weights) for w in weights]
+    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    t0, c0, step, losses = time.time(), time.process_time(), 0, []
+    for step in range(steps):
+        if time.time() - t0 > seconds:
+            log(f"eagle3: time budget reached at step {step}")
+            break
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, steps, 3e-3)
+        groups = _eagle3_step_data(target, rng, data, ecfg, batch, seq, n_anchors)
+        loss = sum(_eagle3_group_loss(draft, target, grp, ecfg, weights)[0] * grp[0].shape[0] for grp in groups) / batch
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 50 == 0:
+            log(f"eagle3 step {step} loss {np.mean(losses[-50:]):.3f} ({time.time() - t0:.0f}s)")
+    info = dict(steps=step + 1, seconds=round(time.time() - t0, 1), cpu_seconds=round(time.process_time() - c0, 1),
+                train_loss=float(np.mean(losses[-50:])))
+    for name, d in held.items():
+        info[name] = eval_eagle3(draft, target, d, ecfg, seq, n_anchors, seed)
+    return info
+
+
+def eval_eagle3(draft, target, data: Eagle3Data, ecfg, seq, n_anchors, seed, batch=16):
+    """Held out, teacher-forced chains: loss and agreement with the target per chain step, and the
+    mean leading steps that all agree (the accepted length of a draft of ttt_steps tokens)."""
+    torch = _torch()
+    rng = np.random.default_rng(seed + 79)
+    weights = [1.0] * ecfg.ttt_steps
+    lsum, hits, counts, runs = np.zeros(ecfg.ttt_steps), np.zeros(ecfg.ttt_steps), np.zeros(ecfg.ttt_steps), []
+    with torch.no_grad():
+        for grp in _eagle3_step_data(target, rng, data, ecfg, batch, seq, n_anchors):
+            _, stats, correct = _eagle3_group_loss(draft, target, grp, ecfg, weights)
+            for j, (ls, h, n) in enumerate(stats):
+                lsum[j] += ls
+                hits[j] += h
+                counts[j] += n
+            full = grp[5][-1] >= 0  # anchors whose whole chain is labelled
+            runs.append(correct.long().cumprod(0).sum(0)[full].float())
+    return dict(loss=round(float(lsum.sum() / counts.sum()), 3),
+                step_agreement=[round(float(h / max(1, n)), 2) for h, n in zip(hits, counts)],
+                mean_accepted_chain=round(float(torch.cat(runs).mean()), 2))
+
+
+# ----------------------------------------------------------------------------- draft VLM (--draft-vlm)
+
+def train_draft_vlm(vlm, teacher, toks, held, *, steps, seconds, batch, seq, seed, log, images, teacher_images,
+                    held_images, held_teacher_images, image_share, image_text):
+    """The target's recipe (corpus windows; a share of the batches with a picture first, the picture
+    through the VLM's own projector) with the target as teacher: the loss is the KL divergence from
+    the target's next-token distribution (the teacher sees the same picture through its projector)
+    on the text rows, so the small model learns to guess what the target will say."""
+    torch = _torch()
+    rng = np.random.default_rng(seed + 17)
+    img_rng = np.random.default_rng(seed + 19)
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    opt = torch.optim.AdamW(vlm.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    t0, c0, step, losses = time.time(), time.process_time(), 0, []
+    for step in range(steps):
+        if time.time() - t0 > seconds:
+            log(f"draft VLM: time budget reached at step {step}")
+            break
+        for g in opt.param_groups:
+            g["lr"] = _lr(step, steps, 3e-3)
+        if img_rng.random() < image_share:
+            batch_data = image_text_batch(img_rng, toks, images, batch, image_text, teacher=teacher_images)
+        else:
+            batch_data = (_batch(rng, toks, batch, seq + 1),)
+        loss = _distill_loss(vlm, teacher, *batch_data)[0]
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vlm.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 100 == 0:
+            log(f"draft VLM step {step} KL {np.mean(losses[-100:]):.3f} ({time.time() - t0:.0f}s)")
+    info = dict(steps=step + 1, seconds=round(time.time() - t0, 1), cpu_seconds=round(time.process_time() - c0, 1),
+                train_kl=float(np.mean(losses[-100:])),
+                held_out_loss=eval_target(vlm, held, seq, seed),
+                held_out_loss_after_image=eval_target_after_images(vlm, held, held_images, image_text, seed))
+    erng = np.random.default_rng(seed + 97)
+    with torch.no_grad():
+        text = [_distill_loss(vlm, teacher, _batch(erng, held, 16, seq + 1))]
+        image = [_distill_loss(vlm, teacher, *image_text_batch(erng, held, held_images, 1, image_text,
+                                                               teacher=held_teacher_images)) for _ in range(16)]
+    info["held_out_kl"], info["held_out_agreement"] = round(float(text[0][0]), 3), round(text[0][1], 3)
+    info["held_out_kl_after_image"] = round(float(np.mean([float(k) for k, _ in image])), 3)
+    info["held_out_agreement_after_image"] = round(float(np.mean([a for _, a in image])), 3)
+    return info
+
+
+def _distill_loss(student, teacher, x, pos=None, embd=None, teacher_embd=None):
+    """(KL(teacher || student) per text row, share of those rows where both argmaxes agree) for a
+    batch of corpus windows x [B, T + 1], or of [picture, text] (image_text_batch with a teacher)."""
+    torch = _torch()
+    F = torch.nn.functional
+    B, T = x.shape[0], x.shape[1] - 1
+    kw_s, kw_t = {}, {}
+    if pos is not None:
+        pos = pos[None].expand(B, T, 4)
+        kw_s = dict(embd=embd[None].expand(B, T, embd.shape[-1]))
+        kw_t = dict(embd=teacher_embd[None].expand(B, T, teacher_embd.shape[-1]))
+    with torch.no_grad():
+        t_logits, _ = teacher(x[:, :-1], pos, **kw_t)
+    s_logits, _ = student(x[:, :-1], pos, **kw_s)
+    rows = x[:, 1:] >= 0  # rows whose next row is text: what a draft guesses
+    t_logp = F.log_softmax(t_logits[rows], -1)
+    s_logp = F.log_softmax(s_logits[rows], -1)
+    kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()
+    agree = float((t_logp.argmax(-1) == s_logp.argmax(-1)).float().mean())
+    return kl, agree
+
+
 # ----------------------------------------------------------------------------- main
 
-README = """# Trained tiny target + DFlash draft
+README = """# Trained tiny target and its drafts
 
 Small GGUF files trained on CPU by `tools/train_tiny_pair.py` (PyTorch, training only), so that
 tests can show real draft acceptance (random weights accept nothing).
@@ -921,6 +1496,9 @@ tests can show real draft acceptance (random weights accept nothing).
   and output head.
 * `trained-mmproj.gguf`: `pyllama_spec.devtools.tiny.write_mmproj(seed={seed})` (random `qwen2vl_merger`
   projector, untrained), so image prompts run.
+* `trained-eagle3.gguf` (an EAGLE3 draft) and `trained-draft-vlm.gguf` with `trained-draft-vlm-mmproj.gguf`
+  (a small draft VLM and its own projector): trained for this target by `--eagle3` and `--draft-vlm`
+  runs, see their sections below.
 
 ## Command
 
@@ -968,6 +1546,195 @@ Total wall time {total} s. Parity with llama.cpp: `tests/test_trained_pair.py`.
 """
 
 
+# checked for the committed trained-eagle3 / trained-draft-vlm files by running each command twice
+DETERMINISTIC = (" Deterministic for a seed, thread count and machine: two runs of the committed "
+                 "files' command gave byte-identical files.")
+
+EAGLE3_README = """## EAGLE3 draft (`trained-eagle3.gguf`)
+
+`eagle3` (llama.cpp's src/models/eagle3.cpp): an encoder `fc` over the inputs of target layers
+{layers} (side by side, 3 x 64 -> 64), then one decoder layer (4 heads x 16, 2 KV heads, n_ff {n_ff},
+plain 1-D rope) over [token embedding | g]; no `d2t`: it borrows the target's token embedding and
+output head. Trained for the committed `trained-target.gguf` (loaded, not retrained); drafts with
+`spec_type="draft-eagle3"`.
+
+```
+pip install torch==2.13.0
+python tools/train_tiny_pair.py {argv}
+```
+
+Seed {seed}; torch {torch_version}, {threads} thread(s). {capped} Wall time {total} s: data {data_s} s,
+training {train_s} s ({cpu_s} s of CPU; the machine was shared).
+
+* data: {gen_seqs} random {gen_prompt}-token corpus prompts of the training files, each continued greedily
+  for {gen_len} tokens by the target (llama.cpp); {gen_share} of the text sequences are windows of these,
+  the rest corpus windows (features and labels from the PyTorch target).
+  {image_seqs} sequences `<__media__>` + a picture (one of {images} from `image_pool`, as for the DFlash
+  draft) + "\\n" + a {gen_prompt}-token prompt continued greedily for {gen_len} tokens, decoded by the
+  target in llama.cpp, every row's layer inputs kept, the picture's rows included ({image_share} of the
+  sequences, half in each `draft_positions` mode: the drafter's own layout (drafters/eagle3.py
+  `_lay_out`): in "target" mode an image's rows share its positions, in "sequential" mode one row a
+  position; an image row's own token is `<|image_pad|>`).
+* objective (EAGLE-3 with training-time test): the row at position P is (t_(P+1), g_P), g = `fc` of
+  the target's features; from {anchors} anchor rows per sequence a chain of {ttt} steps, step j >= 1
+  fed the real next token and the draft's own output of step j - 1 (before the output norm) as g, at
+  P + j, seeing the context rows and its own earlier steps, exactly as llama.cpp's draft() runs it;
+  label of each step: the target's greedy choice; loss weight 0.8^j. AdamW, batch {batch} x {seq},
+  {steps} steps, {train_s} s; train loss {loss:.3f}.
+* held out (loss over all steps; agreement with the target per chain step 1..{ttt}; mean accepted
+  length of a {ttt}-token chain, teacher-forced):
+{held}
+"""
+
+VLM_README = """## Draft VLM (`trained-draft-vlm.gguf`, `trained-draft-vlm-mmproj.gguf`)
+
+A smaller `hunyuan_vl` of the same vocabulary (M-RoPE sections [2, 3, 3, 0]): {n_layer} layers,
+n_embd {n_embd}, {n_head} heads x 16 ({n_head_kv} KV head(s)), n_ff {n_ff}; its own projector
+`trained-draft-vlm-mmproj.gguf` = `pyllama_spec.devtools.tiny.write_mmproj(target_n_embd={n_embd},
+seed={mmproj_seed})` (random `qwen2vl_merger`, untrained; same patch grid as `trained-mmproj.gguf`, so
+both cut a picture into the same rows). A draft model (`spec_type="draft-simple"`) that can see the
+picture through its own projector.
+
+```
+pip install torch==2.13.0
+python tools/train_tiny_pair.py {argv}
+```
+
+Seed {seed}; torch {torch_version}, {threads} thread(s). {capped} Wall time {total} s.
+
+* trained on the target's data (corpus windows of {seq} tokens, batch {batch}; {image_share_t} of the
+  batches [one of {images} pictures from `image_pool` through its own projector, then {image_text}
+  corpus tokens]; the target had 0.25: a small model needs more pictures to read text after one as
+  well as without), distilled from the target: loss = KL(target || draft) of the next-token
+  distribution on the text rows (the target sees the same picture through `trained-mmproj.gguf`).
+  AdamW, {steps} steps, {sec} s ({cpu_s} s of CPU); train KL {kl:.3f}.
+* held out: corpus loss {held_loss:.3f} nats/token ({held_loss_img:.3f} after one of 16 held-out pictures;
+  the target: {t_held:.3f} / {t_held_img:.3f}); KL from the target {held_kl} ({held_kl_img} after a
+  picture); argmax agreement with the target {agree} ({agree_img} after a picture).
+"""
+
+
+def _set_readme_section(readme: Path, text: str) -> None:
+    """Put ``text`` (a "## " section) in README.md in place of its old version, else before the
+    "## Measured" sections (else at the end)."""
+    title = text.split("\n", 1)[0]
+    old = readme.read_text().rstrip("\n") if readme.exists() else ""
+    sections = old.split("\n\n## ")
+    sections = [sections[0]] + ["## " + x for x in sections[1:]]
+    at = next((i for i, x in enumerate(sections) if x.split("\n", 1)[0] == title), None)
+    if at is not None:
+        sections[at] = text.rstrip("\n")
+    else:
+        at = next((i for i, x in enumerate(sections) if x.startswith("## Measured")), len(sections))
+        sections.insert(at, text.rstrip("\n"))
+    readme.write_text("\n\n".join(sections) + "\n")
+
+
+def train_drafts_for_target(args, out: Path, toks, held, corpus: dict, log) -> int:
+    """--eagle3 / --draft-vlm: drafts for the trained target ``--target-from`` (not retrained), each
+    written with its section of README.md."""
+    torch = _torch()
+    target_path = Path(args.target_from)
+    mmproj_path = target_path.with_name("trained-mmproj.gguf")
+    if not mmproj_path.exists():
+        raise SystemExit(f"{mmproj_path} (the target's projector) not found beside {target_path}")
+    target, _, _ = load_pair(target_path)
+    shown = "python tools/train_tiny_pair.py " + " ".join(sys.argv[1:])
+    threads = torch.get_num_threads()
+    seconds = args.minutes * 60
+    if args.eagle3:
+        t0 = time.time()
+        ecfg = Eagle3Config(ttt_steps=args.eagle3_ttt)
+        gen = generate_greedy(target_path, toks, args.eagle3_gen_seqs, args.gen_prompt, args.gen_len, args.seed, log)
+        gen_held = generate_greedy(target_path, held, 32, args.gen_prompt, args.gen_len, args.seed + 1, log)
+        gen_f = target_features(target, gen, ecfg.target_layers)
+        data = Eagle3Data(toks, gen, args.gen_share, gen_feats=gen_f)
+        held_sets = {"held_out_text": Eagle3Data(held), "held_out_greedy": Eagle3Data(
+            held, gen_held, 1.0, gen_feats=target_features(target, gen_held, ecfg.target_layers))}
+        if args.eagle3_image_seqs:
+            imgs = generate_image_continuations(target_path, mmproj_path, toks, image_pool(args.images, args.seed),
+                                                args.eagle3_image_seqs, args.gen_prompt, args.gen_len,
+                                                ecfg.target_layers, args.seed, log)
+            imgs_held = generate_image_continuations(target_path, mmproj_path, held, image_pool(16, args.seed + 1000),
+                                                     32, args.gen_prompt, args.gen_len, ecfg.target_layers,
+                                                     args.seed + 1, log)
+            data = Eagle3Data(toks, gen, args.gen_share, imgs, args.image_share, gen_feats=gen_f)
+            for mode in ("target", "sequential"):
+                held_sets[f"held_out_image_{mode}"] = Eagle3Data(held, images=imgs_held, image_share=1.0,
+                                                                 image_modes=(mode,))
+        data_s = time.time() - t0
+        log(f"eagle3 data: {len(gen)} greedy text, {args.eagle3_image_seqs} after a picture ({data_s:.0f}s)")
+        torch.manual_seed(args.seed + 2)
+        draft = make_eagle3(ecfg)
+        info = train_eagle3(draft, target, data, held_sets, ecfg, steps=args.eagle3_steps, seconds=seconds,
+                            batch=args.eagle3_batch, seq=args.draft_seq, n_anchors=args.eagle3_anchors,
+                            seed=args.seed, log=log)
+        log(f"eagle3: {json.dumps(info)}")
+        draft.eval()
+        write_eagle3_gguf(out / "trained-eagle3.gguf", {k: _np(v) for k, v in draft.state_dict().items()}, ecfg)
+        names = {"held_out_text": "corpus text", "held_out_greedy": "the target's greedy continuations of held-out prompts",
+                 "held_out_image_target": "the same after one of 16 held-out pictures, \"target\" mode",
+                 "held_out_image_sequential": "the same after one of 16 held-out pictures, \"sequential\" mode"}
+        _set_readme_section(out / "README.md", EAGLE3_README.format(
+            layers=ecfg.target_layers, n_ff=ecfg.n_ff, argv=shown.split(" ", 2)[2], seed=args.seed,
+            torch_version=torch.__version__, threads=threads,
+            capped=("All steps ran (not stopped by --minutes)." + DETERMINISTIC if info["steps"] == args.eagle3_steps
+                    else "**Stopped by the --minutes cap**: the step count above is what ran."),
+            total=round(time.time() - t0), data_s=round(data_s), train_s=info["seconds"], gen_seqs=len(gen),
+            gen_prompt=args.gen_prompt, gen_len=args.gen_len, gen_share=args.gen_share,
+            image_seqs=args.eagle3_image_seqs, images=args.images, image_share=args.image_share,
+            anchors=args.eagle3_anchors, ttt=ecfg.ttt_steps, batch=args.eagle3_batch, seq=args.draft_seq,
+            steps=info["steps"], loss=info["train_loss"], cpu_s=info["cpu_seconds"],
+            held="\n".join(f"  * {names[k]}: {v['loss']}; {v['step_agreement']}; {v['mean_accepted_chain']}"
+                           for k, v in info.items() if k in names)))
+        log(f"wrote {out}/trained-eagle3.gguf and its README section")
+    if args.draft_vlm:
+        t0 = time.time()
+        vcfg = PairConfig(target_n_layer=args.vlm_layers, target_n_ff=args.vlm_ff, n_embd=args.vlm_embd,
+                          n_head=args.vlm_heads, n_head_kv=args.vlm_heads_kv)
+        if vcfg.n_head * HEAD_DIM != vcfg.n_embd:
+            raise SystemExit(f"--vlm-embd must be --vlm-heads x {HEAD_DIM}")
+        mmproj_seed = args.seed + 1  # another projector than the target's (seed args.seed)
+        vlm_mmproj = tiny.write_mmproj(out / "trained-draft-vlm-mmproj.gguf", target_n_embd=vcfg.n_embd,
+                                       seed=mmproj_seed)
+        with tempfile.TemporaryDirectory() as tmp:
+            probe = _tokenizer_only_gguf(Path(tmp), vcfg)  # a model of the VLM's width, for its projector
+            pictures = encode_images(probe, vlm_mmproj, image_pool(args.images, args.seed))
+            held_pictures = encode_images(probe, vlm_mmproj, image_pool(16, args.seed + 1000))
+        t_pictures = encode_images(target_path, mmproj_path, image_pool(args.images, args.seed))
+        t_held_pictures = encode_images(target_path, mmproj_path, image_pool(16, args.seed + 1000))
+        for a, b in zip(pictures + held_pictures, t_pictures + t_held_pictures):
+            if not (np.array_equal(a.pos, b.pos) and np.array_equal(a.pre, b.pre) and np.array_equal(a.post, b.post)):
+                raise SystemExit("the two projectors cut a picture differently")
+        torch.manual_seed(args.seed + 3)
+        vlm = make_target(vcfg)
+        info = train_draft_vlm(vlm, target, toks, held, steps=args.vlm_steps, seconds=seconds, batch=args.batch,
+                               seq=args.seq, seed=args.seed, log=log, images=pictures, teacher_images=t_pictures,
+                               held_images=held_pictures, held_teacher_images=t_held_pictures,
+                               image_share=args.vlm_image_share, image_text=args.image_text)
+        log(f"draft VLM: {json.dumps(info)}")
+        vlm.eval()
+        write_target_gguf(out / "trained-draft-vlm.gguf", {k: _np(v) for k, v in vlm.state_dict().items()}, vcfg,
+                          name="trained-tiny-hunyuan_vl-draft")
+        t_held = eval_target(target, held, args.seq, args.seed)
+        t_held_img = eval_target_after_images(target, held, t_held_pictures, args.image_text, args.seed)
+        _set_readme_section(out / "README.md", VLM_README.format(
+            n_layer=vcfg.target_n_layer, n_embd=vcfg.n_embd, n_head=vcfg.n_head, n_head_kv=vcfg.n_head_kv,
+            n_ff=vcfg.target_n_ff, mmproj_seed=mmproj_seed, argv=shown.split(" ", 2)[2], seed=args.seed,
+            torch_version=torch.__version__, threads=threads,
+            capped=("All steps ran (not stopped by --minutes)." + DETERMINISTIC if info["steps"] == args.vlm_steps
+                    else "**Stopped by the --minutes cap**: the step count above is what ran."),
+            total=round(time.time() - t0), seq=args.seq, batch=args.batch, image_share_t=args.vlm_image_share,
+            images=args.images, image_text=args.image_text, steps=info["steps"], sec=info["seconds"],
+            cpu_s=info["cpu_seconds"],
+            kl=info["train_kl"], held_loss=info["held_out_loss"], held_loss_img=info["held_out_loss_after_image"],
+            t_held=t_held, t_held_img=t_held_img, held_kl=info["held_out_kl"],
+            held_kl_img=info["held_out_kl_after_image"], agree=info["held_out_agreement"],
+            agree_img=info["held_out_agreement_after_image"]))
+        log(f"wrote {out}/trained-draft-vlm.gguf, trained-draft-vlm-mmproj.gguf and their README section")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=0)
@@ -998,7 +1765,31 @@ def main(argv=None) -> int:
                     help="share of the target's training batches with a picture before the text")
     ap.add_argument("--image-text", type=int, default=384, help="corpus tokens after a picture in those batches")
     ap.add_argument("--target-from", default=None,
-                    help="development: load this trained target GGUF instead of training one")
+                    help="load this trained target GGUF instead of training one (with --eagle3 / --draft-vlm: "
+                         "the target they are trained for; its trained-mmproj.gguf beside it)")
+    ap.add_argument("--eagle3", action="store_true",
+                    help="train an EAGLE3 draft for --target-from instead (trained-eagle3.gguf)")
+    ap.add_argument("--eagle3-steps", type=int, default=2000)
+    ap.add_argument("--eagle3-batch", type=int, default=8, help="sequences per EAGLE3 batch")
+    ap.add_argument("--eagle3-anchors", type=int, default=48, help="chains trained per sequence")
+    ap.add_argument("--eagle3-ttt", type=int, default=Eagle3Config.ttt_steps,
+                    help="training-time test: chain steps per anchor (1: the target's features only)")
+    ap.add_argument("--eagle3-gen-seqs", type=int, default=512,
+                    help="corpus prompts the target continues greedily (EAGLE3 training data)")
+    ap.add_argument("--eagle3-image-seqs", type=int, default=384,
+                    help="greedy continuations after a picture (EAGLE3 training data; 0: text only)")
+    ap.add_argument("--draft-vlm", action="store_true",
+                    help="train a small hunyuan_vl draft VLM for --target-from instead (trained-draft-vlm.gguf "
+                         "and its own projector, trained-draft-vlm-mmproj.gguf)")
+    ap.add_argument("--vlm-steps", type=int, default=3000)
+    ap.add_argument("--vlm-layers", type=int, default=2)
+    ap.add_argument("--vlm-embd", type=int, default=48, help="width (heads of 16)")
+    ap.add_argument("--vlm-heads", type=int, default=3)
+    ap.add_argument("--vlm-heads-kv", type=int, default=1)
+    ap.add_argument("--vlm-ff", type=int, default=192)
+    ap.add_argument("--vlm-image-share", type=float, default=0.5,
+                    help="share of the draft VLM's batches with a picture first (pictures with many alike rows, "
+                         "e.g. a large flat one, are the hard case for a small model)")
     args = ap.parse_args(argv)
 
     import torch
@@ -1019,6 +1810,12 @@ def main(argv=None) -> int:
         toks = tokenize_files(train_files, probe)
         held = tokenize_files(held_files, probe)
     log(f"corpus: {len(train_files)} files / {len(toks)} tokens, held out {len(held_files)} / {len(held)}")
+    if args.eagle3 or args.draft_vlm:
+        if not args.target_from:
+            ap.error("--eagle3 and --draft-vlm train drafts for a trained target: name it with --target-from")
+        corpus = dict(corpus=CORPUS_GLOB, n_train=len(train_files), n_train_tok=len(toks), n_held=len(held_files),
+                      n_held_tok=len(held))
+        return train_drafts_for_target(args, out, toks, held, corpus, log)
 
     mmproj_path = tiny.write_mmproj(out / "trained-mmproj.gguf", target_n_embd=N_EMBD, seed=args.seed)
     with tempfile.TemporaryDirectory() as tmp:
@@ -1081,7 +1878,11 @@ def main(argv=None) -> int:
     else:
         capped = "**Stopped by the --minutes cap**: step counts above are what ran."
     log(json.dumps(dict(config=asdict(cfg), target=t_info, draft=d_info, seed=args.seed, args=vars(args))))
-    (out / "README.md").write_text(README.format(
+    readme = out / "README.md"
+    # the --eagle3 / --draft-vlm runs' sections stay (their files are not rewritten here)
+    kept = [x for x in (readme.read_text().split("\n\n## ") if readme.exists() else [])[1:]
+            if x.startswith(("EAGLE3 draft", "Draft VLM"))]
+    readme.write_text(README.format(
         **asdict(cfg), seed=args.seed, argv=shown, torch_version=torch.__version__, threads=torch.get_num_threads(),
         corpus=CORPUS_GLOB, py=sys.version.split()[0], every=HELD_OUT_EVERY, n_train=len(train_files),
         n_train_tok=len(toks), n_held=len(held_files), n_held_tok=len(held), t_steps=t_info["steps"],
@@ -1099,6 +1900,8 @@ def main(argv=None) -> int:
             f"{d_info[k]['row_agreement']};\n    {d_info[k]['mean_accepted_full_block']}\n"
             for mode in ("target", "sequential") if (k := f"held_out_image_{mode}") in d_info),
         lengths=list(BLOCK_LENGTHS), capped=capped))
+    for section in kept:
+        _set_readme_section(readme, "## " + section)
     log(f"wrote {out}/trained-target.gguf, trained-draft.gguf, trained-mmproj.gguf, README.md")
     return 0
 
