@@ -131,25 +131,7 @@ def imrope_section_of_pair(half: int, sections) -> list[int]:
 def rope_imrope(x, pos, sections):
     """NeoX-style rotation of x [..., T, H, D] with interleaved M-RoPE: pos [(B,) T, 4] holds each
     row's (t, h, w, e) positions (a text row's are (p, p, p, 0))."""
-    torch = _torch()
-    d = x.shape[-1]
-    half = d // 2
-    sec = imrope_section_of_pair(half, sections)
-    if T.EMULATE_F16_KV:  # ggml: theta = p per section, then theta *= base^(-2/d) per pair, in float32
-        scale = np.float32(ROPE_BASE) ** np.float32(-2.0 / d)
-        th = pos.detach().cpu().numpy().astype(np.float32)
-        ang = []
-        for j in range(half):
-            ang.append(th[..., sec[j]])
-            th = (th * scale).astype(np.float32)
-        ang = torch.from_numpy(np.stack(ang, axis=-1))
-    else:
-        inv = ROPE_BASE ** (-2.0 * torch.arange(half, dtype=torch.float64) / d)
-        ang = pos.to(torch.float64)[..., sec] * inv
-    cos = torch.cos(ang).to(x.dtype)[..., None, :]
-    sin = torch.sin(ang).to(x.dtype)[..., None, :]
-    x0, x1 = x[..., :half], x[..., half:]
-    return torch.cat([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return T.rope_neox(x, pos, sections, section_of_pair=imrope_section_of_pair)
 
 
 def _layer_params(n_ff: int):

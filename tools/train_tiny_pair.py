@@ -135,17 +135,18 @@ def _section_of_pair(half: int, sections) -> list[int]:
     return [int(np.searchsorted(bounds, j % int(bounds[-1]), side="right")) for j in range(half)]
 
 
-def rope_neox(x, pos, sections=None):
+def rope_neox(x, pos, sections=None, section_of_pair=None):
     """ggml NeoX rope: x [..., T, H, D], pos [T] or [B, T] (int).  With ``sections``, ggml's
     M-RoPE (``ggml_rope_multi``): pos [(B,) T, 4] holds each row's (t, h, w, e) positions; a
-    text row's (p, p, p, 0) turns exactly as NeoX rope at p."""
+    text row's (p, p, p, 0) turns exactly as NeoX rope at p. ``section_of_pair`` maps rotation
+    pairs to sections (default: M-RoPE's contiguous sections; Qwen3.5 interleaves them)."""
     torch = _torch()
     d = x.shape[-1]
     half = d // 2
     if sections is None:
         pos = pos[..., None].expand(*pos.shape, 4)
         sections = [half, 0, 0, 0]
-    sec = _section_of_pair(half, sections)
+    sec = (section_of_pair or _section_of_pair)(half, sections)
     if EMULATE_F16_KV:  # ggml: theta = p per section, then theta *= base^(-2/d) per pair, in float32
         scale = np.float32(ROPE_BASE) ** np.float32(-2.0 / d)
         th = pos.detach().cpu().numpy().astype(np.float32)  # [..., 4]

@@ -88,13 +88,8 @@ class Batch(NativeHandle):
             raise ValueError(f"{n} tokens need {n} state rows, got shape {st.shape}")
         first = self.n_rows
         self.add_tokens(tokens, positions, outputs=outputs, seq_id=seq_id)
-        row = ffi.new("struct llama_embd *")
-        row.n_rows, row.n_embd = 1, st.shape[1]
-        base = ffi.cast("float *", ffi.from_buffer("float[]", st))
-        for i in range(n):
-            row.data = base + i * st.shape[1]  # llama.cpp copies the row
-            if not lib.llama_batch_ext_set_embd_token(self.ptr, first + i, row[0]):
-                self._check_add(-2, n)
+        if not self._set_states(lib.llama_batch_ext_set_embd_token, first, st):
+            self._check_add(-2, n)
 
     def add_tree_tokens(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
                         seq_ids: Sequence[Sequence[int]]) -> None:
@@ -153,18 +148,25 @@ class Batch(NativeHandle):
             raise ValueError(f"{n} embedding rows need {n} state rows, got shape {st.shape}")
         first = self.n_rows
         self.add_embeddings(embd, positions, outputs=outputs, seq_id=seq_id)
+        if not self._set_states(lib.llama_batch_ext_set_embd_state, first, st):
+            before = self.n_rows
+            self.clear()
+            raise NativeCallError("llama_batch_ext_set_embd_state", None,
+                                  f"a state row of {st.shape[1]} floats was refused ({self._ctx.role} context, "
+                                  f"batch of {before} rows; the batch was cleared): this llama.cpp build cannot "
+                                  "carry a state beside an embedding (patches/0004-mtp-media-rows.patch)")
+
+    def _set_states(self, setter, first: int, states: np.ndarray) -> bool:
+        """Give rows ``first``... one state row each (``setter``: llama_batch_ext_set_embd_token or
+        _state; llama.cpp copies each row); False at the first row it refuses."""
         row = ffi.new("struct llama_embd *")
-        row.n_rows, row.n_embd = 1, st.shape[1]
-        base = ffi.cast("float *", ffi.from_buffer("float[]", st))
-        for i in range(n):
-            row.data = base + i * st.shape[1]  # llama.cpp copies the row
-            if not lib.llama_batch_ext_set_embd_state(self.ptr, first + i, row[0]):
-                before = self.n_rows
-                self.clear()
-                raise NativeCallError("llama_batch_ext_set_embd_state", None,
-                                      f"a state row of {st.shape[1]} floats was refused ({self._ctx.role} context, "
-                                      f"batch of {before} rows; the batch was cleared): this llama.cpp build cannot "
-                                      "carry a state beside an embedding (patches/0004-mtp-media-rows.patch)")
+        row.n_rows, row.n_embd = 1, states.shape[1]
+        base = ffi.cast("float *", ffi.from_buffer("float[]", states))
+        for i in range(len(states)):
+            row.data = base + i * states.shape[1]
+            if not setter(self.ptr, first + i, row[0]):
+                return False
+        return True
 
     def carries_embedding_states(self, n_embd: int) -> bool:
         """Whether this build lets an embedding row carry a state row of ``n_embd`` floats besides

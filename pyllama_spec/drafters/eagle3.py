@@ -191,15 +191,12 @@ def _lay_out(rows: _Rows, next_pos: int | None) -> tuple[_Rows, int]:
     at the end has no next row yet: it and what follows are left unplaced."""
     parts, n, i = [], len(rows), 0
     while i < n:
-        j = i + 1
-        if not rows.pinned[i]:
-            while j < n and not rows.pinned[j]:
-                j += 1
+        if not rows.pinned[i]:  # text rows up to the next image row
+            j = _first_false(~rows.pinned[i:], i)
             parts.append(rows[i:j])
             i = j
             continue
-        while j < n and rows.pinned[j] and rows.pos[j] == rows.pos[i]:
-            j += 1
+        j = _first_false(rows.pinned[i:] & (rows.pos[i:] == rows.pos[i]), i)  # the image's run
         end = int(rows.pos[j]) if j < n else next_pos
         if end is None:
             break
@@ -217,6 +214,12 @@ def _lay_out(rows: _Rows, next_pos: int | None) -> tuple[_Rows, int]:
     for part in parts:
         placed = placed + part
     return placed, i
+
+
+def _first_false(flags: np.ndarray, offset: int) -> int:
+    """offset + the index of the first False in ``flags`` (offset + len(flags) when all are True)."""
+    stop = np.flatnonzero(~flags)
+    return offset + (int(stop[0]) if len(stop) else len(flags))
 
 
 class Eagle3Drafter:

@@ -203,6 +203,42 @@ async def _until_disconnected(request: Request) -> None:
         pass
 
 
+async def first_translated(objects: AsyncIterator[dict], request: Request, translate) -> list:
+    """What ``translate`` makes of the first chunks of ``stream_objects`` up to the first one it has
+    something to say about ([] when the stream ends first). For the APIs that translate the chat
+    stream (Messages, Responses): an error before their stream starts is raised, so that it is
+    answered with its status, as llama-server answers one that comes before its stream (a prompt
+    longer than the context); a 499 when the client leaves meanwhile."""
+    gone = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(objects, None))
+            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                step.cancel()  # the generator ends (its job cancelled) before the error goes up
+                await asyncio.wait({step})
+                raise APIError(499, "the client disconnected")
+            chunk = step.result()
+            if chunk is None:
+                return []
+            if "error" in chunk:
+                raise error_of_chunk(chunk)
+            translated = translate(chunk)
+            if translated:
+                return translated
+    finally:
+        gone.cancel()
+
+
+def error_of_chunk(chunk: dict) -> APIError:
+    """The APIError behind an error chunk of ``stream_objects`` (made by ``engine_error``: a 400
+    for the request's fault, 503 when cancelled, else 500)."""
+    e = chunk["error"]
+    status = 400 if e.get("type") == "invalid_request_error" else 503 if e.get("code") == "cancelled" else 500
+    return APIError(status, e.get("message", ""), type=e.get("type", "server_error"), code=e.get("code"),
+                    param=e.get("param"))
+
+
 @dataclasses.dataclass
 class _Choice:
     """One choice's generation, gathered: its text, tokens, logprobs and last piece."""

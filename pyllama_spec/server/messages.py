@@ -26,11 +26,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pyllama_spec.server import messages_convert as convert
-from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.chat import prepare
-from pyllama_spec.server.generation import complete_body, stream_objects
+from pyllama_spec.server.errors import APIError
+from pyllama_spec.server.generation import (
+    complete_body,
+    error_of_chunk,
+    first_translated,
+    stream_objects,
+)
 from pyllama_spec.server.schema import GenerationRequest, RequestLimits, parse_chat
-from pyllama_spec.server.service import PARSE_ON_A_THREAD_ABOVE, RouteSpec, Service, engine_error, read_json
+from pyllama_spec.server.service import (
+    PARSE_ON_A_THREAD_ABOVE,
+    RouteSpec,
+    Service,
+    engine_error,
+    read_json,
+)
 from pyllama_spec.server.tokens import ThreadRunner, chat_prompt, count_prompt_tokens
 from pyllama_spec.server.worker import Job
 
@@ -81,7 +92,8 @@ async def _messages(service: Service, request: Request) -> Response:
     stream = convert.MessageStream(msg_id, service.settings.alias)
     objects = stream_objects(service, req, jobs)
     try:
-        first = await _first_events(objects, stream, jobs[0], request)
+        first = await first_translated(objects, request,
+                                       lambda chunk: stream.events(chunk, stop_sequence=_stop_sequence(jobs[0])))
     except BaseException:
         await objects.aclose()  # cancels the job
         raise
@@ -94,46 +106,6 @@ def _stop_sequence(job: Job) -> str | None:
     return ending.stopping_word if ending is not None and ending.stop_type == "word" else None
 
 
-async def _first_events(objects: AsyncIterator[dict], stream: convert.MessageStream, job: Job,
-                        request: Request) -> list[tuple[str, dict]]:
-    """The events of the stream's first chunks, up to its first generated token: an error before
-    it is raised (and answered with its status, as llama-server answers one before its stream
-    starts). Raises a 499 when the client leaves meanwhile."""
-    gone = asyncio.ensure_future(_until_disconnected(request))
-    try:
-        while True:
-            step = asyncio.ensure_future(anext(objects, None))
-            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                step.cancel()  # the generator ends (its job cancelled) before the error goes up
-                await asyncio.wait({step})
-                raise APIError(499, "the client disconnected")
-            chunk = step.result()
-            if chunk is None:
-                return []
-            if "error" in chunk:
-                raise _error_of(chunk)
-            events = stream.events(chunk, stop_sequence=_stop_sequence(job))
-            if events:
-                return events
-    finally:
-        gone.cancel()
-
-
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _error_of(chunk: dict) -> APIError:
-    """The APIError behind an error chunk of ``stream_objects`` (made by ``engine_error``: a 400
-    for the request's fault, 503 when cancelled, else 500)."""
-    e = chunk["error"]
-    status = 400 if e.get("type") == "invalid_request_error" else 503 if e.get("code") == "cancelled" else 500
-    return APIError(status, e.get("message", ""), type=e.get("type", "server_error"), code=e.get("code"),
-                    param=e.get("param"))
-
-
 async def _events(first: list, objects: AsyncIterator[dict], stream: convert.MessageStream,
                   job: Job) -> AsyncIterator[dict]:
     """Server-sent events ``event: <name>`` / ``data: <json>``; an error after the stream started
@@ -143,7 +115,7 @@ async def _events(first: list, objects: AsyncIterator[dict], stream: convert.Mes
             yield _sse(name, data)
         async for chunk in objects:
             if "error" in chunk:
-                yield _sse("error", convert.error_body(_error_of(chunk)))
+                yield _sse("error", convert.error_body(error_of_chunk(chunk)))
                 return
             for name, data in stream.events(chunk, stop_sequence=_stop_sequence(job)):
                 yield _sse(name, data)

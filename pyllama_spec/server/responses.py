@@ -71,10 +71,19 @@ from starlette.responses import JSONResponse, Response
 
 from pyllama_spec.server.chat import prepare
 from pyllama_spec.server.errors import APIError, bad_request
-from pyllama_spec.server.generation import complete_body, stream_objects
+from pyllama_spec.server.generation import (
+    complete_body,
+    first_translated,
+    stream_objects,
+)
 from pyllama_spec.server.llama_fields import check_post_sampling_probs
 from pyllama_spec.server.schema import GenerationRequest, parse_chat
-from pyllama_spec.server.service import PARSE_ON_A_THREAD_ABOVE, RouteSpec, Service, read_json
+from pyllama_spec.server.service import (
+    PARSE_ON_A_THREAD_ABOVE,
+    RouteSpec,
+    Service,
+    read_json,
+)
 from pyllama_spec.server.tokens import ThreadRunner, chat_prompt, count_prompt_tokens
 
 log = logging.getLogger("pyllama_spec.server")
@@ -754,7 +763,9 @@ async def _create(service: Service, store: ResponseStore, request: Request) -> R
         if req.stream:
             objects, events = stream_objects(service, req, jobs), EventTranslator(head)
             try:
-                first = await _first_events(objects, events, request)
+                # the opening events, then those of the first chunk with something to say
+                opening = events.start()
+                first = opening + await first_translated(objects, request, events.chunk)
             except BaseException:
                 await objects.aclose()  # cancels the job
                 raise
@@ -767,47 +778,6 @@ async def _create(service: Service, store: ResponseStore, request: Request) -> R
     output = output_items(choice["message"], "incomplete" if incomplete else "completed")
     save(output)
     return JSONResponse(head.body(status, output, responses_usage(chat["usage"]), incomplete, chat.get("timings")))
-
-
-async def _first_events(objects: AsyncIterator[dict], events: EventTranslator, request: Request) -> list[dict]:
-    """The stream's opening events, up to those of its first chunk with something to say: an error
-    before it is raised, so that it is answered with its status, as llama-server answers an error
-    that comes before its stream starts (a prompt longer than the context). A 499 when the
-    client leaves meanwhile."""
-    gone = asyncio.ensure_future(_until_disconnected(request))
-    opening = events.start()
-    try:
-        while True:
-            step = asyncio.ensure_future(anext(objects, None))
-            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                step.cancel()
-                await asyncio.wait({step})
-                raise APIError(499, "the client disconnected")
-            chunk = step.result()
-            if chunk is None:  # the stream ended (its chunks had nothing to say)
-                return opening
-            if "error" in chunk:
-                raise _error_of(chunk)
-            more = events.chunk(chunk)
-            if more:
-                return opening + more
-    finally:
-        gone.cancel()
-
-
-async def _until_disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-def _error_of(chunk: dict) -> APIError:
-    """The APIError behind an error chunk of ``stream_objects`` (``engine_error``'s: a 400 for the
-    request's fault, 503 when cancelled, else 500)."""
-    e = chunk["error"]
-    status = 400 if e.get("type") == "invalid_request_error" else 503 if e.get("code") == "cancelled" else 500
-    return APIError(status, e.get("message", ""), type=e.get("type", "server_error"), code=e.get("code"),
-                    param=e.get("param"))
 
 
 async def _stream(first: list[dict], objects: AsyncIterator[dict], events: EventTranslator,
