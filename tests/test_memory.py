@@ -10,6 +10,7 @@ from conftest import N_THREADS
 
 import pyllama_spec as ps
 from pyllama_spec.devtools import tiny
+from pyllama_spec.embedded import MODELS_DIR
 from pyllama_spec.gguf import memory
 
 _SIZE = re.compile(r"(model buffer size|KV buffer size|compute buffer size) =\s+([0-9.]+) MiB")
@@ -61,6 +62,43 @@ def test_the_estimate_is_within_10_percent_of_what_llama_cpp_allocates(which, kv
             assert abs(mib - actual) <= 0.10 * actual, (part, actual)
 
 
+@pytest.mark.parametrize("which", ["tiny qwen35", "trained qwen35"])
+def test_the_mtp_heads_context_is_counted_within_10_percent(which, tiny_dir):
+    """draft-mtp opens a second context on the target (its nextn layers' cache and a compute
+    buffer as large as the target's): the estimate has a part for it, checked like the others."""
+    path = (tiny.make_tiny_set(tiny_dir, arch="qwen35", seed=0, window=32, predictable=0.5, mtp=True).target
+            if which == "tiny qwen35" else MODELS_DIR / "trained-qwen35-mtp.gguf")
+    seen: list[tuple[str, float]] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record):
+            m = _SIZE.search(record.getMessage())
+            if m:
+                seen.append((m.group(1), float(m.group(2))))
+
+    log = logging.getLogger("pyllama_spec.native")
+    handler, level = Grab(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        with ps.load(path, spec_type="draft-mtp", n_ctx=4096, n_ubatch=512, n_threads=N_THREADS):
+            pass
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    # in load order: the weights (once), the target's KV and compute, then the head's KV and compute
+    kv = [v for k, v in seen if k == "KV buffer size"]
+    compute = [v for k, v in seen if k == "compute buffer size"]
+    assert len(kv) == 2 and len(compute) == 2, seen
+    est = memory.estimate(path, n_ctx=4096, n_ubatch=512, mtp_head=True)
+    assert [p.name for p in est.parts] == ["target", "MTP head"]
+    head = est.parts[1]
+    assert head.weights == 0  # the head's weights are the target file's, counted once
+    actual = kv[1] + compute[1]
+    assert abs(head.total / memory.MiB - actual) <= 0.10 * actual, (head, actual)
+    assert memory.estimate(path, n_ctx=4096).total < est.total  # without the head, less
+
+
 def test_the_estimate_counts_every_part_and_refuses_unknown_types(tiny_dense):
     est = memory.estimate(tiny_dense.target, mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_ctx=2048)
     assert [p.name for p in est.parts] == ["target", "draft", "mmproj"]
@@ -94,3 +132,16 @@ def test_doctor_prints_the_estimate_for_a_configuration(tiny_dense):
                                        "-md", str(tiny_dense.draft), "-c", "2048", "-ub", "64"], terminal_width=200)
     assert result.exit_code == 0, result.output
     assert "memory estimate" in result.output and "target" in result.output and "draft" in result.output
+
+
+def test_doctor_counts_the_mtp_head_when_asked_for_draft_mtp():
+    from click.testing import CliRunner
+
+    from pyllama_spec.cli import main
+
+    path = str(MODELS_DIR / "trained-qwen35-mtp.gguf")
+    result = CliRunner().invoke(main, ["doctor", "-m", path, "--spec-type", "draft-mtp"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "MTP head" in result.output
+    result = CliRunner().invoke(main, ["doctor", "-m", path, "--spec-type", "medusa"], terminal_width=200)
+    assert result.exit_code == 1 and "cannot estimate" in result.output and "draft-mtp" in result.output

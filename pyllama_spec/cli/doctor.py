@@ -18,12 +18,14 @@ from pyllama_spec.cli.options import console, err_console
 @click.option("-ub", "--ubatch-size", "n_ubatch", default=512, show_default=True)
 @click.option("-ctk", "--cache-type-k", default="f16", show_default=True)
 @click.option("-ctv", "--cache-type-v", default="f16", show_default=True)
+@click.option("--spec-type", default=None, metavar="TYPE",
+              help="the drafting method to estimate for (draft-mtp adds the MTP head's context)")
 @click.option("--rpc", "rpc_servers", default=None, metavar="SERVERS",
               help="also list the devices of these RPC servers (comma-separated host:port) and their memory")
-def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v, rpc_servers) -> None:
+def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v, spec_type, rpc_servers) -> None:
     """Show the native build: libraries, llama.cpp pin, backends, devices, DFlash entry points.
 
-    With -m (and --mmproj, -md, -c, -ub, -ctk, -ctv): what that configuration will need, estimated
+    With -m (and --mmproj, -md, --spec-type, -c, -ub, -ctk, -ctv): what that configuration will need, estimated
     from the files before anything is allocated. With --rpc: the remote devices, reached first."""
     from pyllama_spec import native_build as nb
 
@@ -75,9 +77,13 @@ def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v, rp
         from pyllama_spec.errors import PyllamaError
         from pyllama_spec.gguf import memory
 
+        from pyllama_spec.drafters.registry import method as spec_method
+
         try:
+            m = spec_method(spec_type) if spec_type else None
             est = memory.estimate(model, mmproj=mmproj, draft=draft, n_ctx=n_ctx, n_ubatch=n_ubatch,
-                                  cache_type_k=cache_type_k, cache_type_v=cache_type_v)
+                                  cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                                  mtp_head=bool(m and m.loads_target_mtp))
         except (PyllamaError, ValueError, OSError) as e:
             err_console.print(f"[red]cannot estimate: {e}[/red]")
             sys.exit(1)

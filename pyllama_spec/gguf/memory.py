@@ -1,6 +1,6 @@
 """What a configuration will need, from GGUF metadata alone, before anything is allocated.
 
-For the target, a DFlash draft and an mmproj: weights (the tensors' exact byte sizes),
+For the target, a DFlash draft, an MTP head's context and an mmproj: weights (the tensors' exact byte sizes),
 KV caches (cells x layers x KV heads x head widths at the chosen cache types; a draft's
 sliding-window cache holds min(n_ctx, window + n_ubatch) cells, padded to 256 as
 llama.cpp pads it) and compute buffers. Without flash attention a compute buffer is
@@ -54,7 +54,7 @@ KV_CACHE_TYPE_NAMES: tuple[str, ...] = tuple(KV_CACHE_TYPE_FACTS)
 
 @dataclasses.dataclass
 class Part:
-    name: str  # "target", "draft", "mmproj"
+    name: str  # "target", "MTP head", "draft", "mmproj"
     weights: int
     kv: int
     compute: int
@@ -95,9 +95,11 @@ def _weights(info) -> int:
 
 
 def _model_part(name: str, path: Path, *, n_ctx: int, n_ubatch: int, type_k: str, type_v: str,
-                n_vocab_out: int | None = None, live: tuple[int, int] = (2, 4)) -> Part:
+                n_vocab_out: int | None = None, live: tuple[int, int] = (2, 4), mtp_head: bool = False) -> Part:
+    """One context's part. ``mtp_head``: the second context an MTP drafter opens on the same model,
+    whose cache holds the nextn layers only and whose weights are the target's (counted there)."""
     info = read_gguf(path)
-    n_layer = _hparams(info, "block_count", 0)
+    n_layer = _hparams(info, "nextn_predict_layers", 0) if mtp_head else _hparams(info, "block_count", 0)
     n_embd = _hparams(info, "embedding_length", 0)
     n_ff = _hparams(info, "feed_forward_length", 0)
     n_head = _hparams(info, "attention.head_count", 1)
@@ -117,19 +119,24 @@ def _model_part(name: str, path: Path, *, n_ctx: int, n_ubatch: int, type_k: str
     # Rows of f32 activations alive at the graph's peak besides the scores: (x n_ff, x n_embd),
     # fitted to llama.cpp's allocations (a causal target keeps more alive than a DFlash block).
     activations = n_ubatch * (live[0] * n_ff + live[1] * n_embd + n_vocab) * 4
-    return Part(name, _weights(info), kv, scores + activations)
+    return Part(name, 0 if mtp_head else _weights(info), kv, scores + activations)
 
 
 def estimate(model: str | Path, *, mmproj: str | Path | None = None, draft: str | Path | None = None,
              n_ctx: int = 4096, n_ubatch: int = 512, cache_type_k: str = "f16", cache_type_v: str = "f16",
-             cache_type_k_draft: str | None = None, cache_type_v_draft: str | None = None) -> Estimate:
-    """The memory a load() with these settings needs, part by part (see the module)."""
+             cache_type_k_draft: str | None = None, cache_type_v_draft: str | None = None,
+             mtp_head: bool = False) -> Estimate:
+    """The memory a load() with these settings needs, part by part (see the module). ``mtp_head``:
+    drafting with the target's own MTP head (draft-mtp) adds that head's context."""
     for kind in (cache_type_k, cache_type_v, cache_type_k_draft, cache_type_v_draft):
         if kind is not None and kind not in KV_CACHE_TYPE_FACTS:
             raise ValueError(f"{kind!r} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPE_NAMES)}")
     target = _model_part("target", Path(model), n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=cache_type_k,
                          type_v=cache_type_v)
     parts = [target]
+    if mtp_head:
+        parts.append(_model_part("MTP head", Path(model), n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=cache_type_k,
+                                 type_v=cache_type_v, mtp_head=True))
     if draft is not None:
         target_vocab = len(read_gguf(model).metadata.get("tokenizer.ggml.tokens", ()))
         parts.append(_model_part("draft", Path(draft), n_ctx=n_ctx, n_ubatch=max(n_ubatch, 16),

@@ -48,7 +48,8 @@ def plan_load(config: EngineConfig, method: Method | None) -> LoadPlan:
     draft = c.draft if method is not None and method.counts_draft_memory else None
     est = memory.estimate(c.model, mmproj=c.mmproj, draft=draft, n_ctx=c.n_ctx, n_ubatch=c.n_ubatch,
                           cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v,
-                          cache_type_k_draft=c.cache_type_k_draft, cache_type_v_draft=c.cache_type_v_draft)
+                          cache_type_k_draft=c.cache_type_k_draft, cache_type_v_draft=c.cache_type_v_draft,
+                          mtp_head=bool(method and method.loads_target_mtp))
     budget = placement.memory_budget(c.n_gpu_layers)  # (device(s), free bytes)
     if budget is not None and budget[1] and not est.fits(budget[1]):
         raise InsufficientMemoryError(
