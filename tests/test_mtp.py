@@ -341,6 +341,45 @@ def test_the_first_text_token_after_an_image_pairs_with_the_hidden_state_of_its_
     assert not np.allclose(first_after, text_hidden[image_at - 1])
 
 
+@needs_media_patch
+def test_a_cache_cut_exactly_at_an_images_end_pairs_the_next_row_with_the_images_last_row(tiny_mtp):
+    """A prompt ending with a picture, asked again: the cache is kept up to the picture's end and
+    the text row there is decoded again; the head writes it, paired with the picture's last row."""
+    prompt = f"Look: {ps.MEDIA_MARKER}"
+    picture = np.asarray(tiny.draw_demo_image(224))  # within one target batch: the state there is kept
+    with _load(tiny_mtp, draft_max=4) as engine:
+        drafter = engine.drafter
+        first_hidden = {}
+        process = drafter.process
+
+        def recording_process(decode):
+            for r in decode.rows:
+                if r.has_embeddings:
+                    first_hidden["image end"] = decode.hidden(r)[-1].copy()
+                    first_hidden["at"] = int(r.section0[0])
+            process(decode)
+
+        drafter.process = recording_process
+        drafter.trace = []
+        # two tokens: the hybrid target's cut is within its rollback snapshots' reach (plan_drafts)
+        alone = engine.generate(prompt, images=[picture], max_tokens=2, temperature=0, cache_prompt=True)
+        image_end = min(t[2] for t in drafter.trace if t[0] == "pair" and t[2] > first_hidden["at"])
+        written = {}
+        add = drafter._batch.add_tokens_with_states
+
+        def recording_add(tokens, positions, states, **kw):
+            written.update(zip(np.asarray(positions).tolist(), np.array(states)))
+            add(tokens, positions, states, **kw)
+
+        drafter._batch.add_tokens_with_states = recording_add
+        drafter.trace = []
+        again = engine.generate(prompt, images=[picture], max_tokens=2, temperature=0, cache_prompt=True)
+    assert again.stats.prompt_reused > 0 and again.tokens == alone.tokens
+    cut = min(t[2] for t in drafter.trace if t[0] == "pair")
+    assert cut == image_end  # the row right after the picture, written again
+    np.testing.assert_array_equal(written[cut], first_hidden["image end"])
+
+
 class _Hidden:
     """A stand-in for the target's context in a TargetDecode: its hidden rows are given."""
 

@@ -45,7 +45,10 @@ the same: tests/test_mtp.py compares them with llama-server):
   text before the image; here every media row is written, paired as above (without the patch:
   left out, the pairing still right);
 * a row whose h_{p-1} is unknown (after a ``forget`` to a position whose hidden state is gone, or
-  a restored cache the head never saw) is left out rather than paired with a stale state.
+  a restored cache the head never saw) is left out rather than paired with a stale state. The
+  drafter keeps the last text rows of a verify step's reach and the last row of the latest media
+  item, so a cut inside the last step, or exactly at the end of a picture (a prompt ending with
+  one, asked again), pairs the next row as an uncut decode would.
 """
 
 from __future__ import annotations
@@ -146,6 +149,10 @@ class MTPDrafter:
         # Per sequence: the last text rows processed (first position, hidden states; a verify step's
         # worth): forget moves the pending state back to one of them (its last accepted row).
         self._recent: list[tuple[int, np.ndarray] | None] = [None] * n_seq
+        # Per sequence: the position after the last media item and the hidden state of its last row,
+        # for a cache cut exactly there (a prompt ending with a picture, asked again): the text row
+        # at that position pairs with it rather than being left out.
+        self._media_end: list[tuple[int, np.ndarray] | None] = [None] * n_seq
         # set to [] to record (call, seq, first position, rows): "pair" text rows written, "media" media
         # rows written, "skip" media rows left out, "draft" a draft's first row
         self.trace: list[tuple] | None = None
@@ -155,17 +162,22 @@ class MTPDrafter:
         """Drop the head's rows from target position ``pos`` on; the next row pairs with h_{pos-1}."""
         self.ctx.memory.remove(seq_id, pos, -1)
         self._pending_pos[seq_id] = pos
-        recent = self._recent[seq_id]
+        recent, media_end = self._recent[seq_id], self._media_end[seq_id]
         if pos == 0:
             self._pending[seq_id] = 0.0  # as llama.cpp starts: nothing before position 0
             self._known[seq_id] = True
         elif recent is not None and recent[0] <= pos - 1 < recent[0] + len(recent[1]):
             self._pending[seq_id] = recent[1][pos - 1 - recent[0]]
             self._known[seq_id] = True
+        elif media_end is not None and media_end[0] == pos:
+            self._pending[seq_id] = media_end[1]
+            self._known[seq_id] = True
         else:
             self._known[seq_id] = False
         if recent is not None and pos <= recent[0]:
             self._recent[seq_id] = None
+        if media_end is not None and pos < media_end[0]:
+            self._media_end[seq_id] = None  # the cut removes (part of) the item
 
     def process(self, decode: TargetDecode) -> None:
         """Write (x_p, h_{p-1}) for every row the target just decoded, x_p a token or a media row's
@@ -174,6 +186,11 @@ class MTPDrafter:
         for r in decode.rows:
             s = r.seq_id
             h = decode.hidden(r)
+            if r.has_embeddings:
+                # Where the text after the item starts: one past its largest position in any section
+                # (an M-RoPE picture's last row holds it; a 1-D item's positions advance row by row).
+                # A wrong guess would only leave a row out after a cut (forget).
+                self._media_end[s] = (int(r.positions.max()) + 1, h[-1].copy())
             if r.has_embeddings and not self._writes(r):
                 # Left out (module docstring); the row after the media item pairs with its last row.
                 self._log("skip", s, int(r.section0[0]), r.n_rows)
