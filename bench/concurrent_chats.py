@@ -4,6 +4,10 @@
 
     python bench/concurrent_chats.py --models trained --concurrency 1,2,4,8 --repeats 5 --max-tokens 96
     python bench/concurrent_chats.py --models large --concurrency 1,2,4,8 --repeats 3 --max-tokens 48
+    python bench/concurrent_chats.py --models qwen35-mtp --concurrency 1,4 --repeats 8 --max-tokens 128
+
+``trained`` and ``large`` draft with DFlash (``-md``); ``qwen35-mtp`` is the trained qwen35 target
+drafting with its own MTP head (``--spec-type draft-mtp``, no draft file).
 
 For each N both servers run at once (idle while the other is measured); each round sends one
 batch of N streamed chat requests to one server, then the same batch to the other (which goes
@@ -36,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -101,10 +106,12 @@ class ServerProcess:
 
 
 def start_servers(kind: str, n: int, files, flags: dict, llama_server: Path) -> dict[str, ServerProcess]:
+    spec = (["--spec-type", "draft-mtp"] if kind == "qwen35-mtp"
+            else ["-md", str(files.draft), "--spec-type", "draft-dflash"])
     common = ["-c", str(flags["ctx_per_slot"] * n), "-b", str(flags["n_batch"]), "-ub", str(flags["n_batch"]),
               "-t", str(flags["threads"]), "-np", str(n), "--host", "127.0.0.1", "-fa", "off",
-              "-m", str(files.target), "--mmproj", str(files.mmproj), "-md", str(files.draft),
-              "--spec-type", "draft-dflash", "--spec-draft-n-max", str(flags["draft_max"])]
+              "-m", str(files.target), "--mmproj", str(files.mmproj), *spec,
+              "--spec-draft-n-max", str(flags["draft_max"])]
     servers = {}
     port = free_port()
     servers["llama-server"] = ServerProcess(
@@ -115,7 +122,8 @@ def start_servers(kind: str, n: int, files, flags: dict, llama_server: Path) -> 
     servers["pyllama-spec"] = ServerProcess(
         f"pyllama-spec -np {n}", [sys.executable, "-m", "pyllama_spec", "serve", *common, "--port", str(port),
                                   "--queue", "64"], port, env)
-    servers["pyllama-spec auto"] = servers["pyllama-spec"]  # the same server, requests with n_max "auto"
+    if kind != "qwen35-mtp":  # the planned draft length is DFlash's
+        servers["pyllama-spec auto"] = servers["pyllama-spec"]  # the same server, requests with n_max "auto"
     warm_up(servers)
     return servers
 
@@ -172,7 +180,7 @@ def chat(url: str, content, max_tokens: int, engine: str) -> Answer:
 def contents(kind: str, n_chats: int, round_: int, png: bytes) -> list:
     """Chat i of a round has an image when (i + round) is even: half the chats, every chat
     both ways over the rounds."""
-    if kind == "trained":
+    if kind in ("trained", "qwen35-mtp"):
         from measure_trained_pair import held_out_prompts
 
         texts = held_out_prompts(8, chars=200)
@@ -203,13 +211,14 @@ def pct(xs: list[float], q: float) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", choices=["trained", "large"], default="trained")
+    ap.add_argument("--models", choices=["trained", "large", "qwen35-mtp"], default="trained")
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n-batch", type=int, default=512)
-    ap.add_argument("--draft-max", type=int, default=None, help="default: 16 (trained), 7 (large)")
+    ap.add_argument("--draft-max", type=int, default=None,
+                    help="default: 16 (trained), 7 (large), 3 (qwen35-mtp, as in RESULTS' MTP section)")
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--json-out")
     args = ap.parse_args()
@@ -220,18 +229,22 @@ def main() -> int:
         from pyllama_spec.embedded import embedded_models
 
         files = embedded_models()
+    elif args.models == "qwen35-mtp":
+        models = REPO / "pyllama_spec" / "models"
+        files = SimpleNamespace(target=models / "trained-qwen35-mtp.gguf",
+                                mmproj=models / "trained-qwen35-mtp-mmproj.gguf", draft=None)
     else:
         files = tiny.make_bench_set(native_build.cache_root() / "tiny-models")
     flags = dict(ctx_per_slot=2048, n_batch=args.n_batch, threads=args.threads,
-                 draft_max=args.draft_max or (16 if args.models == "trained" else 7))
+                 draft_max=args.draft_max or {"trained": 16, "large": 7, "qwen35-mtp": 3}[args.models])
     png = demo_png(args.image_size)
     levels = [int(x) for x in args.concurrency.split(",")]
     rounds_needed = max(args.repeats, 2)
     results: dict = {"settings": {**vars(args), **flags}, "levels": {}}
 
     # The sequential answers: every request alone, on one-slot servers.
-    reference: dict[str, dict] = {"pyllama-spec": {}, "llama-server": {}, "pyllama-spec auto": {}}
     servers = start_servers(args.models, 1, files, flags, llama_server)
+    reference: dict[str, dict] = {engine: {} for engine in servers}
     try:
         for content in contents(args.models, max(levels), 0, png) + contents(args.models, max(levels), 1, png):
             key = json.dumps(content)

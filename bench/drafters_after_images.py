@@ -3,7 +3,7 @@
 built from the same pin: acceptance, mean accepted length, decode tokens/s, and whether the output
 equals the target alone.
 
-    python bench/drafters_after_images.py --prompts 16 --max-tokens 128 --temps 0,0.8
+    python bench/drafters_after_images.py --prompts 16 --max-tokens 128 --temps 0,0.8 --repeats 3
 
 Methods (each skipped, with the reason, when its files are not in pyllama_spec/models): on the
 embedded hunyuan_vl target, DFlash (trained-draft.gguf), EAGLE3 (trained-eagle3.gguf), the small
@@ -18,7 +18,9 @@ then the picture: generation starts right after it). The picture is the demo's t
 (the same in every run), verified by llama.cpp's rule (``verify="match"``), so the output equals the
 target alone's there too. llama-server gets the same prompts through ``/completion``
 (``multimodal_data``), one server per method, each started with the same files and draft length.
-Tokens/s is decode time as each engine reports it (``decode_seconds`` here, ``predicted_ms`` there).
+Tokens/s is decode time as each engine reports it (``decode_seconds`` here, ``predicted_ms`` there),
+min / median / max over ``--repeats`` runs of the whole set. A request llama-server fails is a row
+naming its error, and the run goes on.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -51,8 +54,10 @@ MODELS = REPO / "pyllama_spec" / "models"
 MARKER = "<__media__>"
 
 
-def methods(draft_max: int) -> dict[str, dict]:
-    """name -> how to load it here (target, mmproj, keywords) and how llama-server runs it (or None)."""
+def methods(draft_max: int | None) -> dict[str, dict]:
+    """name -> how to load it here (target, mmproj, keywords), its draft length, and how llama-server
+    runs it (or None). ``draft_max`` None: 7, but 3 for MTP (one head chained on its own guesses:
+    each further token is a guess from a guess, as RESULTS' MTP section measured it)."""
     t, mm = MODELS / "trained-target.gguf", MODELS / "trained-mmproj.gguf"
     q, qmm = MODELS / "trained-qwen35-mtp.gguf", MODELS / "trained-qwen35-mtp-mmproj.gguf"
     vlm, vlm_mm = MODELS / "trained-draft-vlm.gguf", MODELS / "trained-draft-vlm-mmproj.gguf"
@@ -64,7 +69,7 @@ def methods(draft_max: int) -> dict[str, dict]:
         "EAGLE3": dict(files=[t, mm, MODELS / "trained-eagle3.gguf"], target=t, mmproj=mm,
                        kw={"draft": MODELS / "trained-eagle3.gguf", "spec_type": "draft-eagle3"},
                        server=["-md", MODELS / "trained-eagle3.gguf", "--spec-type", "draft-eagle3"]),
-        "draft model, text only": dict(files=[t, mm, vlm], target=t, mmproj=mm,
+        "text-only draft model": dict(files=[t, mm, vlm], target=t, mmproj=mm,
                                        kw={"draft": vlm, "spec_type": "draft-simple"},
                                        server=["-md", vlm, "--spec-type", "draft-simple"]),
         "vision draft model": dict(files=[t, mm, vlm, vlm_mm], target=t, mmproj=mm,
@@ -74,9 +79,10 @@ def methods(draft_max: int) -> dict[str, dict]:
         "qwen35: MTP": dict(files=[q, qmm], target=q, mmproj=qmm, kw={"spec_type": "draft-mtp"},
                             server=["--spec-type", "draft-mtp"]),
     }
-    for m in out.values():
+    for name, m in out.items():
+        m["draft_max"] = draft_max or (3 if name == "qwen35: MTP" else 7)
         if m["server"]:
-            m["server"] = [str(x) for x in m["server"]] + ["--spec-draft-n-max", str(draft_max),
+            m["server"] = [str(x) for x in m["server"]] + ["--spec-draft-n-max", str(m["draft_max"]),
                                                            "--spec-draft-n-min", "0"]
     return out
 
@@ -96,15 +102,29 @@ def condition_prompts(prompts: list[str]) -> dict[str, list[str]]:
 
 def ours(m: dict, prompts: dict, image, args, refs: dict) -> list[dict]:
     rows = []
-    with ps.load(m["target"], mmproj=m["mmproj"], n_threads=args.threads, draft_max=args.draft_max,
+    with ps.load(m["target"], mmproj=m["mmproj"], n_threads=args.threads, draft_max=m["draft_max"],
                  **m["kw"]) as eng:
         for cond, ps_ in prompts.items():
             for temp in args.temps:
-                res, toks = _run(eng, ps_, args.max_tokens, image if cond != "text" else None, temp)
-                key = (str(m["target"]), cond, temp)
-                same = refs.setdefault(key, toks) == toks
-                rows.append(dict(condition=cond, temp=temp, lossless=same, **res))
+                runs = []
+                same = True
+                for _ in range(args.repeats):
+                    res, toks = _run(eng, ps_, args.max_tokens, image if cond != "text" else None, temp)
+                    same &= refs.setdefault((str(m["target"]), cond, temp), toks) == toks
+                    runs.append(res)
+                rows.append(dict(condition=cond, temp=temp, lossless=same, **_repeated(runs)))
     return rows
+
+
+def _repeated(runs: list[dict]) -> dict:
+    """One row from repeats: the counts of the first run (a repeat that drafts differently is an error:
+    same prompts, seeds and files) and tokens/s as min / median / max over the repeats."""
+    first = {k: v for k, v in runs[0].items() if k != "tokens_per_s"}
+    for r in runs[1:]:
+        if (r["drafted"], r["accepted"], r["generated"]) != (first["drafted"], first["accepted"], first["generated"]):
+            raise RuntimeError(f"a repeat drafted differently: {r} vs {runs[0]}")
+    tps = sorted(r["tokens_per_s"] for r in runs)
+    return dict(first, tokens_per_s=float(np.median(tps)), tokens_per_s_min=tps[0], tokens_per_s_max=tps[-1])
 
 
 def _run(eng, prompts, max_tokens, image, temp):
@@ -148,27 +168,14 @@ def theirs(m: dict, prompts: dict, image_b64: str, args) -> list[dict]:
         rows = []
         for cond, ps_ in prompts.items():
             for temp in args.temps:
-                agg = dict(drafted=0, accepted=0, generated=0, ms=0.0, steps=0)
-                for i, p in enumerate(ps_):
-                    prompt = ({"prompt_string": p.replace(MARKER, marker), "multimodal_data": [image_b64]}
-                              if MARKER in p else p)
-                    body = {"prompt": prompt, "n_predict": args.max_tokens, "temperature": temp, "seed": i,
-                            "cache_prompt": False}
-                    req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
-                                                 {"Content-Type": "application/json"})
-                    t = json.load(urllib.request.urlopen(req, timeout=600))["timings"]
-                    agg["drafted"] += t.get("draft_n", 0)
-                    agg["accepted"] += t.get("draft_n_accepted", 0)
-                    agg["generated"] += t["predicted_n"]
-                    agg["ms"] += t["predicted_ms"]
-                    # the first token comes with the prompt; each step after it yields its accepted
-                    # drafts plus one token of the target's (as this project's target_steps counts them)
-                    agg["steps"] += t["predicted_n"] - 1 - t.get("draft_n_accepted", 0)
-                rows.append(dict(condition=cond, temp=temp, lossless=None,
-                                 acceptance_rate=agg["accepted"] / agg["drafted"] if agg["drafted"] else 0.0,
-                                 mean_accepted_length=1 + agg["accepted"] / agg["steps"] if agg["steps"] else 0.0,
-                                 tokens_per_s=agg["generated"] / agg["ms"] * 1000 if agg["ms"] else 0.0,
-                                 drafted=agg["drafted"], accepted=agg["accepted"], generated=agg["generated"]))
+                try:
+                    res = _repeated([_serve_run(url, marker, ps_, image_b64, temp, args)
+                                     for _ in range(args.repeats)])
+                except urllib.error.HTTPError as e:
+                    # a failure of llama-server's is a finding of the run, not the end of it
+                    message = json.loads(e.read() or b"{}").get("error", {}).get("message", str(e))
+                    res = dict(error=f"HTTP {e.code}: {message}")
+                rows.append(dict(condition=cond, temp=temp, lossless=None, **res))
         return rows
     finally:
         proc.terminate()
@@ -176,13 +183,39 @@ def theirs(m: dict, prompts: dict, image_b64: str, args) -> list[dict]:
         Path(log.name).unlink(missing_ok=True)
 
 
+def _serve_run(url: str, marker: str, prompts: list[str], image_b64: str, temp: float, args) -> dict:
+    """Totals over the prompts through llama-server's /completion, counted as measure_trained_pair.run counts."""
+    agg = dict(drafted=0, accepted=0, generated=0, ms=0.0, steps=0)
+    for i, p in enumerate(prompts):
+        prompt = ({"prompt_string": p.replace(MARKER, marker), "multimodal_data": [image_b64]}
+                  if MARKER in p else p)
+        body = {"prompt": prompt, "n_predict": args.max_tokens, "temperature": temp, "seed": i,
+                "cache_prompt": False}
+        req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        t = json.load(urllib.request.urlopen(req, timeout=600))["timings"]
+        agg["drafted"] += t.get("draft_n", 0)
+        agg["accepted"] += t.get("draft_n_accepted", 0)
+        agg["generated"] += t["predicted_n"]
+        agg["ms"] += t["predicted_ms"]
+        # the first token comes with the prompt; each step after it yields its accepted
+        # drafts plus one token of the target's (as this project's target_steps counts them)
+        agg["steps"] += t["predicted_n"] - 1 - t.get("draft_n_accepted", 0)
+    return dict(acceptance_rate=agg["accepted"] / agg["drafted"] if agg["drafted"] else 0.0,
+                mean_accepted_length=1 + agg["accepted"] / agg["steps"] if agg["steps"] else 0.0,
+                tokens_per_s=agg["generated"] / agg["ms"] * 1000 if agg["ms"] else 0.0,
+                drafted=agg["drafted"], accepted=agg["accepted"], generated=agg["generated"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temps", default="0,0.8")
-    ap.add_argument("--draft-max", type=int, default=7)
+    ap.add_argument("--draft-max", type=int, default=None, help="every method's draft length (default: 7, MTP 3)")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run each set this many times: tokens/s as min / median / max (counts must repeat)")
     ap.add_argument("--only", default=None, help="comma-separated method names to run (default: all)")
     ap.add_argument("--no-llama-server", action="store_true")
     ap.add_argument("--json", default=None, help="also write the rows here")
@@ -195,28 +228,35 @@ def main() -> int:
     refs: dict = {}
     table = []
     for name, m in methods(args.draft_max).items():
-        if args.only and name not in args.only.split(","):
+        if args.only and name not in args.only.split(","):  # (no method name holds a comma)
             continue
         missing = [f.name for f in m["files"] if not f.is_file()]
         if missing:
             print(f"# {name}: skipped, no {', '.join(missing)}", flush=True)
             continue
         for row in ours(m, prompts, image, args, refs):
-            table.append({"method": name, "engine": "pyllama-spec", **row})
+            table.append({"method": name, "engine": "pyllama-spec", "draft_max": m["draft_max"], **row})
             print(json.dumps(table[-1]), flush=True)
-        if have_server and m["server"] is not None and m["server"] != []:
+        if have_server and m["server"] is not None:  # [] is llama-server target-only
             for row in theirs(m, prompts, image_b64, args):
-                table.append({"method": name, "engine": "llama-server", **row})
+                table.append({"method": name, "engine": "llama-server", "draft_max": m["draft_max"], **row})
                 print(json.dumps(table[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1) + "\n")
-    print("\n| method | engine | condition | temperature | acceptance | mean accepted length | tokens/s | "
-          "equals target only |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| method | engine | draft max | condition | temperature | acceptance | mean accepted length | "
+          "tokens/s median (min-max) | equals target only |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in table:
+        if "error" in r:
+            print(f"| {r['method']} | {r['engine']} | {r['draft_max']} | {r['condition']} | {r['temp']:g} | "
+                  f"failed: {r['error']} | | | |")
+            continue
         same = "" if r["lossless"] is None else ("yes" if r["lossless"] else "NO")
-        print(f"| {r['method']} | {r['engine']} | {r['condition']} | {r['temp']:g} | {r['acceptance_rate']:.3f} | "
-              f"{r['mean_accepted_length']:.2f} | {r['tokens_per_s']:.0f} | {same} |")
+        draft_max = r["draft_max"] if r["method"] not in ("target only", "qwen35: target only") else ""
+        print(f"| {r['method']} | {r['engine']} | {draft_max} | {r['condition']} | {r['temp']:g} | "
+              f"{r['acceptance_rate']:.3f} | "
+              f"{r['mean_accepted_length']:.2f} | {r['tokens_per_s']:.0f} ({r['tokens_per_s_min']:.0f}-"
+              f"{r['tokens_per_s_max']:.0f}) | {same} |")
     return 0
 
 

@@ -1,0 +1,59 @@
+"""Short smoke runs of the bench/ scripts whose tables bench/RESULTS.md quotes (benchmarks are not
+tests: no timings checked; what is checked is that they run, count, and find the output lossless)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pyllama_spec import native_build
+
+REPO = Path(__file__).resolve().parent.parent
+SERVER = native_build.find_llama_server()
+needs_server = pytest.mark.skipif(SERVER is None, reason="llama-server is not built here (python build.py --tools "
+                                                         "builds it; .ci/run does)")
+
+
+def _run(args: list[str], timeout: int = 600) -> str:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@needs_server
+def test_drafters_after_images_runs_every_condition_on_both_engines_with_repeats(tmp_path):
+    out = tmp_path / "rows.json"
+    _run(["bench/drafters_after_images.py", "--prompts", "1", "--max-tokens", "8", "--temps", "0,0.8",
+          "--repeats", "2", "--only", "target only,text-only draft model,vision draft model", "--json", str(out)])
+    rows = json.loads(out.read_text())
+    ours = [r for r in rows if r["engine"] == "pyllama-spec"]
+    assert {(r["method"], r["condition"], r["temp"]) for r in ours} == {
+        (m, c, t) for m in ("target only", "text-only draft model", "vision draft model")
+        for c in ("text", "image, then 400", "right after image") for t in (0.0, 0.8)}
+    assert all(r["lossless"] for r in ours)  # greedy and seeded: the target alone's tokens
+    assert all(r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"] for r in ours)
+    drafting = [r for r in ours if r["method"] != "target only"]
+    assert all(r["drafted"] > 0 for r in drafting)
+    # llama-server runs the target alone and the draft model (-md), and has no draft projector: no row
+    # of its for that one
+    theirs = {(r["method"], r["condition"], r["temp"]) for r in rows if r["engine"] == "llama-server"}
+    assert {m for m, _, _ in theirs} == {"target only", "text-only draft model"} and len(theirs) == 12
+
+
+@needs_server
+def test_concurrent_chats_runs_the_mtp_head_on_four_slots_beside_llama_server(tmp_path):
+    out = tmp_path / "levels.json"
+    text = _run(["bench/concurrent_chats.py", "--models", "qwen35-mtp", "--concurrency", "1,4", "--repeats", "1",
+                 "--max-tokens", "8", "--json-out", str(out)])
+    levels = json.loads(out.read_text())["levels"]
+    assert set(levels) == {"1", "4"}
+    for per in levels.values():
+        assert set(per) == {"pyllama-spec", "llama-server"}  # no "auto": the planned length is DFlash's
+        for p in per.values():
+            assert p["lossless"] == p["total"] > 0  # batched answers equal the sequential ones
+            assert p["drafted"] > 0
+    assert "ratio pyllama-spec / llama-server" in text
