@@ -214,6 +214,15 @@ def test_after_a_picture_a_draft_that_sees_it_accepts_as_much_as_on_text_and_mor
 # --------------------------------------------------------------------------- refusals
 
 
+def test_the_writer_refuses_a_qwen3vl_draft_too_shallow_for_its_deepstack_and_writes_one_that_loads(tmp_path):
+    # two deepstack slices go to layers 0 and 1, and never to the last: two layers cannot hold them
+    with pytest.raises(ValueError, match="at least 3 layers"):
+        tiny.make_draft_vlm(tmp_path, arch="qwen3vl", patch=14, n_layer=2)
+    vlm = tiny.make_draft_vlm(tmp_path, arch="qwen3vl", patch=14, n_layer=3)
+    with ps.Model(vlm.model) as m:
+        assert m.arch == "qwen3vl"
+
+
 def test_a_draft_projector_of_another_width_than_the_draft_is_refused_at_load(tiny_dense, draft_vlm):
     with pytest.raises(ps.ProjectorError, match="qwen2vl draft .*n_embd_inp 128"):
         _load(tiny_dense, draft=draft_vlm.model, mmproj_draft=tiny_dense.mmproj)

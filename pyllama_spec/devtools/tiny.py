@@ -963,7 +963,8 @@ def make_draft_vlm(folder: str | Path, *, arch: str = "qwen2vl", seed: int = 1, 
     Its projector's ``patch`` (16 by default, the targets' 14) cuts a picture into another grid: a
     672x672 image is 441 rows over 21 positions in the draft, 576 over 24 in the target.
     ``arch``: an attention-only one of ``TARGET_ARCHS`` (a draft model must roll back); a ``qwen3vl``
-    one gets the ``qwen3vl_merger`` projector with ``QWEN3VL_DEEPSTACK_LAYERS`` (patch 14 only).
+    one gets the ``qwen3vl_merger`` projector with ``QWEN3VL_DEEPSTACK_LAYERS`` (patch 14 only, and
+    at least 3 layers: a deepstack slice goes to every layer but the last).
     Cached in ``folder`` by a hash of the parameters, as ``make_tiny_set``.
     """
     if arch not in TARGET_ARCHS or arch in ("qwen35", "qwen35moe"):
@@ -972,6 +973,10 @@ def make_draft_vlm(folder: str | Path, *, arch: str = "qwen2vl", seed: int = 1, 
     qwen3vl = arch == "qwen3vl"
     if qwen3vl and patch != 14:
         raise ValueError("a qwen3vl draft's projector has patch 14")
+    if qwen3vl and n_layer <= len(QWEN3VL_DEEPSTACK_LAYERS):
+        # qwen3vl.cpp adds deepstack slice i to layer i's output, and not to the last layer's
+        raise ValueError(f"a qwen3vl draft takes {len(QWEN3VL_DEEPSTACK_LAYERS)} deepstack slices: it needs at "
+                         f"least {len(QWEN3VL_DEEPSTACK_LAYERS) + 1} layers, got n_layer={n_layer}")
     key = dict(v=GENERATOR_VERSION, kind="draft-vlm", arch=arch, seed=seed, n_embd=n_embd, n_layer=n_layer,
                predictable=float(predictable), patch=patch)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:10]
@@ -1017,7 +1022,7 @@ def bench_n_params(*, n_embd: int = 1024, n_layer: int = 12, n_ff: int = 2816, a
 def make_bench_set(folder: str | Path, *, n_embd: int = 1024, n_layer: int = 12, n_ff: int = 2816,
                    dtype: str = "f16", predictable: float = 0.5, window: int | None = 32,
                    target_layers: tuple[int, ...] = (1, 6, 11), seed: int = 0, arch: str = "hunyuan_vl",
-                   block_size: int = 16, draft_n_layer: int = 2) -> TinyModels:
+                   block_size: int = 16, draft_n_layer: int = 2, mtp: bool = False) -> TinyModels:
     """Write (or reuse) a larger random target, mmproj and draft for benchmarks, in ``folder``.
 
     Same construction as ``make_tiny_set`` (same tokenizer, ``predictable`` knob, tiny
@@ -1027,12 +1032,13 @@ def make_bench_set(folder: str | Path, *, n_embd: int = 1024, n_layer: int = 12,
     ``pyllama_spec.Model(...).n_params`` reports them; see ``bench_n_params``.  Writing the
     set takes about 4 s (peak memory about 0.9 GB).  Files are named ``bench-{arch}-{hash}-*.gguf``
     by a hash of the parameters (and ``GENERATOR_VERSION``) and written atomically, so a
-    second call reuses them.
+    second call reuses them. ``mtp=True`` (``arch="qwen35"`` or ``"qwen35moe"``): the target carries
+    its MTP head, as ``make_tiny_set``'s, for draft-mtp at this size.
     """
     return _make_set(folder, _SetSpec(
         prefix="bench", arch=arch, seed=seed, window=window, predictable=predictable, n_layer=n_layer,
         target_layers=tuple(target_layers), block_size=block_size, draft_n_layer=draft_n_layer,
-        n_embd=n_embd, n_ff=n_ff, dtype=dtype, sizes_in_key=True))
+        n_embd=n_embd, n_ff=n_ff, dtype=dtype, sizes_in_key=True, mtp=mtp))
 
 
 def draw_demo_image(size: int):
