@@ -108,3 +108,54 @@ def test_sweep_eagle3_greedy_speculative_equals_target_only(case, tiny_dir):
         assert spec.drafter.ctx.memory.pos_max() <= p.draft_pos_next - 1
     assert got.tokens == expected.tokens
     assert got.stats.prompt_positions == expected.stats.prompt_positions
+
+
+#: The draft VLM's projectors: qwen2vl with patch 16 (another grid than the targets' 14), patch 12
+#: (more rows than the target's: the draft keeps to the target's row count and may skip it) and a
+#: qwen3vl one with the targets' patch (its deepstack rows).
+DRAFT_VLMS = [("qwen2vl", 16), ("qwen2vl", 12), ("qwen3vl", 14)]
+
+
+def _vision_draft_cases(n: int, seed: int = 17) -> list[tuple]:
+    rng = random.Random(seed)
+    cases = [((2048, 512), 115, 115, 7, "hunyuan_vl", ("qwen2vl", 12)), ((512, 2048), 64, 7, 3, "qwen35",
+                                                                         ("qwen3vl", 14)),
+             ((1, 1), 1, 1, 15, "hunyuan_vl", ("qwen2vl", 16))]
+    while len(cases) < n:
+        n_batch = rng.choice(BATCHES)
+        n_ubatch = rng.choice([b for b in BATCHES if b <= n_batch])
+        cases.append((rng.choice(IMAGE_SIZES), n_batch, n_ubatch, rng.choice(DRAFT_MAX), rng.choice(ARCHS),
+                      rng.choice(DRAFT_VLMS)))
+    return cases
+
+
+@pytest.mark.parametrize("case", _vision_draft_cases(12),
+                         ids=lambda c: "{0[0]}x{0[1]}-b{1}-ub{2}-d{3}-{4}-{5[0]}p{5[1]}".format(*c))
+def test_sweep_vision_draft_model_greedy_speculative_equals_target_only(case, tiny_dir):
+    """The same shapes through a vision draft model (draft-simple with its own projector), which
+    decodes each picture at its own positions on its own grid: no native failure, the target's
+    output, the draft's cache ending where its own positions say, and its picture rows there
+    unless its grid has more rows than the target's."""
+    (h, w), n_batch, n_ubatch, draft_max, arch, (draft_arch, patch) = case
+    models = tiny.make_tiny_set(tiny_dir, arch=arch, seed=0, window=32, predictable=0.5)
+    vlm = tiny.make_draft_vlm(tiny_dir, arch=draft_arch, patch=patch, n_layer=3 if draft_arch == "qwen3vl" else 2)
+    prompt = f"Look: {ps.MEDIA_MARKER} and tell me."
+    image = _image((h, w))
+    common = dict(mmproj=models.mmproj, n_ctx=4096, n_batch=n_batch, n_ubatch=n_ubatch, n_threads=N_THREADS,
+                  flash_attn=False)
+    if arch == "qwen35" and n_ubatch < 3:
+        with pytest.raises(ValueError, match="n_ubatch >= 3"):
+            ps.load(models.target, draft=vlm.model, mmproj_draft=vlm.mmproj, draft_max=draft_max, **common)
+        return
+    with ps.load(models.target, spec_type="none", **common) as plain:
+        expected = plain.generate(prompt, images=[image], max_tokens=16)
+    with ps.load(models.target, draft=vlm.model, mmproj_draft=vlm.mmproj, draft_max=draft_max, **common) as spec:
+        got = spec.generate(prompt, images=[image], max_tokens=16)
+        p = spec.positions
+        assert spec.ctx.memory.pos_max() == p.pos_next - 1
+        assert spec.drafter.ctx.memory.pos_max(0) <= p.draft_pos_next - 1
+        assert spec.drafter.media_skipped <= 1
+        if patch >= 14:  # a grid no finer than the target's: the draft holds the picture
+            assert spec.drafter.media_skipped == 0
+    assert got.tokens == expected.tokens
+    assert got.stats.prompt_positions == expected.stats.prompt_positions
