@@ -4,10 +4,13 @@
 
     python bench/concurrent_chats.py --models trained --concurrency 1,2,4,8 --repeats 5 --max-tokens 96
     python bench/concurrent_chats.py --models large --concurrency 1,2,4,8 --repeats 3 --max-tokens 48
-    python bench/concurrent_chats.py --models qwen35-mtp --concurrency 1,4 --repeats 8 --max-tokens 128
+    python bench/concurrent_chats.py --models qwen35-mtp --concurrency 1,2,4,8 --repeats 24 --max-tokens 128
+    python bench/concurrent_chats.py --models large-mtp --concurrency 1,4 --repeats 4 --max-tokens 48
 
 ``trained`` and ``large`` draft with DFlash (``-md``); ``qwen35-mtp`` is the trained qwen35 target
-drafting with its own MTP head (``--spec-type draft-mtp``, no draft file).
+drafting with its own MTP head (``--spec-type draft-mtp``, no draft file); ``large-mtp`` a random
+qwen35 target of the large set's shapes (n_embd 1024, 12 layers, f16, ``predictable=0.5``) with
+its MTP head: where each step's native work, not the server around it, is the cost.
 
 For each N both servers run at once (idle while the other is measured); each round sends one
 batch of N streamed chat requests to one server, then the same batch to the other (which goes
@@ -23,7 +26,8 @@ first alternates). Per server and N:
 - acceptance: drafted tokens accepted, summed over the batch (timings.draft_n*).
 
 Losslessness: before the batches, every request is answered alone on the N=1 server of the
-same kind (one at a time); every batched answer is compared with it.
+same kind (one at a time); every batched answer is compared with it, its text and its drafted /
+accepted counts (a slot accepts what the same request accepts alone).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ sys.path.insert(0, str(REPO / "tools"))
 import httpx  # noqa: E402
 
 from pyllama_spec import native_build  # noqa: E402
-from pyllama_spec.devtools import tiny
+from pyllama_spec.devtools import tiny  # noqa: E402
 from pyllama_spec.devtools.benchmark import demo_png, free_port, peak_rss_mib  # noqa: E402
 
 CODE_PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n", "def parse_args():", "for i in range(",
@@ -106,7 +110,7 @@ class ServerProcess:
 
 
 def start_servers(kind: str, n: int, files, flags: dict, llama_server: Path) -> dict[str, ServerProcess]:
-    spec = (["--spec-type", "draft-mtp"] if kind == "qwen35-mtp"
+    spec = (["--spec-type", "draft-mtp"] if kind.endswith("-mtp")
             else ["-md", str(files.draft), "--spec-type", "draft-dflash"])
     common = ["-c", str(flags["ctx_per_slot"] * n), "-b", str(flags["n_batch"]), "-ub", str(flags["n_batch"]),
               "-t", str(flags["threads"]), "-np", str(n), "--host", "127.0.0.1", "-fa", "off",
@@ -122,7 +126,7 @@ def start_servers(kind: str, n: int, files, flags: dict, llama_server: Path) -> 
     servers["pyllama-spec"] = ServerProcess(
         f"pyllama-spec -np {n}", [sys.executable, "-m", "pyllama_spec", "serve", *common, "--port", str(port),
                                   "--queue", "64"], port, env)
-    if kind != "qwen35-mtp":  # the planned draft length is DFlash's
+    if not kind.endswith("-mtp"):  # the planned draft length is DFlash's
         servers["pyllama-spec auto"] = servers["pyllama-spec"]  # the same server, requests with n_max "auto"
     warm_up(servers)
     return servers
@@ -211,14 +215,14 @@ def pct(xs: list[float], q: float) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", choices=["trained", "large", "qwen35-mtp"], default="trained")
+    ap.add_argument("--models", choices=["trained", "large", "qwen35-mtp", "large-mtp"], default="trained")
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--draft-max", type=int, default=None,
-                    help="default: 16 (trained), 7 (large), 3 (qwen35-mtp, as in RESULTS' MTP section)")
+                    help="default: 16 (trained), 7 (large), 3 (the MTP head's, as in RESULTS' MTP section)")
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--json-out")
     args = ap.parse_args()
@@ -234,9 +238,10 @@ def main() -> int:
         files = SimpleNamespace(target=models / "trained-qwen35-mtp.gguf",
                                 mmproj=models / "trained-qwen35-mtp-mmproj.gguf", draft=None)
     else:
-        files = tiny.make_bench_set(native_build.cache_root() / "tiny-models")
+        files = tiny.make_bench_set(native_build.cache_root() / "tiny-models",
+                                    **(dict(arch="qwen35", mtp=True) if args.models == "large-mtp" else {}))
     flags = dict(ctx_per_slot=2048, n_batch=args.n_batch, threads=args.threads,
-                 draft_max=args.draft_max or {"trained": 16, "large": 7, "qwen35-mtp": 3}[args.models])
+                 draft_max=args.draft_max or {"trained": 16, "large": 7}.get(args.models, 3))
     png = demo_png(args.image_size)
     levels = [int(x) for x in args.concurrency.split(",")]
     rounds_needed = max(args.repeats, 2)
@@ -250,17 +255,18 @@ def main() -> int:
             key = json.dumps(content)
             for engine, server in servers.items():
                 if key not in reference[engine]:
-                    reference[engine][key] = chat(server.url, content, args.max_tokens, engine).text
+                    reference[engine][key] = chat(server.url, content, args.max_tokens, engine)
     finally:
         for s in set(servers.values()):
             s.close()
     print(f"sequential answers: {len(reference['pyllama-spec'])} requests; pyllama-spec and llama-server "
-          f"equal on {sum(reference['pyllama-spec'][k] == reference['llama-server'][k] for k in reference['pyllama-spec'])}",
+          f"equal on {sum(reference['pyllama-spec'][k].text == reference['llama-server'][k].text for k in reference['pyllama-spec'])}",
           flush=True)
 
     for n in levels:
         servers = start_servers(args.models, n, files, flags, llama_server)
-        per = {e: dict(agg=[], per_request=[], gaps=[], drafted=0, accepted=0, lossless=0, total=0, ttft=[])
+        per = {e: dict(agg=[], per_request=[], gaps=[], drafted=0, accepted=0, lossless=0, same_drafts=0, total=0,
+                       ttft=[])
                for e in servers}
         try:
             for rnd in range(args.repeats if n > 1 else rounds_needed):
@@ -278,7 +284,10 @@ def main() -> int:
                         p["drafted"] += a.drafted
                         p["accepted"] += a.accepted
                         p["total"] += 1
-                        p["lossless"] += a.text == reference[engine][json.dumps(content)]
+                        alone = reference[engine][json.dumps(content)]
+                        p["lossless"] += a.text == alone.text
+                        # a slot drafts and accepts what the same request does alone (per-slot acceptance)
+                        p["same_drafts"] += (a.drafted, a.accepted) == (alone.drafted, alone.accepted)
             rss = {id(s): s.close() for s in set(servers.values())}
             for engine, s in servers.items():
                 per[engine]["rss_mib"] = rss[id(s)]
@@ -293,7 +302,7 @@ def main() -> int:
                   f"per-request {statistics.median(p['per_request']):.0f}  p95 ms/token "
                   f"{pct(p['gaps'], 0.95) * 1e3:.1f}  TTFT p50 {statistics.median(p['ttft']) * 1e3:.0f} ms  "
                   f"acceptance {p['accepted'] / max(p['drafted'], 1):.3f}  equal to sequential "
-                  f"{p['lossless']}/{p['total']}", flush=True)
+                  f"{p['lossless']}/{p['total']}  drafts as alone {p['same_drafts']}/{p['total']}", flush=True)
 
     print()
     print(markdown(results))
@@ -307,8 +316,9 @@ def main() -> int:
 
 def markdown(results: dict) -> str:
     lines = ["| N | server | aggregate tok/s min / median / max | × its N=1 | per-request tok/s (median) | "
-             "p95 ms/token | TTFT p50 ms | acceptance | equal to sequential | peak RSS MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "p95 ms/token | TTFT p50 ms | acceptance | equal to sequential | drafted/accepted as alone | "
+             "peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     levels = results["levels"]
     base = {e: statistics.median(p["agg"]) for e, p in levels[min(levels)].items()}
     for n, per in levels.items():
@@ -318,13 +328,14 @@ def markdown(results: dict) -> str:
                 f"| {n} | {engine} | {agg[0]:.0f} / {statistics.median(agg):.0f} / {agg[-1]:.0f} | "
                 f"{statistics.median(agg) / base[engine]:.2f} | {statistics.median(p['per_request']):.0f} | "
                 f"{pct(p['gaps'], 0.95) * 1e3:.1f} | {statistics.median(p['ttft']) * 1e3:.0f} | "
-                f"{p['accepted'] / max(p['drafted'], 1):.3f} | {p['lossless']}/{p['total']} | {p['rss_mib']:.0f} |")
+                f"{p['accepted'] / max(p['drafted'], 1):.3f} | {p['lossless']}/{p['total']} | "
+                f"{p['same_drafts']}/{p['total']} | {p['rss_mib']:.0f} |")
         ls_ = per.get("llama-server")
         for name in ("pyllama-spec", "pyllama-spec auto"):
             if per.get(name) and ls_:
                 ratios = sorted(a / b for a, b in zip(per[name]["agg"], ls_["agg"]))
                 lines.append(f"| {n} | ratio {name} / llama-server (per round) | {ratios[0]:.2f} / "
-                             f"{statistics.median(ratios):.2f} / {ratios[-1]:.2f} | | | | | | | |")
+                             f"{statistics.median(ratios):.2f} / {ratios[-1]:.2f} | | | | | | | | |")
     return "\n".join(lines)
 
 

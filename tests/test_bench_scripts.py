@@ -53,7 +53,9 @@ def test_concurrent_chats_runs_the_mtp_head_on_four_slots_beside_llama_server(tm
     assert set(levels) == {"1", "4"}
     for per in levels.values():
         assert set(per) == {"pyllama-spec", "llama-server"}  # no "auto": the planned length is DFlash's
-        for p in per.values():
+        for engine, p in per.items():
             assert p["lossless"] == p["total"] > 0  # batched answers equal the sequential ones
+            if engine == "pyllama-spec":  # and each slot drafts and accepts what its request does alone
+                assert p["same_drafts"] == p["total"]
             assert p["drafted"] > 0
     assert "ratio pyllama-spec / llama-server" in text
