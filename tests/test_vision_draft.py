@@ -340,6 +340,43 @@ def test_serve_with_a_draft_projector_answers_an_image_chat_with_the_targets_ans
     assert answer["timings"]["draft_n"] > 0
 
 
+def test_the_server_answers_two_image_chats_at_once_through_the_vision_draft_on_two_slots(
+        tiny_dense, draft_vlm, big_image, small_image):
+    """Two slots, a picture each (of other sizes: each projector cuts each its own way), asked at
+    once: each is the target's own answer, drafted by a draft that saw its picture."""
+    import concurrent.futures
+
+    pytest.importorskip("starlette", reason="the server needs the 'server' extra")
+    from serving import LocalServer, http
+
+    from pyllama_spec.server import ServerSettings
+
+    def body(image):
+        uri = "data:image/png;base64," + base64.b64encode(_png(image)).decode()
+        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                                          {"type": "text", "text": "What is this?"}]}],
+                "max_tokens": 16, "temperature": 0}
+
+    answers = {}
+    for name, spec in (("target", {"spec_type": "none"}),
+                       ("vision draft", {"draft": draft_vlm.model, "mmproj_draft": draft_vlm.mmproj})):
+        engine = _load(tiny_dense, n_parallel=2, **spec)
+        server = LocalServer(engine, ServerSettings(alias="tiny"))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                answers[name] = list(pool.map(lambda im: http(server.url, "/v1/chat/completions", body(im)),
+                                              (big_image, small_image)))
+            if name == "vision draft":
+                assert engine.drafter.media_skipped == 0  # the draft decoded both pictures
+        finally:
+            server.stop()
+            engine.close()
+    for (s1, a), (s2, b) in zip(answers["vision draft"], answers["target"]):
+        assert s1 == s2 == 200
+        assert a["choices"][0]["message"] == b["choices"][0]["message"]
+        assert a["timings"]["draft_n"] > 0
+
+
 def test_serve_refuses_a_draft_projector_without_a_draft_model(tiny_dense, draft_vlm):
     result = CliRunner().invoke(main, ["serve", "-m", str(tiny_dense.target), "--mmproj", str(tiny_dense.mmproj),
                                        "--mmproj-draft", str(draft_vlm.mmproj), "--port", "1", "-t", "1"])
