@@ -20,7 +20,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -64,26 +63,10 @@ def _free_port() -> int:
 @pytest.fixture
 def served_embedded():
     """`pyllama-spec serve` on the embedded pair, on a free port; yields the port."""
-    import httpx
+    from serving import cli_server
 
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pyllama_spec", "serve", "--port", str(port), "-t", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.2)
-        yield port
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with cli_server("-t", "1") as url:
+        yield int(url.rsplit(":", 1)[1])
 
 
 def test_the_readme_has_the_blocks_it_should():

@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, N_THREADS, REPO_ROOT
+from conftest import BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, N_THREADS
 
 import pyllama_spec as ps
 from pyllama_spec.cli import main
@@ -296,8 +292,7 @@ def test_chat_takes_mmproj_draft_and_drafts_after_a_picture(tiny_dense, draft_vl
 def test_serve_with_a_draft_projector_answers_an_image_chat_with_the_targets_answer_and_drafts(
         tiny_dense, draft_vlm, small_image):
     pytest.importorskip("starlette", reason="the server needs the 'server' extra")
-    import httpx
-    from serving import LocalServer, free_port, http
+    from serving import LocalServer, cli_server, http
 
     from pyllama_spec.server import ServerSettings
 
@@ -313,28 +308,9 @@ def test_serve_with_a_draft_projector_answers_an_image_chat_with_the_targets_ans
             server.stop()
     assert status == 200
 
-    port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, "-m", "pyllama_spec.cli", "serve", "-m", str(tiny_dense.target),
-                             "--mmproj", str(tiny_dense.mmproj), "-md", str(draft_vlm.model),
-                             "--mmproj-draft", str(draft_vlm.mmproj), "-t", "1", "--port", str(port), "-a", "tiny"],
-                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"serve exited {proc.returncode}: {proc.stderr.read()}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.3)
+    with cli_server("-m", str(tiny_dense.target), "--mmproj", str(tiny_dense.mmproj), "-md", str(draft_vlm.model),
+                    "--mmproj-draft", str(draft_vlm.mmproj), "-t", "1", "-a", "tiny") as url:
         status, answer = http(url, "/v1/chat/completions", body)
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=60)
     assert status == 200, answer
     assert answer["choices"][0]["message"] == expected["choices"][0]["message"]
     assert answer["timings"]["draft_n"] > 0
