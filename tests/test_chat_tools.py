@@ -81,7 +81,9 @@ class _LlamaServer:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
         env = {**os.environ, "LLAMA_MEDIA_MARKER": MEDIA_MARKER}  # the marker ours uses, not a random one
-        self.proc = subprocess.Popen([str(LLAMA_SERVER), *args, "--host", "127.0.0.1", "--port", str(self.port)],
+        # flash attention off, as this project's default (llama-server's is auto): the same numerics
+        self.proc = subprocess.Popen([str(LLAMA_SERVER), "-fa", "off", *args, "--host", "127.0.0.1",
+                                      "--port", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=self.log, env=env)
         self.refused = False
         deadline = time.monotonic() + 120

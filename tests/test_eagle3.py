@@ -173,7 +173,7 @@ def test_text_tokens_and_draft_counts_equal_llama_servers(tmp_path, predictable)
     port = free_port()
     proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(models.target), "--spec-type", "draft-eagle3", "-md",
                              str(draft), "--spec-draft-n-max", str(DRAFT_MAX), "-c", "1024", "-np", "1",
-                             "--no-warmup", "-t", "1", "--host", "127.0.0.1", "--port", str(port)],
+                             "--no-warmup", "-t", "1", "-fa", "off", "--host", "127.0.0.1", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -43,7 +43,9 @@ class _Process:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([str(LLAMA_SERVER), *args, "--host", "127.0.0.1", "--port", str(self.port)],
+        # flash attention off, as this project's default (llama-server's is auto): the same numerics
+        self.proc = subprocess.Popen([str(LLAMA_SERVER), "-fa", "off", *args, "--host", "127.0.0.1",
+                                      "--port", str(self.port)],
                                      stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

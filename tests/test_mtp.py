@@ -15,6 +15,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from pyllama_spec import native_build
 from pyllama_spec.bindings.native_info import build_record
 from pyllama_spec.cli import main
 from pyllama_spec.devtools import tiny
+from pyllama_spec.embedded import MODELS_DIR
 
 IMAGE_PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
 # ~275 text tokens between the image and the generation: drafting a few hundred positions after it
@@ -35,6 +37,11 @@ MEDIA_PATCH = "0004-mtp-media-rows.patch"
 # media rows reach the head only where the build carries a state beside an embedding (patches/)
 needs_media_patch = pytest.mark.skipif(MEDIA_PATCH not in build_record().get("patches", []),
                                        reason=f"this llama.cpp build was made without patches/{MEDIA_PATCH}")
+
+
+#: The committed trained qwen35 target with its MTP head (tools/train_qwen35_mtp.py) and its projector.
+TRAINED = SimpleNamespace(target=MODELS_DIR / "trained-qwen35-mtp.gguf",
+                          mmproj=MODELS_DIR / "trained-qwen35-mtp-mmproj.gguf")
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +127,49 @@ def test_the_cli_chats_with_the_mtp_head(tiny_mtp):
                                        "--spec-type", "draft-mtp", "-t", "1"], input="/quit\n", terminal_width=200)
     assert result.exit_code == 0, result.output
     assert "draft-mtp" in " ".join(result.output.split()), result.output
+
+
+def _image_chat(png: Path) -> dict:
+    import base64
+
+    uri = "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode()
+    return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                                      {"type": "text", "text": "What is in it?"}]}],
+            "max_tokens": 24, "temperature": 0}
+
+
+@pytest.mark.parametrize("which", ["qwen35", "qwen35moe", "trained qwen35"])
+def test_chat_and_serve_take_a_picture_with_the_mtp_head(which, tiny_mtp, tiny_mtp_moe, big_image_png):
+    """As a user runs them: `chat --spec-type draft-mtp` with /image drafts after the picture, and
+    `serve --spec-type draft-mtp` answers an image chat with the target's own answer, drafted; on
+    the tiny sets and on the committed trained pair (pyllama_spec/models)."""
+    pytest.importorskip("starlette", reason="the server needs the 'server' extra")
+    from serving import LocalServer, cli_server, http
+
+    from pyllama_spec.server import ServerSettings
+
+    models = {"qwen35": tiny_mtp, "qwen35moe": tiny_mtp_moe, "trained qwen35": TRAINED}[which]
+    files = ["-m", str(models.target), "--mmproj", str(models.mmproj), "-t", "1", "-c", "2048", "-b", "64",
+             "-ub", "64", "--spec-type", "draft-mtp", "--draft-max", "3"]
+    result = CliRunner().invoke(main, ["chat", *files, "-n", "12"],
+                                input=f"/image {big_image_png}\nWhat is it?\n/quit\n", terminal_width=200)
+    out = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert int(out.split("drafted/accepted ")[1].split("/")[0]) > 0, out
+
+    body = _image_chat(big_image_png)
+    with _load(models, spec_type="none") as plain:
+        server = LocalServer(plain, ServerSettings(alias="mtp"))
+        try:
+            status, expected = http(server.url, "/v1/chat/completions", body)
+        finally:
+            server.stop()
+    assert status == 200, expected
+    with cli_server(*files, "-a", "mtp") as url:
+        status, answer = http(url, "/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["choices"][0]["message"] == expected["choices"][0]["message"]
+    assert answer["timings"]["draft_n"] > 0 and answer["timings"]["draft_n_accepted"] > 0
 
 
 # --------------------------------------------------------------------------- the head's cache
@@ -569,14 +619,15 @@ LLAMA_SERVER = native_build.find_llama_server()
 
 
 def _llama_server_completion(target: Path, body: dict, draft_max: int) -> dict:
-    """One /completion on a fresh llama-server with --spec-type draft-mtp (a fresh one per prompt:
-    its head carries the last hidden state of the previous request into the next prompt's first row)."""
+    """One /completion on a fresh llama-server with --spec-type draft-mtp and this file's settings
+    (KW: flash attention off, where llama-server's default is auto), a fresh one per prompt: its
+    head carries the last hidden state of the previous request into the next prompt's first row."""
     from serving import free_port
 
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-mtp-", suffix=".log", delete=False)
     proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(target), "-c", "2048", "-np", "1", "--no-warmup",
-                             "-t", str(N_THREADS), "-b", "64", "-ub", "64", "--spec-type", "draft-mtp",
+                             "-t", str(N_THREADS), "-b", "64", "-ub", "64", "-fa", "off", "--spec-type", "draft-mtp",
                              "--spec-draft-n-max", str(draft_max), "--host", "127.0.0.1", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=log)
     try:
@@ -614,3 +665,29 @@ def test_text_drafts_and_tokens_equal_llama_servers(tiny_mtp, tiny_mtp_moe, arch
     assert ours.stats.drafted == theirs["timings"]["draft_n"]
     assert ours.stats.accepted == theirs["timings"]["draft_n_accepted"]
     assert ours.stats.accepted > 0
+
+
+@pytest.mark.skipif(LLAMA_SERVER is None, reason="llama-server is not built here (python build.py --tools builds it)")
+@pytest.mark.parametrize("index", [1, 10])
+def test_the_trained_heads_text_drafts_and_tokens_equal_llama_servers(index):
+    """On the committed trained pair, 128 tokens of the held-out prompts on which a run of requests
+    to one llama-server drafts differently (bench/RESULTS.md: its head pairs a prompt's first row
+    with the previous request's last hidden state): a fresh llama-server drafts what this head
+    drafts, and this head drafts the same after another request as alone."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from measure_trained_pair import held_out_prompts
+
+    prompts = held_out_prompts(16)
+    n = 128
+    theirs = _llama_server_completion(TRAINED.target, {"prompt": prompts[index], "n_predict": n, "temperature": 0,
+                                                       "cache_prompt": False, "return_tokens": True}, 3)
+    with _load(TRAINED, draft_max=3) as engine:
+        alone = engine.generate(prompts[index], max_tokens=n, temperature=0, cache_prompt=False)
+        engine.generate(prompts[index - 1], max_tokens=n, temperature=0, cache_prompt=False)
+        after = engine.generate(prompts[index], max_tokens=n, temperature=0, cache_prompt=False)
+    assert alone.tokens == after.tokens == theirs["tokens"]
+    assert (alone.stats.drafted, alone.stats.accepted) == (after.stats.drafted, after.stats.accepted) == (
+        theirs["timings"]["draft_n"], theirs["timings"]["draft_n_accepted"])
+
