@@ -9,7 +9,8 @@ Methods (each skipped, with the reason, when its files are not in pyllama_spec/m
 embedded hunyuan_vl target, DFlash (trained-draft.gguf), EAGLE3 (trained-eagle3.gguf), the small
 draft VLM as a text-only draft model (trained-draft-vlm.gguf, today's draft-simple) and as a vision
 draft model (with its own projector, trained-draft-vlm-mmproj.gguf: ``mmproj_draft``); on the
-trained qwen35 target, its own MTP head (trained-qwen35-mtp.gguf, ``draft-mtp``).
+trained qwen35 target, its own MTP head (trained-qwen35-mtp.gguf, ``draft-mtp``), and the same with
+the image rows left out of the head's cache (as llama.cpp leaves them: the A/B of feeding them).
 
 Conditions: ``text`` (a held-out prompt), ``image, then 400`` (a picture, then the 400-character
 prompt: generation starts about 400 positions after the picture), ``right after image`` (the prompt,
@@ -17,10 +18,14 @@ then the picture: generation starts right after it). The picture is the demo's t
 (``draw_demo_image``), not in any training pool. Above temperature 0, prompt i samples with seed i
 (the same in every run), verified by llama.cpp's rule (``verify="match"``), so the output equals the
 target alone's there too. llama-server gets the same prompts through ``/completion``
-(``multimodal_data``), one server per method, each started with the same files and draft length.
-Tokens/s is decode time as each engine reports it (``decode_seconds`` here, ``predicted_ms`` there),
-min / median / max over ``--repeats`` runs of the whole set. A request llama-server fails is a row
-naming its error, and the run goes on.
+(``multimodal_data``), one server per method, each started with the same files, draft length and
+settings (one thread, flash attention off on both: llama-server's default is auto, which on this
+CPU encodes the test card 2.6x faster and makes batched and one-token numerics differ at near ties).
+Tokens/s is decode time as each engine reports it (``decode_seconds`` here, ``predicted_ms`` there);
+wall tokens/s is what the caller waits, prompt and picture included, on the caller's clock (here a
+``generate`` call in process, there a ``/completion`` request over loopback HTTP); both min /
+median / max over ``--repeats`` runs of the whole set. A request llama-server fails is a row naming
+its error, and the run goes on.
 """
 
 from __future__ import annotations
@@ -78,9 +83,14 @@ def methods(draft_max: int | None) -> dict[str, dict]:
         "qwen35: target only": dict(files=[q, qmm], target=q, mmproj=qmm, kw={"spec_type": "none"}, server=[]),
         "qwen35: MTP": dict(files=[q, qmm], target=q, mmproj=qmm, kw={"spec_type": "draft-mtp"},
                             server=["--spec-type", "draft-mtp"]),
+        # the A/B of the head's image rows: left out of its cache, as llama.cpp leaves them (and as a
+        # build without patches/0004 does), the pairing after the picture still right
+        "qwen35: MTP without image rows": dict(files=[q, qmm], target=q, mmproj=qmm,
+                                                 kw={"spec_type": "draft-mtp"}, server=None,
+                                                 after_load=lambda eng: setattr(eng.drafter, "writes_media", False)),
     }
     for name, m in out.items():
-        m["draft_max"] = draft_max or (3 if name == "qwen35: MTP" else 7)
+        m["draft_max"] = draft_max or (3 if name.startswith("qwen35: MTP") else 7)
         if m["server"]:
             m["server"] = [str(x) for x in m["server"]] + ["--spec-draft-n-max", str(m["draft_max"]),
                                                            "--spec-draft-n-min", "0"]
@@ -102,8 +112,10 @@ def condition_prompts(prompts: list[str]) -> dict[str, list[str]]:
 
 def ours(m: dict, prompts: dict, image, args, refs: dict) -> list[dict]:
     rows = []
-    with ps.load(m["target"], mmproj=m["mmproj"], n_threads=args.threads, draft_max=m["draft_max"],
+    with ps.load(m["target"], mmproj=m["mmproj"], n_threads=args.threads, draft_max=m["draft_max"], flash_attn=False,
                  **m["kw"]) as eng:
+        if "after_load" in m:
+            m["after_load"](eng)
         for cond, ps_ in prompts.items():
             for temp in args.temps:
                 runs = []
@@ -116,20 +128,28 @@ def ours(m: dict, prompts: dict, image, args, refs: dict) -> list[dict]:
     return rows
 
 
+SPEEDS = ("tokens_per_s", "wall_tokens_per_s")
+
+
 def _repeated(runs: list[dict]) -> dict:
     """One row from repeats: the counts of the first run (a repeat that drafts differently is an error:
-    same prompts, seeds and files) and tokens/s as min / median / max over the repeats."""
-    first = {k: v for k, v in runs[0].items() if k != "tokens_per_s"}
+    same prompts, seeds and files) and each speed as min / median / max over the repeats."""
+    first = {k: v for k, v in runs[0].items() if k not in SPEEDS}
     for r in runs[1:]:
         if (r["drafted"], r["accepted"], r["generated"]) != (first["drafted"], first["accepted"], first["generated"]):
             raise RuntimeError(f"a repeat drafted differently: {r} vs {runs[0]}")
-    tps = sorted(r["tokens_per_s"] for r in runs)
-    return dict(first, tokens_per_s=float(np.median(tps)), tokens_per_s_min=tps[0], tokens_per_s_max=tps[-1])
+    for speed in SPEEDS:
+        xs = sorted(r[speed] for r in runs)
+        first.update({speed: float(np.median(xs)), f"{speed}_min": xs[0], f"{speed}_max": xs[-1]})
+    return first
 
 
 def _run(eng, prompts, max_tokens, image, temp):
     # measure_trained_pair.run puts the marker before the prompt; ours are laid out already
-    return run(_Prompted(eng, image), prompts, max_tokens, image=None, temperature=temp)
+    t0 = time.perf_counter()
+    res, toks = run(_Prompted(eng, image), prompts, max_tokens, image=None, temperature=temp)
+    res["wall_tokens_per_s"] = res["generated"] / (time.perf_counter() - t0)
+    return res, toks
 
 
 class _Prompted:
@@ -149,6 +169,7 @@ def theirs(m: dict, prompts: dict, image_b64: str, args) -> list[dict]:
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
     proc = subprocess.Popen([str(server), "-m", str(m["target"]), "--mmproj", str(m["mmproj"]), *m["server"],
                              "-c", "4096", "-np", "1", "-t", str(args.threads), "-td", str(args.threads),
+                             "-fa", "off",  # as ours (flash_attn=False, the default; llama-server's is auto)
                              "--no-warmup", "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -185,7 +206,7 @@ def theirs(m: dict, prompts: dict, image_b64: str, args) -> list[dict]:
 
 def _serve_run(url: str, marker: str, prompts: list[str], image_b64: str, temp: float, args) -> dict:
     """Totals over the prompts through llama-server's /completion, counted as measure_trained_pair.run counts."""
-    agg = dict(drafted=0, accepted=0, generated=0, ms=0.0, steps=0)
+    agg = dict(drafted=0, accepted=0, generated=0, ms=0.0, steps=0, wall=0.0)
     for i, p in enumerate(prompts):
         prompt = ({"prompt_string": p.replace(MARKER, marker), "multimodal_data": [image_b64]}
                   if MARKER in p else p)
@@ -193,7 +214,9 @@ def _serve_run(url: str, marker: str, prompts: list[str], image_b64: str, temp: 
                 "cache_prompt": False}
         req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
+        t0 = time.perf_counter()
         t = json.load(urllib.request.urlopen(req, timeout=600))["timings"]
+        agg["wall"] += time.perf_counter() - t0
         agg["drafted"] += t.get("draft_n", 0)
         agg["accepted"] += t.get("draft_n_accepted", 0)
         agg["generated"] += t["predicted_n"]
@@ -204,7 +227,12 @@ def _serve_run(url: str, marker: str, prompts: list[str], image_b64: str, temp: 
     return dict(acceptance_rate=agg["accepted"] / agg["drafted"] if agg["drafted"] else 0.0,
                 mean_accepted_length=1 + agg["accepted"] / agg["steps"] if agg["steps"] else 0.0,
                 tokens_per_s=agg["generated"] / agg["ms"] * 1000 if agg["ms"] else 0.0,
+                wall_tokens_per_s=agg["generated"] / agg["wall"],
                 drafted=agg["drafted"], accepted=agg["accepted"], generated=agg["generated"])
+
+
+def _spread(row: dict, speed: str) -> str:
+    return f"{row[speed]:.0f} ({row[speed + '_min']:.0f}-{row[speed + '_max']:.0f})"
 
 
 def main() -> int:
@@ -244,19 +272,19 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1) + "\n")
     print("\n| method | engine | draft max | condition | temperature | acceptance | mean accepted length | "
-          "tokens/s median (min-max) | equals target only |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "decode tokens/s median (min-max) | wall tokens/s median (min-max) | equals target only |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in table:
         if "error" in r:
             print(f"| {r['method']} | {r['engine']} | {r['draft_max']} | {r['condition']} | {r['temp']:g} | "
-                  f"failed: {r['error']} | | | |")
+                  f"failed: {r['error']} | | | | |")
             continue
         same = "" if r["lossless"] is None else ("yes" if r["lossless"] else "NO")
         draft_max = r["draft_max"] if r["method"] not in ("target only", "qwen35: target only") else ""
         print(f"| {r['method']} | {r['engine']} | {draft_max} | {r['condition']} | {r['temp']:g} | "
               f"{r['acceptance_rate']:.3f} | "
-              f"{r['mean_accepted_length']:.2f} | {r['tokens_per_s']:.0f} ({r['tokens_per_s_min']:.0f}-"
-              f"{r['tokens_per_s_max']:.0f}) | {same} |")
+              f"{r['mean_accepted_length']:.2f} | {_spread(r, 'tokens_per_s')} | {_spread(r, 'wall_tokens_per_s')} | "
+              f"{same} |")
     return 0
 
 
