@@ -52,6 +52,12 @@ class LocalServer:
         self._thread.join(timeout=30)
         assert not self._thread.is_alive()
 
+    def __enter__(self) -> "LocalServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
 
 def http(base: str, path: str, body=None, raw: bytes | None = None) -> tuple[int, object]:
     """``base + path`` with urllib: a POST of ``body`` as JSON (or of ``raw`` bytes), a GET when

@@ -158,12 +158,8 @@ def test_chat_and_serve_take_a_picture_with_the_mtp_head(which, tiny_mtp, tiny_m
     assert int(out.split("drafted/accepted ")[1].split("/")[0]) > 0, out
 
     body = _image_chat(big_image_png)
-    with _load(models, spec_type="none") as plain:
-        server = LocalServer(plain, ServerSettings(alias="mtp"))
-        try:
-            status, expected = http(server.url, "/v1/chat/completions", body)
-        finally:
-            server.stop()
+    with _load(models, spec_type="none") as plain, LocalServer(plain, ServerSettings(alias="mtp")) as server:
+        status, expected = http(server.url, "/v1/chat/completions", body)
     assert status == 200, expected
     with cli_server(*files, "-a", "mtp") as url:
         status, answer = http(url, "/v1/chat/completions", body)

@@ -300,12 +300,8 @@ def test_serve_with_a_draft_projector_answers_an_image_chat_with_the_targets_ans
     body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
                                                       {"type": "text", "text": "What is this?"}]}],
             "max_tokens": 16, "temperature": 0}
-    with _load(tiny_dense, spec_type="none") as plain:
-        server = LocalServer(plain, ServerSettings(alias="tiny"))
-        try:
-            status, expected = http(server.url, "/v1/chat/completions", body)
-        finally:
-            server.stop()
+    with _load(tiny_dense, spec_type="none") as plain, LocalServer(plain, ServerSettings(alias="tiny")) as server:
+        status, expected = http(server.url, "/v1/chat/completions", body)
     assert status == 200
 
     with cli_server("-m", str(tiny_dense.target), "--mmproj", str(tiny_dense.mmproj), "-md", str(draft_vlm.model),
@@ -336,17 +332,13 @@ def test_the_server_answers_two_image_chats_at_once_through_the_vision_draft_on_
     answers = {}
     for name, spec in (("target", {"spec_type": "none"}),
                        ("vision draft", {"draft": draft_vlm.model, "mmproj_draft": draft_vlm.mmproj})):
-        engine = _load(tiny_dense, n_parallel=2, **spec)
-        server = LocalServer(engine, ServerSettings(alias="tiny"))
-        try:
+        with _load(tiny_dense, n_parallel=2, **spec) as engine, \
+                LocalServer(engine, ServerSettings(alias="tiny")) as server:
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 answers[name] = list(pool.map(lambda im: http(server.url, "/v1/chat/completions", body(im)),
                                               (big_image, small_image)))
             if name == "vision draft":
                 assert engine.drafter.media_skipped == 0  # the draft decoded both pictures
-        finally:
-            server.stop()
-            engine.close()
     for (s1, a), (s2, b) in zip(answers["vision draft"], answers["target"]):
         assert s1 == s2 == 200
         assert a["choices"][0]["message"] == b["choices"][0]["message"]
