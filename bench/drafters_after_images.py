@@ -75,8 +75,8 @@ def methods(draft_max: int | None) -> dict[str, dict]:
                        kw={"draft": MODELS / "trained-eagle3.gguf", "spec_type": "draft-eagle3"},
                        server=["-md", MODELS / "trained-eagle3.gguf", "--spec-type", "draft-eagle3"]),
         "text-only draft model": dict(files=[t, mm, vlm], target=t, mmproj=mm,
-                                       kw={"draft": vlm, "spec_type": "draft-simple"},
-                                       server=["-md", vlm, "--spec-type", "draft-simple"]),
+                                      kw={"draft": vlm, "spec_type": "draft-simple"},
+                                      server=["-md", vlm, "--spec-type", "draft-simple"]),
         "vision draft model": dict(files=[t, mm, vlm, vlm_mm], target=t, mmproj=mm,
                                    kw={"draft": vlm, "mmproj_draft": vlm_mm, "spec_type": "draft-simple"},
                                    server=None),  # llama-server has no draft projector
@@ -86,8 +86,8 @@ def methods(draft_max: int | None) -> dict[str, dict]:
         # the A/B of the head's image rows: left out of its cache, as llama.cpp leaves them (and as a
         # build without patches/0004 does), the pairing after the picture still right
         "qwen35: MTP without image rows": dict(files=[q, qmm], target=q, mmproj=qmm,
-                                                 kw={"spec_type": "draft-mtp"}, server=None,
-                                                 after_load=lambda eng: setattr(eng.drafter, "writes_media", False)),
+                                               kw={"spec_type": "draft-mtp"}, server=None,
+                                               after_load=lambda eng: setattr(eng.drafter, "writes_media", False)),
     }
     for name, m in out.items():
         m["draft_max"] = draft_max or (3 if name.startswith("qwen35: MTP") else 7)
@@ -263,11 +263,14 @@ def main() -> int:
             print(f"# {name}: skipped, no {', '.join(missing)}", flush=True)
             continue
         for row in ours(m, prompts, image, args, refs):
-            table.append({"method": name, "engine": "pyllama-spec", "draft_max": m["draft_max"], **row})
+            drafts = m["kw"]["spec_type"] != "none"
+            table.append({"method": name, "engine": "pyllama-spec", "draft_max": m["draft_max"] if drafts else None,
+                          **row})
             print(json.dumps(table[-1]), flush=True)
         if have_server and m["server"] is not None:  # [] is llama-server target-only
             for row in theirs(m, prompts, image_b64, args):
-                table.append({"method": name, "engine": "llama-server", "draft_max": m["draft_max"], **row})
+                table.append({"method": name, "engine": "llama-server", "draft_max": m["draft_max"] if drafts else None,
+                              **row})
                 print(json.dumps(table[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(table, indent=1) + "\n")
@@ -276,12 +279,11 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in table:
         if "error" in r:
-            print(f"| {r['method']} | {r['engine']} | {r['draft_max']} | {r['condition']} | {r['temp']:g} | "
+            print(f"| {r['method']} | {r['engine']} | {r['draft_max'] or ''} | {r['condition']} | {r['temp']:g} | "
                   f"failed: {r['error']} | | | | |")
             continue
         same = "" if r["lossless"] is None else ("yes" if r["lossless"] else "NO")
-        draft_max = r["draft_max"] if r["method"] not in ("target only", "qwen35: target only") else ""
-        print(f"| {r['method']} | {r['engine']} | {draft_max} | {r['condition']} | {r['temp']:g} | "
+        print(f"| {r['method']} | {r['engine']} | {r['draft_max'] or ''} | {r['condition']} | {r['temp']:g} | "
               f"{r['acceptance_rate']:.3f} | "
               f"{r['mean_accepted_length']:.2f} | {_spread(r, 'tokens_per_s')} | {_spread(r, 'wall_tokens_per_s')} | "
               f"{same} |")

@@ -45,6 +45,17 @@ except ImportError:
 
 from pyllama_spec.devtools import tiny  # noqa: E402
 
+def held_out_prompts(n: int) -> list[str]:
+    """tools/measure_trained_pair.py's held-out prompts (the trained pairs' benchmarks use them); an
+    empty list where this machine's Python has no such held-out source files."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("measure_trained_pair", REPO_ROOT / "tools" / "measure_trained_pair.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.held_out_prompts(n)
+
+
 #: The team's field report (shared/reference): its last lines are a real user's llama-server preset.
 FIELD_REPORT = REPO_ROOT.parent / "shared" / "reference" / "field-report-dflash-mtmd.txt"
 

@@ -4,6 +4,7 @@ itself in a process of its own (``cli_server``), as a user starts it."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -74,6 +75,14 @@ def http(base: str, path: str, body=None, raw: bytes | None = None) -> tuple[int
             return e.code, json.loads(text)
         except ValueError:
             return e.code, text.decode(errors="replace")
+
+
+def image_chat(png: bytes, text: str, max_tokens: int) -> dict:
+    """A greedy /v1/chat/completions body: one user turn, the picture (a data: URI) then ``text``."""
+    uri = "data:image/png;base64," + base64.b64encode(png).decode()
+    return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
+                                                      {"type": "text", "text": text}]}],
+            "max_tokens": max_tokens, "temperature": 0}
 
 
 @contextlib.contextmanager

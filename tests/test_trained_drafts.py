@@ -13,13 +13,12 @@ made by ``tools/train_tiny_pair.py --eagle3 / --draft-vlm``).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CTX_KWARGS, N_THREADS, REPO_ROOT
+from conftest import CTX_KWARGS, N_THREADS, held_out_prompts
 from test_trained_pair import PROMPT, _close, _image_prompt_through_llama_cpp, _trainer
 
 import pyllama_spec as ps
@@ -51,10 +50,7 @@ MAX_TOKENS = 48
 def _held_out_prompts(n: int) -> list[str]:
     """tools/measure_trained_pair.py's held-out prompts (the fixed held-out snippet where this
     machine's Python has no such corpus)."""
-    spec = importlib.util.spec_from_file_location("measure_trained_pair", REPO_ROOT / "tools" / "measure_trained_pair.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.held_out_prompts(n) or [PROMPT]
+    return held_out_prompts(n) or [PROMPT]
 
 
 # ----------------------------------------------------------------------------- EAGLE3 parity

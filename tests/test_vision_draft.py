@@ -4,7 +4,6 @@ positions, and the output stays the target's own, token for token."""
 
 from __future__ import annotations
 
-import base64
 import io
 
 import numpy as np
@@ -292,14 +291,11 @@ def test_chat_takes_mmproj_draft_and_drafts_after_a_picture(tiny_dense, draft_vl
 def test_serve_with_a_draft_projector_answers_an_image_chat_with_the_targets_answer_and_drafts(
         tiny_dense, draft_vlm, small_image):
     pytest.importorskip("starlette", reason="the server needs the 'server' extra")
-    from serving import LocalServer, cli_server, http
+    from serving import LocalServer, cli_server, http, image_chat
 
     from pyllama_spec.server import ServerSettings
 
-    uri = "data:image/png;base64," + base64.b64encode(_png(small_image)).decode()
-    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
-                                                      {"type": "text", "text": "What is this?"}]}],
-            "max_tokens": 16, "temperature": 0}
+    body = image_chat(_png(small_image), "What is this?", 16)
     with _load(tiny_dense, spec_type="none") as plain, LocalServer(plain, ServerSettings(alias="tiny")) as server:
         status, expected = http(server.url, "/v1/chat/completions", body)
     assert status == 200
@@ -319,24 +315,18 @@ def test_the_server_answers_two_image_chats_at_once_through_the_vision_draft_on_
     import concurrent.futures
 
     pytest.importorskip("starlette", reason="the server needs the 'server' extra")
-    from serving import LocalServer, http
+    from serving import LocalServer, http, image_chat
 
     from pyllama_spec.server import ServerSettings
 
-    def body(image):
-        uri = "data:image/png;base64," + base64.b64encode(_png(image)).decode()
-        return {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": uri}},
-                                                          {"type": "text", "text": "What is this?"}]}],
-                "max_tokens": 16, "temperature": 0}
-
+    bodies = [image_chat(_png(im), "What is this?", 16) for im in (big_image, small_image)]
     answers = {}
     for name, spec in (("target", {"spec_type": "none"}),
                        ("vision draft", {"draft": draft_vlm.model, "mmproj_draft": draft_vlm.mmproj})):
         with _load(tiny_dense, n_parallel=2, **spec) as engine, \
                 LocalServer(engine, ServerSettings(alias="tiny")) as server:
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
-                answers[name] = list(pool.map(lambda im: http(server.url, "/v1/chat/completions", body(im)),
-                                              (big_image, small_image)))
+                answers[name] = list(pool.map(lambda b: http(server.url, "/v1/chat/completions", b), bodies))
             if name == "vision draft":
                 assert engine.drafter.media_skipped == 0  # the draft decoded both pictures
     for (s1, a), (s2, b) in zip(answers["vision draft"], answers["target"]):
