@@ -20,10 +20,10 @@ Modules, each importing only those listed above it:
 - ``progress``: the build's messages, progress bar and the log of each command it runs;
 - ``source``: step 1 (``Source``, the pin ``PIN_*``, ``pinned_source``, ``user_source``);
 - ``backends``: ``BuildOptions``, the backends' toolchain checks and their CMake flags;
-- ``record``: ``build_record.json`` (with the DFlash-capable architectures read from the
-  built source) and the build folder's ``last-build.json``;
+- ``record``: a build's result ``NativeBuild``, ``build_record.json`` (with the DFlash-capable
+  architectures read from the built source) and the build folder's ``last-build.json``;
 - ``cmake``: step 2 (``BuildTools``, ``build_key``, ``configure_and_build``,
-  ``build_native`` and its result ``NativeBuild``, ``find_llama_server``);
+  ``build_native``, ``find_llama_server``);
 - ``cffi_module``: step 3 (``install_native``);
 - this file: ``build_in_place`` (all three steps), the command line of ``build.py``
   (``parse_args``, ``main``), and the names the rest of the project uses.
@@ -57,7 +57,6 @@ from .cffi_module import (
 )
 from .cmake import (
     BuildTools,
-    NativeBuild,
     build_key,
     build_native,
     configure_and_build,
@@ -66,7 +65,7 @@ from .cmake import (
 )
 from .common import NATIVE_DIR, PACKAGE_DIR, PATCHES_DIR, PROJECT_ROOT, BuildError, cache_root
 from .progress import _say
-from .record import dflash_capable_archs, write_build_record
+from .record import NativeBuild, dflash_capable_archs, write_build_record
 from .source import (
     PIN_PACKAGE,
     PIN_SHA256,

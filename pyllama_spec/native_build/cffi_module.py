@@ -10,14 +10,10 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .backends import RPC_SERVER
 from .common import NATIVE_DIR, _mkdir
-from .record import _write_build_summary, write_build_record
-
-if TYPE_CHECKING:
-    from .cmake import NativeBuild
+from .record import NativeBuild, _write_build_summary, write_build_record
 
 
 CFFI_MODULE = "pyllama_spec._native._pyllama_cffi"

@@ -18,25 +18,8 @@ from pathlib import Path
 from .backends import RPC_SERVER, BuildOptions, _extra_cmake_args, backend_cmake_args, feature_cmake_args, rpc_wanted
 from .common import PROJECT_ROOT, BuildError, _mkdir, cache_root
 from .progress import _nothing_to_do, _run_logged, _say
-from .record import _write_build_summary
+from .record import NativeBuild, _write_build_summary
 from .source import PIN_UPSTREAM_COMMIT, Source, pinned_source, user_source
-
-
-@dataclasses.dataclass(frozen=True)
-class NativeBuild:
-    """The result of a build: where the libraries are and how they were made."""
-
-    build_dir: Path
-    lib_dir: Path
-    source: Source
-    backend: str
-    cmake_args: tuple[str, ...]
-    key: str
-    rpc: bool = False  # ggml's RPC backend and ggml-rpc-server were built
-
-    def include_dirs(self) -> list[Path]:
-        s = self.source.path
-        return [s / "include", s / "ggml" / "include", s / "tools" / "mtmd", PROJECT_ROOT / "native"]
 
 
 def project_snapshot() -> Path:

@@ -1,19 +1,35 @@
-"""What a build says of itself: ``build_record.json`` beside the installed module (``doctor`` and the
-engine's load checks read it), the DFlash-capable architectures read from the built source, and
+"""What a build says of itself: its result (``NativeBuild``: where the libraries are and how they
+were made), ``build_record.json`` beside the installed module (``doctor`` and the engine's load
+checks read it), the DFlash-capable architectures read from the built source, and
 ``last-build.json`` in the build folder."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .source import PIN_PACKAGE, PIN_SHA256, PIN_UPSTREAM_COMMIT, PIN_UPSTREAM_DATE, PIN_VERSION
+from .common import PROJECT_ROOT
+from .source import PIN_PACKAGE, PIN_SHA256, PIN_UPSTREAM_COMMIT, PIN_UPSTREAM_DATE, PIN_VERSION, Source
 
-if TYPE_CHECKING:
-    from .cmake import NativeBuild
+
+@dataclasses.dataclass(frozen=True)
+class NativeBuild:
+    """The result of a build: where the libraries are and how they were made."""
+
+    build_dir: Path
+    lib_dir: Path
+    source: Source
+    backend: str
+    cmake_args: tuple[str, ...]
+    key: str
+    rpc: bool = False  # ggml's RPC backend and ggml-rpc-server were built
+
+    def include_dirs(self) -> list[Path]:
+        s = self.source.path
+        return [s / "include", s / "ggml" / "include", s / "tools" / "mtmd", PROJECT_ROOT / "native"]
 
 
 def dflash_capable_archs(source_dir: Path) -> list[str]:
