@@ -29,6 +29,8 @@ from pyllama_spec.server.llama_fields import (
     select_fields,
     wants,
 )
+from pyllama_spec.server.offload import off_loop as _off_loop
+from pyllama_spec.server.offload import until_disconnected as _until_disconnected
 from pyllama_spec.server.schema import GenerationRequest, parse_chat, parse_completion
 from pyllama_spec.server.service import (
     PARSE_ON_A_THREAD_ABOVE,
@@ -131,13 +133,6 @@ def _text(c: _Choice) -> str:
     return text[:len(text) - retract] if retract else text
 
 
-async def _off_loop(big: bool, fn, *args):
-    """``fn(*args)``: on a thread when ``big`` (native work linear in a long input), else here."""
-    if big:
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
-    return fn(*args)
-
-
 async def _grammar(args: dict) -> str:
     """The grammar a generation follows (a json_schema's as llama-server converts it), for its settings."""
     if args.get("grammar"):
@@ -195,12 +190,6 @@ def _ids(req: GenerationRequest) -> tuple[str, str]:
     prefix = {"chat": "chatcmpl", "completion": "cmpl", "llama": "cmpl"}[req.kind]
     return f"{prefix}-{uuid.uuid4().hex[:24]}", {"chat": "chat.completion", "completion": "text_completion",
                                                  "llama": "completion"}[req.kind]
-
-
-async def _until_disconnected(request: Request) -> None:
-    """Returns when the client has gone (ASGI's http.disconnect; the body was read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def first_translated(objects: AsyncIterator[dict], request: Request, translate) -> list:
