@@ -7,7 +7,7 @@ positions so that errors and drafters can say where it was.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
@@ -16,7 +16,21 @@ from pyllama_spec.bindings.handle import NativeHandle
 from pyllama_spec.errors import NativeCallError, check_batch_add
 
 if TYPE_CHECKING:
-    from pyllama_spec.bindings.context import Context
+    from pyllama_spec.bindings.model import Model
+
+
+class BatchContext(Protocol):
+    """What a batch asks of the context it fills (``bindings.context.Context`` is one). Said here,
+    so that batch.py needs nothing of context.py, which makes and decodes batches."""
+
+    @property
+    def ptr(self): ...
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def model(self) -> Model: ...
 
 
 def _outputs_array(outputs, n: int) -> np.ndarray | None:
@@ -35,7 +49,7 @@ class Batch(NativeHandle):
 
     _what = "batch"
 
-    def __init__(self, ctx: Context) -> None:
+    def __init__(self, ctx: BatchContext) -> None:
         self._ctx = ctx
         ptr = lib.llama_batch_ext_init(ctx.ptr)
         if ptr == ffi.NULL:

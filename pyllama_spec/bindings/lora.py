@@ -17,17 +17,13 @@ import math
 import numbers
 import os
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pyllama_spec._native import ffi, lib, raise_carried
 from pyllama_spec.bindings.handle import NativeHandle
-from pyllama_spec.bindings.model import _read_str, check_gguf_file
+from pyllama_spec.bindings.model import Model, _read_str, check_gguf_file
 from pyllama_spec.errors import ModelFileError, forget_native_problems, with_native_log
 from pyllama_spec.gguf.reader import ValueType, read_gguf_shared
-
-if TYPE_CHECKING:
-    from pyllama_spec.bindings.context import Context
-    from pyllama_spec.bindings.model import Model
 
 # The keys llama_adapter_lora_init reads, and the type it reads each as: gguf_get_val_str /
 # gguf_get_val_f32 GGML_ASSERT the stored type, so another type aborts the process.
@@ -70,6 +66,16 @@ def check_adapter_file(path: str | os.PathLike, model: "Model"):
     return p
 
 
+class AdapterUser(Protocol):
+    """What an adapter asks of a context that applies it (``bindings.context.Context`` is one).
+    Said here, so that lora.py needs nothing of context.py, which applies adapters."""
+
+    @property
+    def closed(self) -> bool: ...
+
+    def drop_lora(self, adapter: LoraAdapter) -> None: ...
+
+
 class LoraAdapter(NativeHandle):
     """A LoRA adapter GGUF loaded against the ``model`` it adapts (llama-server's ``--lora``).
 
@@ -87,7 +93,7 @@ class LoraAdapter(NativeHandle):
         self.path = os.fspath(path)
         self.model = model
         #: Contexts whose adapter set includes this one (they let go of it on close).
-        self.contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        self.contexts: weakref.WeakSet[AdapterUser] = weakref.WeakSet()
         p = check_adapter_file(path, model)
         forget_native_problems()
         ptr = lib.llama_adapter_lora_init(model.ptr, str(p).encode())

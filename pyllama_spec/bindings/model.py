@@ -23,7 +23,6 @@ from pyllama_spec.gguf.check import validate_gguf
 from pyllama_spec.gguf.reader import GGUF_MAGIC
 
 if TYPE_CHECKING:
-    from pyllama_spec.bindings.context import Context
     from pyllama_spec.bindings.devices import Placement
 
 _MROPE_TYPES = {lib.LLAMA_ROPE_TYPE_MROPE, lib.LLAMA_ROPE_TYPE_IMROPE}
@@ -76,7 +75,7 @@ class Model(NativeHandle):
                  role: str = "target", placement: "Placement | None" = None, load_mtp: bool = False) -> None:
         self.path = check_gguf_file(path, f"{role} model")
         self.role = role
-        self._contexts: weakref.WeakSet[Context] = weakref.WeakSet()
+        self._contexts: weakref.WeakSet[NativeHandle] = weakref.WeakSet()  # the contexts made from it
         self.dependents: weakref.WeakSet = weakref.WeakSet()  # other handles bound to this model (projectors)
         #: RPC servers ("host:port") that hold some of this model's layers (see devices.py).
         self.endpoints: tuple[str, ...] = ()
