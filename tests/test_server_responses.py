@@ -1,4 +1,4 @@
-"""OpenAI's Responses API (server/responses.py): POST /v1/responses and /v1/responses/input_tokens.
+"""OpenAI's Responses API (server/responses/): POST /v1/responses and /v1/responses/input_tokens.
 
 * The conversion itself, both ways, on hand-written OpenAI shapes: Responses items (messages,
   images, function calls and their outputs, reasoning) into chat messages as llama-server merges
@@ -35,17 +35,16 @@ from hypothesis import strategies as st  # noqa: E402
 from pyllama_spec.server import ServerSettings  # noqa: E402
 from pyllama_spec.server.errors import APIError  # noqa: E402
 from pyllama_spec.server.images import ImageLimits  # noqa: E402
-from pyllama_spec.server.responses import (  # noqa: E402
-    EventTranslator,
+from pyllama_spec.server.responses.convert import (  # noqa: E402
     ResponseHead,
-    ResponseStore,
-    Turn,
     chat_body,
     chat_messages,
     input_items,
     output_items,
     request_echo,
 )
+from pyllama_spec.server.responses.events import EventTranslator  # noqa: E402
+from pyllama_spec.server.responses.store import ResponseStore, Turn  # noqa: E402
 from pyllama_spec.server.schema import RequestLimits, parse_chat  # noqa: E402
 
 from serving import LocalServer  # noqa: E402

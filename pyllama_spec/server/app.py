@@ -2,7 +2,7 @@
 llama-server's /completion), ``info`` (/v1/models, /health, /props, /metrics, the chat page),
 ``tokens`` (llama-server's /tokenize, /detokenize, /apply-template, chat input_tokens),
 ``slots`` (llama-server's /slots and slot save/restore/erase), ``infill`` (/infill), ``messages``
-(Anthropic's /v1/messages and its count_tokens), ``responses`` (OpenAI's /v1/responses and its
+(Anthropic's /v1/messages and its count_tokens), ``responses/`` (OpenAI's /v1/responses and its
 input_tokens) and ``not_served`` (the embedding and reranking routes, answered as llama-server
 without --embeddings answers them), each behind the API-key check, with OpenAI-style errors for
 everything that goes wrong (Anthropic-style on ``messages``).
@@ -22,8 +22,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
-from pyllama_spec.server import generation, infill, info, lora, messages, not_served, responses, slots, tokens
+from pyllama_spec.server import generation, infill, info, lora, messages, not_served, slots, tokens
 from pyllama_spec.server.errors import APIError
+from pyllama_spec.server.responses import routes as responses
 from pyllama_spec.server.service import (
     ERROR_HANDLERS,
     ServerSettings,
