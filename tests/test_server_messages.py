@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import pyllama_spec as ps
 from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.images import ImageLimits
-from pyllama_spec.server.messages_convert import MessageStream, anthropic_message, chat_body
+from pyllama_spec.server.anthropic.convert import MessageStream, anthropic_message, chat_body
 from pyllama_spec.server.schema import RequestLimits, parse_chat
 
 anthropic = pytest.importorskip("anthropic", reason="the test extra brings the anthropic client")

@@ -1,21 +1,20 @@
 """Anthropic's Messages API, as llama-server serves it: ``POST /v1/messages`` and
 ``POST /v1/messages/count_tokens``.
 
-A request is turned into an OpenAI chat body (``messages_convert.chat_body``), read by the chat
+A request is turned into an OpenAI chat body (``convert.chat_body``), read by the chat
 route's own parser (``schema.parse_chat``: images, limits and sampling fields are checked the
 same way) and run as a chat request; its answer (``generation.complete_body``) or its chunks
 (``generation.stream_objects``) are turned back into Anthropic's message object or stream
 events. count_tokens counts the prompt the chat route would feed the model, images included
-(``tokens.chat_prompt``). Errors are answered in Anthropic's shape (``messages_convert.error_body``,
+(``tokens.chat_prompt``). Errors are answered in Anthropic's shape (``convert.error_body``,
 which is also the OpenAI shape llama-server answers with). The differences from llama-server are
-listed in ``messages_convert``; one more here: a streamed request that fails before its first
+listed in ``convert``; one more here: a streamed request that fails before its first
 token (a prompt longer than the context) is answered with its error status, as llama-server
 does, but after the prompt is decoded rather than before (this server learns of it then).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import json
@@ -25,7 +24,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pyllama_spec.server import messages_convert as convert
+from pyllama_spec.server.anthropic import convert
 from pyllama_spec.server.chat import prepare
 from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.generation import (
@@ -34,15 +33,15 @@ from pyllama_spec.server.generation import (
     first_translated,
     stream_objects,
 )
+from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, ThreadRunner, off_loop
 from pyllama_spec.server.schema import GenerationRequest, RequestLimits, parse_chat
 from pyllama_spec.server.service import (
-    PARSE_ON_A_THREAD_ABOVE,
     RouteSpec,
     Service,
     engine_error,
     read_json,
 )
-from pyllama_spec.server.tokens import ThreadRunner, chat_prompt, count_prompt_tokens
+from pyllama_spec.server.tokens import chat_prompt, count_prompt_tokens
 from pyllama_spec.server.worker import Job
 
 
@@ -78,10 +77,8 @@ def parse_messages(body: Any, limits: RequestLimits) -> GenerationRequest:
 
 async def _messages(service: Service, request: Request) -> Response:
     body, size = await read_json(request, service.settings.max_body_bytes, service.settings.body_timeout)
-    if size > PARSE_ON_A_THREAD_ABOVE:  # images are decoded while parsing: off the event loop
-        req = await asyncio.get_running_loop().run_in_executor(None, parse_messages, body, service.limits)
-    else:
-        req = parse_messages(body, service.limits)
+    # images are decoded while parsing: off the event loop when large
+    req = await off_loop(size > PARSE_ON_A_THREAD_ABOVE, parse_messages, body, service.limits)
     await prepare(service, req)  # the template renders the tools, tool results and reasoning
     jobs = service.submit(req)
     msg_id = convert.message_id()

@@ -1,6 +1,6 @@
 """Anthropic's Messages API as OpenAI chat, and back: pure functions over JSON values.
 
-The /v1/messages route (``messages.py``) runs a request through the chat route: ``chat_body``
+The /v1/messages route (``routes.py``) runs a request through the chat route: ``chat_body``
 turns the Anthropic request into an OpenAI chat body the way llama-server's
 ``server_chat_convert_anthropic_to_oai`` does (tools/server/server-chat.cpp), ``message``
 turns the chat.completion answer into Anthropic's message object, and ``MessageStream``
