@@ -25,7 +25,6 @@ def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, 
     """One turn with a large image through DFlash, on the embedded trained pair (or --random-tiny)."""
     from pyllama_spec import MEDIA_MARKER
     from pyllama_spec import native_build as nb
-    from pyllama_spec.devtools import tiny
     from pyllama_spec.errors import ModelFileError, NativeLibraryError
 
     try:
@@ -39,11 +38,13 @@ def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, 
         except nb.BuildError as e:
             err_console.print(f"[red]build failed:[/red] {e}")
             sys.exit(1)
-    from pyllama_spec.embedded import PROMPT, embedded_models
+    from pyllama_spec.embedded import PROMPT, draw_demo_image, embedded_models
     from pyllama_spec.serving.engine import load
 
-    image = tiny.draw_demo_image(image_size)
+    image = draw_demo_image(image_size)
     if random_tiny:
+        from pyllama_spec.devtools import tiny  # a developer's option: models written here, for tests
+
         models = tiny.make_tiny_set(nb.cache_root() / "tiny-models", window=window, predictable=0.5)
         # random weights: the target writes arbitrary bytes, so only the numbers below mean something
         request = dict(messages=[{"role": "user", "content": [{"type": "image", "image": image},

@@ -65,6 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pyllama_spec.embedded import TinyModels, draw_demo_image  # noqa: F401 - owned at run time, used here and by tests
 from pyllama_spec.gguf.writer import GGUFWriter, ValueType
 
 # Bump when the generated files change, so make_tiny_set caches are invalidated.
@@ -822,13 +823,6 @@ def write_eagle3_draft(path: str | Path, target: str | Path, *, target_layers: t
 # -- cached set --------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class TinyModels:
-    target: Path
-    mmproj: Path
-    draft: Path
-
-
 def _write_atomic(write, path: Path, **kwargs) -> None:
     # write to a unique temporary name, then rename: concurrent test workers never see half a file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -1039,17 +1033,3 @@ def make_bench_set(folder: str | Path, *, n_embd: int = 1024, n_layer: int = 12,
         prefix="bench", arch=arch, seed=seed, window=window, predictable=predictable, n_layer=n_layer,
         target_layers=tuple(target_layers), block_size=block_size, draft_n_layer=draft_n_layer,
         n_embd=n_embd, n_ff=n_ff, dtype=dtype, sizes_in_key=True, mtp=mtp))
-
-
-def draw_demo_image(size: int):
-    """A test card drawn with Pillow: large enough to span many ubatches and draft windows."""
-    from PIL import Image, ImageDraw
-
-    img = Image.new("RGB", (size, size), (30, 60, 110))
-    d = ImageDraw.Draw(img)
-    step = size // 8
-    for i in range(8):
-        d.rectangle([i * step, 0, (i + 1) * step, size // 3], fill=(32 * i, 255 - 32 * i, 128))
-    d.ellipse([size // 4, size // 3, 3 * size // 4, 5 * size // 6], fill=(240, 200, 40), outline=(0, 0, 0), width=6)
-    d.line([0, size - 1, size - 1, size // 2], fill=(255, 255, 255), width=10)
-    return img
