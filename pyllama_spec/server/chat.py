@@ -22,9 +22,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from pyllama_spec.bindings.chat import ChatError, ChatParser
 from pyllama_spec.server.errors import bad_request
-from pyllama_spec.serving.prompt import ChatParams
+from pyllama_spec.serving.prompt import ChatError, ChatParams, ChatParser
 
 #: Parse on a thread once a choice's text is longer than this (the parser reads all of it each time).
 PARSE_ON_A_THREAD_ABOVE = 8192

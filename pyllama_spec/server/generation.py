@@ -139,7 +139,7 @@ async def _grammar(args: dict) -> str:
         return args["grammar"]
     if args.get("json_schema") is None:
         return ""
-    from pyllama_spec.bindings.grammar import json_schema_to_grammar
+    from pyllama_spec.serving.prompt import json_schema_to_grammar
 
     return await _off_loop(True, json_schema_to_grammar, args["json_schema"])
 

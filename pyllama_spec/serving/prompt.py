@@ -25,7 +25,10 @@ import dataclasses
 import json
 from typing import Any, Iterable, Mapping, Sequence
 
-from pyllama_spec.bindings.chat import ChatError, ChatTemplates
+# The server takes ChatParser, ChatError, MEDIA_MARKER and json_schema_to_grammar from here: the
+# import contract keeps it out of bindings/ (ChatParser and the converter are re-exported for it).
+from pyllama_spec.bindings.chat import ChatError, ChatParser, ChatTemplates  # noqa: F401
+from pyllama_spec.bindings.grammar import json_schema_to_grammar  # noqa: F401
 from pyllama_spec.bindings.model import Model
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER
 from pyllama_spec.errors import ChatTemplateError
