@@ -208,6 +208,10 @@ class RepeatLastDrafter:
         pass
 
 
+def memory_parts(settings):
+    return []  # a token or two per sequence: nothing worth counting
+
+
 def check_pair(target, draft, build_record):
     from pyllama_spec.drafters.registry import Pairing
 
@@ -236,14 +240,40 @@ def test_a_method_added_to_the_registry_runs_through_the_unchanged_engine(monkey
             ps.load(tiny_dense.target, spec_type="repeat-last", draft_tree=4, n_threads=N_THREADS)
 
 
-def test_every_registry_entry_names_a_module_with_check_pair_and_make():
+def test_an_engine_config_picks_the_method_as_load_does():
+    from pyllama_spec.serving.config import EngineConfig
+
+    assert EngineConfig(model="t.gguf").spec_type == "none"
+    assert EngineConfig(model="t.gguf", draft="d.gguf").spec_type == "draft-dflash"
+    assert EngineConfig(model="t.gguf", draft="d.gguf", mmproj_draft="p.gguf").spec_type == "draft-simple"
+    assert EngineConfig(model="t.gguf", draft="d.gguf", spec_type="eagle3").checked().spec_type == "draft-eagle3"
+
+
+@pytest.mark.parametrize("settings,message", [
+    (dict(spec_type="draft-eagle3"), "spec_type='draft-eagle3' needs a draft model"),
+    (dict(mmproj_draft="p.gguf"), "mmproj_draft is a draft model's own projector"),
+    (dict(spec_type="medusa"), "spec_type must be one of"),
+    (dict(n_ubatch=1024), "cannot exceed n_batch"),
+    (dict(draft_max=-1), "draft_max must be"),
+    (dict(n_parallel=0), "n_parallel must be"),
+    (dict(draft="d.gguf", draft_tree=4, verify="rejection"), "draft_tree verifies"),
+    (dict(draft="d.gguf", spec_type="draft-simple", draft_tree=4), "draft_tree needs a DFlash draft"),
+])
+def test_an_engine_config_checks_itself_before_any_file_is_read(settings, message):
+    from pyllama_spec.serving.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(model="no-such-file.gguf", **settings).checked()
+
+
+def test_every_registry_entry_names_a_module_with_memory_parts_check_pair_and_make():
     import importlib
 
     from pyllama_spec.drafters import registry
 
     for entry in registry.METHODS:
         module = importlib.import_module(entry.module)
-        assert callable(module.check_pair) and callable(module.make), entry.name
+        assert callable(module.memory_parts) and callable(module.check_pair) and callable(module.make), entry.name
         assert registry.method(entry.name) is entry
         for alias in entry.aliases:
             assert registry.canonical_spec_type(alias) == entry.name

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import logging
 import re
+from types import SimpleNamespace
 
 import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
+from pyllama_spec.bindings.devices import EnginePlacement
 from pyllama_spec.devtools import tiny
+from pyllama_spec.drafters.registry import method
 from pyllama_spec.embedded import MODELS_DIR
 from pyllama_spec.gguf import memory
+from pyllama_spec.gguf.reader import read_gguf_shared
+from pyllama_spec.serving.config import EngineConfig
+from pyllama_spec.serving.load_plan import estimate_memory
 
 _SIZE = re.compile(r"(model buffer size|KV buffer size|compute buffer size) =\s+([0-9.]+) MiB")
 
@@ -52,8 +58,7 @@ def test_the_estimate_is_within_10_percent_of_what_llama_cpp_allocates(which, kv
     settings = dict(n_ctx=4096, n_batch=512, n_ubatch=512, flash_attn=kv != "f16", cache_type_k=kv,
                     cache_type_v=kv)
     got = _allocated(models, **settings)
-    est = memory.estimate(models.target, draft=models.draft,
-                          **{k: v for k, v in settings.items() if k not in ("n_batch", "flash_attn")})
+    est = _estimate(models.target, draft=models.draft, **{k: v for k, v in settings.items() if k != "flash_attn"})
     for part, actual in zip(est.parts, got):
         mib = part.total / memory.MiB
         if settings["flash_attn"]:
@@ -90,21 +95,88 @@ def test_the_mtp_heads_context_is_counted_within_10_percent(which, tiny_dir):
     kv = [v for k, v in seen if k == "KV buffer size"]
     compute = [v for k, v in seen if k == "compute buffer size"]
     assert len(kv) == 2 and len(compute) == 2, seen
-    est = memory.estimate(path, n_ctx=4096, n_ubatch=512, mtp_head=True)
+    est = _estimate(path, spec_type="draft-mtp", n_ctx=4096, n_ubatch=512)
     assert [p.name for p in est.parts] == ["target", "MTP head"]
     head = est.parts[1]
     assert head.weights == 0  # the head's weights are the target file's, counted once
     actual = kv[1] + compute[1]
     assert abs(head.total / memory.MiB - actual) <= 0.10 * actual, (head, actual)
-    assert memory.estimate(path, n_ctx=4096).total < est.total  # without the head, less
+    assert _estimate(path, n_ctx=4096).total < est.total  # without the head, less
+
+
+def _estimate(model, **config) -> memory.Estimate:
+    """The estimate load() checks for this configuration (EngineConfig's keywords)."""
+    files = ("mmproj", "draft", "mmproj_draft")
+    c = EngineConfig(model=str(model), **{k: str(v) if k in files and v is not None else v
+                                          for k, v in config.items()}).checked()
+    return estimate_memory(c, method(c.spec_type))
+
+
+TRAINED = MODELS_DIR / "trained-target.gguf"
+#: Each drafting method with a draft file, on the committed trained files: (spec_type, draft, mmproj_draft).
+TRAINED_DRAFTS = {
+    "draft-dflash": (MODELS_DIR / "trained-draft.gguf", None),
+    "draft-eagle3": (MODELS_DIR / "trained-eagle3.gguf", None),
+    "draft-simple": (MODELS_DIR / "trained-draft-vlm.gguf", None),
+    "draft-simple + mmproj_draft": (MODELS_DIR / "trained-draft-vlm.gguf", MODELS_DIR / "trained-draft-vlm-mmproj.gguf"),
+}
+
+
+@pytest.mark.parametrize("spec_type", ["draft-eagle3", "draft-simple"])
+@pytest.mark.parametrize("n_batch,n_ubatch", [(512, 512), (256, 64)])
+def test_every_methods_draft_is_counted_within_10_percent(spec_type, n_batch, n_ubatch):
+    """A draft-simple draft (one ubatch per batch) and an EAGLE3 draft (the target's vocabulary out)
+    have their own shapes of context: each is checked against what llama.cpp allocates, like DFlash's."""
+    draft, _ = TRAINED_DRAFTS[spec_type]
+    settings = dict(n_ctx=4096, n_batch=n_batch, n_ubatch=n_ubatch, flash_attn=False)
+    got = _allocated(SimpleNamespace(target=TRAINED, draft=draft), spec_type=spec_type, **settings)
+    est = _estimate(TRAINED, draft=draft, spec_type=spec_type, n_ctx=4096, n_batch=n_batch, n_ubatch=n_ubatch)
+    assert [p.name for p in est.parts] == ["target", "draft"]
+    for part, actual in zip(est.parts, got):
+        assert abs(part.total / memory.MiB - actual) <= 0.10 * actual, (part, actual)
+
+
+@pytest.mark.parametrize("spec_type", list(TRAINED_DRAFTS))
+def test_every_draft_file_and_draft_projector_enters_the_estimate(spec_type):
+    """What each method adds to the target's estimate: its draft's weights (their exact bytes), cache and
+    compute buffer, and a vision draft's own projector (mmproj_draft) by its weights."""
+    draft, mmproj_draft = TRAINED_DRAFTS[spec_type]
+    alone = _estimate(TRAINED, mmproj=MODELS_DIR / "trained-mmproj.gguf")
+    est = _estimate(TRAINED, mmproj=MODELS_DIR / "trained-mmproj.gguf", draft=draft, mmproj_draft=mmproj_draft,
+                    spec_type=spec_type.split()[0])
+    added = [p for p in est.parts if p.name not in ("target", "mmproj")]
+    assert [p.name for p in added] == ["draft"] + (["draft mmproj"] if mmproj_draft else [])
+    assert est.total - alone.total == sum(p.total for p in added)
+    weights = sum(t.nbytes for t in read_gguf_shared(draft).tensors.values())
+    assert added[0].weights == weights and added[0].kv > 0 and added[0].compute > 0
+    if mmproj_draft:
+        assert added[1].total == sum(t.nbytes for t in read_gguf_shared(mmproj_draft).tensors.values())
+
+
+@pytest.mark.parametrize("spec_type", list(TRAINED_DRAFTS))
+def test_a_draft_that_does_not_fit_is_refused_naming_its_method(spec_type, monkeypatch):
+    """A budget that holds the target alone but not its draft (or a vision draft but not its own
+    projector): load() refuses before allocating, and the message names the method in use."""
+    draft, mmproj_draft = TRAINED_DRAFTS[spec_type]
+    spec = spec_type.split()[0]
+    settings = dict(n_ctx=4096, n_batch=512, n_ubatch=512)
+    with_draft = _estimate(TRAINED, draft=draft, mmproj_draft=mmproj_draft, spec_type=spec, **settings).total
+    budget = with_draft - 1 if mmproj_draft else _estimate(TRAINED, **settings).total + 1
+    monkeypatch.setattr(EnginePlacement, "memory_budget", lambda self, n_gpu_layers: ("CPU", budget))
+    with pytest.raises(ps.InsufficientMemoryError, match=r"needs about \d+ MiB but CPU has \d+ MiB free") as info:
+        ps.load(TRAINED, draft=draft, mmproj_draft=mmproj_draft, spec_type=spec, n_threads=N_THREADS, **settings)
+    assert f"spec_type {spec}" in str(info.value) and method(spec).title in str(info.value)
+    assert "draft" in str(info.value).split("free:")[1]  # the parts, the draft's among them
 
 
 def test_the_estimate_counts_every_part_and_refuses_unknown_types(tiny_dense):
-    est = memory.estimate(tiny_dense.target, mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_ctx=2048)
+    est = _estimate(tiny_dense.target, mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_ctx=2048)
     assert [p.name for p in est.parts] == ["target", "draft", "mmproj"]
     assert est.total == sum(p.total for p in est.parts) and est.table()[-1][0] == "all"
     with pytest.raises(ValueError, match="not a KV cache type"):
         memory.estimate(tiny_dense.target, cache_type_k="q2_k")
+    with pytest.raises(ValueError, match="not a KV cache type"):  # a draft's own cache type too
+        _estimate(tiny_dense.target, draft=tiny_dense.draft, cache_type_k_draft="q2_k")
 
 
 def test_a_configuration_that_cannot_fit_is_refused_before_anything_is_allocated(tiny_dir):
@@ -145,3 +217,21 @@ def test_doctor_counts_the_mtp_head_when_asked_for_draft_mtp():
     assert "MTP head" in result.output
     result = CliRunner().invoke(main, ["doctor", "-m", path, "--spec-type", "medusa"], terminal_width=200)
     assert result.exit_code == 1 and "cannot estimate" in result.output and "draft-mtp" in result.output
+
+
+@pytest.mark.parametrize("spec_type", ["draft-eagle3", "draft-simple + mmproj_draft"])
+def test_doctor_counts_every_methods_draft_and_draft_projector(spec_type):
+    from click.testing import CliRunner
+
+    from pyllama_spec.cli import main
+
+    draft, mmproj_draft = TRAINED_DRAFTS[spec_type]
+    args = ["doctor", "-m", str(TRAINED), "-md", str(draft), "-c", "2048", "-ub", "64"]
+    args += ["--mmproj-draft", str(mmproj_draft)] if mmproj_draft else ["--spec-type", spec_type]
+    result = CliRunner().invoke(main, args, terminal_width=200)
+    assert result.exit_code == 0, result.output
+    spec = spec_type.split()[0]  # with --mmproj-draft and no --spec-type: draft-simple, as load() picks
+    assert f"spec_type {spec}" in result.output and "draft" in result.output.split("memory estimate")[1]
+    est = _estimate(TRAINED, draft=draft, mmproj_draft=mmproj_draft, spec_type=spec, n_ctx=2048, n_ubatch=64)
+    assert f"{est.total / memory.MiB:.1f} MiB" in result.output  # the estimate load() checks
+    assert ("draft mmproj" in result.output) == bool(mmproj_draft)

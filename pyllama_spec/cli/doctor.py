@@ -14,19 +14,28 @@ from pyllama_spec.cli.options import console, err_console
 @click.option("-m", "--model", "model", type=click.Path(), default=None, help="also estimate this target's memory")
 @click.option("--mmproj", type=click.Path(), default=None)
 @click.option("-md", "--model-draft", "draft", type=click.Path(), default=None)
+@click.option("--mmproj-draft", "mmproj_draft", type=click.Path(), default=None,
+              help="the draft model's own projector (draft-simple)")
 @click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True)
+@click.option("-b", "--batch-size", "n_batch", default=512, show_default=True)
 @click.option("-ub", "--ubatch-size", "n_ubatch", default=512, show_default=True)
+@click.option("-np", "--parallel", "n_parallel", default=1, show_default=True)
 @click.option("-ctk", "--cache-type-k", default="f16", show_default=True)
 @click.option("-ctv", "--cache-type-v", default="f16", show_default=True)
+@click.option("-ctkd", "--cache-type-k-draft", default=None)
+@click.option("-ctvd", "--cache-type-v-draft", default=None)
 @click.option("--spec-type", default=None, metavar="TYPE",
-              help="the drafting method to estimate for (draft-mtp adds the MTP head's context)")
+              help="the drafting method to estimate for (default: as load() picks it from -md and --mmproj-draft); "
+                   "each adds its own parts: a draft's weights and caches, a draft's projector, draft-mtp's head")
 @click.option("--rpc", "rpc_servers", default=None, metavar="SERVERS",
               help="also list the devices of these RPC servers (comma-separated host:port) and their memory")
-def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v, spec_type, rpc_servers) -> None:
+def doctor(model, mmproj, draft, mmproj_draft, n_ctx, n_batch, n_ubatch, n_parallel, cache_type_k, cache_type_v,
+           cache_type_k_draft, cache_type_v_draft, spec_type, rpc_servers) -> None:
     """Show the native build: libraries, llama.cpp pin, backends, devices, DFlash entry points.
 
-    With -m (and --mmproj, -md, --spec-type, -c, -ub, -ctk, -ctv): what that configuration will need, estimated
-    from the files before anything is allocated. With --rpc: the remote devices, reached first."""
+    With -m (and --mmproj, -md, --mmproj-draft, --spec-type, -c, -b, -ub, -np, -ctk, -ctv, -ctkd, -ctvd): what
+    that configuration will need, estimated from the files before anything is allocated, as load() checks it.
+    With --rpc: the remote devices, reached first."""
     from pyllama_spec import native_build as nb
 
     table = Table(show_header=False, box=None)
@@ -74,20 +83,22 @@ def doctor(model, mmproj, draft, n_ctx, n_ubatch, cache_type_k, cache_type_v, sp
     if rpc_servers:
         _print_remote_devices(rpc_servers)
     if model is not None:
+        from pyllama_spec.drafters.registry import method
         from pyllama_spec.errors import PyllamaError
-        from pyllama_spec.gguf import memory
-
-        from pyllama_spec.drafters.registry import method as spec_method
+        from pyllama_spec.serving.config import EngineConfig
+        from pyllama_spec.serving.load_plan import estimate_memory
 
         try:
-            m = spec_method(spec_type) if spec_type else None
-            est = memory.estimate(model, mmproj=mmproj, draft=draft, n_ctx=n_ctx, n_ubatch=n_ubatch,
-                                  cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-                                  mtp_head=bool(m and m.loads_target_mtp))
+            config = EngineConfig(model=model, mmproj=mmproj, draft=draft, mmproj_draft=mmproj_draft,
+                                  spec_type=spec_type, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=min(n_ubatch, n_batch),
+                                  n_parallel=n_parallel, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+                                  cache_type_k_draft=cache_type_k_draft, cache_type_v_draft=cache_type_v_draft).checked()
+            est = estimate_memory(config, method(config.spec_type))
         except (PyllamaError, ValueError, OSError) as e:
             err_console.print(f"[red]cannot estimate: {e}[/red]")
             sys.exit(1)
-        mem = Table(title=f"memory estimate (n_ctx {n_ctx}, n_ubatch {n_ubatch}, KV {cache_type_k}/{cache_type_v})")
+        mem = Table(title=f"memory estimate (spec_type {config.spec_type}, n_ctx {n_ctx}, n_ubatch {config.n_ubatch}, "
+                          f"KV {cache_type_k}/{cache_type_v})")
         for column in ("part", "weights", "KV cache", "compute", "total"):
             mem.add_column(column)
         for row in est.table():

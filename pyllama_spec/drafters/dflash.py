@@ -98,6 +98,20 @@ def check_dflash_pair(target: Model, draft: Model, dflash_target_archs: list[str
     return cfg
 
 
+def memory_parts(settings) -> list:
+    """The registry's memory parts (registry.py): the draft's weights, its cache (its window's cells)
+    and the compute buffer of a ubatch that holds every sequence's block; its output rows are the
+    target's vocabulary (it borrows the target's head, whose weights the target counts)."""
+    from pyllama_spec.gguf import memory
+    from pyllama_spec.gguf.reader import read_gguf_shared
+
+    block = read_gguf_shared(settings.draft).metadata.get("dflash.block_size") or DEFAULT_BLOCK_SIZE
+    return [memory.model_part("draft", settings.draft, n_ctx=settings.n_ctx,
+                              n_ubatch=max(settings.n_ubatch, int(block) * settings.n_seq),
+                              type_k=settings.cache_type_k, type_v=settings.cache_type_v,
+                              n_vocab_out=memory.vocabulary_size(settings.target), live=(1, 2))]
+
+
 def check_pair(target: Model, draft: Model, build_record: dict):
     """The registry's pairing check (registry.py): a block of ``block_size`` holds ``id_last`` and at
     most ``block_size - 1`` drafted tokens; DFlash2 walks its own lattice (no per-position logits)."""

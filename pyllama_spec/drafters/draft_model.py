@@ -56,6 +56,19 @@ def check_draft_model(target: Model, draft: Model) -> None:
                                       "rejected drafts; use an attention-only draft model")
 
 
+def memory_parts(settings) -> list:
+    """The registry's memory parts (registry.py): the draft model's weights, its cache (as many cells as
+    the target's) and the compute buffer of its ubatch (n_batch rows: make() gives it one ubatch per
+    batch), then its own projector's weights when it has one (mmproj_draft)."""
+    from pyllama_spec.gguf import memory
+
+    parts = [memory.model_part("draft", settings.draft, n_ctx=settings.n_ctx, n_ubatch=settings.n_batch,
+                               type_k=settings.cache_type_k, type_v=settings.cache_type_v)]
+    if settings.mmproj_draft is not None:
+        parts.append(memory.projector_part("draft mmproj", settings.mmproj_draft))
+    return parts
+
+
 def check_pair(target: Model, draft: Model, build_record: dict):
     """The registry's pairing check (registry.py)."""
     from pyllama_spec.drafters.registry import Pairing

@@ -127,6 +127,18 @@ def check_eagle3_pair(target: Model, draft: Model, layer_input_archs: list[str] 
     return Eagle3Config(layers, hidden, n_draft_vocab, d2t is not None)
 
 
+def memory_parts(settings) -> list:
+    """The registry's memory parts (registry.py): the draft's weights, its cache (as many cells as the
+    target's) and the compute buffer of its ubatch; its output rows are the target's vocabulary (a
+    reduced vocabulary is scattered to the target's ids)."""
+    from pyllama_spec.gguf import memory
+
+    return [memory.model_part("draft", settings.draft, n_ctx=settings.n_ctx,
+                              n_ubatch=max(settings.n_ubatch, settings.n_seq), type_k=settings.cache_type_k,
+                              type_v=settings.cache_type_v, n_vocab_out=memory.vocabulary_size(settings.target),
+                              live=(1, 2))]
+
+
 def check_pair(target: Model, draft: Model, build_record: dict):
     """The registry's pairing check (registry.py): drafts of up to DRAFT_TOKEN_LIMIT tokens, each with
     the draft's distribution over the target's vocabulary."""

@@ -79,6 +79,16 @@ class MTPConfig:
     n_embd: int
 
 
+def memory_parts(settings) -> list:
+    """The registry's memory parts (registry.py): the head's own context on the target (make() opens
+    it with the target's cells and ubatch): a cache of the nextn layers only and a compute buffer as
+    large as the target's; its weights are the target's, counted there."""
+    from pyllama_spec.gguf import memory
+
+    return [memory.model_part("MTP head", settings.target, n_ctx=settings.n_ctx, n_ubatch=settings.n_ubatch,
+                              type_k=settings.cache_type_k, type_v=settings.cache_type_v, nextn_only=True)]
+
+
 def check_pair(target: Model, draft, build_record: dict):
     """The registry's pairing check (registry.py): the target must carry one nextn block, of an
     architecture whose MTP graph this build has and whose mode this drafter drives."""

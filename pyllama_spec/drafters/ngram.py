@@ -23,6 +23,11 @@ _SEPARATOR = -1  # stands for a media chunk in the history
 _EMPTY = np.zeros(0, dtype=np.int32)
 
 
+def memory_parts(settings) -> list:
+    """The registry's memory parts (registry.py): none worth counting (a token history per sequence)."""
+    return []
+
+
 def check_pair(target, draft, build_record: dict):
     """The registry's pairing check (registry.py): any target, no draft file, no distribution."""
     from pyllama_spec.drafters.registry import Pairing

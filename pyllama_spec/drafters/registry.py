@@ -3,9 +3,13 @@
 An entry names the method (llama.cpp's ``--spec-type`` name and aliases), whether it needs a
 draft file, what it reads of the target's decodes, whether it computes with the target's output
 head (so the head must stay where its context can reach it), whether a draft tree can be built
-from its drafts, and whether the memory estimate counts its draft. Its module (imported only
-when the method is used, so that the names are known before the native part is built) gives:
+from its drafts, and how messages call it. Its module (imported only when the method is used, so
+that the names are known before the native part is built) gives:
 
+* ``memory_parts(settings: MemorySettings) -> list[memory.Part]``: what the method adds to the
+  memory estimate, from the files alone (its draft's weights, caches and compute buffer, its draft's
+  own projector, a head's context); ``load()`` refuses a configuration that does not fit, and
+  ``pyllama-spec doctor`` prints them;
 * ``check_pair(target, draft, build_record) -> Pairing``: refuse, before any context exists, a
   pairing that cannot work; say how far one draft may go and whether it has per-position logits;
 * ``make(setup: DrafterSetup) -> Drafter``.
@@ -56,20 +60,41 @@ class DrafterSetup:
 
 
 @dataclasses.dataclass(frozen=True)
+class MemorySettings:
+    """What a method's memory parts are estimated from, before anything is loaded: its files (paths;
+    None where not given) and the load's settings, the draft's cache types resolved (as the target's
+    unless given)."""
+
+    target: str
+    draft: str | None
+    mmproj_draft: str | None
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    n_seq: int
+    cache_type_k: str
+    cache_type_v: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Method:
     name: str  # llama.cpp's --spec-type name
-    module: str  # the module implementing check_pair and make
+    module: str  # the module implementing memory_parts, check_pair and make
+    title: str = "a draft"  # what messages call it: "needs a DFlash draft", "the target with an EAGLE3 draft"
     aliases: tuple[str, ...] = ()
     draft_file: bool = True  # needs a draft model (-md)
     target_features: str = "none"  # what it reads of each target decode: "layer inputs", "final hidden state" or "none"
     uses_target_head: bool = False  # computes with the target's token embedding and output head
     trees: bool = False  # a draft tree can be built from its drafts (with per-position logits)
-    counts_draft_memory: bool = False  # memory.estimate counts its draft's weights and caches
     loads_target_mtp: bool = False  # the target is loaded with its multi-token-prediction (nextn) block
     draft_projector: bool = False  # its draft model may take a projector of its own (mmproj_draft: it sees pictures)
 
     def _impl(self):
         return importlib.import_module(self.module)
+
+    def memory_parts(self, settings: MemorySettings) -> list:
+        """What this method adds to the memory estimate (gguf/memory.py ``Part``s), from the files alone."""
+        return self._impl().memory_parts(settings)
 
     def check_pair(self, target, draft, build_record: dict) -> Pairing:
         return self._impl().check_pair(target, draft, build_record)
@@ -88,13 +113,13 @@ class Method:
 
 
 METHODS = (
-    Method("draft-dflash", "pyllama_spec.drafters.dflash", aliases=("dflash",), target_features="layer inputs",
-           uses_target_head=True, trees=True, counts_draft_memory=True),
-    Method("draft-eagle3", "pyllama_spec.drafters.eagle3", aliases=("eagle3",), target_features="layer inputs",
-           uses_target_head=True),
-    Method("draft-simple", "pyllama_spec.drafters.draft_model", draft_projector=True),
-    Method("ngram-simple", "pyllama_spec.drafters.ngram", draft_file=False),
-    Method("draft-mtp", "pyllama_spec.drafters.mtp", draft_file=False,
+    Method("draft-dflash", "pyllama_spec.drafters.dflash", "a DFlash draft", aliases=("dflash",),
+           target_features="layer inputs", uses_target_head=True, trees=True),
+    Method("draft-eagle3", "pyllama_spec.drafters.eagle3", "an EAGLE3 draft", aliases=("eagle3",),
+           target_features="layer inputs", uses_target_head=True),
+    Method("draft-simple", "pyllama_spec.drafters.draft_model", "a draft model", draft_projector=True),
+    Method("ngram-simple", "pyllama_spec.drafters.ngram", "n-gram lookup", draft_file=False),
+    Method("draft-mtp", "pyllama_spec.drafters.mtp", "its own MTP head", draft_file=False,
            target_features="final hidden state", loads_target_mtp=True),
 )
 _BY_NAME = {name: m for m in METHODS for name in (m.name, *m.aliases)}
@@ -110,6 +135,14 @@ def canonical_spec_type(spec_type: str) -> str:
     if spec_type not in _BY_NAME:
         raise ValueError(f"spec_type must be one of {SPEC_TYPES}, got {spec_type!r}")
     return _BY_NAME[spec_type].name
+
+
+def default_spec_type(draft, mmproj_draft=None) -> str:
+    """The method used when none is named: a draft with a projector of its own is a vision draft
+    model ("draft-simple"), any other draft a DFlash draft ("draft-dflash"); no draft, none ("none")."""
+    if draft is None:
+        return "none"
+    return "draft-simple" if mmproj_draft else "draft-dflash"
 
 
 def method(spec_type: str) -> Method | None:

@@ -1,15 +1,18 @@
 """What a configuration will need, from GGUF metadata alone, before anything is allocated.
 
-For the target, a DFlash draft, an MTP head's context and an mmproj: weights (the tensors' exact byte sizes),
-KV caches (cells x layers x KV heads x head widths at the chosen cache types; a draft's
-sliding-window cache holds min(n_ctx, window + n_ubatch) cells, padded to 256 as
-llama.cpp pads it) and compute buffers. Without flash attention a compute buffer is
-dominated by one layer's attention scores (heads x n_ubatch x cells, f32) and the mask
-(cells x n_ubatch, f32); the rest is a ubatch of feed-forward and output activations.
-That is the shape of llama.cpp's graph at this pin, checked against what it allocates
-on the tiny and bench models (tests/test_memory.py); with flash attention the scores
-are not stored whole and the estimate is an upper bound. The mmproj's compute buffer depends
-on the image and is not estimated.
+Parts of one size model each: weights (the tensors' exact byte sizes), KV caches (cells x layers
+x KV heads x head widths at the chosen cache types; a sliding-window cache holds
+min(n_ctx, window + n_ubatch) cells, padded to 256 as llama.cpp pads it) and compute buffers.
+Without flash attention a compute buffer is dominated by one layer's attention scores (heads x
+n_ubatch x cells, f32) and the mask (cells x n_ubatch, f32); the rest is a ubatch of feed-forward
+and output activations. That is the shape of llama.cpp's graph at this pin, checked against what
+it allocates on the tiny, bench and trained models (tests/test_memory.py); with flash attention
+the scores are not stored whole and the estimate is an upper bound. A projector's compute buffer
+depends on the image and is not estimated.
+
+``estimate`` counts the target and its projector; every drafting method adds its own parts (a
+draft's weights and caches, a draft's projector, a head's context), made here by ``model_part``
+and ``projector_part`` from what its registry entry says (drafters/registry.py).
 
 Pure Python: reads files with gguf_check, nothing native.
 """
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Sequence
 
 from pyllama_spec.gguf.reader import (
     read_gguf_shared as read_gguf,  # read-only use, parsed once per load
@@ -54,7 +58,7 @@ KV_CACHE_TYPE_NAMES: tuple[str, ...] = tuple(KV_CACHE_TYPE_FACTS)
 
 @dataclasses.dataclass
 class Part:
-    name: str  # "target", "MTP head", "draft", "mmproj"
+    name: str  # "target", "mmproj", and a method's: "draft", "draft mmproj", "MTP head"
     weights: int
     kv: int
     compute: int
@@ -94,12 +98,17 @@ def _weights(info) -> int:
     return sum(t.nbytes for t in info.tensors.values())
 
 
-def _model_part(name: str, path: Path, *, n_ctx: int, n_ubatch: int, type_k: str, type_v: str,
-                n_vocab_out: int | None = None, live: tuple[int, int] = (2, 4), mtp_head: bool = False) -> Part:
-    """One context's part. ``mtp_head``: the second context an MTP drafter opens on the same model,
-    whose cache holds the nextn layers only and whose weights are the target's (counted there)."""
+def model_part(name: str, path: str | Path, *, n_ctx: int, n_ubatch: int, type_k: str, type_v: str,
+               n_vocab_out: int | None = None, live: tuple[int, int] = (2, 4), nextn_only: bool = False) -> Part:
+    """One context's part: the model's weights, its KV cache of ``n_ctx`` cells (its window's, for a
+    sliding-window model) and the compute buffer of an ``n_ubatch``-row ubatch. ``n_vocab_out``: the
+    rows of its output (default: its own vocabulary's); ``live``: rows of f32 activations alive at the
+    graph's peak, (x n_ff, x n_embd). ``nextn_only``: a second context on the same model that holds its
+    nextn (MTP) layers only, whose weights are the model's (counted with it)."""
+    for kind in (type_k, type_v):
+        _check_cache_type(kind)
     info = read_gguf(path)
-    n_layer = _hparams(info, "nextn_predict_layers", 0) if mtp_head else _hparams(info, "block_count", 0)
+    n_layer = _hparams(info, "nextn_predict_layers", 0) if nextn_only else _hparams(info, "block_count", 0)
     n_embd = _hparams(info, "embedding_length", 0)
     n_ff = _hparams(info, "feed_forward_length", 0)
     n_head = _hparams(info, "attention.head_count", 1)
@@ -112,36 +121,37 @@ def _model_part(name: str, path: Path, *, n_ctx: int, n_ubatch: int, type_k: str
         cells = min(n_ctx, -(-(window + n_ubatch) // 256) * 256)
     kv = int(n_layer * cells * n_head_kv * (head_k * KV_CACHE_TYPE_FACTS[type_k].bytes_per_value
                                              + head_v * KV_CACHE_TYPE_FACTS[type_v].bytes_per_value))
-    n_vocab = n_vocab_out or len(info.metadata.get("tokenizer.ggml.tokens", ()))
+    n_vocab = n_vocab_out or vocabulary_size(path)
     # With flash attention the scores are not stored whole, but its own buffers take part of that
     # room (measured: 21 of the 35.5 MiB on the bench draft): counting them keeps an upper bound.
     scores = n_head * n_ubatch * cells * 4 + cells * n_ubatch * 4
     # Rows of f32 activations alive at the graph's peak besides the scores: (x n_ff, x n_embd),
     # fitted to llama.cpp's allocations (a causal target keeps more alive than a DFlash block).
     activations = n_ubatch * (live[0] * n_ff + live[1] * n_embd + n_vocab) * 4
-    return Part(name, 0 if mtp_head else _weights(info), kv, scores + activations)
+    return Part(name, 0 if nextn_only else _weights(info), kv, scores + activations)
 
 
-def estimate(model: str | Path, *, mmproj: str | Path | None = None, draft: str | Path | None = None,
-             n_ctx: int = 4096, n_ubatch: int = 512, cache_type_k: str = "f16", cache_type_v: str = "f16",
-             cache_type_k_draft: str | None = None, cache_type_v_draft: str | None = None,
-             mtp_head: bool = False) -> Estimate:
-    """The memory a load() with these settings needs, part by part (see the module). ``mtp_head``:
-    drafting with the target's own MTP head (draft-mtp) adds that head's context."""
-    for kind in (cache_type_k, cache_type_v, cache_type_k_draft, cache_type_v_draft):
-        if kind is not None and kind not in KV_CACHE_TYPE_FACTS:
-            raise ValueError(f"{kind!r} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPE_NAMES)}")
-    target = _model_part("target", Path(model), n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=cache_type_k,
-                         type_v=cache_type_v)
-    parts = [target]
-    if mtp_head:
-        parts.append(_model_part("MTP head", Path(model), n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=cache_type_k,
-                                 type_v=cache_type_v, mtp_head=True))
-    if draft is not None:
-        target_vocab = len(read_gguf(model).metadata.get("tokenizer.ggml.tokens", ()))
-        parts.append(_model_part("draft", Path(draft), n_ctx=n_ctx, n_ubatch=max(n_ubatch, 16),
-                                 type_k=cache_type_k_draft or cache_type_k, type_v=cache_type_v_draft or cache_type_v,
-                                 n_vocab_out=target_vocab, live=(1, 2)))
+def projector_part(name: str, path: str | Path) -> Part:
+    """A projector's part: its weights (its compute buffer depends on the image)."""
+    return Part(name, _weights(read_gguf(path)), 0, 0)
+
+
+def vocabulary_size(path: str | Path) -> int:
+    """The tokens in a model file's vocabulary."""
+    return len(read_gguf(path).metadata.get("tokenizer.ggml.tokens", ()))
+
+
+def _check_cache_type(kind: str | None) -> None:
+    if kind is not None and kind not in KV_CACHE_TYPE_FACTS:
+        raise ValueError(f"{kind!r} is not a KV cache type; use one of {', '.join(KV_CACHE_TYPE_NAMES)}")
+
+
+def estimate(model: str | Path, *, mmproj: str | Path | None = None, n_ctx: int = 4096, n_ubatch: int = 512,
+             cache_type_k: str = "f16", cache_type_v: str = "f16", method_parts: Sequence[Part] = ()) -> Estimate:
+    """The memory a load() with these settings needs, part by part (see the module): the target's,
+    then ``method_parts`` (the drafting method's own, drafters/registry.py), then the projector's."""
+    target = model_part("target", model, n_ctx=n_ctx, n_ubatch=n_ubatch, type_k=cache_type_k, type_v=cache_type_v)
+    parts = [target, *method_parts]
     if mmproj is not None:
-        parts.append(Part("mmproj", _weights(read_gguf(mmproj)), 0, 0))
+        parts.append(projector_part("mmproj", mmproj))
     return Estimate(parts)

@@ -1,12 +1,13 @@
-"""What an Engine is loaded with (``EngineConfig``, llama.cpp's option names) and the checks of a
-configuration that need no file and no native call (the draft tree's settings)."""
+"""What an Engine is loaded with (``EngineConfig``, llama.cpp's option names) and its checks that
+need no file and no native call (``EngineConfig.checked``, run once by the Engine before loading;
+those that read the files are serving/load_plan.py's)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from pyllama_spec.drafters.registry import METHODS, method
+from pyllama_spec.drafters.registry import METHODS, canonical_spec_type, default_spec_type, method
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,7 +18,10 @@ class EngineConfig:
     # the draft model's own projector (draft-simple: a small VLM that sees the pictures too). Not a
     # llama-server flag: its draft-simple is fed the target's image rows where the widths match
     mmproj_draft: str | None = None
-    spec_type: str = "dflash"
+    # llama.cpp's --spec-type (or an alias); None: the default for the files given, as load() picks it
+    # (registry.default_spec_type: "draft-simple" with mmproj_draft, "draft-dflash" with a draft, else
+    # "none"), set when the config is made
+    spec_type: str | None = None
     n_ctx: int = 4096
     n_batch: int = 512
     n_ubatch: int = 512
@@ -82,6 +86,36 @@ class EngineConfig:
     lora: Sequence[str | tuple[str, float]] = ()
     lora_init_without_apply: bool = False
 
+    def __post_init__(self) -> None:
+        if self.spec_type is None:
+            object.__setattr__(self, "spec_type", default_spec_type(self.draft, self.mmproj_draft))
+
+    def checked(self) -> "EngineConfig":
+        """This configuration with its spec_type in llama.cpp's name ("dflash" -> "draft-dflash"),
+        after every check that needs no file and no native call (ValueError naming the setting):
+        the method's draft file and draft projector, batch sizes, draft_max, n_parallel, the draft
+        tree. The Engine runs it once, before loading anything."""
+        c = dataclasses.replace(self, spec_type=canonical_spec_type(self.spec_type))
+        m = method(c.spec_type)
+        if m is not None and m.draft_file and c.draft is None:
+            raise ValueError(f"spec_type={c.spec_type!r} needs a draft model (draft=...)")
+        if c.mmproj_draft is not None and not (m and m.draft_projector and c.draft):
+            takes = " or ".join(repr(t.name) for t in METHODS if t.draft_projector)
+            raise ValueError(f"mmproj_draft is a draft model's own projector: it needs a draft model (draft=...) "
+                             f"and spec_type {takes}, got spec_type {c.spec_type!r}")
+        if c.n_ubatch > c.n_batch:
+            raise ValueError(f"n_ubatch ({c.n_ubatch}) cannot exceed n_batch ({c.n_batch})")
+        dm = c.draft_max
+        if dm != "auto" and (isinstance(dm, bool) or not isinstance(dm, int) or dm < 0):
+            raise ValueError(f'draft_max must be an integer >= 0 or "auto", got {dm!r}')
+        if isinstance(c.n_parallel, bool) or not isinstance(c.n_parallel, int) or c.n_parallel < 1:
+            raise ValueError(f"n_parallel must be an integer >= 1, got {c.n_parallel!r}")
+        if c.n_parallel > c.n_batch:
+            raise ValueError(f"n_parallel ({c.n_parallel}) cannot exceed n_batch ({c.n_batch}): every "
+                             "slot's verify rows go in one target batch")
+        _check_draft_tree(c)
+        return c
+
 
 #: The most drafted tokens in a tree: each leaf takes a sequence id, and llama.cpp has 256.
 DRAFT_TREE_LIMIT = 255
@@ -96,22 +130,26 @@ def _check_draft_tree(c: EngineConfig) -> None:
         return
     m = method(c.spec_type)
     if m is None or not m.trees:
-        trees = ", ".join(repr(t.name) for t in METHODS if t.trees)
-        raise ValueError(f"draft_tree needs a DFlash draft (spec_type {trees}), whose block gives the "
-                         f"draft's distribution at every position; got spec_type {c.spec_type!r}")
+        trees = [t for t in METHODS if t.trees]
+        raise ValueError(f"draft_tree needs {' or '.join(t.title for t in trees)} (spec_type "
+                         f"{', '.join(repr(t.name) for t in trees)}), whose drafts carry the draft's distribution "
+                         f"at every position; got spec_type {c.spec_type!r}" + (f" ({m.title})" if m else ""))
     if t + 1 > c.n_batch:
         raise ValueError(f"draft_tree {t} needs n_batch >= {t + 1}: the whole tree and its root are verified "
                          f"in one target batch (n_batch is {c.n_batch})")
     if c.n_parallel != 1:
         raise ValueError("draft_tree works with one sequence (n_parallel=1): its branches use the "
                          "sequence ids that slots would")
-    _check_tree_settings(c.draft_max, c.verify)
+    check_tree_settings(c.draft_max, c.verify)
 
 
-def _check_tree_settings(draft_max, verify: str) -> None:
+def check_tree_settings(draft_max, verify: str) -> None:
     """What a tree needs of the draft settings, at load and for each call that uses one."""
     if draft_max == "auto":
         raise ValueError('draft_tree needs a fixed draft_max (the tree\'s depth), not "auto"')
     if verify == "rejection":
         raise ValueError('draft_tree verifies with the "match" rule; rejection sampling over a tree is '
                          'not implemented (pass draft_tree=0 or verify="match")')
+
+
+_check_tree_settings = check_tree_settings  # the old name, until serving/engine.py's request checks use the new one

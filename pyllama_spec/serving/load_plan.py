@@ -2,7 +2,8 @@
 
 ``plan_load`` runs before anything native is allocated: it refuses a bad file, a context past
 the target's training length, device options that do not fit (bindings/devices.py; RPC servers
-are reached here) and a configuration the devices cannot hold (gguf/memory.py), and resolves
+are reached here) and a configuration the devices cannot hold (``estimate_memory``: the target's
+parts and the drafting method's own, gguf/memory.py and drafters/registry.py), and resolves
 ``n_ctx=0`` to the training length. ``plan_drafts`` runs once the target and the draft are
 loaded and paired: how far one draft may go, and the rollback snapshots a recurrent target needs.
 """
@@ -13,7 +14,7 @@ import dataclasses
 
 from pyllama_spec.bindings import devices
 from pyllama_spec.bindings.model import Model, check_gguf_file
-from pyllama_spec.drafters.registry import Method, Pairing
+from pyllama_spec.drafters.registry import MemorySettings, Method, Pairing
 from pyllama_spec.errors import InsufficientMemoryError
 from pyllama_spec.gguf import memory
 from pyllama_spec.gguf.reader import read_gguf_shared
@@ -45,18 +46,32 @@ def plan_load(config: EngineConfig, method: Method | None) -> LoadPlan:
                          f"tokens, {info.arch}.context_length): positions past it were never trained; use -c "
                          f"{n_ctx_train * c.n_parallel} or less (or -c 0 for exactly that)")
     placement = devices.plan(c, draft_uses_target_head=bool(method and method.uses_target_head))
-    draft = c.draft if method is not None and method.counts_draft_memory else None
-    est = memory.estimate(c.model, mmproj=c.mmproj, draft=draft, n_ctx=c.n_ctx, n_ubatch=c.n_ubatch,
-                          cache_type_k=c.cache_type_k, cache_type_v=c.cache_type_v,
-                          cache_type_k_draft=c.cache_type_k_draft, cache_type_v_draft=c.cache_type_v_draft,
-                          mtp_head=bool(method and method.loads_target_mtp))
+    est = estimate_memory(c, method)
     budget = placement.memory_budget(c.n_gpu_layers)  # (device(s), free bytes)
     if budget is not None and budget[1] and not est.fits(budget[1]):
+        what = "the target alone" if method is None else f"the target with {method.title} (spec_type {method.name})"
+        draft_cache = ", -ctkd/-ctvd for the draft's cache" if any(p.kv for p in est.parts[1:]) else ""
         raise InsufficientMemoryError(
-            f"this configuration needs about {est.total / memory.MiB:.0f} MiB but {budget[0]} has "
+            f"this configuration ({what}) needs about {est.total / memory.MiB:.0f} MiB but {budget[0]} has "
             f"{budget[1] / memory.MiB:.0f} MiB free: {est.describe()}. Lower -c (n_ctx), use a quantized "
-            "KV cache (-ctk/-ctv q8_0 with -fa on), or a smaller -ub")
+            f"KV cache (-ctk/-ctv q8_0 with -fa on{draft_cache}), or a smaller -ub")
     return LoadPlan(config=c, placement=placement, memory_estimate=est)
+
+
+def estimate_memory(config: EngineConfig, method: Method | None) -> memory.Estimate:
+    """What ``config`` needs, part by part, from the files alone: the target's, the drafting method's
+    own (its registry entry's ``memory_parts``: a draft's weights and caches, a draft's projector, a
+    head's context) and the projector's. ``load()`` checks it against the devices; ``pyllama-spec
+    doctor`` prints it."""
+    c = config
+    parts = []
+    if method is not None:
+        parts = method.memory_parts(MemorySettings(
+            target=c.model, draft=c.draft, mmproj_draft=c.mmproj_draft, n_ctx=c.n_ctx, n_batch=c.n_batch,
+            n_ubatch=c.n_ubatch, n_seq=c.n_parallel, cache_type_k=c.cache_type_k_draft or c.cache_type_k,
+            cache_type_v=c.cache_type_v_draft or c.cache_type_v))
+    return memory.estimate(c.model, mmproj=c.mmproj, n_ctx=c.n_ctx, n_ubatch=c.n_ubatch, cache_type_k=c.cache_type_k,
+                           cache_type_v=c.cache_type_v, method_parts=parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +99,6 @@ def plan_drafts(config: EngineConfig, target: Model, pairing: Pairing | None) ->
             raise ValueError("draft_tree needs an attention-only target: a recurrent state cannot hold "
                              "several branches at once")
         if not pairing.per_position_logits:
-            raise ValueError("draft_tree needs a DFlash draft with per-position logits; a DFlash2 draft "
-                             "walks its own lattice")
+            raise ValueError(f"draft_tree needs the draft's distribution at every drafted position; this "
+                             f"{c.spec_type} pairing has none (draft {c.draft})")
     return DraftPlan(draft_max=draft_max, n_rs_seq=n_rs_seq)
