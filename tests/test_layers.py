@@ -18,6 +18,11 @@ from pathlib import Path
 import pytest
 from conftest import REPO_ROOT
 
+try:
+    import tomllib
+except ImportError:  # Python 3.10: import-linter brings tomli there
+    import tomli as tomllib
+
 PACKAGE = REPO_ROOT / "pyllama_spec"
 LAYERS = "Layers point one way"
 NATIVE = "Only the binding layer calls the native library"
@@ -37,14 +42,35 @@ def _broken(stdout: str) -> dict[str, str]:
     return {name.strip(): body for name, body in zip(parts[1::2], parts[2::2])}
 
 
+def _contract(name: str) -> dict:
+    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    return next(c for c in config["contracts"] if c["name"] == name)
+
+
 def _layer_names() -> set[str]:
     """The modules the layers contract names (each with all its submodules), as full names."""
-    tomllib = pytest.importorskip("tomllib", reason="tomllib (to read pyproject.toml) is in Python >= 3.11")
-    config = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
-    contract = next(c for c in config["contracts"] if c["name"] == LAYERS)
+    contract = _contract(LAYERS)
     prefixes = [f"{c}." for c in contract.get("containers", [])] or [""]
     return {prefix + name.strip() for prefix in prefixes for layer in contract["layers"]
             for name in re.split(r"[|:]", layer)}
+
+
+def _modules() -> list[str]:
+    """Every module of the package but the package itself (pyproject's root_package, which
+    re-exports the layers' names), by its full name."""
+    names = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        if len(parts) > 1:
+            names.append(".".join(parts))
+    return names
+
+
+def _outside(named: set[str], modules: list[str]) -> list[str]:
+    """The modules neither named nor inside a package that is."""
+    return [m for m in modules if not any(".".join(m.split(".")[:n]) in named for n in range(2, m.count(".") + 2))]
 
 
 def test_import_linter_is_installed():
@@ -59,17 +85,12 @@ def test_the_package_keeps_its_layer_contract():
 
 
 def test_every_module_of_the_package_is_in_a_layer():
-    named = _layer_names()
-    outside = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
-        if parts[-1] == "__init__":
-            parts.pop()
-        if len(parts) == 1:
-            continue  # the package itself: pyproject's root_package, which re-exports the layers' names
-        if not any(".".join(parts[:n]) in named for n in range(2, len(parts) + 1)):
-            outside.append(".".join(parts))
-    assert not outside, f"modules outside the layers contract: {outside}"
+    assert not (outside := _outside(_layer_names(), _modules())), f"modules outside the layers contract: {outside}"
+
+
+def test_every_module_but_the_bindings_is_kept_from_the_native_library():
+    named = set(_contract(NATIVE)["source_modules"]) | {"pyllama_spec.bindings", "pyllama_spec._native"}
+    assert not (outside := _outside(named, _modules())), f"modules {NATIVE!r} does not name: {outside}"
 
 
 # (module, the import added to it, the contract it breaks, what lint-imports names)
