@@ -33,7 +33,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "load": "serving.engine", "Engine": "serving.engine", "EngineConfig": "serving.config",
     "Result": "spec.generation", "Piece": "spec.generation",
-    "Conversation": "serving.chat", "Submission": "serving.scheduler",
+    "Conversation": "serving.chat", "Submission": "serving.slot_loop",
     "Model": "bindings.model", "Context": "bindings.context", "Memory": "bindings.context", "Sampler": "bindings.sampler",
     "Batch": "bindings.batch",
     "MEDIA_MARKER": "bindings.mtmd",  # mtmd's default media marker, as libmtmd says it

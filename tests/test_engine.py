@@ -130,9 +130,9 @@ def _block_logits_after_prefill(models, image, *, at_row_count=False):
     """Draft-block logits right after an image prompt, and the same block's with an empty draft cache."""
     with make_engine(models) as engine, ps.Bitmap.load(image) as bitmap:
         d = engine.drafter
-        engine._reset_sequence()
-        parts = engine._tokenize(PROMPT, [bitmap])
-        engine._prefill(parts, ps_stats())
+        engine.sequences[0].reset()
+        parts = engine.prompts.tokenize(PROMPT, [bitmap])
+        _prefill(engine, parts)
         id_last = int(parts[-1][-1])
         d._block_at_row_count = at_row_count
         p = engine.positions
@@ -158,10 +158,13 @@ def test_old_token_count_placement_loses_the_context(tiny_dense, big_image):
     np.testing.assert_allclose(misplaced, empty, rtol=1e-5, atol=1e-5)
 
 
-def ps_stats():
+def _prefill(engine, parts) -> None:
+    """Decode ``parts`` into the first sequence after what it holds (the prefill alone, no generation)."""
+    from pyllama_spec.spec.generation import prefill_parts
     from pyllama_spec.spec.stats import GenerationStats
 
-    return GenerationStats()
+    for _ in prefill_parts(engine.sequences[0], parts, GenerationStats(), engine.ctx.n_batch, engine.projector):
+        pass
 
 
 # --------------------------------------------------------------------------- 4. what the draft holds
@@ -171,9 +174,9 @@ def _prefill_trace(models, mode, image):
     with make_engine(models, mode=mode) as engine:
         engine.drafter.trace = []
         bitmap = ps.Bitmap.load(image)
-        engine._reset_sequence()
-        parts = engine._tokenize(PROMPT, [bitmap])
-        engine._prefill(parts, ps_stats())
+        engine.sequences[0].reset()
+        parts = engine.prompts.tokenize(PROMPT, [bitmap])
+        _prefill(engine, parts)
         bitmap.close()
         return engine.drafter.trace, parts, engine.positions.n_rows, engine.positions.pos_next, \
             engine.drafter.ctx.memory.pos_max()
@@ -210,7 +213,7 @@ def test_media_rows_whose_positions_advance_are_injected(tiny_dense):
     with make_engine(tiny_dense) as engine:
         d = engine.drafter
         d.trace = []
-        engine._reset_sequence()
+        engine.sequences[0].reset()
         n = 8
         engine.ctx.decode_tokens(np.arange(97, 97 + n), np.arange(n))  # gives the target's layer inputs
         positions = np.tile(np.arange(n, dtype=np.int32), (4, 1))  # audio-like: every section advances

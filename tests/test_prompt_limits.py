@@ -14,7 +14,7 @@ from conftest import N_THREADS
 
 import pyllama_spec as ps
 from pyllama_spec.bindings.model import Model
-from pyllama_spec.serving.engine import _pieces_at_line_starts
+from pyllama_spec.serving.prompt_parts import _pieces_at_line_starts
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pyllama_spec"
 SOURCE = "".join((PACKAGE / f).read_text() for f in ("serving/engine.py", "spec/generation.py"))  # Python code
@@ -87,7 +87,7 @@ def test_counting_by_pieces_never_exceeds_the_whole_count_by_more_than_the_slack
     """The piece count refuses a prompt only when it passes n_ctx by the slack per piece: on real
     vocabularies, over source code, a piece count is the whole count (BPE pre-tokenizers split at
     a line start) or within a few tokens of it (SentencePiece)."""
-    from pyllama_spec.serving.engine import _COUNT_SLACK_PER_PIECE
+    from pyllama_spec.serving.prompt_parts import _COUNT_SLACK_PER_PIECE
 
     model = Model(_vocab(name), vocab_only=True)
     try:

@@ -35,7 +35,7 @@ def test_concurrent_requests_equal_their_sequential_answers(pair, sequential):
     with ps.load(pair.target, mmproj=pair.mmproj, draft=pair.draft, n_threads=N_THREADS, n_parallel=4) as engine:
         subs = [engine.submit(p, images=[image] if i >= 2 else [], max_tokens=48) for i, p in enumerate(PROMPTS)]
         got = [s.result() for s in subs]
-        shared = {n: c for n, c in engine._scheduler.slots_per_step.items() if n > 1}
+        shared = {n: c for n, c in engine.scheduler.slots_per_step.items() if n > 1}
     assert [r.tokens for r in got] == expected
     assert shared, "no step verified more than one slot"
     assert all(r.stats.drafted > 0 for r in got)
@@ -71,7 +71,7 @@ def test_a_cancelled_request_frees_its_slot_and_the_others_are_unchanged(pair, s
         # the cancelled slot's cache stayed consistent: the same prompt again gives its answer
         assert engine.generate(PROMPTS[0], max_tokens=48).tokens == expected[0]
         never = engine.stream(PROMPTS[2], max_tokens=8)  # never iterated: takes no slot
-        assert engine._scheduler.n_active == 0 and engine._scheduler.n_pending == 0
+        assert engine.scheduler.n_active == 0 and engine.scheduler.n_pending == 0
         never.close()
 
 

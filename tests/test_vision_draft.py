@@ -145,7 +145,7 @@ def test_each_projector_encodes_the_picture_once_and_both_encodes_can_run_at_onc
     with _vision(tiny_dense, draft_vlm) as spec:
         bitmap = ps.Bitmap.load(big_image)
         try:
-            parts = spec._tokenize(PROMPTS["one image"][0], [bitmap])
+            parts = spec.prompts.tokenize(PROMPTS["one image"][0], [bitmap])
             chunk = next(p for p in parts if not isinstance(p, np.ndarray))
             assert (chunk.n_tokens, chunk.draft.n_tokens) == (BIG_IMAGE_N_TOKENS, DRAFT_IMAGE_N_TOKENS)
             one_after_other = encode_media(spec.projector, chunk, concurrent=False)

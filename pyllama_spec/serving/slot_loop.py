@@ -1,18 +1,34 @@
-"""Several generations at once: one slot (sequence) each, every slot's draft verified in one batch.
+"""The slot loop: every generation of an engine, one slot (sequence) each, every slot's draft
+verified in one target batch — for one slot or many, as llama-server's ``update_slots()``.
 
 An engine loaded with ``n_parallel=N`` has N sequences in its target context (and in its
-drafter). A scheduler thread owns them. Each turn of its loop:
+drafter). Each turn of the loop:
 
-1. admits waiting requests into free slots (the free slot whose cache shares the longest
-   prefix with the prompt, so a conversation's next turn lands where its last one is);
+1. runs slot operations (save, restore, erase) whose slot is free, and admits waiting requests
+   into free slots (the free slot whose cache shares the longest prefix with the prompt, so a
+   conversation's next turn lands where its last one is);
 2. advances the prefilling slots one slice each in turn (text: up to n_batch rows; an image:
    one slice of its rows once encoded) until n_batch prompt rows were decoded this turn, so
-   requests that arrive together start together, and a long prefill does not stall the others.
-   An image's encode runs on the encoder thread meanwhile: its slot waits, the others decode;
+   requests that arrive together start together, and a long prefill does not stall the others;
 3. runs one ``speculative_step`` over every decoding slot: one draft call, one target
    decode holding every slot's ``[id_last, d1..dk]`` at its own positions, each slot's
    own verification and commit;
 4. hands each request its piece, and frees the slots of finished or cancelled requests.
+
+Who turns the loop: its own thread once anything is submitted to run in the background (with
+``n_parallel > 1`` from the start, as a server needs); until then, the thread that waits for a
+piece runs the turn itself. So a one-slot engine used from Python runs every native call on the
+caller's thread, where Ctrl-C stops a long decode or encode between graph nodes, and a
+generation advances only as its stream is read. Rules of that caller-driven mode (the loop's
+thread, once started, needs none of them):
+
+* a thread that starts a generation (or a slot operation) while one of its own streams is
+  suspended in the slot it needs **supersedes** that stream: resuming it raises
+  ``GenerationCancelledError`` instead of going on over a cache that changed under it (waiting
+  would deadlock);
+* a thread whose generation needs a slot another thread's stream holds runs that stream to its
+  end (its pieces wait for their reader), then its own;
+* starting a generation from inside a turn (a progress callback) raises ``EngineBusyError``.
 
 Requests are ``Submission`` handles: iterate them for pieces (from any thread), take
 ``result()``, or ``cancel()``. A cancelled request stops between two steps (or two prefill
@@ -28,32 +44,40 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from pyllama_spec.errors import GenerationCancelledError
+from pyllama_spec.errors import ClosedError, EngineBusyError, GenerationCancelledError
 from pyllama_spec.spec.generation import Generation, Piece, Result, speculative_step
 from pyllama_spec.spec.media import encode_media
 
 if TYPE_CHECKING:
     from pyllama_spec.serving.request import Request
 
+#: Why a submission was cancelled, when not by its own ``cancel()``.
+_SUPERSEDED = ("this stream was superseded by a newer generation on the same engine: its cache changed under "
+               "it, so it cannot go on (finish or close a stream before starting another on the same engine)")
+
 
 class Submission:
-    """One request in a scheduler: queued, running in a slot, or finished.
+    """One request in the slot loop: queued, running in a slot, or finished.
 
     Iterate it for its pieces (the last carries ``finish_reason`` and ``stats``); the
-    iteration raises what the generation raised, and ``GenerationCancelledError`` when it
-    was cancelled. Leaving the iteration early cancels it. With ``on_event`` given (a server
-    pushing into its event loop), events go there instead: ``("piece", Piece)`` ...,
-    then ``("done", None)``, ``("error", exception)`` or ``("cancelled", stats)`` (the
-    GenerationStats of the part it ran, or None when it never reached a slot).
+    iteration raises what the generation raised, ``GenerationCancelledError`` when it
+    was cancelled and ``ClosedError`` when the engine closed first. Leaving the iteration early
+    cancels it. With ``on_event`` given (a server pushing into its event loop), events go there
+    instead: ``("piece", Piece)`` ..., then ``("done", None)``, ``("error", exception)``,
+    ``("cancelled", stats)`` or ``("closed", stats)`` (the GenerationStats of the part it ran,
+    or None when it never reached a slot).
     """
 
-    def __init__(self, request: "Request", on_event: Callable[[str, Any], None] | None = None,
+    def __init__(self, request: "Request", loop: "SlotLoop", on_event: Callable[[str, Any], None] | None = None,
                  id_slot: int = -1) -> None:
         self.request = request
         self.id_slot = id_slot  # the slot it must run in (llama-server's id_slot); -1: any
+        self._loop = loop
         self._on_event = on_event
-        self._events: queue.Queue = queue.Queue()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._cancel = threading.Event()
+        self._cancel_reason: str | None = None  # set when the loop cancelled it (superseded)
+        self.owner = threading.get_ident()  # the thread reading it (it runs the turns while the loop has no thread)
         self.finished = threading.Event()  # set once its last event was sent
         self.slot: int | None = None  # the slot it ran in
         self._seen: list[Piece] = []  # the pieces read so far, for result() and a second iteration
@@ -62,7 +86,7 @@ class Submission:
 
     # --- the consumer's side
     def cancel(self) -> None:
-        """Stop at the next step boundary (or drop it from the queue); safe from any thread."""
+        """Stop at the next step boundary (or drop it from the queue); safe from any thread (flags only)."""
         self._cancel.set()
 
     @property
@@ -83,7 +107,7 @@ class Submission:
         done = False
         try:
             while True:
-                kind, value = self._events.get()
+                kind, value = self._next_event()
                 if kind == "piece":
                     self._seen.append(value)
                     yield value
@@ -92,13 +116,27 @@ class Submission:
                 if kind == "done":
                     return
                 if kind == "cancelled":
-                    value = GenerationCancelledError("the generation was cancelled (Submission.cancel or "
-                                                     "the engine closed) before it finished")
+                    value = GenerationCancelledError(self._cancel_reason or (
+                        "the generation was cancelled (Submission.cancel) before it finished"))
+                elif kind == "closed":
+                    value = ClosedError("the engine was closed before this generation finished")
                 self._outcome = value
                 raise value
         finally:
             if not done:
                 self.cancel()  # the consumer stopped listening: free the slot
+                self._loop.tidy()
+
+    def _next_event(self) -> tuple[str, Any]:
+        self.owner = threading.get_ident()
+        while True:
+            try:
+                return self._events.get_nowait()
+            except queue.Empty:
+                pass
+            if self._loop.threaded:
+                return self._events.get()
+            self._loop.turn_for(self)
 
     def result(self):
         """Wait for the whole generation and return it as a Result (again on a later call; pieces
@@ -110,7 +148,7 @@ class Submission:
             raise self._outcome
         return Result.from_pieces(self._seen)
 
-    # --- the scheduler's side
+    # --- the loop's side
     def _emit(self, kind: str, value: Any = None) -> None:
         if self._on_event is not None:
             self._on_event(kind, value)
@@ -118,6 +156,9 @@ class Submission:
             self._events.put((kind, value))
         if kind != "piece":
             self.finished.set()
+
+    def _has_event(self) -> bool:
+        return not self._events.empty()
 
 
 class _Running:
@@ -137,53 +178,78 @@ class _Running:
         return self.encoding is not None and not self.encoding.done()
 
 
-class Scheduler:
-    """The thread that runs an engine's slots (see the module docstring).
+class _SlotOp:
+    """Work on one slot's sequence (a save, restore or erase), run when that slot is free."""
+
+    def __init__(self, slot: int, fn: Callable, future: Future) -> None:
+        self.slot, self.fn, self.future = slot, fn, future
+        self.owner = threading.get_ident()
+
+
+class SlotLoop:
+    """The slots of one engine and the loop that runs them (see the module docstring).
 
     It is given what it runs on: the slots' sequences, the target context, the drafter, the
     projector, the engine's step cost, ``prepare(request)``, which makes a request's
     generation as a context manager (tokenized, with its sampler; freed at its end), and the
-    engine's LoRA adapters (serving/lora.py).
+    engine's LoRA adapters (serving/lora.py). ``threaded``: start the loop's own thread now.
     """
 
-    def __init__(self, *, sequences, ctx, drafter, projector, step_cost, prepare, lora) -> None:
+    def __init__(self, *, sequences, ctx, drafter, projector, step_cost, prepare, lora, threaded: bool) -> None:
         self._sequences, self._ctx, self._drafter, self._projector = sequences, ctx, drafter, projector
         self._step_cost, self._prepare, self._lora = step_cost, prepare, lora
         self._cond = threading.Condition()
         self._pending: collections.deque[Submission] = collections.deque()
         self._slots: list[_Running | None] = [None] * len(sequences)
         self._stopping = False
+        self._closed = False
         self._reset_requested: threading.Event | None = None
-        # Work on one slot's sequence (save, restore, erase), run when that slot is free:
-        # (slot, fn, Future), in the order asked.
-        self._slot_ops: list[tuple[int, Callable, Future]] = []
-        self._turn = 0  # round robin over prefilling slots
+        self._slot_ops: list[_SlotOp] = []  # in the order asked
+        self._driver: int | None = None  # the thread running a turn now
+        self._turn_index = 0  # round robin over prefilling slots
         self.steps = 0  # speculative steps run (each over every decoding slot)
         self.slots_per_step: collections.Counter = collections.Counter()  # how many slots shared a step
-        # Media encodes run on their own thread (one at a time: one projector), so the other slots
-        # keep decoding while an image is encoded.
-        self._encoder = (ThreadPoolExecutor(1, thread_name_prefix="pyllama-spec-encode")
-                         if projector is not None else None)
-        self._thread = threading.Thread(target=self._loop, name="pyllama-spec-scheduler", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        # Media encodes run on their own thread once the loop has one (one at a time: one projector),
+        # so the other slots keep decoding while an image is encoded.
+        self._encoder: ThreadPoolExecutor | None = None
+        if threaded:
+            self.start_thread()
 
     # ------------------------------------------------------------------ from any thread
+    @property
+    def threaded(self) -> bool:
+        """Whether the loop runs on its own thread (else its readers run its turns)."""
+        return self._thread is not None
+
+    def start_thread(self) -> None:
+        """Run the loop on its own thread from now on (a server's, or ``submit()``'s background work)."""
+        with self._cond:
+            if self._thread is not None:
+                return
+            if self._stopping:
+                raise ClosedError("the engine is closed")
+            if self._projector is not None:
+                self._encoder = ThreadPoolExecutor(1, thread_name_prefix="pyllama-spec-encode")
+            self._thread = threading.Thread(target=self._run_forever, name="pyllama-spec-slots", daemon=True)
+            self._thread.start()
+
     def submit(self, request: "Request", on_event: Callable[[str, Any], None] | None = None,
                max_waiting: int | None = None, id_slot: int = -1) -> Submission:
         """Queue a request for a slot (``id_slot``: that slot only, waiting while it is busy; -1:
         any). With ``max_waiting``, refuse it (EngineBusyError) when that many requests already
-        wait for a slot (a server's bounded queue)."""
+        wait for a slot (a server's bounded queue). ``on_event`` needs the loop's own thread,
+        which it starts."""
         if not -1 <= id_slot < len(self._slots):
             raise ValueError(f"id_slot must be -1 (any) or a slot from 0 to {len(self._slots) - 1}, got {id_slot}")
-        sub = Submission(request, on_event, id_slot)
+        self._refuse_from_inside_a_turn()
+        if on_event is not None:
+            self.start_thread()
+        sub = Submission(request, self, on_event, id_slot)
         with self._cond:
             if self._stopping:
-                from pyllama_spec.errors import ClosedError
-
                 raise ClosedError("the engine is closed")
             if max_waiting is not None and len(self._pending) >= max_waiting:
-                from pyllama_spec.errors import EngineBusyError
-
                 raise EngineBusyError(f"{len(self._pending)} requests are already waiting for a slot")
             self._pending.append(sub)
             self._cond.notify_all()
@@ -204,76 +270,209 @@ class Scheduler:
         return None if r is None else (r.submission, r.gen.stats)
 
     def run_on_slot(self, slot: int, fn: Callable[[Any], Any]) -> Future:
-        """Run ``fn(sequence)`` on the scheduler thread once ``slot`` is free (before any request
-        waiting for a slot takes it), and return the Future of its result. While the slot runs a
-        generation the call waits, as llama-server defers a slot action on a busy slot."""
+        """Run ``fn(sequence)`` in the loop once ``slot`` is free (before any request waiting for a
+        slot takes it), and return the Future of its result. While the slot runs a generation the
+        call waits, as llama-server defers a slot action on a busy slot. Without the loop's own
+        thread it runs on this thread, and the Future is done on return."""
         if not 0 <= slot < len(self._slots):
             raise ValueError(f"slot must be from 0 to {len(self._slots) - 1}, got {slot}")
-        future: Future = Future()
+        self._refuse_from_inside_a_turn()
+        op = _SlotOp(slot, fn, Future())
         with self._cond:
             if self._stopping:
-                from pyllama_spec.errors import ClosedError
-
                 raise ClosedError("the engine is closed")
-            self._slot_ops.append((slot, fn, future))
+            self._slot_ops.append(op)
             self._cond.notify_all()
-        return future
+        if not self.threaded:
+            self._turn_until(op.future.done)
+        return op.future
 
     def reset_all(self) -> None:
-        """Forget the cached prompts of the idle slots (runs on the scheduler thread; waits for it)."""
+        """Forget the cached prompts of the idle slots (in the loop; waits for it)."""
+        self._refuse_from_inside_a_turn()
         done = threading.Event()
         with self._cond:
+            if self._stopping:
+                raise ClosedError("the engine is closed")
             self._reset_requested = done
             self._cond.notify_all()
-        done.wait()
+        if self.threaded:
+            done.wait()
+        else:
+            self._turn_until(done.is_set)
 
     def stop(self, timeout: float = 60.0) -> None:
-        """Cancel everything, waiting and running, and end the thread (after its current step)."""
+        """Close: end everything, waiting and running (a turn running on another thread first ends),
+        and the loop's thread. Their readers get ``ClosedError``."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+            thread = self._thread
+        if thread is not None:
+            if thread is not threading.current_thread():
+                thread.join(timeout)
+            return
+        me = threading.get_ident()
+        with self._cond:
+            while self._driver is not None and self._driver != me:
+                self._cond.wait()
+            if self._closed:
+                return
+            inside = self._driver == me
+            self._driver = me
+        try:
+            self._close_everything()
+        finally:
+            if not inside:
+                with self._cond:
+                    self._driver = None
+                    self._cond.notify_all()
 
-    # ------------------------------------------------------------------ the scheduler thread
-    def _loop(self) -> None:
+    def tidy(self) -> None:
+        """Free the slots of cancelled requests now, when no turn runs and the loop has no thread
+        (a stream closed early frees its bitmaps and sampler at once)."""
+        if self.threaded:
+            with self._cond:
+                self._cond.notify_all()
+            return
+        me = threading.get_ident()
+        with self._cond:
+            if self._driver is not None or self._closed:
+                return
+            self._driver = me
+        try:
+            self._drop_cancelled()
+        finally:
+            with self._cond:
+                self._driver = None
+                self._cond.notify_all()
+
+    # ------------------------------------------------------------------ turning the loop on the caller's thread
+    def turn_for(self, sub: Submission) -> None:
+        """Run one turn on this thread for ``sub``'s sake, or wait for the turn another thread runs
+        (returns once ``sub`` may have an event)."""
+        self._turn_until(sub._has_event, driving=sub)
+
+    def _turn_until(self, done: Callable[[], bool], driving: Submission | None = None) -> None:
+        me = threading.get_ident()
+        while not done():
+            with self._cond:
+                if self._driver == me:
+                    raise EngineBusyError("the engine is already running a generation on this thread "
+                                          "(called from inside a step, e.g. a progress callback)")
+                # (while the engine closes, its closing turn comes first)
+                while (self._driver is not None or (self._stopping and not self._closed)) and not done():
+                    self._cond.wait()
+                if done() or self._thread is not None:
+                    return
+                if self._closed:
+                    raise ClosedError("the engine is closed")
+                self._driver = me
+            try:
+                self._supersede_for(me, driving)
+                self._turn(driving)
+            except BaseException as e:
+                self._recover(e)  # a turn cut short (Ctrl-C in the loop's own code): no slot goes on
+                raise
+            finally:
+                with self._cond:
+                    self._driver = None
+                    self._cond.notify_all()
+
+    def _refuse_from_inside_a_turn(self) -> None:
+        if self._driver == threading.get_ident():
+            raise EngineBusyError("the engine is already running a generation on this thread "
+                                  "(called from inside a step, e.g. a progress callback)")
+
+    def _supersede_for(self, me: int, driving: Submission | None) -> None:
+        """This thread waits for a slot that one of its own suspended streams holds: cancel that
+        stream (see the module), rather than wait for it forever."""
+        wanted: set[int] = {op.slot for op in self._slot_ops if op.owner == me}
+        if self._reset_requested is not None:
+            wanted.update(range(len(self._slots)))
+        free = [i for i, r in enumerate(self._slots) if r is None]
+        for sub in self._pending:
+            if sub.owner == me and not sub.cancelled:
+                if sub.id_slot >= 0:
+                    wanted.add(sub.id_slot)
+                elif not free:
+                    wanted.update(range(len(self._slots)))
+        for i in sorted(wanted):
+            r = self._slots[i]
+            if r is not None and r.submission.owner == me and r.submission is not driving:
+                r.submission._cancel_reason = _SUPERSEDED
+                r.submission.cancel()
+
+    def _recover(self, e: BaseException) -> None:
+        """After a turn that raised: every running slot fails with it, from an empty cache."""
+        for i, running in enumerate(self._slots):
+            if running is not None:
+                running.gen.seq.reset()
+                self._finish(i, "error", e)
+
+    # ------------------------------------------------------------------ the loop's own thread
+    def _run_forever(self) -> None:
+        me = threading.get_ident()
         try:
             while True:
                 with self._cond:
                     while not (self._stopping or self._pending or self.n_active or self._reset_requested
-                               or self._slot_ops):
+                               or self._slot_ops) or self._driver is not None:
                         self._cond.wait()
                     if self._stopping:
                         return
-                    reset, self._reset_requested = self._reset_requested, None
-                if reset is not None:
-                    for seq, running in zip(self._sequences, self._slots):
-                        if running is None:
-                            seq.reset()
-                    reset.set()
-                self._drop_cancelled()
-                self._run_slot_ops()
-                self._admit()
-                self._prefill_slices()
-                self._step()
-                self._wait_while_only_encodes_run()
+                    self._driver = me
+                try:
+                    self._turn()
+                    self._wait_while_only_encodes_run()
+                finally:
+                    with self._cond:
+                        self._driver = None
+                        self._cond.notify_all()
         finally:
-            self._cancel_everything()
-            if self._encoder is not None:
-                self._encoder.shutdown(wait=True)
+            with self._cond:
+                while self._driver is not None:
+                    self._cond.wait()
+                self._driver = me
+            try:
+                self._close_everything()
+            finally:
+                if self._encoder is not None:
+                    self._encoder.shutdown(wait=True)
+                with self._cond:
+                    self._driver = None
+                    self._cond.notify_all()
+
+    # ------------------------------------------------------------------ one turn
+    def _turn(self, driving: Submission | None = None) -> None:
+        """One turn (see the module). Run for ``driving``'s reader, it stops once that request has
+        a piece: a stream advances only as it is read."""
+        with self._cond:
+            reset, self._reset_requested = self._reset_requested, None
+        self._drop_cancelled()
+        if reset is not None:
+            for seq, running in zip(self._sequences, self._slots):
+                if running is None:
+                    seq.reset()
+            reset.set()
+        self._run_slot_ops()
+        self._admit()
+        self._prefill_slices()
+        if driving is None or not driving._has_event():
+            self._step()
 
     def _run_slot_ops(self) -> None:
         """Run the slot operations whose slot is free; the others wait for theirs."""
         with self._cond:
-            ready = [op for op in self._slot_ops if self._slots[op[0]] is None]
-            self._slot_ops = [op for op in self._slot_ops if self._slots[op[0]] is not None]
-        for slot, fn, future in ready:
-            if not future.set_running_or_notify_cancel():
+            ready = [op for op in self._slot_ops if self._slots[op.slot] is None]
+            self._slot_ops = [op for op in self._slot_ops if self._slots[op.slot] is not None]
+        for op in ready:
+            if not op.future.set_running_or_notify_cancel():
                 continue  # its caller gave up waiting
             try:
-                future.set_result(fn(self._sequences[slot]))
+                op.future.set_result(op.fn(self._sequences[op.slot]))
             except BaseException as e:  # noqa: BLE001 - handed to whoever asked
-                future.set_exception(e)
+                op.future.set_exception(e)
 
     def _next_admissible(self, free: list[int]) -> Submission | None:
         """The first waiting request that may take one of the ``free`` slots (a request for a
@@ -333,8 +532,8 @@ class Scheduler:
                        if r is not None and not r.decoding and not r.submission.cancelled and not r.waits_for_encode]
             if not waiting:
                 return
-            i = waiting[self._turn % len(waiting)]
-            self._turn += 1
+            i = waiting[self._turn_index % len(waiting)]
+            self._turn_index += 1
             budget -= self._prefill_slice(i, self._slots[i])
 
     def _prefill_slice(self, i: int, running: _Running) -> int:
@@ -428,22 +627,21 @@ class Scheduler:
         running.prepared.__exit__(None, None, None)
         running.submission._emit(kind, value)
 
-    def _cancel_everything(self) -> None:
+    def _close_everything(self) -> None:
+        """The engine closes: every request, running or waiting, and every slot operation ends."""
         for i, running in enumerate(self._slots):
             if running is not None:
                 if running.prefill is not None and not running.decoding:
                     self._close_prefill(i, running)
-                self._finish(i, "cancelled", running.gen.stats)
+                self._finish(i, "closed", running.gen.stats)
         with self._cond:
+            self._closed = True
             pending, self._pending = list(self._pending), collections.deque()
-        for sub in pending:
-            sub._emit("cancelled")
-        with self._cond:
             ops, self._slot_ops = self._slot_ops, []
-        for _, _, future in ops:
-            if future.set_running_or_notify_cancel():
-                from pyllama_spec.errors import ClosedError
-
-                future.set_exception(ClosedError("the engine closed before the slot was free"))
+        for sub in pending:
+            sub._emit("closed")
+        for op in ops:
+            if op.future.set_running_or_notify_cancel():
+                op.future.set_exception(ClosedError("the engine closed before the slot was free"))
         if self._reset_requested is not None:
             self._reset_requested.set()
