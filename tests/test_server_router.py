@@ -485,7 +485,8 @@ http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 
 def test_a_model_that_ignores_sigterm_is_killed_after_its_stop_timeout(tmp_path):
-    from pyllama_spec.server.router import ModelSpec, RouterSettings, create_router_app
+    from pyllama_spec.server.router.app import create_router_app
+    from pyllama_spec.server.router.pool import ModelSpec, RouterSettings
     from pyllama_spec.server.run import make_server
 
     script = tmp_path / "stubborn.py"

@@ -9,7 +9,7 @@ read as ``--foo-bar``, and ``LLAMA_ARG_*`` environment variables set the honoure
 A preset file (INI: ``[section]`` per model, ``key = value`` with keys named as the long flags
 without their dashes, a short flag's name, or the environment variable; ``[*]`` applies to
 every section) gives each model's command-line arguments. As in llama-server, ``serve
---models-preset FILE`` without a model (``-m``) is a router (``server/router.py``): each section
+--models-preset FILE`` without a model (``-m``) is a router (``server/router/``): each section
 a model served by name, each loaded model a ``serve`` process of its own started with the
 section's arguments followed by the router's own (which override them). With ``-m`` the file is
 not read, as in llama-server.

@@ -3,7 +3,7 @@
 It takes llama-server's command lines: every llama-server flag is honoured or dropped with a
 warning (cli/llama_server_cli.py), ``LLAMA_ARG_*`` variables set the honoured ones, and
 ``--models-preset FILE`` without ``-m`` makes it llama-server's router: each section of the
-preset file a model served by name, in a ``serve`` process of its own (server/router.py)."""
+preset file a model served by name, in a ``serve`` process of its own (server/router/)."""
 
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
                       max_body_bytes=max_body_mib * 2**20, body_timeout=body_timeout)
         return
     if os.environ.get("LLAMA_SERVER_ROUTER_PORT"):  # a router's model: it goes when the router goes
-        from pyllama_spec.server.router import follow_router
+        from pyllama_spec.server.router.pool import follow_router
 
         follow_router()
     engine = _load_engine_or_exit({**o, "n_parallel": parallel})
@@ -203,12 +203,8 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
 
 def _serve_router(plan: RouterPlan, *, host: str, port: int, keys: list[str], models_max: int, autoload: bool,
                   max_body_bytes: int, body_timeout: float) -> None:
-    from pyllama_spec.server.router import (
-        ModelSpec,
-        RouterSettings,
-        create_router_app,
-        input_modalities,
-    )
+    from pyllama_spec.server.router.app import create_router_app
+    from pyllama_spec.server.router.pool import ModelSpec, RouterSettings, input_modalities
     from pyllama_spec.server.run import serve as serve_app
 
     specs = [ModelSpec(name=p.name, args=(*p.args, *plan.common_args), aliases=p.aliases, tags=p.tags,

@@ -22,19 +22,14 @@ import subprocess
 import time
 from pathlib import Path
 
+from pyllama_spec.ports import free_port
+
 
 def server_binary() -> Path | None:
     """This build's ggml-rpc-server, or None when it was built without RPC."""
     from pyllama_spec.bindings.native_info import RPC_SERVER_PATH
 
     return RPC_SERVER_PATH if RPC_SERVER_PATH.is_file() else None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on at ``host`` now (the OS picks it; it may be taken again later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class LocalRPCServer:
