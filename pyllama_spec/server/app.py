@@ -14,7 +14,6 @@ it with any ASGI server (``pyllama-spec serve`` uses uvicorn).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 from starlette.applications import Starlette
@@ -25,6 +24,7 @@ from starlette.routing import Mount, Route
 from pyllama_spec.server import generation, infill, info, lora, not_served, slots, tokens
 from pyllama_spec.server.anthropic import routes as anthropic
 from pyllama_spec.server.errors import APIError
+from pyllama_spec.server.offload import off_loop
 from pyllama_spec.server.responses import routes as responses
 from pyllama_spec.server.service import (
     ERROR_HANDLERS,
@@ -68,7 +68,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
         try:
             yield
         finally:
-            await asyncio.get_running_loop().run_in_executor(None, service.stop)
+            await off_loop(True, service.stop)  # it waits for the generations to end
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS)
     app.state.service = service

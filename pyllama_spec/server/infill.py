@@ -22,7 +22,6 @@ wrong type is a 400 (llama-server: a 500, or it reads past a ``prompt`` that is 
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import numpy as np
@@ -31,9 +30,9 @@ from starlette.responses import Response
 
 from pyllama_spec.server.errors import APIError, bad_request
 from pyllama_spec.server.generation import answer
+from pyllama_spec.server.offload import ThreadRunner
 from pyllama_spec.server.schema import parse_completion
 from pyllama_spec.server.service import (
-    PARSE_ON_A_THREAD_ABOVE,
     RouteSpec,
     Service,
     read_json,
@@ -52,7 +51,7 @@ def routes(service: Service) -> list[RouteSpec]:
     layout = {"fim": fim, "n_batch": service.engine.config.n_batch, "n_ctx": service.facts["n_ctx_slot"],
               "n_predict": n_predict}
     missing = "".join(f"{what} token is missing. " for role, what in _ROLES if fim[role] < 0)
-    big = asyncio.Semaphore(1)  # large inputs are tokenized one at a time (the tokenizer's memory)
+    run = ThreadRunner()  # native tokenizing: never on the event loop; large inputs one at a time
 
     async def infill(request: Request) -> Response:
         if missing:
@@ -65,12 +64,7 @@ def routes(service: Service) -> list[RouteSpec]:
             tokens = infill_tokens(service.engine.model, prefix, suffix, extra, prompt, **layout)
             return parse_completion(dict(body, prompt=tokens.tolist()), service.limits, llama_style=True)
 
-        loop = asyncio.get_running_loop()
-        if size > PARSE_ON_A_THREAD_ABOVE:
-            async with big:
-                req = await loop.run_in_executor(None, build)
-        else:
-            req = await loop.run_in_executor(None, build)  # native tokenizing: never on the event loop
+        req = await run(size, build)
         return await answer(service, request, req)
 
     return [("/infill", ["POST"], infill)]
