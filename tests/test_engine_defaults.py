@@ -92,7 +92,7 @@ def test_a_request_without_temperature_or_seed_leaves_them_to_the_server_default
 
     limits = RequestLimits(max_tokens=64, default_max_tokens=16, draft_max=0,
                            images=ImageLimits(max_images=0, max_pixels=1, allowed_dir=None))
-    args = parse_chat({"messages": MESSAGES}, limits).engine_args
-    assert "temperature" not in args and "seed" not in args
-    args = parse_chat({"messages": MESSAGES, "temperature": -1, "seed": -1}, limits).engine_args
-    assert args["temperature"] == 0.0 and args["seed"] == 0xFFFFFFFF
+    params = parse_chat({"messages": MESSAGES}, limits).params  # what the request gave, not yet resolved
+    assert "temperature" not in params.sampling and params.seed is None
+    params = parse_chat({"messages": MESSAGES, "temperature": -1, "seed": -1}, limits).params
+    assert params.sampling["temperature"] == 0.0 and params.seed == 0xFFFFFFFF

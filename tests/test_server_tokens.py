@@ -171,15 +171,15 @@ def test_every_vocabulary_and_template_of_the_pinned_source_is_covered():
 @pytest.mark.parametrize("name", TEMPLATE_NAMES)
 def test_apply_template_gives_what_the_chat_route_renders_with_each_real_template(name, tiny_dense):
     """An engine loaded with the template (llama-server's --chat-template-file): /apply-template's
-    prompt is the text its chat generations render (Engine._prompt_text, which a chat request's
+    prompt is the text its chat generations render (Engine.prompts.text_and_images, which a chat request's
     generation calls), by the template itself."""
     if not TEMPLATES.exists():
         pytest.skip(NO_SOURCE)
     text = (TEMPLATES / name).read_text()
     with ps.load(tiny_dense.target, n_ctx=256, n_threads=N_THREADS, chat_template=text) as engine:
         prompt, images = tokens.chat_prompt(engine, CONVERSATION, LIMITS)
-        args = parse_chat(CONVERSATION, LIMITS).engine_args
-        fed, _, chat = engine._prompt_text(None, args["messages"], (), args["chat_options"])
+        params = parse_chat(CONVERSATION, LIMITS).params
+        fed, _, chat = engine.prompts.text_and_images(engine.resolve(params).prompt)
     assert prompt == fed and images == [] and chat.renderer == "jinja"
     # every message's text (not always in order: Mistral-Nemo puts the system text last)
     assert all(m["content"] in prompt for m in CONVERSATION["messages"]), prompt

@@ -7,9 +7,10 @@ input_tokens) and ``not_served`` (the embedding and reranking routes, answered a
 without --embeddings answers them), each behind the API-key check, with OpenAI-style errors for
 everything that goes wrong (Anthropic-style on Anthropic's routes).
 
-The app holds a ``Service`` (an ``EngineWorker``: one thread owning the Engine) and never
-touches native objects itself. Build it with ``create_app(engine, ServerSettings(...))`` and run
-it with any ASGI server (``pyllama-spec serve`` uses uvicorn).
+The app holds a ``Service`` (its ``Worker`` hands each generation to the engine's slot loop,
+which runs on a thread of its own) and never touches native objects itself. Build it with
+``create_app(engine, ServerSettings(...))`` and run it with any ASGI server (``pyllama-spec
+serve`` uses uvicorn).
 """
 
 from __future__ import annotations

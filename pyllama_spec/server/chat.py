@@ -1,8 +1,8 @@
 """Tool calls and reasoning on the chat route, as llama-server does them.
 
-``prepare`` renders a chat request on a thread (``Engine.chat_params``: the template with the
-tools, tool results and reasoning, and llama.cpp's analysis of it, take milliseconds) before its
-jobs are queued; a chat the template refuses is a 400 there. The rendered chat goes to the engine
+``render_chat`` renders a chat request (``Engine.chat_params``: the template with the tools,
+tool results and reasoning, and llama.cpp's analysis of it, take milliseconds; ``Service.prepare``
+runs it on a thread) before its jobs are queued; a chat the template refuses is a 400 there. The rendered chat goes to the engine
 (its prompt, images, grammar with its triggers, stop strings, reasoning budget) and its parser
 reads each choice's answer (``AnswerParser``): content, ``reasoning_content`` and ``tool_calls``
 in OpenAI's message, and OpenAI's deltas while streaming, with ``finish_reason: "tool_calls"``
@@ -92,25 +92,20 @@ class RenderedChat:
     parsers: list[AnswerParser]
 
 
-async def prepare(service, req) -> None:
-    """Render a chat request's messages and options on a thread (a 400 for a chat the template
-    refuses), hand the rendered chat to its engine arguments and keep it, with a parser per
-    choice, as ``req.chat``. A request that is not a chat, or is prepared already, is left alone;
-    one never prepared is rendered by the engine itself (its answer then comes unparsed)."""
-    args = req.engine_args
-    if req.kind != "chat" or req.chat is not None or "messages" not in args:
+def render_chat(engine, req) -> None:
+    """Render a chat request's messages and options (a 400 for a chat the template refuses), put
+    the rendered chat in its settings and keep it, with a parser per choice, as ``req.chat``. A
+    request that is not a chat, or is rendered already, is left alone. Takes milliseconds with
+    tools: ``Service.prepare`` runs it on a thread."""
+    params = req.params
+    if req.kind != "chat" or req.chat is not None or params.messages is None:
         return
-    engine = service.engine
-
-    def render():
-        params = engine.chat_params(args["messages"], args.get("chat_options"))
-        return params, [AnswerParser(params, stream=req.stream) for _ in range(req.n)]
-
     try:
-        params, parsers = await asyncio.get_running_loop().run_in_executor(None, render)
+        chat = engine.chat_params(params.messages, params.chat_options)
+        parsers = [AnswerParser(chat, stream=req.stream) for _ in range(req.n)]
     except ChatError as e:
         raise bad_request(f"the chat's parser: {e}", "messages") from None
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
-    req.chat = RenderedChat(params, parsers)
-    req.engine_args = {**{k: v for k, v in args.items() if k not in ("messages", "chat_options")}, "chat": params}
+    req.chat = RenderedChat(chat, parsers)
+    req.params = params.replace(messages=None, chat_options=None, chat=chat)

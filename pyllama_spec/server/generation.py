@@ -16,7 +16,6 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pyllama_spec.server.chat import prepare
 from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.llama_fields import (
     FinalFields,
@@ -74,7 +73,7 @@ async def answer(service: Service, request: Request, req: GenerationRequest) -> 
     """Run a parsed request (its jobs queued now) and answer it whole or as server-sent events.
     A chat is rendered first, on a thread (server/chat.py's ``prepare``: tools, reasoning)."""
     check_post_sampling_probs(req, service.engine.config.sampling)
-    await prepare(service, req)
+    await service.prepare(req)
     jobs = service.submit(req)
     if req.stream:
         return EventSourceResponse(_stream_events(service, req, jobs), ping=15)
@@ -133,17 +132,6 @@ def _text(c: _Choice) -> str:
     return text[:len(text) - retract] if retract else text
 
 
-async def _grammar(args: dict) -> str:
-    """The grammar a generation follows (a json_schema's as llama-server converts it), for its settings."""
-    if args.get("grammar"):
-        return args["grammar"]
-    if args.get("json_schema") is None:
-        return ""
-    from pyllama_spec.serving.prompt import json_schema_to_grammar
-
-    return await _off_loop(True, json_schema_to_grammar, args["json_schema"])
-
-
 def _probabilities(service: Service, req: GenerationRequest, logprobs) -> list[dict]:
     entries = service.logprobs.entries(logprobs)
     return post_sampling_entries(entries) if req.options.post_sampling_probs else entries
@@ -160,8 +148,7 @@ async def _llama_final(service: Service, req: GenerationRequest, job: Job, index
         prompt = await _off_loop(sum(len(a) for a in ending.prompt) > 4096, prompt_text, model, ending.prompt)
     settings = {}
     if wants(paths, "generation_settings"):
-        settings = generation_settings(service, job.engine_args, stream=req.stream, options=opts,
-                                       grammar=await _grammar(job.engine_args))
+        settings = generation_settings(service, job.request, stream=req.stream, options=opts)
     streamed = req.stream
     fields = FinalFields(index=index, content="" if streamed else _text(c),
                          tokens=c.tokens if opts.return_tokens and not streamed else [], id_slot=id_slot,
@@ -278,7 +265,7 @@ async def complete_body(service: Service, req: GenerationRequest, jobs: list[Job
             job.cancel()  # no-op once finished; stops the others when one failed or the client left
     rid, obj = _ids(req)
     model = service.settings.alias
-    asked = req.engine_args.get("logprobs") is not None
+    asked = req.params.logprobs is not None
     if req.kind == "llama":
         bodies = [await _llama_final(service, req, jobs[i], i, c, id_slot=jobs[i].slot) for i, c in enumerate(choices)]
         # llama-server: a list for several prompts or n_cmpl > 1, indexed prompt by prompt
@@ -343,7 +330,7 @@ async def stream_objects(service: Service, req: GenerationRequest, jobs: list[Jo
     rid, _ = _ids(req)
     created, model = int(time.time()), service.settings.alias
     obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
-    asked = req.engine_args.get("logprobs") is not None
+    asked = req.params.logprobs is not None
     per_token = req.options.timings_per_token
     progress = [Progress() for _ in jobs]
 

@@ -103,7 +103,7 @@ async def _props(service: Service) -> Response:
         "is_sleeping": False,
         "cors_proxy_enabled": False,
         "default_generation_settings": {
-            "params": generation_params(service, {}, False),
+            "params": generation_params(service, service.default_request, False),
             "n_ctx": f["n_ctx_slot"], "max_tokens": settings.default_max_tokens,
             "speculative": {"type": service.engine.config.spec_type, "n_max": service.engine.draft_max,
                             "n_min": d.n_min if d else 0, "n_max_limit": d.n_max_limit if d else 0,

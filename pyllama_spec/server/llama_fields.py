@@ -28,6 +28,7 @@ import numpy as np
 from pyllama_spec.server.errors import bad_request
 from pyllama_spec.server.schema import GenerationRequest, ResponseOptions
 from pyllama_spec.server.slots import generation_params
+from pyllama_spec.serving.request import Request
 from pyllama_spec.spec.sampling import SamplingParams
 
 _DEFAULTS = SamplingParams()
@@ -35,10 +36,10 @@ _DEFAULTS = SamplingParams()
 
 def check_post_sampling_probs(req: GenerationRequest, default_sampling: dict) -> None:
     """A 400 for post_sampling_probs with probabilities asked at temperature > 0 (see the module)."""
-    args = req.engine_args
-    if not (req.options.post_sampling_probs and args.get("logprobs")):
+    params = req.params
+    if not (req.options.post_sampling_probs and params.logprobs):
         return
-    if args.get("temperature", default_sampling.get("temperature", _DEFAULTS.temperature)) > 0:
+    if params.sampling.get("temperature", default_sampling.get("temperature", _DEFAULTS.temperature)) > 0:
         raise bad_request("post_sampling_probs is given only for greedy sampling (temperature 0) here: this server "
                           "does not read the sampler's candidates at temperature > 0; leave it out for the "
                           "probabilities before sampling", "post_sampling_probs")
@@ -53,24 +54,23 @@ def post_sampling_entries(entries: list[dict]) -> list[dict]:
     return [{**prob(e), "top_probs": [prob(e)] if e["top_logprobs"] else []} for e in entries]
 
 
-def generation_settings(service, args: dict, *, stream: bool, options: ResponseOptions, grammar: str = "") -> dict:
-    """llama-server's ``generation_settings`` of one generation (``args``, its Engine keywords): the
+def generation_settings(service, request: Request, *, stream: bool, options: ResponseOptions) -> dict:
+    """llama-server's ``generation_settings`` of one generation (its resolved ``request``): the
     fields /slots shows as its ``params`` (slots.generation_params, the same task_params::to_json),
     and those only the final body has."""
-    given = {**service.engine.config.sampling, **args}
+    sp = request.sampling
     # -inf (a forbidden token) is written as null, as llama-server's JSON writer does
-    bias = [{"bias": None if b is False or b == float("-inf") else float(b), "token": int(t)}
-            for t, b in (given.get("logit_bias") or ())]
-    out = generation_params(service, args, stream)
+    bias = [{"bias": None if b == float("-inf") else float(b), "token": int(t)} for t, b in sp.logit_bias]
+    out = generation_params(service, request, stream)
     out.update({
-        "dry_sequence_breakers": list(given.get("dry_sequence_breakers", _DEFAULTS.dry_sequence_breakers)),
+        "dry_sequence_breakers": list(sp.dry_sequence_breakers),
         "adaptive_target": -1.0, "adaptive_decay": 0.9,  # llama-server's adaptive sampler: not here
-        "stop": list(given.get("stop", [])), "n_keep": options.n_keep, "n_discard": options.n_discard,
-        "logit_bias": bias, "grammar": grammar, "grammar_lazy": False, "grammar_triggers": [],
+        "stop": list(request.output.stop), "n_keep": options.n_keep, "n_discard": options.n_discard,
+        "logit_bias": bias, "grammar": sp.grammar or "", "grammar_lazy": False, "grammar_triggers": [],
         "preserved_tokens": [], "chat_format": "Content-only", "reasoning_format": "none",
         "reasoning_in_content": False, "generation_prompt": "", "timings_per_token": options.timings_per_token,
         "post_sampling_probs": options.post_sampling_probs, "backend_sampling": False,
-        "lora": [dict(x) for x in args.get("lora", [])],
+        "lora": [] if request.lora is None else [{"id": i, "scale": s} for i, s in enumerate(request.lora)],
     })
     return out
 

@@ -8,6 +8,7 @@ the parameter at fault, before anything reaches the engine.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import reprlib
@@ -17,6 +18,7 @@ from pyllama_spec.server.chat_schema import chat_options, message_extras
 from pyllama_spec.server.errors import bad_request
 from pyllama_spec.server.images import ImageBudget, ImageLimits, decode_image_url
 from pyllama_spec.server.prompts import parse_prompts
+from pyllama_spec.serving.request import Request, RequestOptions
 
 #: How deeply a request body may nest arrays and objects (an OpenAI request needs a handful of
 #: levels, a tool's JSON schema a few dozen): deeper is a 400, whatever Python's stack would allow.
@@ -110,17 +112,27 @@ class GenerationRequest:
     kind: str  # "chat", "completion" (/v1/completions) or "llama" (/completion)
     stream: bool
     include_usage: bool
-    engine_args: dict  # keyword arguments of Engine.stream
+    params: RequestOptions  # the generation's settings the request gave (the engine resolves the rest)
     n_images: int
     n: int = 1  # choices to generate (OpenAI's n, llama-server's n_cmpl), each on a slot of its own
     id_slot: int = -1  # llama-server's id_slot: the slot to run in (the first choice's), -1 any
-    #: /completion's list of prompts: one overlay of engine_args (prompt, images) each, each prompt
-    #: its n choices (None: engine_args holds the one prompt, or the messages)
-    prompts: list[dict] | None = None
+    #: /completion's list of prompts: ``params`` with each prompt (and its images), each prompt its
+    #: n choices (None: ``params`` holds the one prompt, or the messages)
+    prompts: list[RequestOptions] | None = None
     options: ResponseOptions = dataclasses.field(default_factory=lambda: ResponseOptions())
-    #: a chat request's rendered chat (serving.prompt.ChatParams), once server/chat.py's ``prepare``
+    #: a chat request's rendered chat (serving.prompt.ChatParams), once server/chat.py's ``render``
     #: rendered it: its parser reads the answer into content, reasoning and tool calls
     chat: Any = None
+    #: each job's Request (prompt by prompt, choice by choice), once ``Service.prepare`` resolved them
+    requests: list[Request] | None = None
+
+    def job_options(self, default_seed: int) -> list[RequestOptions]:
+        """The settings of each job (job k is choice k % n of prompt k // n, llama-server's index).
+        Choice i samples with the request's seed + i (``default_seed``, the server's, when it gives
+        none): n samples, each reproducible."""
+        seed = default_seed if self.params.seed is None else self.params.seed
+        return [p if self.n == 1 else p.replace(seed=(seed + i) & 0xFFFFFFFF)
+                for p, i in itertools.product(self.prompts or [self.params], range(self.n))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -506,11 +518,11 @@ def parse_chat(body: Any, limits: RequestLimits) -> GenerationRequest:
     logprobs = _logprobs(body, chat=True)
     if logprobs is not None and stream and chat.tools:
         raise bad_request("logprobs is not supported with tools + stream", "logprobs")
-    args = dict(messages=out, chat_options=chat, **sampling,
-                **_speculative(body, limits.draft_max, limits.draft_tree),
-                logprobs=logprobs, **_lora(body, limits.n_lora))
     options, line_rules = _llama_fields(body)
-    return GenerationRequest("chat", stream, include_usage, {**args, **line_rules}, len(images),
+    params = RequestOptions.of(messages=out, chat_options=chat, **sampling,
+                               **_speculative(body, limits.draft_max, limits.draft_tree),
+                               logprobs=logprobs, **_lora(body, limits.n_lora), **line_rules)
+    return GenerationRequest("chat", stream, include_usage, params, len(images),
                              _choices(body, limits.n_max), _id_slot(body, limits.n_max), options=options)
 
 
@@ -532,10 +544,11 @@ def parse_completion(body: Any, limits: RequestLimits, *, llama_style: bool = Fa
     if llama_style and "n_predict" in body:
         body = dict(body, max_tokens=None if body["n_predict"] == -1 else body["n_predict"])
     stream, include_usage = _n_and_stream(body)
-    args = dict(**_sampling(body, limits.max_tokens, limits.default_max_tokens),
-                **_speculative(body, limits.draft_max, limits.draft_tree), logprobs=_logprobs(body, chat=False),
-                **_lora(body, limits.n_lora))
     options, line_rules = _llama_fields(body)
+    params = RequestOptions.of(**_sampling(body, limits.max_tokens, limits.default_max_tokens),
+                               **_speculative(body, limits.draft_max, limits.draft_tree),
+                               logprobs=_logprobs(body, chat=False), **_lora(body, limits.n_lora), **line_rules)
     n_images = sum(len(p.get("images", ())) for p in prompts)
-    return GenerationRequest("llama" if llama_style else "completion", stream, include_usage, {**args, **line_rules},
-                             n_images, n, _id_slot(body, limits.n_max), prompts=prompts, options=options)
+    return GenerationRequest("llama" if llama_style else "completion", stream, include_usage, params,
+                             n_images, n, _id_slot(body, limits.n_max), prompts=[params.replace(**p) for p in prompts],
+                             options=options)

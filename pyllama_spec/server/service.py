@@ -32,8 +32,11 @@ from pyllama_spec.server.images import ImageLimits
 from pyllama_spec.server.logprobs import LogprobFormatter
 from pyllama_spec.server.metrics import ServerMetrics
 from pyllama_spec.server.schema import GenerationRequest, RequestLimits, parse_json_body
-from pyllama_spec.server.worker import Job, QueueFullError, make_worker
+from pyllama_spec.server.chat import render_chat
+from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
+from pyllama_spec.server.worker import Job, QueueFullError, Worker
 from pyllama_spec.serving.engine import Engine
+from pyllama_spec.serving.request import RequestOptions
 
 log = logging.getLogger("pyllama_spec.server")
 
@@ -157,7 +160,9 @@ class Service:
                                max_pixels=settings.max_image_pixels,
                                max_total_pixels=settings.max_request_pixels or 8 * settings.max_image_pixels,
                                allowed_dir=settings.allowed_image_dir))
-        self.worker = None  # made by start(): one slot, or the engine's slots (-np N)
+        #: A request that gives nothing: the server's defaults, as /props shows them.
+        self.default_request = engine.resolve(RequestOptions(prompt="", max_tokens=settings.default_max_tokens))
+        self.worker: Worker | None = None  # made by start(): runs the jobs in the engine's slots
         self.task_ids = itertools.count()  # llama-server's id_task of each generation (/slots)
         self.logprobs = LogprobFormatter(engine.model)
         # Facts the info routes answer with, read once here: the event loop never calls into
@@ -173,7 +178,7 @@ class Service:
                           eos_token=_token_text(model, model.eos))
 
     def start(self) -> None:
-        self.worker = make_worker(self.engine, self.settings.max_queue, on_finished=self.metrics.add_generation)
+        self.worker = Worker(self.engine, self.settings.max_queue, on_finished=self.metrics.add_generation)
 
     def stop(self) -> None:
         if self.worker is not None:
@@ -185,22 +190,38 @@ class Service:
         if self.worker is not None:
             self.worker.cancel_all()
 
-    def submit(self, req: GenerationRequest) -> list[Job]:
-        """One job per choice of each prompt, prompt by prompt (job k is choice k % n of prompt
-        k // n, llama-server's index). Choice i samples with the request's seed + i (the server's
-        default seed when it gives none): n samples, each reproducible."""
+    async def prepare(self, req: GenerationRequest) -> None:
+        """Make a parsed request ready to queue: render its chat (server/chat.py) and resolve each
+        of its jobs into the engine's ``Request`` (the engine's defaults applied, every value
+        checked, a json_schema turned into its grammar: a 400 for what it refuses). On a thread
+        when that can take long (a chat template with tools, a schema, a long prompt of ids)."""
+        p = req.params
+        big = (req.kind == "chat" and req.chat is None and p.messages is not None) or any(
+            o.sampling.get("json_schema") is not None or _prompt_size(o.prompt) > PARSE_ON_A_THREAD_ABOVE
+            for o in (req.prompts or [p]))
+        await off_loop(big, self._prepare, req)
+
+    def _prepare(self, req: GenerationRequest) -> None:
+        render_chat(self.engine, req)
         if req.n_images and self.engine.projector is None:
             raise bad_request("this server has no projector (--mmproj): it cannot read images", "messages",
                               code="invalid_image")
+        try:
+            req.requests = [self.engine.resolve(o) for o in req.job_options(self.engine.config.sampling.get("seed", 0))]
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+
+    def submit(self, req: GenerationRequest) -> list[Job]:
+        """Queue one job per choice of each prompt, prompt by prompt (``GenerationRequest.job_options``),
+        each its Request resolved by ``prepare``; a 503 when the queue is full."""
+        if req.requests is None:
+            raise RuntimeError("Service.submit needs a request made ready by Service.prepare")
         jobs = []
-        seed = req.engine_args.get("seed", self.engine.config.sampling.get("seed", 0))
-        for prompt, i in itertools.product(req.prompts or [{}], range(req.n)):
-            args = {**req.engine_args, **prompt} if prompt else req.engine_args
-            args = args if req.n == 1 else {**args, "seed": (seed + i) & 0xFFFFFFFF}
+        for k, request in enumerate(req.requests):
             # id_slot places the first choice (llama-server: the others take any free slot)
-            job = Job(asyncio.get_running_loop(), args, id_task=next(self.task_ids),
-                      id_slot=req.id_slot if i == 0 else -1, stream=req.stream)
-            job.report_progress = req.stream and req.options.return_progress
+            job = Job(asyncio.get_running_loop(), request, id_task=next(self.task_ids),
+                      id_slot=req.id_slot if k % req.n == 0 else -1, stream=req.stream,
+                      report_progress=req.stream and req.options.return_progress)
             try:
                 self.worker.submit(job)
             except QueueFullError:
@@ -238,3 +259,11 @@ def check_api_key(request: Request, keys: str | None) -> None:
         raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                        type="authentication_error", code="invalid_api_key")
 
+
+
+def _prompt_size(prompt) -> int:
+    """About how much work resolving a prompt is: its characters, or its token ids and strings."""
+    if prompt is None:
+        return 0
+    return len(prompt) if isinstance(prompt, (str, bytes)) else sum(
+        len(x) if isinstance(x, (str, list, tuple)) or hasattr(x, "__len__") else 1 for x in prompt)

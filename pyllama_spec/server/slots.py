@@ -23,7 +23,7 @@ from pyllama_spec.server.errors import APIError, bad_request
 from pyllama_spec.server.service import RouteSpec, Service, read_json
 from pyllama_spec.server.worker import QueueFullError
 from pyllama_spec.serving import slot_file
-from pyllama_spec.spec.sampling import DEFAULT_SAMPLERS, SamplingParams, sampler_order
+from pyllama_spec.serving.request import Request as EngineRequest
 
 #: Characters llama-server's fs_validate_filename refuses in a file name, beyond control characters.
 _FORBIDDEN = set(':*?"<>|/\\') | {"\uff0e", "\u2215", "\u2216", "\ufffd", "\ufeff"}
@@ -75,25 +75,24 @@ def slot_json(service: Service, i: int, processing: bool, job, stats) -> dict:
     engine = service.engine
     seq = engine.sequences[i]
     out = {"id": i, "n_ctx": seq.n_ctx, "speculative": engine.drafter is not None, "is_processing": processing}
-    args = job.engine_args if job is not None else {}
+    r = job.request if job is not None else None
     if job is not None:
-        max_tokens = args.get("max_tokens", service.settings.default_max_tokens)
         out.update(
             id_task=job.id_task,
             n_prompt_tokens=seq.positions.n_rows,  # what the slot's cache holds, as llama-server counts it
             n_prompt_tokens_processed=stats.prompt_decoded if stats is not None else 0,
             n_prompt_tokens_cache=stats.prompt_reused if stats is not None else 0,
-            params=generation_params(service, args, job.stream),
+            params=generation_params(service, r, job.stream),
             next_token=[{"has_next_token": processing, "has_new_line": job.has_new_line,
-                         "n_remain": max(0, max_tokens - job.n_decoded), "n_decoded": job.n_decoded}])
+                         "n_remain": max(0, r.output.max_tokens - job.n_decoded), "n_decoded": job.n_decoded}])
     p, d, cfg = seq.positions, engine.drafter, engine.config
     out["pyllama_spec"] = {
         "cache": {"n_rows": p.n_rows, "pos_next": p.pos_next, "draft_pos_next": p.draft_pos_next,
                   "draft_positions": p.draft_positions},
-        "draft": {"type": cfg.spec_type, "n_max": args.get("draft_max", engine.draft_max),
-                  "n_min": args.get("draft_min", d.n_min if d else 0), "verify": args.get("verify", cfg.verify),
-                  "draft_positions": args.get("draft_positions", cfg.draft_positions),
-                  "tree": args.get("draft_tree", cfg.draft_tree)},
+        "draft": {"type": cfg.spec_type, "n_max": r.draft.n_max if r else engine.draft_max,
+                  "n_min": r.draft.n_min if r else d.n_min if d else 0, "verify": r.draft.verify if r else cfg.verify,
+                  "draft_positions": r.draft.positions if r else cfg.draft_positions,
+                  "tree": r.draft.tree if r else cfg.draft_tree},
         "acceptance": None if stats is None else {
             "drafted": stats.drafted, "accepted": stats.accepted, "acceptance_rate": stats.acceptance_rate,
             "mean_accepted_length": stats.mean_accepted_length, "target_steps": stats.target_steps,
@@ -102,40 +101,25 @@ def slot_json(service: Service, i: int, processing: bool, job, stats) -> dict:
     return out
 
 
-def generation_params(service: Service, args: dict, stream: bool) -> dict:
-    """A generation's settings (``args``: its Engine.stream keywords) in llama-server's shape (its
-    /slots ``params``, /props ``default_generation_settings.params``): the request's, else the
-    server's defaults (its command line), else llama-server's. Plain Python (no native call)."""
-    engine = service.engine
-    given = {**engine.config.sampling, **args}
-    default = SamplingParams()
-
-    def get(name: str):
-        return given.get(name, getattr(default, name))
-
-    def last_n(name: str) -> int:  # -1: the slot's context, as llama-server shows it
-        v = get(name)
-        return engine.sequences[0].n_ctx if v == -1 else v
-
-    try:
-        samplers = list(sampler_order(given.get("samplers", DEFAULT_SAMPLERS)))
-    except ValueError:  # a request the engine will refuse
-        samplers = given.get("samplers")
-    max_tokens = args.get("max_tokens", service.settings.default_max_tokens)
+def generation_params(service: Service, request: EngineRequest, stream: bool) -> dict:
+    """A generation's settings (its resolved ``request``: what it gave, else the server's defaults,
+    its command line, else llama-server's) in llama-server's shape (its /slots ``params``, /props
+    ``default_generation_settings.params``; task_params::to_json). Plain Python (no native call)."""
+    sp, max_tokens = request.sampling, request.output.max_tokens
     return {
-        "seed": given.get("seed", 0), "temperature": get("temperature"), "dynatemp_range": get("dynatemp_range"),
-        "dynatemp_exponent": get("dynatemp_exponent"), "top_k": get("top_k"), "top_p": get("top_p"),
-        "min_p": get("min_p"), "top_n_sigma": get("top_n_sigma"), "xtc_probability": get("xtc_probability"),
-        "xtc_threshold": get("xtc_threshold"), "typical_p": get("typical_p"), "repeat_last_n": last_n("penalty_last_n"),
-        "repeat_penalty": get("repeat_penalty"), "presence_penalty": get("presence_penalty"),
-        "frequency_penalty": get("frequency_penalty"), "dry_multiplier": get("dry_multiplier"),
-        "dry_base": get("dry_base"), "dry_allowed_length": get("dry_allowed_length"),
-        "dry_penalty_last_n": last_n("dry_penalty_last_n"), "mirostat": get("mirostat"),
-        "mirostat_tau": get("mirostat_tau"), "mirostat_eta": get("mirostat_eta"),
+        "seed": request.seed, "temperature": sp.temperature, "dynatemp_range": sp.dynatemp_range,
+        "dynatemp_exponent": sp.dynatemp_exponent, "top_k": sp.top_k, "top_p": sp.top_p,
+        "min_p": sp.min_p, "top_n_sigma": sp.top_n_sigma, "xtc_probability": sp.xtc_probability,
+        "xtc_threshold": sp.xtc_threshold, "typical_p": sp.typical_p, "repeat_last_n": sp.penalty_last_n,
+        "repeat_penalty": sp.repeat_penalty, "presence_penalty": sp.presence_penalty,
+        "frequency_penalty": sp.frequency_penalty, "dry_multiplier": sp.dry_multiplier,
+        "dry_base": sp.dry_base, "dry_allowed_length": sp.dry_allowed_length,
+        "dry_penalty_last_n": sp.dry_penalty_last_n, "mirostat": sp.mirostat,
+        "mirostat_tau": sp.mirostat_tau, "mirostat_eta": sp.mirostat_eta,
         "max_tokens": max_tokens, "n_predict": max_tokens, "n_keep": 0, "n_discard": 0,
-        "ignore_eos": bool(given.get("ignore_eos", False)), "stream": stream,
-        "n_probs": args.get("logprobs") or 0, "min_keep": get("min_keep"), "samplers": samplers,
-        "speculative.types": engine.config.spec_type, "lora": [],
+        "ignore_eos": request.ignore_eos, "stream": stream,
+        "n_probs": request.output.logprobs or 0, "min_keep": sp.min_keep, "samplers": list(sp.samplers),
+        "speculative.types": service.engine.config.spec_type, "lora": [],
     }
 
 

@@ -32,12 +32,14 @@ import numpy as np
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pyllama_spec.bindings.model import Model
-from pyllama_spec.bindings.mtmd import Bitmap
 from pyllama_spec.server.errors import bad_request
 from pyllama_spec.server.schema import RequestLimits, parse_chat
 from pyllama_spec.server.service import PARSE_ON_A_THREAD_ABOVE, RouteSpec, Service, read_json
 from pyllama_spec.serving.engine import Engine
+
+#: The engine's model (``Engine.model``), as these routes use it: tokenize, detokenize,
+#: token_to_bytes, n_vocab. The server names no binding-layer type.
+Vocabulary = Any
 
 #: Token ids in /tokenize's mixed content are llama_token (int32), passed through unchecked as
 #: llama-server passes them (it wraps a larger number around; that is a 400 here).
@@ -124,7 +126,7 @@ async def _input_tokens_route(service: Service, request: Request, run: ThreadRun
 
     def answer() -> Response:
         text, images = chat_prompt(service.engine, body, service.limits)
-        return _json({"input_tokens": count_prompt_tokens(service.engine, text, images),
+        return _json({"input_tokens": service.engine.count_tokens(text, images),
                       "object": "response.input_tokens"}, "messages")
 
     return await run(size, answer)
@@ -152,7 +154,7 @@ def _json(value: dict, param: str) -> Response:
 _STEP = 1 << 16
 
 
-def tokenize_response(model: Model, body: dict) -> Response:
+def tokenize_response(model: Vocabulary, body: dict) -> Response:
     """/tokenize: ``{"tokens": [ids]}``, or ``[{"id", "piece"}]`` with ``with_pieces``."""
     add_special = _flag(body, "add_special", False)
     parse_special = _flag(body, "parse_special", True)
@@ -168,7 +170,7 @@ def tokenize_response(model: Model, body: dict) -> Response:
     return _json_array("tokens", ids, token_entries(model, ids).__getitem__)
 
 
-def detokenize_response(model: Model, body: dict) -> Response:
+def detokenize_response(model: Vocabulary, body: dict) -> Response:
     """/detokenize: ``{"content": text}``."""
     tokens = body.get("tokens", [])  # absent: "" (llama-server)
     if not isinstance(tokens, list):
@@ -176,7 +178,7 @@ def detokenize_response(model: Model, body: dict) -> Response:
     return _json({"content": detokenize(model, check_token_ids(model, tokens, "tokens"))}, "tokens")
 
 
-def tokenize_content(model: Model, content: Any, *, add_special: bool = False,
+def tokenize_content(model: Vocabulary, content: Any, *, add_special: bool = False,
                      parse_special: bool = True) -> np.ndarray:
     """llama-server's ``tokenize_mixed``: the tokens (int32) of a string, or of a list of strings and
     token ids in order, where only a string that comes first gets BOS/EOS (``add_special``) and
@@ -198,14 +200,14 @@ def tokenize_content(model: Model, content: Any, *, add_special: bool = False,
     return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
 
-def _tokens(model: Model, text: str, add_special: bool, parse_special: bool) -> np.ndarray:
+def _tokens(model: Vocabulary, text: str, add_special: bool, parse_special: bool) -> np.ndarray:
     try:
         return model.tokenize(text, add_special=add_special, parse_special=parse_special)
     except UnicodeEncodeError:
         raise bad_request("'content' holds a lone UTF-16 surrogate, which is not text", "content") from None
 
 
-def check_token_ids(model: Model, tokens: list, param: str) -> list[int]:
+def check_token_ids(model: Vocabulary, tokens: list, param: str) -> list[int]:
     """``tokens`` when every one is a token of the model's vocabulary; else a 400 naming the first
     that is not (llama-server answers an id outside the vocabulary with a 500, and reads a float
     or a boolean as an integer)."""
@@ -220,19 +222,19 @@ def check_token_ids(model: Model, tokens: list, param: str) -> list[int]:
     return tokens
 
 
-def _not_in_vocabulary(model: Model, token: int, param: str):
+def _not_in_vocabulary(model: Vocabulary, token: int, param: str):
     return bad_request(f"'{param}' holds {_SHOW.repr(token)}, which is not a token of this model's vocabulary "
                        f"(0 to {model.n_vocab - 1})", param)
 
 
-def _pieces(model: Model, tokens) -> dict[int, bytes]:
+def _pieces(model: Vocabulary, tokens) -> dict[int, bytes]:
     """Each distinct token's piece, special tokens written out (llama-server's common_token_to_piece):
     one native call per distinct token, however long the list."""
     distinct = np.unique(tokens).tolist() if isinstance(tokens, np.ndarray) else set(tokens)
     return {t: model.token_to_bytes(t, special=True) for t in distinct}
 
 
-def detokenize(model: Model, tokens: list[int]) -> str:
+def detokenize(model: Vocabulary, tokens: list[int]) -> str:
     """The tokens' pieces joined, as llama-server's /detokenize joins them (no leading space
     removed, special tokens written out); bytes that are not UTF-8 become U+FFFD, as llama-server's
     JSON writer replaces them. The ids must be the vocabulary's (``check_token_ids``)."""
@@ -241,7 +243,7 @@ def detokenize(model: Model, tokens: list[int]) -> str:
     return b"".join(steps).decode("utf-8", errors="replace")
 
 
-def token_entries(model: Model, tokens: np.ndarray) -> dict[int, str]:
+def token_entries(model: Vocabulary, tokens: np.ndarray) -> dict[int, str]:
     """``{"id", "piece"}`` of each distinct token, as JSON text: a piece is its text, or the list of
     its bytes when llama-server's UTF-8 check refuses it (half a character)."""
     return {t: _dumps({"id": t, "piece": piece_value(data)}) for t, data in _pieces(model, tokens).items()}
@@ -301,26 +303,9 @@ def chat_prompt(engine: Engine, body: Any, limits: RequestLimits) -> tuple[str, 
     rendered with the engine's chat templates and chat settings (``Engine.chat_params``), as the chat
     route renders it: tools, tool results, reasoning, add_generation_prompt, continue_final_message.
     """
-    req = parse_chat(body, limits)
-    args = req.engine_args
+    params = parse_chat(body, limits).params
     try:
-        chat = engine.chat_params(args["messages"], args["chat_options"])
+        chat = engine.chat_params(params.messages, params.chat_options)
     except ValueError as e:
         raise bad_request(str(e), "messages") from None
     return chat.prompt, list(chat.images)
-
-
-def count_prompt_tokens(engine: Engine, text: str, images: list) -> int:
-    """The cache rows the chat route tokenizes ``text`` into (as ``Engine`` does: BOS/EOS added,
-    special tokens parsed, each image its projector's tokens), without decoding anything."""
-    if engine.projector is None:
-        return len(engine.model.tokenize(text, add_special=True))
-    bitmaps: list[Bitmap] = []
-    try:
-        for image in images:
-            bitmaps.append(Bitmap.load(image))
-        with engine.projector.tokenize(text, bitmaps) as chunks:
-            return chunks.n_tokens
-    finally:
-        for b in bitmaps:
-            b.close()

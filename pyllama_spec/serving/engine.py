@@ -144,7 +144,7 @@ class Engine:
                                        config.n_parallel)
             d = self.drafter
             self._resolver = RequestResolver(config, EngineLimits(
-                n_vocab=self.model.n_vocab, eog_tokens=tuple(self.model.eog_tokens), n_ctx_seq=self.ctx.n_ctx_seq,
+                n_vocab=self.model.n_vocab, n_ctx_seq=self.ctx.n_ctx_seq,
                 has_drafter=d is not None, draft_n_max=d.n_max if d else 0, draft_n_min=d.n_min if d else 0,
                 draft_n_max_limit=d.n_max_limit if d else 0),
                 lora_scales=self.lora.resolve, grammar_of_schema=json_schema_to_grammar)

@@ -40,6 +40,9 @@ class PreparedGeneration:
             stats = GenerationStats(images=len(self._bitmaps), chat_template=chat.renderer if chat else None)
             e.last_stats = stats
             params, stop = r.sampling, list(r.output.stop)
+            if r.ignore_eos:  # kept apart from the request's own bias, as llama-server's logit_bias_eog
+                params = dataclasses.replace(params, logit_bias=(
+                    *params.logit_bias, *((t, float("-inf")) for t in e.model.eog_tokens)))
             if chat is not None:  # the chat's grammar (else the caller's), its stop strings, its budget
                 params = dataclasses.replace(params, **chat.sampling())
                 stop = [*stop, *chat.additional_stops]

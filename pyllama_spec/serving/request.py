@@ -113,6 +113,7 @@ class Request:
     cache_prompt: bool
     lora: tuple[float, ...] | None = None  # a scale per LoRA adapter (serving/lora.py); None: the global ones
     progress: Progress | None = None
+    ignore_eos: bool = False  # llama-server's: every end-of-generation token forbidden (serving/prepared.py)
 
     def replace(self, **changes: Any) -> "Request":
         return dataclasses.replace(self, **changes)

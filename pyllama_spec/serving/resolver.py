@@ -26,7 +26,6 @@ class EngineLimits:
     """What a request is checked against: the engine's vocabulary, context share and drafter."""
 
     n_vocab: int
-    eog_tokens: tuple[int, ...]  # the tokens that end a generation (ignore_eos forbids them)
     n_ctx_seq: int  # one slot's share of the context
     has_drafter: bool
     draft_n_max: int  # the engine's draft length (0 without a drafter)
@@ -61,9 +60,7 @@ class RequestResolver:
         if sampling.get("grammar") or sampling.get("json_schema"):
             defaults.pop("grammar", None), defaults.pop("json_schema", None)  # the call's constraint replaces it
         sampling = {**defaults, **sampling}
-        if sampling.pop("ignore_eos", False):  # llama-server's: every end-of-generation token forbidden
-            sampling["logit_bias"] = [*_bias_pairs(sampling.get("logit_bias")),
-                                      *((t, False) for t in self.limits.eog_tokens)]
+        ignore_eos = bool(sampling.pop("ignore_eos", False))
         schema = sampling.pop("json_schema", None)
         if schema is not None:  # llama-server: json_schema gives the grammar unless one is given too
             if sampling.get("grammar"):
@@ -91,7 +88,7 @@ class RequestResolver:
                                t_max_predict_ms=float(o.t_max_predict_ms))
         return Request(prompt=prompt, sampling=params, seed=int(seed), draft=draft, output=output,
                        cache_prompt=o.cache_prompt, lora=None if o.lora is None else self._lora_scales(o.lora),
-                       progress=o.progress)
+                       progress=o.progress, ignore_eos=ignore_eos)
 
     # ------------------------------------------------------------------ parts
     def _prompt(self, o: RequestOptions) -> PromptInput:
@@ -169,10 +166,3 @@ class RequestResolver:
                 bad = a[(a < 0) | (a >= n_vocab)][0]
                 raise ValueError(f"the prompt holds token id {bad}, outside the vocabulary (0 to {n_vocab - 1})")
         return tuple(a.astype(np.int32) if isinstance(a, np.ndarray) else a for a in out[:-1])
-
-
-def _bias_pairs(bias) -> list:
-    """A logit_bias given as {token: bias} or pairs, as pairs (None: none)."""
-    if bias is None:
-        return []
-    return list(bias.items()) if isinstance(bias, dict) else list(bias)

@@ -25,7 +25,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pyllama_spec.server.anthropic import convert
-from pyllama_spec.server.chat import prepare
 from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.generation import (
     complete_body,
@@ -41,7 +40,7 @@ from pyllama_spec.server.service import (
     engine_error,
     read_json,
 )
-from pyllama_spec.server.tokens import chat_prompt, count_prompt_tokens
+from pyllama_spec.server.tokens import chat_prompt
 from pyllama_spec.server.worker import Job
 
 
@@ -79,7 +78,7 @@ async def _messages(service: Service, request: Request) -> Response:
     body, size = await read_json(request, service.settings.max_body_bytes, service.settings.body_timeout)
     # images are decoded while parsing: off the event loop when large
     req = await off_loop(size > PARSE_ON_A_THREAD_ABOVE, parse_messages, body, service.limits)
-    await prepare(service, req)  # the template renders the tools, tool results and reasoning
+    await service.prepare(req)  # the template renders the tools, tool results and reasoning
     jobs = service.submit(req)
     msg_id = convert.message_id()
     if not req.stream:
@@ -133,6 +132,6 @@ async def _count_tokens(service: Service, request: Request, run: ThreadRunner) -
             text, images = chat_prompt(service.engine, chat.body, service.limits)
         except APIError as e:
             raise chat.relocate(e) from None
-        return JSONResponse({"input_tokens": count_prompt_tokens(service.engine, text, images)})
+        return JSONResponse({"input_tokens": service.engine.count_tokens(text, images)})
 
     return await run(size, count)

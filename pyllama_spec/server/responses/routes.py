@@ -14,7 +14,6 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pyllama_spec.server.chat import prepare
 from pyllama_spec.server.errors import APIError, bad_request
 from pyllama_spec.server.generation import (
     complete_body,
@@ -38,7 +37,7 @@ from pyllama_spec.server.responses.events import EventTranslator
 from pyllama_spec.server.responses.store import ResponseStore, Turn, conversation_items
 from pyllama_spec.server.schema import GenerationRequest, parse_chat
 from pyllama_spec.server.service import RouteSpec, Service, read_json
-from pyllama_spec.server.tokens import chat_prompt, count_prompt_tokens
+from pyllama_spec.server.tokens import chat_prompt
 
 log = logging.getLogger("pyllama_spec.server")
 
@@ -104,7 +103,7 @@ async def _create(service: Service, store: ResponseStore, request: Request) -> R
                             head.id, store.max_bytes)
 
     try:  # the template renders the tools and reasoning; its errors name the input, not the messages
-        await prepare(service, req)
+        await service.prepare(req)
     except APIError as e:
         raise relocate(e, body, items, len(earlier)) from None
     jobs = service.submit(req)
@@ -166,7 +165,7 @@ async def _input_tokens(service: Service, store: ResponseStore, run: ThreadRunne
             text, images = chat_prompt(service.engine, chat, service.limits)
         except APIError as e:
             raise relocate(e, body, items, len(earlier)) from None
-        return JSONResponse({"input_tokens": count_prompt_tokens(service.engine, text, images),
+        return JSONResponse({"input_tokens": service.engine.count_tokens(text, images),
                              "object": "response.input_tokens"})
 
     return await run(size + sum(t.size for t in history), answer)
