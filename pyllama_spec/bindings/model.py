@@ -275,33 +275,6 @@ class Model(NativeHandle):
             return 0
         return n_bytes // self.max_token_bytes
 
-    def apply_chat_template(self, messages: Sequence[tuple[str, str]], *, add_assistant: bool = True,
-                            template: str | None = None) -> str:
-        """(role, text) messages through this model's chat template, or ``template`` (a built-in
-        template's name such as "chatml", or template text), by llama.cpp's built-in renderer."""
-        named = template is not None
-        template = template or self.chat_template
-        if template is None:
-            raise ValueError(f"the model {self.path.name} has no chat template: pass prompt= instead of messages=")
-        keep = [(ffi.new("char[]", r.encode()), ffi.new("char[]", c.encode())) for r, c in messages]
-        chat = ffi.new("llama_chat_message[]", len(keep))
-        for i, (r, c) in enumerate(keep):
-            chat[i].role, chat[i].content = r, c
-        tmpl = ffi.new("char[]", template.encode())
-        size = 1024 + 2 * sum(len(c) for _, c in messages)
-        for _ in range(2):
-            buf = ffi.new("char[]", size)
-            n = lib.llama_chat_apply_template(tmpl, chat, len(keep), add_assistant, buf, size)
-            if n < 0 and named:
-                raise ValueError(f"llama.cpp has no built-in chat template {template[:80]!r}")
-            if n < 0:
-                raise ValueError(f"llama.cpp does not support the chat template of {self.path.name}; "
-                                 "format the prompt yourself and pass prompt=")
-            if n < size:
-                return ffi.buffer(buf, n)[:].decode("utf-8")
-            size = n + 1
-        raise AssertionError("unreachable")
-
     def tokenize(self, text: str, *, add_special: bool = False, parse_special: bool = True) -> np.ndarray:
         """Text to token ids (int32 array)."""
         data = text.encode("utf-8")

@@ -39,10 +39,6 @@ def devices() -> list[dict]:
     return out
 
 
-def supports_gpu_offload() -> bool:
-    return bool(lib.llama_supports_gpu_offload())
-
-
 def shim_abi_version() -> int:
     return int(lib.pyllama_shim_abi_version())
 

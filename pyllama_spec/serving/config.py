@@ -150,6 +150,3 @@ def check_tree_settings(draft_max, verify: str) -> None:
     if verify == "rejection":
         raise ValueError('draft_tree verifies with the "match" rule; rejection sampling over a tree is '
                          'not implemented (pass draft_tree=0 or verify="match")')
-
-
-_check_tree_settings = check_tree_settings  # the old name, until serving/engine.py's request checks use the new one
