@@ -37,6 +37,21 @@ def test_gpu_offload_line_names_the_gpus_or_says_there_are_none():
     assert _gpu_offload(["CUDA", "CPU"], [cpu]).startswith("no: the CUDA backend found no device")
 
 
+def test_the_banner_asks_the_drafter_what_caps_draft_max():
+    from pyllama_spec.cli.options import _speculative_mode
+
+    def engine(n_max_limit, limit_reason, draft_max):
+        drafter = SimpleNamespace(n_max_limit=n_max_limit, limit_reason=limit_reason)
+        return SimpleNamespace(drafter=drafter, draft_max=draft_max,
+                               config=SimpleNamespace(spec_type="draft-eagle3", draft_tree=0))
+
+    assert _speculative_mode(engine(32, "this method's limit", 32), asked=40) == \
+        "draft-eagle3 (draft_max 32, capped by this method's limit)"
+    assert _speculative_mode(engine(32, "this method's limit", "auto"), asked="auto") == \
+        "draft-eagle3 (draft_max auto, at most 32: this method's limit)"
+    assert _speculative_mode(engine(6, "", 6), asked=40) == "draft-eagle3 (draft_max 6, capped from 40)"
+
+
 def test_chat_banner_says_the_draft_block_caps_draft_max_and_help_says_so_too():
     result = CliRunner().invoke(main, ["chat", "-t", "1"], input="/quit\n", terminal_width=200)
     assert result.exit_code == 0, result.output

@@ -13,6 +13,7 @@ import pyllama_spec as ps
 from pyllama_spec.devtools import tiny
 from pyllama_spec.drafters import DraftRequest, TargetDecode, TargetRows
 from pyllama_spec.serving.engine import load
+from pyllama_spec.spec import sequence
 from pyllama_spec.spec.positions import SequencePositions, is_pinned
 
 PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
@@ -34,17 +35,18 @@ def dense_seed1(tiny_dir):
 
 @pytest.mark.parametrize("which,batch", [("dense", 64), ("hybrid", 64), ("dense", 128)])
 def test_pinned_image_overflows_the_draft_without_the_skip_and_completes_with_it(
-        which, batch, tiny_dense, tiny_hybrid, big_image):
+        which, batch, tiny_dense, tiny_hybrid, big_image, monkeypatch):
     models = tiny_dense if which == "dense" else tiny_hybrid
     with make_engine(models, ubatch=64, batch=batch) as engine:
-        engine.drafter._skip_pinned_media = False
+        # without the rule: the image's rows reach the drafter as rows whose positions advance
+        monkeypatch.setattr(sequence, "is_pinned", lambda n_tokens, n_pos: False)
         with pytest.raises(ps.DecodeError) as info:
             engine.generate(PROMPT, images=[big_image], max_tokens=4)
         err = info.value
         assert err.role == "draft" and err.rc == 1 and err.n_rows == 64
         assert "draft context" in str(err) and "64 rows" in str(err) and "rc = 1" in str(err)
 
-        engine.drafter._skip_pinned_media = True  # the same engine is still usable
+        monkeypatch.undo()  # the same engine is still usable
         result = engine.generate(PROMPT, images=[big_image], max_tokens=8)
         assert len(result.tokens) == 8
         assert result.stats.prompt_tokens > result.stats.prompt_positions  # rows != positions
@@ -113,7 +115,7 @@ def test_every_draft_block_starts_at_the_sequence_next_position(mode, tiny_dense
 
         engine.drafter.draft = traced_draft
         result = engine.generate(PROMPT, images=[big_image], max_tokens=20)
-    blocks = [pos for call, pos, _ in engine.drafter.trace if call == "draft"]
+    blocks = [e.pos for e in engine.drafter.trace if e.call == "draft"]
     assert len(blocks) == len(starts) > 0
     first_pos_next, first_draft_pos, first_rows = starts[0]
     assert first_pos_next == result.stats.prompt_positions  # pos_next, not the row count
@@ -134,9 +136,9 @@ def _block_logits_after_prefill(models, image, *, at_row_count=False):
         parts = engine.prompts.tokenize(PROMPT, [bitmap])
         _prefill(engine, parts)
         id_last = int(parts[-1][-1])
-        d._block_at_row_count = at_row_count
         p = engine.positions
-        request = DraftRequest(0, id_last, p.pos_next, p.draft_pos_next, 7, n_rows=p.n_rows)
+        # at_row_count: the old placement, the block asked for at the row count as upstream's caller did
+        request = DraftRequest(0, id_last, p.pos_next, p.n_rows if at_row_count else p.draft_pos_next, 7)
         d.draft([request])
         after_prefill = d.ctx.output_logits(8).copy()
         d.forget(0, 0, 0)
@@ -186,8 +188,8 @@ def test_target_mode_prefill_injects_text_rows_and_skips_pinned_image_rows(tiny_
     trace, parts, rows, pos_next, draft_pos_max = _prefill_trace(tiny_dense, "target", big_image)
     text_rows = sum(len(p) for p in parts if isinstance(p, np.ndarray))
     image = next(p for p in parts if not isinstance(p, np.ndarray))
-    injected = sum(n for call, _, n in trace if call == "inject")
-    skipped = sum(n for call, _, n in trace if call == "skip")
+    injected = sum(e.n_rows for e in trace if e.call == "inject")
+    skipped = sum(e.n_rows for e in trace if e.call == "skip")
     assert injected == text_rows
     assert skipped == image.n_tokens
     assert draft_pos_max == pos_next - 1  # the draft ends where the target does: at a position
@@ -196,8 +198,8 @@ def test_target_mode_prefill_injects_text_rows_and_skips_pinned_image_rows(tiny_
 
 def test_sequential_mode_prefill_injects_every_row_at_consecutive_positions(tiny_dense, big_image):
     trace, parts, rows, pos_next, draft_pos_max = _prefill_trace(tiny_dense, "sequential", big_image)
-    injects = [(pos, n) for call, pos, n in trace if call == "inject"]
-    assert not [c for c in trace if c[0] == "skip"]
+    injects = [(e.pos, e.n_rows) for e in trace if e.call == "inject"]
+    assert not [e for e in trace if e.call == "skip"]
     assert sum(n for _, n in injects) == rows
     expected_pos = 0
     for pos, n in injects:
@@ -218,11 +220,11 @@ def test_media_rows_whose_positions_advance_are_injected(tiny_dense):
         engine.ctx.decode_tokens(np.arange(97, 97 + n), np.arange(n))  # gives the target's layer inputs
         positions = np.tile(np.arange(n, dtype=np.int32), (4, 1))  # audio-like: every section advances
         d.process(TargetDecode([TargetRows(positions, True, 0, pinned=is_pinned(n, n))], engine.ctx))
-        assert d.trace == [("inject", 0, n)]
+        assert [(e.call, e.pos, e.n_rows) for e in d.trace] == [("inject", 0, n)]
         assert d.ctx.memory.pos_max() == n - 1
         pinned = np.full((4, n), n, dtype=np.int32)
         d.process(TargetDecode([TargetRows(pinned, True, n, pinned=is_pinned(n, 1))], engine.ctx))
-        assert d.trace[-1] == ("skip", n, n)
+        assert (d.trace[-1].call, d.trace[-1].pos, d.trace[-1].n_rows) == ("skip", n, n)
 
 
 def test_is_pinned_when_a_chunk_has_fewer_positions_than_rows():
@@ -242,10 +244,10 @@ def test_pinned_rule_is_decided_per_media_chunk(tiny_dense, big_image):
         d.trace = []
         result = engine.generate(PROMPT, images=[big_image], max_tokens=1)
         trace = d.trace
-    n_pre = next(pos for call, pos, _ in trace if call == "skip")  # the image's section-0 position
-    skips = [(pos, n) for call, pos, n in trace if call == "skip"]
+    n_pre = next(e.pos for e in trace if e.call == "skip")  # the image's section-0 position
+    skips = [(e.pos, e.n_rows) for e in trace if e.call == "skip"]
     assert skips == [(n_pre, n_batch)] * 5 + [(n_pre, 1)]
-    injected = [(pos, n) for call, pos, n in trace if call == "inject"]
+    injected = [(e.pos, e.n_rows) for e in trace if e.call == "inject"]
     assert all(pos + n <= n_pre or pos >= n_pre + BIG_IMAGE_N_POS for pos, n in injected), injected
     assert result.stats.prompt_tokens == sum(n for _, n in injected) + BIG_IMAGE_N_TOKENS
 

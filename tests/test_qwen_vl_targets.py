@@ -80,8 +80,8 @@ def test_dflash_after_big_image_matches_target_only_and_drafts_at_pos_next(qwen_
     assert stats.drafted > 0 and stats.accepted > 0  # the draft ran, and the accept path was taken
 
     # the image's pinned rows were skipped, not injected into the windowed draft cache
-    assert sum(n for call, _, n in trace if call == "skip") == BIG_IMAGE_N_TOKENS
-    drafts = [(pos, n) for call, pos, n in trace if call == "draft"]
+    assert sum(e.n_rows for e in trace if e.call == "skip") == BIG_IMAGE_N_TOKENS
+    drafts = [(e.pos, e.n_rows) for e in trace if e.call == "draft"]
     assert drafts, trace
     assert drafts[0][0] == stats.prompt_positions < stats.prompt_tokens
     # every later block also starts at pos_next: within the positions the generation spans

@@ -172,11 +172,11 @@ def test_the_last_one_row_slice_of_an_image_is_not_injected(tiny_dense, big_imag
     with make_engine(tiny_dense, batch=115, ubatch=115) as engine:
         engine.drafter.trace = []
         result = engine.generate(PROMPT, images=[big_image], max_tokens=4)
-        skipped = [n for call, _, n in engine.drafter.trace if call == "skip"]
+        skipped = [e.n_rows for e in engine.drafter.trace if e.call == "skip"]
         assert sum(skipped) == 576 and skipped[-1] == 576 % 115 == 1
-        first_block = next(pos for call, pos, _ in engine.drafter.trace if call == "draft")
+        first_block = next(e.pos for e in engine.drafter.trace if e.call == "draft")
         assert first_block == result.stats.prompt_positions
-        injected = [pos for call, pos, _ in engine.drafter.trace if call == "inject"]
+        injected = [e.pos for e in engine.drafter.trace if e.call == "inject"]
         assert engine.drafter.ctx.memory.pos_max() < result.stats.prompt_positions + 8
         assert injected
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import sys
@@ -254,7 +255,10 @@ def test_blocks_at_the_token_count_lose_the_context_after_an_image():
     accepted = {}
     for old in (False, True):
         with engine_mod.load(TARGET, mmproj=MMPROJ, draft=DRAFT, n_threads=N_THREADS, draft_max=7) as eng:
-            eng.drafter._block_at_row_count = old
+            if old:  # each block asked for at the sequence's row count, as upstream's caller placed it
+                draft = eng.drafter.draft
+                eng.drafter.draft = lambda requests: draft(
+                    [dataclasses.replace(rq, draft_pos=eng.positions.n_rows) for rq in requests])
             res = eng.generate(GAP_PROMPT, images=image, max_tokens=MAX_TOKENS)
         assert res.tokens == reference
         accepted[old] = res.stats.mean_accepted_length

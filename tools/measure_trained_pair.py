@@ -11,6 +11,7 @@ Greedy; every speculative run is checked token for token against the target-only
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import sys
@@ -26,6 +27,13 @@ from pyllama_spec.devtools.tiny import draw_demo_image  # noqa: E402
 from pyllama_spec.serving import engine as engine_mod  # noqa: E402
 
 CORPUS_GLOB = "/root/.pyenv/versions/3.11.7/lib/python3.11/*.py"
+
+
+def at_rows(eng) -> None:
+    """Ask ``eng``'s drafter for every block at the sequence's row count instead of its position."""
+    draft = eng.drafter.draft
+    eng.drafter.draft = lambda requests: draft([dataclasses.replace(rq, draft_pos=eng.positions.n_rows)
+                                                for rq in requests])
 
 
 def held_out_prompts(n: int, chars: int = 400) -> list[str]:
@@ -115,15 +123,16 @@ def main(argv=None) -> int:
             for old in (False, True):
                 with engine_mod.load(target, mmproj=mmproj, draft=draft, n_threads=args.threads, draft_max=7,
                                      draft_positions=mode) as eng:
-                    eng.drafter._block_at_row_count = old
+                    if old:  # each block asked for at the row count, as upstream's caller placed it
+                        at_rows(eng)
                     res = measure(eng, name, image)
                 report(f"image ({name}), draft_max 7, draft_positions {mode}"
-                       + (", _block_at_row_count" if old else ""), *res)
+                       + (", blocks at the row count" if old else ""), *res)
     text7 = next(r for r in rows if r["case"] == "text, draft_max 7")["acceptance_rate"]
     summary = []
     for name in pictures:
         best = max(r["acceptance_rate"] for r in rows
-                   if r["case"].startswith(f"image ({name}), draft_max 7") and "_block_at_row_count" not in r["case"])
+                   if r["case"].startswith(f"image ({name}), draft_max 7") and "blocks at the row count" not in r["case"])
         summary.append(f"After an image ({name}), draft_max 7, better mode: acceptance {best:.3f} = "
                        f"{best / text7 if text7 else 0.0:.2f}x text-only ({text7:.3f}).")
         print(summary[-1], flush=True)

@@ -81,11 +81,11 @@ def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, 
         console.print()
         trace = engine.drafter.trace
     s = last.stats
-    blocks = [pos for call, pos, _ in trace if call == "draft"]
+    blocks = [e.pos for e in trace if e.call == "draft"]
     table = Table(title="DFlash on a vision target", show_header=False)
     table.add_row("prompt", f"{s.prompt_tokens} cache rows over {s.prompt_positions} positions (one image)")
-    table.add_row("pinned image rows skipped", str(sum(n for call, _, n in trace if call == "skip")))
-    table.add_row("rows injected into the draft", str(sum(n for call, _, n in trace if call == "inject")))
+    table.add_row("pinned image rows skipped", str(sum(e.n_rows for e in trace if e.call == "skip")))
+    table.add_row("rows injected into the draft", str(sum(e.n_rows for e in trace if e.call == "inject")))
     table.add_row("first draft block at", f"position {blocks[0] if blocks else '-'} (pos_next "
                                           f"{s.prompt_positions}, not the row count {s.prompt_tokens})")
     table.add_row("drafted / accepted", f"{s.drafted} / {s.accepted} (acceptance {s.acceptance_rate:.2f}, "

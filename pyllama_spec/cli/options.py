@@ -180,10 +180,6 @@ def lora_adapters(o: dict) -> list[tuple[str, float]]:
     return [adapter for name in order for adapter in given[name].pop(0)]
 
 
-def _predict(value: int) -> int | None:
-    return None if value < 0 else value  # -1: no limit but the server's --max-tokens cap
-
-
 #: llama-server's sampling flags: (names, SamplingParams field, type, help). Each given one is
 #: a default of every request (a request's own value overrides it).
 SAMPLING_FLAGS = (
@@ -443,16 +439,16 @@ def _load_engine_or_exit(o: dict):
 
 def _speculative_mode(engine, asked=None) -> str:
     """The speculative method and its draft length; with ``asked`` (chat's --draft-max), also why
-    the length in use is below the one asked for (a DFlash draft drafts at most its block size - 1)."""
+    the length in use is below the one asked for (what the drafter says bounds it)."""
     tree = f", tree {engine.config.draft_tree}" if engine.config.draft_tree else ""
-    if not engine.drafter:
+    d = engine.drafter
+    if not d:
         return engine.config.spec_type
-    block = getattr(getattr(engine.drafter, "config", None), "block_size", None)
     cap = ""
-    if asked == "auto" and block:
-        cap = f", at most {block - 1}: the draft's block size {block} minus one"
+    if asked == "auto":
+        cap = f", at most {d.n_max_limit}" + (f": {d.limit_reason}" if d.limit_reason else "")
     elif isinstance(asked, int) and asked > engine.draft_max:
-        cap = (f", capped by the draft's block size {block}" if block and engine.draft_max == block - 1
+        cap = (f", capped by {d.limit_reason}" if d.limit_reason and engine.draft_max == d.n_max_limit
                else f", capped from {asked}")
     return engine.config.spec_type + f" (draft_max {engine.draft_max}{cap}{tree})"
 

@@ -21,7 +21,7 @@ A drafter serves ``n_seq`` sequences (one per slot; see sequence.py), named by `
 * ``close()``: free what the drafter holds.
 
 ``n_max`` is a drafter's default draft length and ``n_max_limit`` the most a request may
-ask for. ``spec_type="none"`` has no drafter at all. The methods, and what the engine needs to
+ask for (``limit_reason`` says what bounds it, for messages). ``spec_type="none"`` has no drafter at all. The methods, and what the engine needs to
 know of each, are in ``registry.py``. A drafter never turns on what it reads of the target: its
 registry entry declares it, the engine turns it on before the drafter is made, and the step
 hands it over in the ``TargetDecode``.
@@ -30,7 +30,7 @@ hands it over in the ``TargetDecode``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -146,8 +146,7 @@ class Proposal:
 @dataclasses.dataclass(frozen=True)
 class DraftRequest:
     """One sequence's request for a draft: ``id_last`` sits at target position ``pos`` (the
-    sequence's ``pos_next``) and draft position ``draft_pos``; ``n_rows``: the cache rows the
-    sequence holds (read only by DFlash's row-count test hook, which shows the old bug)."""
+    sequence's ``pos_next``) and draft position ``draft_pos``."""
 
     seq_id: int
     id_last: int
@@ -155,7 +154,18 @@ class DraftRequest:
     draft_pos: int
     n_max: int
     n_min: int = 0
-    n_rows: int = 0
+
+
+class TraceEvent(NamedTuple):
+    """One thing a drafter did to its cache, recorded while its ``trace`` is a list (None, the
+    default: nothing is recorded): ``call`` (DFlash: "inject", "skip", "draft"; EAGLE3: "write",
+    "seed", "restart"; MTP: "pair", "media", "skip", "draft"), the sequence, the first position
+    (the draft's) and the rows."""
+
+    call: str
+    seq: int
+    pos: int
+    n_rows: int
 
 
 @runtime_checkable
@@ -164,6 +174,7 @@ class Drafter(Protocol):
     n_max: int
     n_min: int
     n_max_limit: int
+    limit_reason: str  # what bounds n_max_limit ("the draft's block size 16 minus one"), or ""
 
     def process(self, decode: TargetDecode) -> None: ...
 
@@ -174,6 +185,11 @@ class Drafter(Protocol):
     def close(self) -> None: ...
 
 
-#: The most tokens a draft-model or n-gram draft proposes in one step (a DFlash draft's block
-#: size bounds its own).
+#: The most tokens a draft-model, n-gram, EAGLE3 or MTP draft proposes in one step (a DFlash
+#: draft's block size bounds its own).
 DRAFT_TOKEN_LIMIT = 32
+
+
+def token_limit_reason(n_max_limit: int) -> str:
+    """``limit_reason`` for a drafter bounded by ``DRAFT_TOKEN_LIMIT`` ("" once something lowered it)."""
+    return "this method's limit" if n_max_limit == DRAFT_TOKEN_LIMIT else ""

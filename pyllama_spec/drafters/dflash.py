@@ -24,7 +24,7 @@ import numpy as np
 from pyllama_spec.bindings.batch import Batch
 from pyllama_spec.bindings.context import Context
 from pyllama_spec.bindings.model import Model
-from pyllama_spec.drafters import DraftRequest, Proposal, TargetDecode
+from pyllama_spec.drafters import DraftRequest, Proposal, TargetDecode, TraceEvent
 from pyllama_spec.errors import IncompatibleModelsError
 
 DEFAULT_BLOCK_SIZE = 16
@@ -158,13 +158,14 @@ class DFlashDrafter:
         self._batch = Batch(self.ctx)
         self._n_pos = draft_model.n_pos_per_embd
         self._n_vocab = target_ctx.model.n_vocab
-        # Test hooks (internal): turn off the pinned-range skip, or place blocks at the
-        # token count as the old upstream code did, to show what each rule prevents.
-        self._skip_pinned_media = True
-        self._block_at_row_count = False
-        self.trace: list[tuple] | None = None  # set to [] to record (call, first position, rows)
+        self.trace: list[TraceEvent] | None = None  # set to [] to record "inject", "skip" and "draft"
 
     # --- protocol
+    @property
+    def limit_reason(self) -> str:
+        block = self.config.block_size
+        return f"the draft's block size {block} minus one" if self.n_max_limit == block - 1 else ""
+
     def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
         self.ctx.memory.remove(seq_id, draft_pos, -1)
 
@@ -173,8 +174,8 @@ class DFlashDrafter:
         feats, positions, seqs = [], [], []
         for r in decode.rows:
             mode_target = r.draft_positions == "target"
-            if self._skip_pinned_media and mode_target and r.pinned:
-                self._log("skip", int(r.section0[0]), r.n_rows)
+            if mode_target and r.pinned:
+                self._log("skip", r.seq_id, int(r.section0[0]), r.n_rows)
                 continue
             n = r.n_rows
             feats.append(decode.features(self.config.target_layers, r))
@@ -190,7 +191,7 @@ class DFlashDrafter:
             for seq in np.unique(seqs[s:s + step]):  # rows of one sequence are contiguous
                 mine = np.flatnonzero(seqs[s:s + step] == seq) + s
                 self._batch.add_embeddings(features[mine], positions[mine], seq_id=int(seq))
-                self._log("inject", int(positions[mine[0], 0]), len(mine))
+                self._log("inject", int(seq), int(positions[mine[0], 0]), len(mine))
             self.ctx.decode(self._batch)
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
@@ -203,12 +204,12 @@ class DFlashDrafter:
         row = 0
         for rq in requests:
             n = min(rq.n_max, self.n_max_limit)
-            pos0 = rq.n_rows if self._block_at_row_count else rq.draft_pos
+            pos0 = rq.draft_pos
             tokens = np.full(n + 1, self.config.mask_token, dtype=np.int32)
             tokens[0] = rq.id_last
             self._batch.add_tokens(tokens, np.arange(pos0, pos0 + n + 1, dtype=np.int32),
                                    outputs=not self.config.is_dflash2, seq_id=rq.seq_id)
-            self._log("draft", pos0, n + 1)
+            self._log("draft", rq.seq_id, pos0, n + 1)
             blocks.append((row, n, pos0))
             row += n + 1
         if not blocks:
@@ -279,6 +280,6 @@ class DFlashDrafter:
         out[:, :3] = pos0[:, None]
         return out
 
-    def _log(self, call: str, pos: int, n_rows: int) -> None:
+    def _log(self, call: str, seq: int, pos: int, n_rows: int) -> None:
         if self.trace is not None:
-            self.trace.append((call, pos, n_rows))
+            self.trace.append(TraceEvent(call, seq, pos, n_rows))

@@ -33,7 +33,15 @@ import numpy as np
 from pyllama_spec.bindings.batch import Batch
 from pyllama_spec.bindings.context import Context
 from pyllama_spec.bindings.model import Model
-from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftMedia, DraftRequest, Proposal, TargetDecode, TargetRows
+from pyllama_spec.drafters import (
+    DRAFT_TOKEN_LIMIT,
+    DraftMedia,
+    DraftRequest,
+    Proposal,
+    TargetDecode,
+    TargetRows,
+    token_limit_reason,
+)
 from pyllama_spec.errors import IncompatibleModelsError
 
 log = logging.getLogger(__name__)
@@ -120,6 +128,9 @@ class DraftModelDrafter:
         return r.section0
 
     # --- protocol
+    @property
+    def limit_reason(self) -> str:
+        return token_limit_reason(self.n_max_limit)
     def process(self, decode: TargetDecode) -> None:
         """Decode the text rows of every sequence into the draft, and a vision draft's own rows of each
         media item (a text-only draft skips media rows: the positions move on)."""

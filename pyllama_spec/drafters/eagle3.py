@@ -45,6 +45,8 @@ from pyllama_spec.drafters import (
     Proposal,
     TargetDecode,
     TargetRows,
+    TraceEvent,
+    token_limit_reason,
 )
 from pyllama_spec.errors import IncompatibleModelsError
 
@@ -263,9 +265,12 @@ class Eagle3Drafter:
         # a rollback, as llama.cpp's accept() does)
         self._pending = {s: _Rows.empty(self._n_embd) for s in range(n_seq)}
         self._last = {s: _Rows.empty(self._n_embd) for s in range(n_seq)}
-        self.trace: list[tuple] | None = None  # set to [] to record (call, seq, first position, rows)
+        self.trace: list[TraceEvent] | None = None  # set to [] to record "write", "seed" and "restart"
 
     # --- protocol
+    @property
+    def limit_reason(self) -> str:
+        return token_limit_reason(self.n_max_limit)
     def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
         """The sequence now ends before draft position ``draft_pos``: the row before it is again the
         held-back one (its partner is whatever comes next), and everything after it goes."""
@@ -455,4 +460,4 @@ class Eagle3Drafter:
 
     def _log(self, call: str, seq: int, pos: int, n_rows: int) -> None:
         if self.trace is not None:
-            self.trace.append((call, seq, pos, n_rows))
+            self.trace.append(TraceEvent(call, seq, pos, n_rows))

@@ -61,7 +61,14 @@ import numpy as np
 from pyllama_spec.bindings.batch import Batch
 from pyllama_spec.bindings.context import Context
 from pyllama_spec.bindings.model import Model
-from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, TargetDecode
+from pyllama_spec.drafters import (
+    DRAFT_TOKEN_LIMIT,
+    DraftRequest,
+    Proposal,
+    TargetDecode,
+    TraceEvent,
+    token_limit_reason,
+)
 from pyllama_spec.errors import IncompatibleModelsError
 
 #: Architectures whose MTP head this drafter drives: one trained head (llama.cpp's single-head
@@ -165,9 +172,12 @@ class MTPDrafter:
         self._media_end: list[tuple[int, np.ndarray] | None] = [None] * n_seq
         # set to [] to record (call, seq, first position, rows): "pair" text rows written, "media" media
         # rows written, "skip" media rows left out, "draft" a draft's first row
-        self.trace: list[tuple] | None = None
+        self.trace: list[TraceEvent] | None = None
 
     # --- protocol
+    @property
+    def limit_reason(self) -> str:
+        return token_limit_reason(self.n_max_limit)
     def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
         """Drop the head's rows from target position ``pos`` on; the next row pairs with h_{pos-1}."""
         self.ctx.memory.remove(seq_id, pos, -1)
@@ -309,7 +319,7 @@ class MTPDrafter:
 
     def _log(self, call: str, seq: int, pos: int, n_rows: int) -> None:
         if self.trace is not None:
-            self.trace.append((call, seq, pos, n_rows))
+            self.trace.append(TraceEvent(call, seq, pos, n_rows))
 
 
 def _top_choice(logits: np.ndarray) -> tuple[int, float]:

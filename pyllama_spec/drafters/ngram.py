@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, TargetDecode
+from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, TargetDecode, token_limit_reason
 
 _SEPARATOR = -1  # stands for a media chunk in the history
 _EMPTY = np.zeros(0, dtype=np.int32)
@@ -66,6 +66,9 @@ class NgramDrafter:
         return self._history.get(seq_id, (_EMPTY, _EMPTY))
 
     # --- protocol
+    @property
+    def limit_reason(self) -> str:
+        return token_limit_reason(self.n_max_limit)
     def process(self, decode: TargetDecode) -> None:
         for r in decode.rows:
             tokens, pos = self._get(r.seq_id)

@@ -193,8 +193,7 @@ class Generation:
         if n_max <= 0:
             return None
         p = self.seq.positions
-        return DraftRequest(self.seq.seq_id, self.id_last, p.pos_next, p.draft_pos_next, n_max,
-                            self.draft_min, p.n_rows)
+        return DraftRequest(self.seq.seq_id, self.id_last, p.pos_next, p.draft_pos_next, n_max, self.draft_min)
 
     def _after_step(self, new_tokens: list[int], drafted: int, rows: list[int]) -> Piece | None:
         """Show what a step produced and decide whether to go on; the piece to stream, if any.
