@@ -19,6 +19,8 @@ from pyllama_spec.server.errors import bad_request
 from pyllama_spec.server.images import ImageBudget, ImageLimits, decode_image_url
 from pyllama_spec.server.prompts import parse_prompts
 from pyllama_spec.serving.request import Request, RequestOptions
+from pyllama_spec.spec.positions import DRAFT_POSITION_MODES
+from pyllama_spec.spec.verify import VERIFY_RULES
 
 #: How deeply a request body may nest arrays and objects (an OpenAI request needs a handful of
 #: levels, a tool's JSON schema a few dozen): deeper is a 400, whatever Python's stack would allow.
@@ -354,12 +356,12 @@ def _speculative(body: dict, engine_limit: int, tree_limit: int = 0) -> dict:
         raise bad_request("'speculative.n_min' cannot exceed 'speculative.n_max'", "speculative.n_min")
     if "speculative.verify" in body:
         rule = body["speculative.verify"]
-        if rule not in ("rejection", "match"):
+        if rule not in VERIFY_RULES:
             raise bad_request("'speculative.verify' must be 'rejection' or 'match'", "speculative.verify")
         out["verify"] = rule
     if "speculative.draft_positions" in body:
         mode = body["speculative.draft_positions"]
-        if mode not in ("target", "sequential"):
+        if mode not in DRAFT_POSITION_MODES:
             raise bad_request("'speculative.draft_positions' must be 'target' or 'sequential'",
                               "speculative.draft_positions")
         out["draft_positions"] = mode

@@ -17,6 +17,7 @@ import numpy as np
 from pyllama_spec.serving.config import EngineConfig, check_tree_settings
 from pyllama_spec.serving.prompt import ChatOptions, ChatParams, as_list
 from pyllama_spec.serving.request import DraftSettings, OutputOptions, PromptInput, Request, RequestOptions
+from pyllama_spec.spec.positions import DRAFT_POSITION_MODES
 from pyllama_spec.spec.sampling import MAX_TOP_LOGPROBS, sampling_params
 from pyllama_spec.spec.verify import VERIFY_RULES
 
@@ -131,7 +132,7 @@ class RequestResolver:
                 raise ValueError(f"draft_min {n_min} is above draft_max {n_max}")
             n_max = int(n_max)
         mode = o.draft_positions or cfg.draft_positions
-        if mode not in ("target", "sequential"):
+        if mode not in DRAFT_POSITION_MODES:
             raise ValueError(f"draft_positions must be 'target' or 'sequential', got {mode!r}")
         verify = o.verify or cfg.verify
         if verify not in VERIFY_RULES:

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from pyllama_spec.errors import PyllamaError
+from pyllama_spec.spec.positions import DRAFT_POSITION_MODES
 from pyllama_spec.spec.sequence import CachedMedia, SavedSequence
 
 MAGIC = b"PYLLSLOT"
@@ -154,7 +155,7 @@ def _check_header(header, ident: SlotIdentity, *, n_ctx: int, n_vocab: int) -> t
         raise SlotFileError(f"it was saved with a KV cache of {_show(header.get('cache'))}, this server has "
                             f"{ident.cache} (-ctk / -ctv)")
     mode = header.get("draft_positions")
-    if mode not in ("target", "sequential"):
+    if mode not in DRAFT_POSITION_MODES:
         raise SlotFileError(f"its position mode {_show(mode)} is not 'target' or 'sequential'")
     raw = header.get("parts")
     if not isinstance(raw, list):

@@ -35,6 +35,11 @@ class _Segment:
     rows: int  # cache rows used before this segment starts
 
 
+#: Where a draft's rows go (``SequencePositions.draft_positions``): at the target's positions, or
+#: at positions of the draft's own that advance one by one (image rows too).
+DRAFT_POSITION_MODES = ("target", "sequential")
+
+
 class SequencePositions:
     """Where one sequence stands: next position, cache rows used, and the draft's own positions.
 
@@ -46,7 +51,7 @@ class SequencePositions:
     """
 
     def __init__(self, draft_positions: str = "target") -> None:
-        if draft_positions not in ("target", "sequential"):
+        if draft_positions not in DRAFT_POSITION_MODES:
             raise ValueError(f"draft_positions must be 'target' or 'sequential', got {draft_positions!r}")
         self.draft_positions = draft_positions
         self.reset()
