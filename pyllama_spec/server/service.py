@@ -60,14 +60,11 @@ class ServerSettings:
     endpoint_slots: bool = True  # GET /slots (llama-server's --slots / --no-slots)
     endpoint_props: bool = False  # POST /props (llama-server's --props)
     slot_save_path: Path | None = None  # POST /slots/{id}?action=save|restore|erase (--slot-save-path)
-    # /v1/responses kept for previous_response_id (server/responses.py): at most this many, holding at
-    # most this many bytes of conversation; the least recently used go first
+    # /v1/responses kept for previous_response_id (server/responses/store.py): at most this many,
+    # holding at most this many bytes of conversation; the least recently used go first
     responses_stored: int = 1024
     responses_stored_bytes: int = 256 * 2**20
 
-
-#: Request bodies larger than this (bytes) are checked on a thread, not on the event loop.
-PARSE_ON_A_THREAD_ABOVE = 256 * 1024
 
 # Routes that need no API key: the health check, and the page (it holds no data; it asks for the
 # key and sends it with each request).

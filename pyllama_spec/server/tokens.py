@@ -12,8 +12,9 @@ input_tokens counts the rows the chat route tokenizes that prompt into, images i
 Every bit of tokenizer and template work runs on a thread, never on the event loop: llama.cpp's
 tokenizer only reads a loaded vocabulary and may run beside the engine's worker (llama-server
 tokenizes on its HTTP threads too), and mtmd_tokenize is thread-safe by its header. The work is
-linear in the request; requests over ``PARSE_ON_A_THREAD_ABOVE`` bytes take turns, because
-llama.cpp's tokenizer holds some 30 to 60 bytes of memory per byte of text while it runs.
+linear in the request; requests over ``PARSE_ON_A_THREAD_ABOVE`` bytes take turns
+(server/offload.py's ``ThreadRunner``), because llama.cpp's tokenizer holds some 30 to 60 bytes
+of memory per byte of text while it runs.
 
 Where this differs from llama-server: a request llama-server answers with a 500 (a value of the
 wrong JSON type, a token id outside the vocabulary) or reads past (a flag that is not a boolean,
@@ -22,8 +23,6 @@ a token id that is not an integer, a body that is not an object) is a 400 here.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 import reprlib
 from typing import Any, Callable
@@ -33,8 +32,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pyllama_spec.server.errors import bad_request
+from pyllama_spec.server.offload import ThreadRunner
 from pyllama_spec.server.schema import RequestLimits, parse_chat
-from pyllama_spec.server.service import PARSE_ON_A_THREAD_ABOVE, RouteSpec, Service, read_json
+from pyllama_spec.server.service import RouteSpec, Service, read_json
 from pyllama_spec.serving.engine import Engine
 
 #: The engine's model (``Engine.model``), as these routes use it: tokenize, detokenize,
@@ -63,39 +63,6 @@ def routes(service: Service) -> list[RouteSpec]:
         *((p, ["POST"], handler(_input_tokens_route))
           for p in ("/chat/completions/input_tokens", "/v1/chat/completions/input_tokens")),
     ]
-
-
-class ThreadRunner:
-    """Runs a request's work on a thread: at once when the request is small, one at a time with
-    the other large ones when it is large (the memory of one huge tokenization at a time)."""
-
-    def __init__(self) -> None:
-        self._large: asyncio.Semaphore | None = None
-
-    async def __call__(self, size: int, fn: Callable, *args: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        work = functools.partial(fn, *args)
-        if size <= PARSE_ON_A_THREAD_ABOVE:
-            return await loop.run_in_executor(None, work)
-        if self._large is None:  # made here, on the event loop that serves the app
-            self._large = asyncio.Semaphore(1)
-        large = self._large
-        await large.acquire()
-
-        def done(f: asyncio.Future) -> None:
-            large.release()
-            if not f.cancelled():
-                f.exception()  # seen, also when the client went away before it came
-
-        try:
-            future = loop.run_in_executor(None, work)
-        except BaseException:
-            large.release()
-            raise
-        # the turn ends when the thread is done, not when the client goes away (a native call
-        # cannot be stopped): shielded, the client leaving does not cancel it
-        future.add_done_callback(done)
-        return await asyncio.shield(future)
 
 
 # --- the routes
