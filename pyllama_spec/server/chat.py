@@ -19,14 +19,15 @@ the text is sent as content when nothing was sent yet (llama-server sends nothin
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 from pyllama_spec.server.errors import bad_request
+from pyllama_spec.server.offload import off_loop
 from pyllama_spec.serving.prompt import ChatError, ChatParams, ChatParser
 
-#: Parse on a thread once a choice's text is longer than this (the parser reads all of it each time).
-PARSE_ON_A_THREAD_ABOVE = 8192
+#: Parse on a thread once a choice's text is longer than this many characters (the parser reads all
+#: of it each time): this module's own budget for ``offload.off_loop``.
+PARSE_ANSWER_ON_A_THREAD_ABOVE = 8192
 
 
 class AnswerParser:
@@ -46,11 +47,8 @@ class AnswerParser:
         self._text.append(text)
         self._size += len(text)
         try:
-            if self._size > PARSE_ON_A_THREAD_ABOVE:
-                message, deltas = await asyncio.get_running_loop().run_in_executor(
-                    None, lambda: self._parser.update(text, partial=not final))
-            else:
-                message, deltas = self._parser.update(text, partial=not final)
+            message, deltas = await off_loop(self._size > PARSE_ANSWER_ON_A_THREAD_ABOVE,
+                                             lambda: self._parser.update(text, partial=not final))
         except ChatError:
             if not final:
                 return []  # not parseable yet: the text is kept, the next update reads it again

@@ -28,11 +28,9 @@ from pyllama_spec.server.llama_fields import (
     select_fields,
     wants,
 )
-from pyllama_spec.server.offload import off_loop as _off_loop
-from pyllama_spec.server.offload import until_disconnected as _until_disconnected
+from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop, until_disconnected
 from pyllama_spec.server.schema import GenerationRequest, parse_chat, parse_completion
 from pyllama_spec.server.service import (
-    PARSE_ON_A_THREAD_ABOVE,
     RouteSpec,
     Service,
     engine_error,
@@ -60,12 +58,9 @@ def routes(service: Service) -> list[RouteSpec]:
 
 async def generation(service: Service, request: Request, parse) -> Response:
     body, size = await read_json(request, service.settings.max_body_bytes, service.settings.body_timeout)
-    if size > PARSE_ON_A_THREAD_ABOVE:
-        # images are decoded (and checked) while parsing: off the event loop, which other
-        # requests' streams share (Pillow releases the GIL while it decodes)
-        req = await asyncio.get_running_loop().run_in_executor(None, parse, body, service.limits)
-    else:
-        req = parse(body, service.limits)
+    # images are decoded (and checked) while parsing: a large body off the event loop, which other
+    # requests' streams share (Pillow releases the GIL while it decodes)
+    req = await off_loop(size > PARSE_ON_A_THREAD_ABOVE, parse, body, service.limits)
     return await answer(service, request, req)
 
 
@@ -145,7 +140,7 @@ async def _llama_final(service: Service, req: GenerationRequest, job: Job, index
     paths, ending = opts.response_fields, last.ending
     prompt = ""
     if wants(paths, "prompt"):
-        prompt = await _off_loop(sum(len(a) for a in ending.prompt) > 4096, prompt_text, model, ending.prompt)
+        prompt = await off_loop(sum(len(a) for a in ending.prompt) > 4096, prompt_text, model, ending.prompt)
     settings = {}
     if wants(paths, "generation_settings"):
         settings = generation_settings(service, job.request, stream=req.stream, options=opts)
@@ -168,7 +163,7 @@ async def _final_logprobs(service: Service, req: GenerationRequest, c: _Choice) 
     logprobs, ending = c.logprobs, c.last.ending
     if logprobs and ending is not None and ending.stop_type == "word":
         word = ending.stopping_word
-        n = len(await _off_loop(len(word) > 4096, service.engine.model.tokenize, word))
+        n = len(await off_loop(len(word) > 4096, service.engine.model.tokenize, word))
         logprobs = logprobs[:max(0, len(logprobs) - n)]
     return _probabilities(service, req, logprobs)
 
@@ -185,7 +180,7 @@ async def first_translated(objects: AsyncIterator[dict], request: Request, trans
     stream (Messages, Responses): an error before their stream starts is raised, so that it is
     answered with its status, as llama-server answers one that comes before its stream (a prompt
     longer than the context); a 499 when the client leaves meanwhile."""
-    gone = asyncio.ensure_future(_until_disconnected(request))
+    gone = asyncio.ensure_future(until_disconnected(request))
     try:
         while True:
             step = asyncio.ensure_future(anext(objects, None))
@@ -251,7 +246,7 @@ async def complete_body(service: Service, req: GenerationRequest, jobs: list[Job
     answers (OpenAI's chat.completion / text_completion, or llama-server's /completion body or
     list); the other APIs (Messages, Responses) translate the chat one. Raises APIError (499
     when the client left)."""
-    gone = asyncio.ensure_future(_until_disconnected(request))
+    gone = asyncio.ensure_future(until_disconnected(request))
     work = asyncio.ensure_future(asyncio.gather(*(_gather(job) for job in jobs)))
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)

@@ -11,7 +11,6 @@ nor on the engine's thread.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 
@@ -20,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from pyllama_spec.errors import ClosedError, KVMemoryError
 from pyllama_spec.server.errors import APIError, bad_request
+from pyllama_spec.server.offload import off_loop
 from pyllama_spec.server.service import RouteSpec, Service, read_json
 from pyllama_spec.server.worker import QueueFullError
 from pyllama_spec.serving import slot_file
@@ -136,8 +136,8 @@ class _SlotFiles:
     async def identity(self) -> slot_file.SlotIdentity:
         if self._identity is None:
             c = self.service.engine.config
-            self._identity = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: slot_file.identity(c.model, c.mmproj, type_k=c.cache_type_k, type_v=c.cache_type_v,
+            self._identity = await off_loop(
+                True, lambda: slot_file.identity(c.model, c.mmproj, type_k=c.cache_type_k, type_v=c.cache_type_v,
                                                  lora_paths=[a.path for a in self.service.engine.lora.adapters]))
         return self._identity
 
@@ -207,8 +207,7 @@ async def _save(service: Service, files: _SlotFiles, id_slot: int, filename: str
     ident = await files.identity()
     t = time.perf_counter()
     try:
-        n_written = await asyncio.get_running_loop().run_in_executor(None, slot_file.write, path, saved, ident,
-                                                                     scales)
+        n_written = await off_loop(True, slot_file.write, path, saved, ident, scales)
     except OSError as e:
         raise APIError(500, f"Unable to save slot: {e.strerror or e}", type="server_error",
                        code="save_failed") from None
@@ -222,8 +221,8 @@ async def _restore(service: Service, files: _SlotFiles, id_slot: int, filename: 
     seq = service.engine.sequences[id_slot]
     t = time.perf_counter()
     try:
-        saved, n_read, scales = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: slot_file.read(path, ident, n_ctx=seq.n_ctx, n_vocab=service.facts["n_vocab"]))
+        saved, n_read, scales = await off_loop(
+            True, lambda: slot_file.read(path, ident, n_ctx=seq.n_ctx, n_vocab=service.facts["n_vocab"]))
     except FileNotFoundError:
         raise bad_request("Unable to restore slot: no such file under --slot-save-path", "filename") from None
     except (slot_file.SlotFileError, OSError) as e:
