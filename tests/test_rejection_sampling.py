@@ -19,7 +19,7 @@ import pytest
 from conftest import N_THREADS
 
 import pyllama_spec as ps
-from pyllama_spec.serving import engine as engine_module
+from pyllama_spec.serving import prepared as prepared_module  # where a generation gets its verifier
 from pyllama_spec.spec.sampling import SamplingParams, distributions
 from pyllama_spec.spec.verify import RejectionVerifier, accept_by_rejection
 
@@ -107,7 +107,7 @@ def test_rejection_sampling_follows_the_target_distribution_with_the_whole_chain
 
 
 def test_the_same_test_detects_a_biased_acceptance_rule(trained, reference, monkeypatch):
-    monkeypatch.setattr(engine_module, "RejectionVerifier", functools.partial(RejectionVerifier, biased=True))
+    monkeypatch.setattr(prepared_module, "RejectionVerifier", functools.partial(RejectionVerifier, biased=True))
     biased, acceptance = _continuations(trained, "draft-dflash", N_SEEDS, 0)
     p = _homogeneity_p_value(biased, reference)
     print(f"biased rule: p = {p:.3g}, acceptance {acceptance:.3f}")

@@ -252,16 +252,14 @@ class Engine:
         """Generate a completion: ``stream``'s arguments, the pieces joined into one Result."""
         return Result.from_pieces(self.stream(prompt, **kwargs))
 
-    def stream(self, prompt: str | Request | None = None, *, messages: Sequence[dict] | None = None,
-               chat: ChatParams | None = None, images=(), max_tokens: int = 128, seed: int | None = None,
-               stop: Sequence[str] | str = (), cache_prompt: bool = True,
-               progress: ProgressCallback | None = None, draft_max: int | None = None,
-               draft_min: int | None = None, draft_positions: str | None = None,
-               verify: str | None = None, draft_tree: int | None = None,
-               chat_template_kwargs: dict | None = None, chat_options: ChatOptions | None = None,
-               logprobs: int | None = None, lora=None,
-               n_indent: int = 0, t_max_predict_ms: float = 0, **sampling: Any) -> Iterator[Piece]:
+    def stream(self, prompt: str | Request | None = None, **options: Any) -> Iterator[Piece]:
         """Yield pieces of text as the target accepts them; the last piece carries the stats.
+
+        The options (``RequestOptions``' fields, serving/request.py): ``messages``, ``chat``,
+        ``images``, ``max_tokens`` (128), ``seed``, ``stop``, ``cache_prompt`` (True), ``progress``,
+        ``draft_max``, ``draft_min``, ``draft_positions``, ``verify``, ``draft_tree``,
+        ``chat_template_kwargs``, ``chat_options``, ``logprobs``, ``lora``, ``n_indent``,
+        ``t_max_predict_ms``, and any sampler setting by name; each is described below.
 
         ``prompt`` is used as is, with ``MEDIA_MARKER`` where each image goes (or, as llama-server
         takes it, a list of token ids mixed with strings: the strings tokenized, the first with the
@@ -316,15 +314,10 @@ class Engine:
         first step and runs in the slot loop (see ``Engine`` and serving/slot_loop.py).
         """
         if isinstance(prompt, Request):
-            request = prompt
-        else:
-            request = self.resolve(RequestOptions(
-                prompt=prompt, messages=messages, chat=chat, images=images, max_tokens=max_tokens, seed=seed,
-                stop=stop, cache_prompt=cache_prompt, progress=progress, draft_max=draft_max, draft_min=draft_min,
-                draft_positions=draft_positions, verify=verify, draft_tree=draft_tree,
-                chat_template_kwargs=chat_template_kwargs, chat_options=chat_options, logprobs=logprobs, lora=lora,
-                n_indent=n_indent, t_max_predict_ms=t_max_predict_ms, sampling=sampling))
-        return self._stream(request)
+            if options:
+                raise TypeError("a resolved Request takes no other argument: give its options to resolve()")
+            return self._stream(prompt)
+        return self._stream(self.resolve(RequestOptions.of(prompt, **options)))
 
     def _stream(self, request: Request) -> Iterator[Piece]:
         """Submitted at its first step (a stream never iterated takes no slot); leaving it early
