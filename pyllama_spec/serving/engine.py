@@ -69,9 +69,8 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
     devices, device_draft, split_mode, tensor_split, main_gpu, draft_n_gpu_layers (also
     n_gpu_layers_draft); LoRA adapters of the target (llama-server's --lora / --lora-scaled):
     lora ([path or (path, scale), ...]) and lora_init_without_apply (serving/lora.py).
+    Without ``spec_type``, the files given choose it (drafters/registry.py ``default_spec_type``).
     """
-    if spec_type is None:  # a draft with a projector of its own is a vision draft model (draft-simple)
-        spec_type = ("draft-simple" if kwargs.get("mmproj_draft") else "draft-dflash") if draft is not None else "none"
     if kwargs.get("mmproj_draft"):
         kwargs["mmproj_draft"] = os.fspath(kwargs["mmproj_draft"])
     if "n_gpu_layers_draft" in kwargs:  # llama.cpp's name (-ngld) for draft_n_gpu_layers

@@ -9,7 +9,7 @@ native objects (bitmaps, sampler) freed.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from pyllama_spec.bindings.mtmd import Bitmap
 from pyllama_spec.bindings.sampler import Sampler
@@ -19,14 +19,23 @@ from pyllama_spec.spec.generation import Generation
 from pyllama_spec.spec.stats import GenerationStats
 from pyllama_spec.spec.verify import MatchVerifier, RejectionVerifier
 
-if TYPE_CHECKING:
-    from pyllama_spec.serving.engine import Engine
+
+class EngineParts(Protocol):
+    """What a generation is made from: the Engine's prompt parts, model, drafter and step cost."""
+
+    prompts: Any  # serving.prompt_parts.PromptParts
+    model: Any
+    drafter: Any
+    step_cost: Any
+    last_stats: GenerationStats | None
+
+    def single_tokens(self, texts) -> frozenset[int]: ...
 
 
 class PreparedGeneration:
     """``with PreparedGeneration(engine, request) as gen``: see the module."""
 
-    def __init__(self, engine: "Engine", request: Request) -> None:
+    def __init__(self, engine: EngineParts, request: Request) -> None:
         self.engine, self.request = engine, request
         self._bitmaps: list[Bitmap] = []
         self._sampler: Sampler | None = None
