@@ -387,6 +387,8 @@ class SlotLoop:
     def _supersede_for(self, me: int, driving: Submission | None) -> None:
         """This thread waits for a slot that one of its own suspended streams holds: cancel that
         stream (see the module), rather than wait for it forever."""
+        if not (self._slot_ops or self._pending or self._reset_requested):
+            return  # (each step of a stream: nothing waits for a slot)
         wanted: set[int] = {op.slot for op in self._slot_ops if op.owner == me}
         if self._reset_requested is not None:
             wanted.update(range(len(self._slots)))
@@ -463,6 +465,8 @@ class SlotLoop:
 
     def _run_slot_ops(self) -> None:
         """Run the slot operations whose slot is free; the others wait for theirs."""
+        if not self._slot_ops:
+            return
         with self._cond:
             ready = [op for op in self._slot_ops if self._slots[op.slot] is None]
             self._slot_ops = [op for op in self._slot_ops if self._slots[op.slot] is not None]
@@ -486,7 +490,7 @@ class SlotLoop:
     def _admit(self) -> None:
         """Give waiting requests the free slots (the one asked for, else the one whose cache shares
         most with the prompt)."""
-        while True:
+        while self._pending:
             free = [i for i, r in enumerate(self._slots) if r is None]
             with self._cond:
                 if not free or not self._pending:
