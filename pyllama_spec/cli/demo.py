@@ -8,6 +8,7 @@ import click
 from rich.table import Table
 
 from pyllama_spec.cli.options import console, err_console
+from pyllama_spec.spec.positions import DRAFT_POSITION_MODES
 
 
 @click.command()
@@ -15,7 +16,7 @@ from pyllama_spec.cli.options import console, err_console
 @click.option("-ub", "--ubatch", "n_ubatch", default=64, show_default=True, help="n_batch = n_ubatch of both contexts")
 @click.option("--draft-max", default=7, show_default=True)
 @click.option("--max-tokens", default=96, show_default=True)
-@click.option("--draft-positions", type=click.Choice(["target", "sequential"]), default="target", show_default=True)
+@click.option("--draft-positions", type=click.Choice(DRAFT_POSITION_MODES), default="target", show_default=True)
 @click.option("--threads", type=int, default=None, help="CPU threads (default: all cores)")
 @click.option("--random-tiny", is_flag=True,
               help="random tiny models made locally instead of the embedded trained pair "

@@ -15,6 +15,7 @@ from pyllama_spec.drafters.registry import (
     SPEC_TYPES,  # names only: loads nothing native
 )
 from pyllama_spec.gguf.memory import KV_CACHE_TYPE_NAMES
+from pyllama_spec.spec.positions import DRAFT_POSITION_MODES
 
 console = Console()
 err_console = Console(stderr=True)
@@ -303,7 +304,7 @@ def model_options(f):
                      help="fewest tokens a step drafts; a shorter draft is not verified"),
         click.option("--spec-draft-p-min", "--draft-p-min", "draft_p_min", type=click.FloatRange(0, 1), default=0.0,
                      show_default=True, help="a draft-simple draft stops at a token below this probability"),
-        click.option("--draft-positions", type=click.Choice(["target", "sequential"]), default="target",
+        click.option("--draft-positions", type=click.Choice(DRAFT_POSITION_MODES), default="target",
                      show_default=True),
         click.option("--draft-tree", type=click.IntRange(0, 255), default=0, show_default=True,
                      help="verify a tree of up to N drafted tokens per step instead of one chain (DFlash, "
