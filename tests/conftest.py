@@ -20,6 +20,8 @@ Fixtures (reuse them in new test files rather than writing models yourself):
                     optional, ``env_extra=`` variables) and returns the ``CompletedProcess``: the way to prove that a case does not abort
                     the process, without killing the test runner when it does.
 
+``sigint_default`` is the ``preexec_fn`` of every child a test sends Ctrl-C (SIGINT) to.
+
 ``field_report_preset()`` gives the preset at the end of the team's field report (``FIELD_REPORT``).
 
 Constants: ``N_THREADS`` (1: the CI machine has 2 cores and OpenMP spinning makes 2 threads
@@ -29,6 +31,7 @@ slow when anything else runs), ``REPO_ROOT``.  Import them with ``from conftest 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -146,11 +149,21 @@ def big_image_png(tiny_dir, big_image) -> Path:
     return path
 
 
+def sigint_default() -> None:
+    """Give SIGINT its default disposition (``preexec_fn`` of a child that a test sends Ctrl-C to).
+
+    A child inherits an ignored SIGINT from its parent, as under ``nohup pytest ... &`` (a shell
+    ignores SIGINT for a background job), and Python then installs no KeyboardInterrupt handler:
+    the test's Ctrl-C would do nothing. An exec keeps SIG_DFL, and the child's Python installs it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.fixture(scope="session")
 def run_python():
     """Run ``code`` in a fresh interpreter that can import pyllama_spec; returns CompletedProcess.
 
-    A child killed by SIGABRT has ``returncode`` -6 (an abort in native code).
+    A child killed by SIGABRT has ``returncode`` -6 (an abort in native code). The child takes
+    Ctrl-C as Python's default whatever the test runner's parent ignores (``sigint_default``).
     """
 
     def run(code: str, *args: str, timeout: float = 60, cwd: Path | None = None,
@@ -159,7 +172,7 @@ def run_python():
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
         env.setdefault("OMP_NUM_THREADS", str(N_THREADS))
         return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], cwd=cwd or REPO_ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout, preexec_fn=sigint_default)
 
     return run
 

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import N_THREADS
+from conftest import N_THREADS, sigint_default
 
 from pyllama_spec.cli import main
 from pyllama_spec.serving.chat import Conversation
@@ -178,7 +178,7 @@ def test_interactive_chat_in_a_pseudo_terminal(tiny_dense, big_image_png, tmp_pa
     env = dict(os.environ, NO_COLOR="1", COLUMNS="200")
     args = [*_model_args(tiny_dense), "-n", "100000", "-c", "131072"]
     child = pexpect.spawn(sys.executable, ["-m", "pyllama_spec", "chat", *args], env=env, encoding="utf-8",
-                          timeout=60, dimensions=(50, 200))
+                          timeout=60, dimensions=(50, 200), preexec_fn=sigint_default)  # Ctrl-C below
     child.logfile_read = screen = io.StringIO()
     try:
         child.expect("> ")
