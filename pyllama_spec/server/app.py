@@ -1,11 +1,12 @@
-"""The ASGI application: the routes of ``generation`` (OpenAI's chat and completions,
-llama-server's /completion), ``info`` (/v1/models, /health, /props, /metrics, the chat page),
-``tokens`` (llama-server's /tokenize, /detokenize, /apply-template, chat input_tokens),
-``slots`` (llama-server's /slots and slot save/restore/erase), ``infill`` (/infill), ``anthropic/``
-(Anthropic's /v1/messages and its count_tokens), ``responses/`` (OpenAI's /v1/responses and its
-input_tokens) and ``not_served`` (the embedding and reranking routes, answered as llama-server
-without --embeddings answers them), each behind the API-key check, with OpenAI-style errors for
-everything that goes wrong (Anthropic-style on Anthropic's routes).
+"""The ASGI application: the routes of ``chat_completions`` (OpenAI's chat completions),
+``completions`` (OpenAI's /v1/completions, llama-server's /completion), ``info`` (/v1/models,
+/health, /props, /metrics, the chat page), ``tokens`` (llama-server's /tokenize, /detokenize,
+/apply-template, chat input_tokens), ``slots`` (llama-server's /slots and slot
+save/restore/erase), ``infill`` (/infill), ``anthropic/`` (Anthropic's /v1/messages and its
+count_tokens), ``responses/`` (OpenAI's /v1/responses and its input_tokens) and ``not_served``
+(the embedding and reranking routes, answered as llama-server without --embeddings answers
+them), each behind the API-key check, with OpenAI-style errors for everything that goes wrong
+(Anthropic-style on Anthropic's routes).
 
 The app holds a ``Service`` (its ``Worker`` hands each generation to the engine's slot loop,
 which runs on a thread of its own) and never touches native objects itself. Build it with
@@ -22,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
-from pyllama_spec.server import generation, infill, info, lora, not_served, slots, tokens
+from pyllama_spec.server import chat_completions, completions, infill, info, lora, not_served, slots, tokens
 from pyllama_spec.server.anthropic import routes as anthropic
 from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.offload import off_loop
@@ -39,7 +40,8 @@ from pyllama_spec.serving.engine import Engine
 __all__ = ["ServerSettings", "create_app"]
 
 #: The modules whose ``routes(service)`` the app serves.
-_ROUTE_MODULES = (generation, info, tokens, slots, lora, infill, anthropic, responses, not_served)
+_ROUTE_MODULES = (chat_completions, completions, info, tokens, slots, lora, infill, anthropic, responses,
+                  not_served)
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starlette:

@@ -1,5 +1,9 @@
-"""The generation routes: OpenAI's chat and completions, llama-server's /completion, each under
-llama-server's paths; whole answers and server-sent events, one or several choices.
+"""What the generation routes share: a request's body read and parsed (``generation``), its jobs
+run and answered whole (``complete_body``) or as server-sent events (``stream_objects``), one or
+several choices, with llama-server's timings and OpenAI's usage. The routes are
+``chat_completions`` (OpenAI's /v1/chat/completions), ``completions`` (OpenAI's /v1/completions,
+llama-server's /completion) and ``infill``; ``anthropic/`` and ``responses/`` translate the chat
+answer into their own APIs.
 """
 
 from __future__ import annotations
@@ -29,34 +33,14 @@ from pyllama_spec.server.llama_fields import (
     wants,
 )
 from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop, until_disconnected
-from pyllama_spec.server.schema import GenerationRequest, parse_chat, parse_completion
-from pyllama_spec.server.service import (
-    RouteSpec,
-    Service,
-    engine_error,
-    read_json,
-)
+from pyllama_spec.server.schema import GenerationRequest
+from pyllama_spec.server.service import Service, engine_error, read_json
 from pyllama_spec.server.worker import Job
 
 
-def routes(service: Service) -> list[RouteSpec]:
-    """Each route under its un-prefixed and /v1/ names, as llama-server serves them;
-    /completion and /completions answer in llama-server's own shape."""
-
-    def llama_completion(body, limits):
-        return parse_completion(body, limits, llama_style=True)
-
-    def handler(parse):
-        return lambda request: generation(service, request, parse)
-
-    return [
-        *((p, ["POST"], handler(parse_chat)) for p in ("/v1/chat/completions", "/chat/completions")),
-        ("/v1/completions", ["POST"], handler(parse_completion)),
-        *((p, ["POST"], handler(llama_completion)) for p in ("/completion", "/completions")),
-    ]
-
-
 async def generation(service: Service, request: Request, parse) -> Response:
+    """A generation route's answer to ``request``: its body checked by ``parse(body, limits)``
+    (``schema.parse_chat`` or ``parse_completion``), then ``answer``."""
     body, size = await read_json(request, service.settings.max_body_bytes, service.settings.body_timeout)
     # images are decoded (and checked) while parsing: a large body off the event loop, which other
     # requests' streams share (Pillow releases the GIL while it decodes)

@@ -2,8 +2,8 @@
 the info routes answer with; the API-key check, reading a JSON body within its limits, and
 turning a generation's exception into the error its client sees.
 
-Routes live in their own modules (``generation``, ``info``, ...), each with a ``routes(service)``
-that ``app.create_app`` mounts.
+Routes live in their own modules (``chat_completions``, ``completions``, ``info``, ...), each
+with a ``routes(service)`` that ``app.create_app`` mounts.
 """
 
 from __future__ import annotations
