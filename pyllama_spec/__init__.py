@@ -25,15 +25,15 @@ from pyllama_spec.errors import (
     PyllamaError,
     RemoteDeviceError,
 )
-from pyllama_spec.spec.stats import GenerationStats
+from pyllama_spec.speculative.stats import GenerationStats
 
 __version__ = "0.1.0"
 
 # Names whose modules load the native part, imported on first use.
 _LAZY = {
     "load": "serving.engine", "Engine": "serving.engine", "EngineConfig": "serving.config",
-    "Result": "spec.generation", "Piece": "spec.generation",
-    "Conversation": "serving.chat", "Submission": "serving.slot_loop",
+    "Result": "speculative.generation", "Piece": "speculative.generation",
+    "Conversation": "serving.conversation", "Submission": "serving.slot_loop",
     "Model": "bindings.model", "Context": "bindings.context", "Memory": "bindings.context", "Sampler": "bindings.sampler",
     "Batch": "bindings.batch",
     "MEDIA_MARKER": "bindings.mtmd",  # mtmd's default media marker, as libmtmd says it

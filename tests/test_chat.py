@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from conftest import N_THREADS, sigint_default
 
 from pyllama_spec.cli import main
-from pyllama_spec.serving.chat import Conversation
+from pyllama_spec.serving.conversation import Conversation
 from pyllama_spec.serving.engine import load
 
 

@@ -17,7 +17,7 @@ from conftest import N_THREADS
 import pyllama_spec as ps
 from pyllama_spec.bindings.model import Model
 from pyllama_spec.devtools import tiny
-from pyllama_spec.serving.prompt import ChatOptions, ChatRenderer, ChatSettings
+from pyllama_spec.serving.chat_template import ChatOptions, ChatRenderer, ChatSettings
 
 M = ps.MEDIA_MARKER
 

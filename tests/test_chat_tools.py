@@ -1,5 +1,5 @@
 """Tool calls and reasoning on the chat route, as llama-server does them (llama.cpp's common chat
-layer through the shim: serving/prompt.py renders, server/chat.py parses).
+layer through the shim: serving/chat_template.py renders, server/chat.py parses).
 
 * Every chat template of the pinned source (models/templates/*.jinja) renders a conversation with
   tools, an assistant's tool call with its reasoning, the tool's result and an image, and a chat
@@ -41,7 +41,7 @@ import pyllama_spec as ps
 from pyllama_spec import native_build
 from pyllama_spec.bindings.chat import ChatParser
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER
-from pyllama_spec.serving.prompt import ChatOptions, ChatRenderer, ChatSettings
+from pyllama_spec.serving.chat_template import ChatOptions, ChatRenderer, ChatSettings
 
 pytest.importorskip("starlette", reason="the server needs the 'server' extra")
 from serving import LocalServer, free_port, http  # noqa: E402

@@ -10,7 +10,7 @@ from conftest import N_THREADS
 
 import pyllama_spec as ps
 from pyllama_spec.devtools import tiny
-from pyllama_spec.spec.draft_length import (
+from pyllama_spec.speculative.draft_length import (
     AdaptiveLength,
     FixedLength,
     StepCost,

@@ -13,8 +13,8 @@ import pyllama_spec as ps
 from pyllama_spec.devtools import tiny
 from pyllama_spec.drafters import DraftRequest, TargetDecode, TargetRows
 from pyllama_spec.serving.engine import load
-from pyllama_spec.spec import sequence
-from pyllama_spec.spec.positions import SequencePositions, is_pinned
+from pyllama_spec.speculative import sequence
+from pyllama_spec.speculative.positions import SequencePositions, is_pinned
 
 PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
 
@@ -162,8 +162,8 @@ def test_old_token_count_placement_loses_the_context(tiny_dense, big_image):
 
 def _prefill(engine, parts) -> None:
     """Decode ``parts`` into the first sequence after what it holds (the prefill alone, no generation)."""
-    from pyllama_spec.spec.generation import prefill_parts
-    from pyllama_spec.spec.stats import GenerationStats
+    from pyllama_spec.speculative.generation import prefill_parts
+    from pyllama_spec.speculative.stats import GenerationStats
 
     for _ in prefill_parts(engine.sequences[0], parts, GenerationStats(), engine.ctx.n_batch, engine.projector):
         pass

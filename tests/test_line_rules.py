@@ -1,4 +1,4 @@
-"""llama-server's line rules for code completion (spec/line_rules.py), token by token as its
+"""llama-server's line rules for code completion (speculative/line_rules.py), token by token as its
 process_token runs them; the same outputs are compared with llama-server itself in
 test_llama_server_parity.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pyllama_spec.spec.line_rules import LineRules
+from pyllama_spec.speculative.line_rules import LineRules
 
 
 def _run(tokens: list[str], n_indent: int = 0, t_max_predict_ms: float = 0, ms_per_token: float = 0.0):
@@ -56,7 +56,7 @@ def test_the_time_limit_ends_at_a_newline_only():
 def test_one_long_line_is_scanned_once(n, monkeypatch):
     """A line of blanks a token at a time costs its length, not its length squared: every scan
     starts where the last one stopped."""
-    from pyllama_spec.spec import line_rules
+    from pyllama_spec.speculative import line_rules
 
     scanned = []
 

@@ -17,7 +17,7 @@ from pyllama_spec.bindings.model import Model
 from pyllama_spec.serving.prompt_parts import _pieces_at_line_starts
 
 PACKAGE = Path(__file__).resolve().parents[1] / "pyllama_spec"
-SOURCE = "".join((PACKAGE / f).read_text() for f in ("serving/engine.py", "spec/generation.py"))  # Python code
+SOURCE = "".join((PACKAGE / f).read_text() for f in ("serving/engine.py", "speculative/generation.py"))  # Python code
 
 
 @pytest.fixture(scope="module")

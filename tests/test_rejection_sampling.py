@@ -20,8 +20,8 @@ from conftest import N_THREADS
 
 import pyllama_spec as ps
 from pyllama_spec.serving import prepared as prepared_module  # where a generation gets its verifier
-from pyllama_spec.spec.sampling import SamplingParams, distributions
-from pyllama_spec.spec.verify import RejectionVerifier, accept_by_rejection
+from pyllama_spec.speculative.sampling import SamplingParams, distributions
+from pyllama_spec.speculative.verify import RejectionVerifier, accept_by_rejection
 
 scipy_stats = pytest.importorskip("scipy.stats", reason="the chi-square test uses scipy (test extra)")
 

@@ -249,7 +249,7 @@ def test_a_decode_aborted_anywhere_leaves_the_engine_consistent_and_usable(which
 
 
 def test_an_interrupted_reply_counts_in_the_session_stats(tiny_dense):
-    from pyllama_spec.serving.chat import Conversation
+    from pyllama_spec.serving.conversation import Conversation
 
     with make_engine(tiny_dense) as engine:
         conv = Conversation(engine, max_tokens=10_000)
@@ -283,7 +283,7 @@ def test_per_call_draft_settings_change_drafting_and_stay_lossless(tiny_dense, b
 
 
 def test_adaptive_draft_length_is_lossless_and_adapts(tiny_dense, big_image):
-    from pyllama_spec.spec.draft_length import AdaptiveLength
+    from pyllama_spec.speculative.draft_length import AdaptiveLength
 
     with make_engine(tiny_dense, spec_type="none") as plain:
         expected = plain.generate(PROMPT, images=[big_image], max_tokens=48).tokens
@@ -319,7 +319,7 @@ def _settle(schedule, alpha, base, per_row, steps=60):
 
 
 def test_adaptive_length_weighs_acceptance_against_the_cost_of_a_row():
-    from pyllama_spec.spec.draft_length import AdaptiveLength
+    from pyllama_spec.speculative.draft_length import AdaptiveLength
 
     # A draft that is nearly always right and rows that cost little (a large model on a GPU): long drafts.
     assert _settle(AdaptiveLength(7, 15), alpha=0.95, base=0.020, per_row=0.0002) >= 12

@@ -19,7 +19,7 @@ from conftest import N_THREADS, explain_child
 
 import pyllama_spec as ps
 from pyllama_spec.bindings.grammar import GrammarError, json_schema_to_grammar
-from pyllama_spec.spec.sampling import sampler_order, sampling_params
+from pyllama_spec.speculative.sampling import sampler_order, sampling_params
 
 PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},

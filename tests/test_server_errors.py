@@ -16,7 +16,7 @@ from conftest import N_THREADS
 import pyllama_spec as ps
 from pyllama_spec.bindings.model import Model
 from pyllama_spec.devtools import tiny
-from pyllama_spec.serving.prompt import RESERVED_VARIABLES, ChatOptions, ChatRenderer, ChatSettings, check_variables
+from pyllama_spec.serving.chat_template import RESERVED_VARIABLES, ChatOptions, ChatRenderer, ChatSettings, check_variables
 
 httpx = pytest.importorskip("httpx", reason="the test extra brings httpx")
 uvicorn = pytest.importorskip("uvicorn", reason="the server extra brings uvicorn")

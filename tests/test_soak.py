@@ -23,7 +23,7 @@ CHILD = r"""
 import gc, json, sys
 import numpy as np
 import pyllama_spec as ps
-from pyllama_spec.serving.chat import Conversation
+from pyllama_spec.serving.conversation import Conversation
 from pyllama_spec.bindings.handle import NativeHandle
 
 target, mmproj, draft = sys.argv[1:4]

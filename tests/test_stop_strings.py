@@ -19,7 +19,7 @@ import tracemalloc
 
 import pytest
 
-from pyllama_spec.spec.generation import _TextAssembler
+from pyllama_spec.speculative.generation import _TextAssembler
 
 try:
     from hypothesis import HealthCheck, given, settings

@@ -21,7 +21,7 @@ import pyllama_spec as ps
 from pyllama_spec.bindings.context import Context
 from pyllama_spec.devtools.tiny import draw_demo_image
 from pyllama_spec.errors import DecodeError
-from pyllama_spec.spec.tree import DraftTree, TreeSeqs, build_tree, chain_tree, walk
+from pyllama_spec.speculative.tree import DraftTree, TreeSeqs, build_tree, chain_tree, walk
 
 PROMPT = ps.embedded.PROMPT
 

@@ -14,7 +14,7 @@ from conftest import BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, N_THREADS
 import pyllama_spec as ps
 from pyllama_spec.cli import main
 from pyllama_spec.devtools import tiny
-from pyllama_spec.spec.media import encode_media, pair_with_draft
+from pyllama_spec.speculative.media import encode_media, pair_with_draft
 
 MARK = ps.MEDIA_MARKER
 PROMPTS = {  # (prompt, number of images)
@@ -163,7 +163,7 @@ def test_each_projector_encodes_the_picture_once_and_both_encodes_can_run_at_onc
 
 
 def test_a_picture_moves_the_drafts_position_by_its_own_projectors_positions_and_a_cut_maps_back():
-    from pyllama_spec.spec.positions import SequencePositions
+    from pyllama_spec.speculative.positions import SequencePositions
 
     for mode in ("target", "sequential"):  # the draft's own grid decides, whatever the mode
         p = SequencePositions(mode)

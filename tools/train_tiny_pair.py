@@ -748,7 +748,7 @@ def generate_image_sequences(target_gguf, mmproj_gguf, toks: np.ndarray, images:
     from pyllama_spec.bindings.context import Context
     from pyllama_spec.bindings.model import Model
     from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
-    from pyllama_spec.spec.positions import SequencePositions
+    from pyllama_spec.speculative.positions import SequencePositions
 
     rng = np.random.default_rng(seed + 41)
     lids = list(cfg.target_layers)

@@ -59,7 +59,7 @@ CHAT_HELP = """[bold]commands[/bold]
 def chat(system, **o) -> None:
     """Interactive multi-turn chat with images; the answer streams as it is accepted (no -m: the embedded pair)."""
     from pyllama_spec.errors import PyllamaError
-    from pyllama_spec.serving.chat import Conversation
+    from pyllama_spec.serving.conversation import Conversation
 
     engine = _load_engine_or_exit(o)
     conv = Conversation(engine, system=system, max_tokens=o["max_tokens"], **_sampling(o))

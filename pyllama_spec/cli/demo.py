@@ -8,7 +8,7 @@ import click
 from rich.table import Table
 
 from pyllama_spec.cli.options import console, err_console
-from pyllama_spec.spec.positions import DRAFT_POSITION_MODES
+from pyllama_spec.speculative.positions import DRAFT_POSITION_MODES
 
 
 @click.command()

@@ -15,7 +15,7 @@ from pyllama_spec.drafters.registry import (
     SPEC_TYPES,  # names only: loads nothing native
 )
 from pyllama_spec.gguf.memory import KV_CACHE_TYPE_NAMES
-from pyllama_spec.spec.positions import DRAFT_POSITION_MODES
+from pyllama_spec.speculative.positions import DRAFT_POSITION_MODES
 
 console = Console()
 err_console = Console(stderr=True)

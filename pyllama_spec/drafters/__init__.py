@@ -37,7 +37,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class DraftMedia:
-    """A media item as a vision draft model's own projector cut and encoded it (spec/media.py):
+    """A media item as a vision draft model's own projector cut and encoded it (speculative/media.py):
     ``chunk`` (that projector's chunk: its rows and positions in the draft), ``embd`` float32
     [chunk.n_tokens, the draft's n_embd_inp], and ``target_rows``, the rows the target gave the item."""
 

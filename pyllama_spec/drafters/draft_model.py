@@ -9,7 +9,7 @@ reads the text around the image at the right distances.
 A vision draft model (``mmproj_draft``: a small VLM of the target's family with a projector of
 its own, e.g. a 2B drafting for a 32B) sees the picture too. The engine cuts the prompt with
 both projectors and pairs each media item with its twin (``Chunk.draft``); each projector
-encodes its own (spec/media.py), and the draft's rows are decoded here at the draft's own
+encodes its own (speculative/media.py), and the draft's rows are decoded here at the draft's own
 positions: its projector's grid from the draft's ``pos_next``, which then moves by the
 draft's ``n_pos`` (positions.py), not the target's. Everything in this draft's cache is laid
 out by those draft positions (``DraftRequest.draft_pos``, ``forget``'s ``draft_pos``). The

@@ -23,7 +23,7 @@ import dataclasses
 
 from pyllama_spec.server.errors import bad_request
 from pyllama_spec.server.offload import off_loop
-from pyllama_spec.serving.prompt import ChatError, ChatParams, ChatParser
+from pyllama_spec.serving.chat_template import ChatError, ChatParams, ChatParser
 
 #: Parse on a thread once a choice's text is longer than this many characters (the parser reads all
 #: of it each time): this module's own budget for ``offload.off_loop``.

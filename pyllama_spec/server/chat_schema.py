@@ -19,7 +19,7 @@ import reprlib
 from typing import Any
 
 from pyllama_spec.server.errors import bad_request
-from pyllama_spec.serving.prompt import REASONING_FORMATS, RESERVED_VARIABLES, TOOL_CHOICES, ChatOptions
+from pyllama_spec.serving.chat_template import REASONING_FORMATS, RESERVED_VARIABLES, TOOL_CHOICES, ChatOptions
 
 _SHOW = reprlib.Repr()
 _SHOW.maxstring = _SHOW.maxother = 80

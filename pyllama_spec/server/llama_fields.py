@@ -29,7 +29,7 @@ from pyllama_spec.server.errors import bad_request
 from pyllama_spec.server.schema import GenerationRequest, ResponseOptions
 from pyllama_spec.server.slots import generation_params
 from pyllama_spec.serving.request import Request
-from pyllama_spec.spec.sampling import SamplingParams
+from pyllama_spec.speculative.sampling import SamplingParams
 
 _DEFAULTS = SamplingParams()
 

@@ -37,7 +37,7 @@ def _finite(logprob: float) -> float:
 
 
 class LogprobFormatter:
-    """Writes TokenLogprob entries (spec/logprobs.py) as llama-server's JSON."""
+    """Writes TokenLogprob entries (speculative/logprobs.py) as llama-server's JSON."""
 
     def __init__(self, model) -> None:
         self._model = model

@@ -6,7 +6,7 @@ import collections
 import dataclasses
 import threading
 
-from pyllama_spec.spec.stats import GenerationStats, StatsTotals
+from pyllama_spec.speculative.stats import GenerationStats, StatsTotals
 
 
 @dataclasses.dataclass

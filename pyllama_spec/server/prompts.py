@@ -30,7 +30,7 @@ import numpy as np
 
 from pyllama_spec.server.errors import bad_request
 from pyllama_spec.server.images import ImageBudget, ImageLimits, check_image_bytes
-from pyllama_spec.serving.prompt import MEDIA_MARKER
+from pyllama_spec.serving.chat_template import MEDIA_MARKER
 
 #: llama-server's message for a prompt of no known shape (its clients may look for it).
 _SHAPES = ('"prompt" elements must be a string, a list of tokens, a JSON object containing a prompt string, '

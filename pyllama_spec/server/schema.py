@@ -19,8 +19,8 @@ from pyllama_spec.server.errors import bad_request
 from pyllama_spec.server.images import ImageBudget, ImageLimits, decode_image_url
 from pyllama_spec.server.prompts import parse_prompts
 from pyllama_spec.serving.request import Request, RequestOptions
-from pyllama_spec.spec.positions import DRAFT_POSITION_MODES
-from pyllama_spec.spec.verify import VERIFY_RULES
+from pyllama_spec.speculative.positions import DRAFT_POSITION_MODES
+from pyllama_spec.speculative.verify import VERIFY_RULES
 
 #: How deeply a request body may nest arrays and objects (an OpenAI request needs a handful of
 #: levels, a tool's JSON schema a few dozen): deeper is a 400, whatever Python's stack would allow.

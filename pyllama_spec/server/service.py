@@ -164,7 +164,7 @@ class Service:
         self.logprobs = LogprobFormatter(engine.model)
         # Facts the info routes answer with, read once here: the event loop never calls into
         # native code while the worker thread generates.
-        from pyllama_spec.serving.prompt import MEDIA_MARKER
+        from pyllama_spec.serving.chat_template import MEDIA_MARKER
 
         model, proj = engine.model, engine.projector
         self.facts = dict(n_ctx=engine.ctx.n_ctx, n_vocab=model.n_vocab, n_params=model.n_params,

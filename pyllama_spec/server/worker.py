@@ -38,7 +38,7 @@ class Job:
         self.id_slot = id_slot  # the slot it asked for (-1: any)
         self.stream = stream  # its answer is streamed (shown by /slots)
         #: Send ("progress", (stage, rows done, rows in all, perf_counter())) events while the prompt is
-        #: decoded (llama-server's return_progress); the engine's progress stages (spec/generation.py).
+        #: decoded (llama-server's return_progress); the engine's progress stages (speculative/generation.py).
         self.report_progress = report_progress
         self._loop = loop
         self.events: asyncio.Queue = asyncio.Queue()

@@ -68,7 +68,7 @@ class EngineConfig:
     # built-in templates ("chatml", "llama3", ...), used instead of the model's own.
     chat_template: str | None = None
     jinja: bool = True  # False (--no-jinja): llama.cpp's built-in renderer, never Jinja
-    # llama-server's other chat flags (serving/prompt.py's ChatSettings): --chat-template-kwargs
+    # llama-server's other chat flags (serving/chat_template.py's ChatSettings): --chat-template-kwargs
     # (name -> JSON value), --reasoning on|off|auto, --reasoning-format, --reasoning-budget(-message),
     # --reasoning-effort, --(no-)reasoning-preserve, --(no-)prefill-assistant, --skip-chat-parsing
     chat_template_kwargs: Mapping[str, Any] = dataclasses.field(default_factory=dict)

@@ -11,7 +11,7 @@ runs generations in its slots (serving/slot_loop.py), one or many.
 A request's way through it: its keywords (or a server's fields) as ``RequestOptions``, resolved
 once against the engine's defaults into a ``Request`` (serving/resolver.py); made ready to run
 (serving/prepared.py: the prompt rendered and tokenized with the fit check, serving/prompt_parts.py;
-its sampler); then run by the slot loop, step by step, as spec/generation.py's prefill and step read:
+its sampler); then run by the slot loop, step by step, as speculative/generation.py's prefill and step read:
 1. prefill the prompt chunk by chunk (text at consecutive positions from ``pos_next``;
    images encoded, then decoded in ``n_batch`` slices with their M-RoPE positions),
    showing every decoded batch to the drafter;
@@ -38,17 +38,17 @@ from pyllama_spec.serving.config import EngineConfig
 from pyllama_spec.serving.load_plan import plan_drafts, plan_load
 from pyllama_spec.serving.lora import EngineAdapters, lora_specs
 from pyllama_spec.serving.prepared import PreparedGeneration
-from pyllama_spec.serving.prompt import ChatOptions, ChatParams, ChatRenderer, ChatSettings
+from pyllama_spec.serving.chat_template import ChatOptions, ChatParams, ChatRenderer, ChatSettings
 from pyllama_spec.serving.prompt_parts import PromptParts
 from pyllama_spec.serving.request import Request, RequestOptions
 from pyllama_spec.serving.resolver import EngineLimits, RequestResolver
 from pyllama_spec.serving.slot_loop import SlotLoop, Submission
-from pyllama_spec.spec.draft_length import StepCost
-from pyllama_spec.spec.generation import Piece, ProgressCallback, Result
-from pyllama_spec.spec.media import check_draft_projector
-from pyllama_spec.spec.positions import SequencePositions
-from pyllama_spec.spec import sequence
-from pyllama_spec.spec.stats import GenerationStats
+from pyllama_spec.speculative.draft_length import StepCost
+from pyllama_spec.speculative.generation import Piece, ProgressCallback, Result
+from pyllama_spec.speculative.media import check_draft_projector
+from pyllama_spec.speculative.positions import SequencePositions
+from pyllama_spec.speculative import sequence
+from pyllama_spec.speculative.stats import GenerationStats
 
 __all__ = ["Engine", "EngineConfig", "Piece", "Result", "load", "ProgressCallback"]
 
@@ -128,7 +128,7 @@ class Engine:
         self.ctx: Context | None = None
         #: The target's LoRA adapters and their scales (serving/lora.py); loaded in _open.
         self.lora = EngineAdapters()
-        #: The chat templates with the chat settings (serving/prompt.py); made once the model is loaded.
+        #: The chat templates with the chat settings (serving/chat_template.py); made once the model is loaded.
         self.chat: ChatRenderer | None = None
         plan = plan_load(config, self.method)
         self.config, self.placement, self.memory_estimate = plan.config, plan.placement, plan.memory_estimate
@@ -280,7 +280,7 @@ class Engine:
         adapts the length step by step, see draft_length.py; a different position mode
         starts from an empty cache).
 
-        Sampling: any field of ``SamplingParams`` (spec/sampling.py) by keyword, llama-server's
+        Sampling: any field of ``SamplingParams`` (speculative/sampling.py) by keyword, llama-server's
         samplers and defaults: ``temperature`` (0, the default, is greedy), ``top_k``, ``top_p``,
         ``min_p``, ``typical_p``, ``top_n_sigma``, ``xtc_probability``/``xtc_threshold``, the
         ``repeat``/``frequency``/``presence_penalty`` over ``penalty_last_n`` tokens (-1: the
@@ -304,7 +304,7 @@ class Engine:
         without it, the engine's global scales (``engine.lora``, serving/lora.py). A cached
         prompt is reused only under the scales that decoded it.
 
-        llama-server's line rules for code completion (spec/line_rules.py; 0: off): ``n_indent``
+        llama-server's line rules for code completion (speculative/line_rules.py; 0: off): ``n_indent``
         ends the generation at a line indented by fewer spaces than that (the answer drops
         that line, ``Piece.ending.retract``), ``t_max_predict_ms`` at a newline once generating
         took longer than that.

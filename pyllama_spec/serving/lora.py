@@ -30,7 +30,7 @@ from pyllama_spec.bindings.lora import LoraAdapter
 if TYPE_CHECKING:
     from pyllama_spec.bindings.context import Context
     from pyllama_spec.bindings.model import Model
-    from pyllama_spec.spec.sequence import Sequence as Slot
+    from pyllama_spec.speculative.sequence import Sequence as Slot
 
 #: One adapter of the engine's configuration: (path, scale).
 LoraSpec = tuple[str, float]

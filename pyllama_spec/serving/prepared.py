@@ -1,5 +1,5 @@
 """A resolved ``Request`` made ready to run: its prompt rendered and tokenized, its images loaded,
-its sampler and verifier made — a ``Generation`` (spec/generation.py) — and, when it ends, its
+its sampler and verifier made — a ``Generation`` (speculative/generation.py) — and, when it ends, its
 native objects (bitmaps, sampler) freed.
 
     with PreparedGeneration(engine, request) as gen:   # the slot loop gives gen its sequence
@@ -14,10 +14,10 @@ from typing import Any, Protocol
 from pyllama_spec.bindings.mtmd import Bitmap
 from pyllama_spec.bindings.sampler import Sampler
 from pyllama_spec.serving.request import Request
-from pyllama_spec.spec.draft_length import AdaptiveLength, FixedLength
-from pyllama_spec.spec.generation import Generation
-from pyllama_spec.spec.stats import GenerationStats
-from pyllama_spec.spec.verify import MatchVerifier, RejectionVerifier
+from pyllama_spec.speculative.draft_length import AdaptiveLength, FixedLength
+from pyllama_spec.speculative.generation import Generation
+from pyllama_spec.speculative.stats import GenerationStats
+from pyllama_spec.speculative.verify import MatchVerifier, RejectionVerifier
 
 
 class EngineParts(Protocol):

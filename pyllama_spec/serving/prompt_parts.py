@@ -14,9 +14,9 @@ import numpy as np
 
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap
 from pyllama_spec.errors import ContextOverflowError, ImageError
-from pyllama_spec.serving.prompt import ChatOptions, ChatParams
+from pyllama_spec.serving.chat_template import ChatOptions, ChatParams
 from pyllama_spec.serving.request import PromptInput
-from pyllama_spec.spec.media import pair_with_draft
+from pyllama_spec.speculative.media import pair_with_draft
 
 # Counting a long prompt's tokens piece by piece before tokenizing it whole (see
 # PromptParts.refuse_a_prompt_that_cannot_fit): above this many bytes per context row, in pieces of

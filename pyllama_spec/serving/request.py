@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
-from pyllama_spec.spec.sampling import SamplingParams
+from pyllama_spec.speculative.sampling import SamplingParams
 
-#: A progress callback: (stage, rows done, rows in all); see spec/generation.py.
+#: A progress callback: (stage, rows done, rows in all); see speculative/generation.py.
 Progress = Callable[[str, int, int], None]
 
 
@@ -83,10 +83,10 @@ class PromptInput:
 class DraftSettings:
     """How this request drafts and verifies (checked against what the engine can draft)."""
 
-    n_max: int | str  # tokens drafted per step at most, or "auto" (spec/draft_length.py); 0: none
+    n_max: int | str  # tokens drafted per step at most, or "auto" (speculative/draft_length.py); 0: none
     n_min: int
-    positions: str  # "target" or "sequential" (spec/positions.py)
-    tree: int  # > 0: verify a tree of this many drafted tokens (spec/tree.py)
+    positions: str  # "target" or "sequential" (speculative/positions.py)
+    tree: int  # > 0: verify a tree of this many drafted tokens (speculative/tree.py)
     verify: str  # "match" (llama.cpp's rule) or "rejection"
 
 
@@ -97,7 +97,7 @@ class OutputOptions:
     max_tokens: int
     stop: tuple[str, ...]
     logprobs: int | None  # per emitted token: its log-probability and this many top alternatives
-    n_indent: int  # llama-server's line rules (spec/line_rules.py); 0: off
+    n_indent: int  # llama-server's line rules (speculative/line_rules.py); 0: off
     t_max_predict_ms: float
 
 

@@ -15,11 +15,11 @@ from typing import Any, Callable
 import numpy as np
 
 from pyllama_spec.serving.config import EngineConfig, check_tree_settings
-from pyllama_spec.serving.prompt import ChatOptions, ChatParams, as_list
+from pyllama_spec.serving.chat_template import ChatOptions, ChatParams, as_list
 from pyllama_spec.serving.request import DraftSettings, OutputOptions, PromptInput, Request, RequestOptions
-from pyllama_spec.spec.positions import DRAFT_POSITION_MODES
-from pyllama_spec.spec.sampling import MAX_TOP_LOGPROBS, sampling_params
-from pyllama_spec.spec.verify import VERIFY_RULES
+from pyllama_spec.speculative.positions import DRAFT_POSITION_MODES
+from pyllama_spec.speculative.sampling import MAX_TOP_LOGPROBS, sampling_params
+from pyllama_spec.speculative.verify import VERIFY_RULES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from pyllama_spec.errors import PyllamaError
-from pyllama_spec.spec.positions import DRAFT_POSITION_MODES
-from pyllama_spec.spec.sequence import CachedMedia, SavedSequence
+from pyllama_spec.speculative.positions import DRAFT_POSITION_MODES
+from pyllama_spec.speculative.sequence import CachedMedia, SavedSequence
 
 MAGIC = b"PYLLSLOT"
 VERSION = 1

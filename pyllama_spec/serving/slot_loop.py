@@ -45,8 +45,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from pyllama_spec.errors import ClosedError, EngineBusyError, GenerationCancelledError
-from pyllama_spec.spec.generation import Generation, Piece, Result, speculative_step
-from pyllama_spec.spec.media import encode_media
+from pyllama_spec.speculative.generation import Generation, Piece, Result, speculative_step
+from pyllama_spec.speculative.media import encode_media
 
 if TYPE_CHECKING:
     from pyllama_spec.serving.request import Request
@@ -562,7 +562,7 @@ class SlotLoop:
             return 1
 
     def _encode_async(self, chunk) -> Future:
-        def encode():  # the target's encode, and a vision draft model's of the same item (spec/media.py)
+        def encode():  # the target's encode, and a vision draft model's of the same item (speculative/media.py)
             t = time.perf_counter()
             return encode_media(self._projector, chunk), time.perf_counter() - t
 

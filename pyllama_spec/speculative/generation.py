@@ -26,12 +26,12 @@ from typing import Callable, Iterator
 import numpy as np
 
 from pyllama_spec.drafters import Drafter, DraftRequest, Proposal, TargetDecode
-from pyllama_spec.spec.draft_length import StepCost, plan_lengths
-from pyllama_spec.spec.line_rules import LineRules
-from pyllama_spec.spec.logprobs import TokenLogprob, token_logprobs
-from pyllama_spec.spec.sequence import Sequence
-from pyllama_spec.spec.stats import GenerationStats, Stopwatch
-from pyllama_spec.spec.tree import TreeSeqs, build_tree
+from pyllama_spec.speculative.draft_length import StepCost, plan_lengths
+from pyllama_spec.speculative.line_rules import LineRules
+from pyllama_spec.speculative.logprobs import TokenLogprob, token_logprobs
+from pyllama_spec.speculative.sequence import Sequence
+from pyllama_spec.speculative.stats import GenerationStats, Stopwatch
+from pyllama_spec.speculative.tree import TreeSeqs, build_tree
 
 ProgressCallback = Callable[[str, int, int], None]
 
@@ -70,7 +70,7 @@ class Piece:
     from_draft: int = 0
     #: Tokens the drafter proposed in the step that produced this piece (0 for the first token).
     drafted: int = 0
-    #: With ``logprobs`` asked: one entry per token of ``tokens`` (spec/logprobs.py).
+    #: With ``logprobs`` asked: one entry per token of ``tokens`` (speculative/logprobs.py).
     logprobs: tuple[TokenLogprob, ...] = ()
     ending: Ending | None = None
     #: On the pieces before the last: a copy of the stats at this step (the generation goes on).

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 from pyllama_spec.errors import ImageError
 from pyllama_spec.serving.engine import Engine, Piece
-from pyllama_spec.spec.stats import GenerationStats, StatsTotals
+from pyllama_spec.speculative.stats import GenerationStats, StatsTotals
 
 # "@path/to/image.png" inside a message attaches that image.
 _INLINE_IMAGE = re.compile(r"(?<!\S)@(\S+\.(?:png|jpe?g|gif|bmp|webp|tiff?))\b", re.IGNORECASE)

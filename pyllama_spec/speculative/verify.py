@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from pyllama_spec.spec.sampling import Dist
-from pyllama_spec.spec.tree import walk
+from pyllama_spec.speculative.sampling import Dist
+from pyllama_spec.speculative.tree import walk
 
 VERIFY_RULES = ("match", "rejection")
 
@@ -114,7 +114,7 @@ class RejectionVerifier:
                  biased: bool = False) -> None:
         import dataclasses
 
-        from pyllama_spec.spec.sampling import distributions
+        from pyllama_spec.speculative.sampling import distributions
 
         self.params = params
         self.draft_params = dataclasses.replace(params, temperature=params.temperature * draft_temperature_ratio)

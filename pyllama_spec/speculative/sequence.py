@@ -28,9 +28,9 @@ import numpy as np
 from pyllama_spec.bindings.context import Context
 from pyllama_spec.drafters import DraftMedia, Drafter, TargetDecode, TargetRows
 from pyllama_spec.errors import KVMemoryError
-from pyllama_spec.spec.media import EncodedMedia, encode_media
-from pyllama_spec.spec.positions import SequencePositions, is_pinned
-from pyllama_spec.spec.stats import GenerationStats, Stopwatch
+from pyllama_spec.speculative.media import EncodedMedia, encode_media
+from pyllama_spec.speculative.positions import SequencePositions, is_pinned
+from pyllama_spec.speculative.stats import GenerationStats, Stopwatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +133,7 @@ class Sequence:
         Positions advance when the last slice is in.
 
         A vision draft model's twin of the chunk (``chunk.draft``: the same item through the
-        draft's projector) is encoded with it (spec/media.py) and handed to the drafter with the
+        draft's projector) is encoded with it (speculative/media.py) and handed to the drafter with the
         first slice; the draft's positions then move by the twin's n_pos, not the target's."""
         p = self.positions
         if embd is None:
