@@ -22,6 +22,9 @@ Fixtures (reuse them in new test files rather than writing models yourself):
 
 ``sigint_default`` is the ``preexec_fn`` of every child a test sends Ctrl-C (SIGINT) to.
 
+``LLAMA_SERVER``: llama-server's path, looked up once for the run (None where it is not built);
+mark a test with ``needs_llama_server``, or skip with the reason ``NO_LLAMA_SERVER``.
+
 ``field_report_preset()`` gives the preset at the end of the team's field report (``FIELD_REPORT``).
 
 Constants: ``N_THREADS`` (1: the CI machine has 2 cores and OpenMP spinning makes 2 threads
@@ -46,6 +49,7 @@ try:  # run from a source checkout without installing: `python -m pytest tests` 
 except ImportError:
     sys.path.insert(0, str(REPO_ROOT))
 
+from pyllama_spec import native_build  # noqa: E402
 from pyllama_spec.devtools import tiny  # noqa: E402
 
 def held_out_prompts(n: int) -> list[str]:
@@ -72,6 +76,14 @@ def field_report_preset() -> str:
             break
         lines.append(line)
     return "\n".join(lines) + "\n"
+
+
+#: llama-server from the build cache (``build.py --tools`` builds it), or None: looked up once for
+#: the whole run, so that a test's skip condition and the path it starts always agree (one built
+#: while the tests run is used from the next run on).
+LLAMA_SERVER = native_build.find_llama_server()
+NO_LLAMA_SERVER = "llama-server is not built here (python build.py --tools builds it; .ci/run does)"
+needs_llama_server = pytest.mark.skipif(LLAMA_SERVER is None, reason=NO_LLAMA_SERVER)
 
 
 #: Threads for every context and projector made in tests.

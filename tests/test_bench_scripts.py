@@ -8,14 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from pyllama_spec import native_build
+from conftest import needs_llama_server
 
 REPO = Path(__file__).resolve().parent.parent
-SERVER = native_build.find_llama_server()
-needs_server = pytest.mark.skipif(SERVER is None, reason="llama-server is not built here (python build.py --tools "
-                                                         "builds it; .ci/run does)")
 
 
 def _run(args: list[str], timeout: int = 600) -> str:
@@ -24,7 +19,7 @@ def _run(args: list[str], timeout: int = 600) -> str:
     return proc.stdout
 
 
-@needs_server
+@needs_llama_server
 def test_drafters_after_images_runs_every_condition_on_both_engines_with_repeats(tmp_path):
     out = tmp_path / "rows.json"
     _run(["bench/drafters_after_images.py", "--prompts", "1", "--max-tokens", "8", "--temps", "0,0.8",
@@ -45,7 +40,7 @@ def test_drafters_after_images_runs_every_condition_on_both_engines_with_repeats
     assert {m for m, _, _ in theirs} == {"target only", "text-only draft model"} and len(theirs) == 12
 
 
-@needs_server
+@needs_llama_server
 def test_concurrent_chats_runs_the_mtp_head_on_four_slots_beside_llama_server(tmp_path):
     out = tmp_path / "levels.json"
     text = _run(["bench/concurrent_chats.py", "--models", "qwen35-mtp", "--concurrency", "1,4", "--repeats", "1",

@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import json
 
-import pytest
 from click.testing import CliRunner
+from conftest import needs_llama_server
 
 from pyllama_spec import native_build
 from pyllama_spec.cli import main
 
-SERVER = native_build.find_llama_server()
 
-
-@pytest.mark.skipif(SERVER is None, reason="llama-server is not built here (python build.py --tools builds it; "
-                                           ".ci/run does)")
+@needs_llama_server
 def test_bench_smoke_runs_both_engines_and_they_agree(tiny_dense, tmp_path):
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(main, ["bench", "-m", str(tiny_dense.target), "--mmproj", str(tiny_dense.mmproj),

@@ -35,10 +35,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from chat_samples import MALFORMED, SAMPLES, TOOLS
-from conftest import N_THREADS
+from conftest import LLAMA_SERVER, N_THREADS, NO_LLAMA_SERVER, needs_llama_server
 
 import pyllama_spec as ps
-from pyllama_spec import native_build
 from pyllama_spec.bindings.chat import ChatParser
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER
 from pyllama_spec.serving.chat_template import ChatOptions, ChatRenderer, ChatSettings
@@ -50,9 +49,6 @@ from pyllama_spec.server import ServerSettings, tokens  # noqa: E402
 from pyllama_spec.server.chat import AnswerParser  # noqa: E402
 from pyllama_spec.server.images import ImageLimits  # noqa: E402
 from pyllama_spec.server.schema import RequestLimits  # noqa: E402
-
-LLAMA_SERVER = native_build.find_llama_server()
-NO_LLAMA_SERVER = "llama-server is not built here (python build.py --tools builds it; .ci/run does)"
 
 
 def _templates() -> Path:
@@ -146,7 +142,7 @@ def _ours(engine, body) -> tuple[int, dict]:
         return e.status, e.body()
 
 
-@pytest.mark.skipif(LLAMA_SERVER is None, reason=NO_LLAMA_SERVER)
+@needs_llama_server
 @pytest.mark.parametrize("name", TEMPLATE_NAMES)
 def test_every_template_renders_tools_results_images_and_reasoning_as_llama_server(name, tiny_dense):
     text = _template(name)

@@ -15,10 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import BIG_IMAGE_N_TOKENS, N_THREADS
+from conftest import BIG_IMAGE_N_TOKENS, LLAMA_SERVER, N_THREADS, needs_llama_server
 
 import pyllama_spec as ps
-from pyllama_spec import native_build
 from pyllama_spec.devtools import tiny
 from pyllama_spec.errors import IncompatibleModelsError
 
@@ -160,10 +159,9 @@ def test_a_draft_that_follows_the_target_is_accepted(tmp_path):
 
 
 # ------------------------------------------------------------------ llama-server on the same files
-LLAMA_SERVER = native_build.find_llama_server()
 
 
-@pytest.mark.skipif(LLAMA_SERVER is None, reason="llama-server is not built here (python build.py --tools builds it)")
+@needs_llama_server
 @pytest.mark.parametrize("predictable", [0.5, 1.0])
 def test_text_tokens_and_draft_counts_equal_llama_servers(tmp_path, predictable):
     from serving import free_port

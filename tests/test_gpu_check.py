@@ -8,13 +8,11 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO_ROOT
-
-from pyllama_spec import native_build
+from conftest import LLAMA_SERVER, REPO_ROOT
 
 
 def test_gpu_check_dry_run_writes_its_report(tmp_path):
-    if native_build.find_llama_server() is None:
+    if LLAMA_SERVER is None:
         pytest.skip("llama-server is not built (python build.py --tools): the check benchmarks against it")
     out = tmp_path / "gpu-check"
     res = subprocess.run([sys.executable, "tools/gpu_check.py", str(out), "--dry-run", "--tests",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import click
 import pytest
-from conftest import FIELD_REPORT, field_report_preset
+from conftest import FIELD_REPORT, LLAMA_SERVER, field_report_preset
 
 from pyllama_spec.cli import llama_server_cli as L
 from pyllama_spec.cli.serve import serve
@@ -73,12 +73,9 @@ def test_the_committed_flag_table_is_what_the_pinned_source_declares():
 
 
 def _llama_server() -> Path:
-    from pyllama_spec.native_build.cmake import find_llama_server
-
-    path = find_llama_server()
-    if path is None:
+    if LLAMA_SERVER is None:
         pytest.skip("llama-server is not built (python build.py --tools)")
-    return path
+    return LLAMA_SERVER
 
 
 def test_the_table_has_every_flag_of_llama_server_help_with_its_values():

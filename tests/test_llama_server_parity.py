@@ -22,19 +22,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import LLAMA_SERVER, needs_llama_server
 
 pytest.importorskip("starlette", reason="the server needs the 'server' extra")
 
-from pyllama_spec import native_build  # noqa: E402
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER  # noqa: E402
 from pyllama_spec.server import ServerSettings  # noqa: E402
 
 from serving import LocalServer, free_port  # noqa: E402
 from serving import http as post  # noqa: E402
 
-LLAMA_SERVER = native_build.find_llama_server()
-pytestmark = pytest.mark.skipif(LLAMA_SERVER is None, reason="llama-server is not built here (python build.py "
-                                                             "--tools builds it; .ci/run does)")
+pytestmark = needs_llama_server
 N_CTX = 2048
 
 

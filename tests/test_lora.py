@@ -12,7 +12,7 @@ import json
 import threading
 
 import pytest
-from conftest import N_THREADS, explain_child
+from conftest import N_THREADS, explain_child, needs_llama_server
 from serving import http  # (the test extra brings the server extra it imports)
 
 import pyllama_spec as ps
@@ -403,21 +403,11 @@ def test_an_adapter_free_server_lists_none_and_refuses_a_lora_id(tiny_dense):
 # --------------------------------------------------------------------------- llama-server itself
 
 
-def _llama_server_or_skip():
-    from pyllama_spec import native_build
-
-    path = native_build.find_llama_server()
-    if path is None:
-        pytest.skip("llama-server is not built here (python build.py --tools builds it; .ci/run does)")
-    return path
-
-
 @pytest.fixture(scope="module")
 def both_servers(tiny_dense, adapters):
     """The pinned llama-server (target alone) and this server (target + DFlash draft), each with
     ``--lora A --lora-scaled B:0.5``, the paths written the same way."""
     pytest.importorskip("starlette", reason="the server needs the 'server' extra")
-    _llama_server_or_skip()
     from serving import LocalServer
     from test_llama_server_parity import _Process
 
@@ -434,11 +424,13 @@ def both_servers(tiny_dense, adapters):
     theirs.stop()
 
 
+@needs_llama_server
 def test_get_lora_adapters_body_matches_llama_servers(both_servers):
     ours, theirs = (http(url, "/lora-adapters") for url in both_servers)
     assert ours == theirs and ours[0] == 200
 
 
+@needs_llama_server
 @pytest.mark.parametrize("lora", [None, [{"id": 1, "scale": 1.0}], [{"id": 0, "scale": 0.5}],
                                   [{"id": 0, "scale": 1.0}, {"id": 1, "scale": 0.5}]])
 def test_greedy_output_with_lora_and_lora_scaled_matches_llama_servers(both_servers, lora):
@@ -448,6 +440,7 @@ def test_greedy_output_with_lora_and_lora_scaled_matches_llama_servers(both_serv
         assert ours == theirs
 
 
+@needs_llama_server
 def test_post_lora_adapters_then_output_and_list_match_llama_servers(both_servers):
     for url in both_servers:
         assert http(url, "/lora-adapters", [{"id": 1, "scale": 0.75}]) == (200, {"success": True})

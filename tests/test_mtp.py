@@ -20,10 +20,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, N_THREADS, held_out_prompts
+from conftest import BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, LLAMA_SERVER, N_THREADS, held_out_prompts, needs_llama_server
 
 import pyllama_spec as ps
-from pyllama_spec import native_build
 from pyllama_spec.bindings.native_info import build_record
 from pyllama_spec.cli import main
 from pyllama_spec.devtools import tiny
@@ -602,9 +601,6 @@ def test_acceptance_right_after_an_image_is_at_least_nine_tenths_of_text_only(
 # --------------------------------------------------------------------------- llama-server
 
 
-LLAMA_SERVER = native_build.find_llama_server()
-
-
 def _llama_server_completion(target: Path, body: dict, draft_max: int) -> dict:
     """One /completion on a fresh llama-server with --spec-type draft-mtp and this file's settings
     (KW: flash attention off, where llama-server's default is auto), a fresh one per prompt: its
@@ -637,7 +633,7 @@ def _llama_server_completion(target: Path, body: dict, draft_max: int) -> dict:
         proc.wait(timeout=30)
 
 
-@pytest.mark.skipif(LLAMA_SERVER is None, reason="llama-server is not built here (python build.py --tools builds it)")
+@needs_llama_server
 @pytest.mark.parametrize("arch,prompt,draft_max", [("qwen35", "def add(a, b):", 4),
                                                    ("qwen35", "The quick brown fox jumps over", 3),
                                                    ("qwen35moe", "def add(a, b):", 4)])
@@ -654,7 +650,7 @@ def test_text_drafts_and_tokens_equal_llama_servers(tiny_mtp, tiny_mtp_moe, arch
     assert ours.stats.accepted > 0
 
 
-@pytest.mark.skipif(LLAMA_SERVER is None, reason="llama-server is not built here (python build.py --tools builds it)")
+@needs_llama_server
 @pytest.mark.parametrize("index", [1, 10])
 def test_the_trained_heads_text_drafts_and_tokens_equal_llama_servers(index):
     """On the committed trained pair, 128 tokens of the held-out prompts on which a run of requests

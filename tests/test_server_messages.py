@@ -15,7 +15,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import N_THREADS
+from conftest import N_THREADS, needs_llama_server
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,7 +29,6 @@ anthropic = pytest.importorskip("anthropic", reason="the test extra brings the a
 httpx = pytest.importorskip("httpx", reason="the test extra brings httpx")
 from serving import LocalServer, http  # noqa: E402
 
-from pyllama_spec import native_build  # noqa: E402
 from pyllama_spec.server import ServerSettings  # noqa: E402
 
 try:  # the HTTP library the anthropic client is built on (anthropic 2.x renamed its httpx)
@@ -638,10 +637,6 @@ def test_count_tokens_refuses_what_messages_refuses(server, body):
 
 
 # --------------------------------------------------------------------------- the same requests to llama-server
-
-LLAMA_SERVER = native_build.find_llama_server()
-needs_llama_server = pytest.mark.skipif(LLAMA_SERVER is None, reason="llama-server is not built here (python "
-                                                                     "build.py --tools builds it; .ci/run does)")
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import N_THREADS
+from conftest import LLAMA_SERVER, N_THREADS, NO_LLAMA_SERVER
 
 import pyllama_spec as ps
 
@@ -49,7 +49,7 @@ from pyllama_spec.server.schema import RequestLimits, parse_chat  # noqa: E402
 
 from serving import LocalServer  # noqa: E402
 from serving import http as post  # noqa: E402
-from test_llama_server_parity import LLAMA_SERVER, _Process  # noqa: E402
+from test_llama_server_parity import _Process  # noqa: E402
 
 
 def _png(seed: int = 0, side: int = 64) -> str:
@@ -581,7 +581,7 @@ def test_a_prompt_longer_than_the_context_is_a_400_before_any_event(served, stre
 @pytest.fixture(scope="module")
 def theirs(tiny_dense):
     if LLAMA_SERVER is None:
-        pytest.skip("llama-server is not built here (python build.py --tools builds it; .ci/run does)")
+        pytest.skip(NO_LLAMA_SERVER)
     proc = _Process(["-m", str(tiny_dense.target), "--mmproj", str(tiny_dense.mmproj), "-c", "4096", "-np", "1",
                      "--no-warmup", "-t", "2", "-a", "tiny"])
     yield proc.url

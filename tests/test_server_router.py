@@ -24,13 +24,12 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FIELD_REPORT, N_THREADS, field_report_preset
+from conftest import FIELD_REPORT, LLAMA_SERVER, N_THREADS, field_report_preset, needs_llama_server
 
 httpx = pytest.importorskip("httpx", reason="the test extra brings httpx")
 openai = pytest.importorskip("openai", reason="the test extra brings the openai client")
 pytest.importorskip("uvicorn", reason="the server extra brings uvicorn")
 
-from pyllama_spec import native_build
 from pyllama_spec.devtools.rpc_server import free_port
 
 CHAT = [{"role": "user", "content": "write a function"}]
@@ -591,10 +590,7 @@ def test_the_field_reports_preset_is_served_as_a_router(tiny_dense, tmp_path):
         assert f"[Qwen3.8-27B Q5] warning: ignored {dropped}" in log  # the child's warnings, passed on
 
 
-LLAMA_SERVER = native_build.find_llama_server()
-
-
-@pytest.mark.skipif(LLAMA_SERVER is None, reason="llama-server is not built here (python build.py --tools)")
+@needs_llama_server
 def test_get_models_has_the_shape_of_llama_servers_router_on_the_same_preset(tiny_dense, tiny_hybrid, tmp_path):
     path = tmp_path / "both.ini"
     path.write_text("version = 1\n[*]\nc = 1024\n"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import N_THREADS
+from conftest import N_THREADS, needs_llama_server
 
 import pyllama_spec as ps
 from pyllama_spec.devtools import tiny
@@ -437,13 +437,6 @@ def test_serve_honours_the_slot_flags(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- against llama-server
-
-
-from pyllama_spec import native_build  # noqa: E402
-
-LLAMA_SERVER = native_build.find_llama_server()
-needs_llama_server = pytest.mark.skipif(LLAMA_SERVER is None, reason="llama-server is not built here (python build.py "
-                                                                      "--tools builds it; .ci/run does)")
 
 
 @pytest.fixture(scope="module")

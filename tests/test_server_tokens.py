@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import N_THREADS
+from conftest import LLAMA_SERVER, N_THREADS, NO_LLAMA_SERVER
 
 import pyllama_spec as ps
 from pyllama_spec.bindings.model import Model
@@ -35,7 +35,7 @@ from pyllama_spec.server.images import ImageLimits  # noqa: E402
 from pyllama_spec.server.schema import RequestLimits, parse_chat  # noqa: E402
 
 from serving import LocalServer  # noqa: E402
-from test_llama_server_parity import LLAMA_SERVER, _Process, post  # noqa: E402
+from test_llama_server_parity import _Process, post  # noqa: E402
 
 
 def _source_models() -> Path:
@@ -201,7 +201,7 @@ def ours(tiny_dense):
 @pytest.fixture(scope="module")
 def theirs(tiny_dense):
     if LLAMA_SERVER is None:
-        pytest.skip("llama-server is not built here (python build.py --tools builds it; .ci/run does)")
+        pytest.skip(NO_LLAMA_SERVER)
     proc = _Process(["-m", str(tiny_dense.target), "--mmproj", str(tiny_dense.mmproj), "-c", "2048", "-np", "1",
                      "--no-warmup", "-t", "2"])
     yield proc.url
