@@ -12,7 +12,7 @@ from pyllama_spec import __version__
 from pyllama_spec.server.errors import APIError, bad_request
 from pyllama_spec.server.schema import parse_json_body
 from pyllama_spec.server.service import RouteSpec, Service, read_body
-from pyllama_spec.server.slots import generation_params
+from pyllama_spec.server.llama_fields import generation_params
 
 #: The chat page's files (HTML, CSS, JavaScript), served at / and /static/.
 STATIC_DIR = Path(__file__).parent / "static"

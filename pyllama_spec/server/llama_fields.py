@@ -27,7 +27,6 @@ import numpy as np
 
 from pyllama_spec.server.errors import bad_request
 from pyllama_spec.server.schema import GenerationRequest, ResponseOptions
-from pyllama_spec.server.slots import generation_params
 from pyllama_spec.serving.request import Request
 from pyllama_spec.speculative.sampling import SamplingParams
 
@@ -54,9 +53,31 @@ def post_sampling_entries(entries: list[dict]) -> list[dict]:
     return [{**prob(e), "top_probs": [prob(e)] if e["top_logprobs"] else []} for e in entries]
 
 
+def generation_params(service, request: Request, stream: bool) -> dict:
+    """A generation's settings (its resolved ``request``: what it gave, else the server's defaults,
+    its command line, else llama-server's) in llama-server's shape (its /slots ``params``, /props
+    ``default_generation_settings.params``; task_params::to_json). Plain Python (no native call)."""
+    sp, max_tokens = request.sampling, request.output.max_tokens
+    return {
+        "seed": request.seed, "temperature": sp.temperature, "dynatemp_range": sp.dynatemp_range,
+        "dynatemp_exponent": sp.dynatemp_exponent, "top_k": sp.top_k, "top_p": sp.top_p,
+        "min_p": sp.min_p, "top_n_sigma": sp.top_n_sigma, "xtc_probability": sp.xtc_probability,
+        "xtc_threshold": sp.xtc_threshold, "typical_p": sp.typical_p, "repeat_last_n": sp.penalty_last_n,
+        "repeat_penalty": sp.repeat_penalty, "presence_penalty": sp.presence_penalty,
+        "frequency_penalty": sp.frequency_penalty, "dry_multiplier": sp.dry_multiplier,
+        "dry_base": sp.dry_base, "dry_allowed_length": sp.dry_allowed_length,
+        "dry_penalty_last_n": sp.dry_penalty_last_n, "mirostat": sp.mirostat,
+        "mirostat_tau": sp.mirostat_tau, "mirostat_eta": sp.mirostat_eta,
+        "max_tokens": max_tokens, "n_predict": max_tokens, "n_keep": 0, "n_discard": 0,
+        "ignore_eos": request.ignore_eos, "stream": stream,
+        "n_probs": request.output.logprobs or 0, "min_keep": sp.min_keep, "samplers": list(sp.samplers),
+        "speculative.types": service.engine.config.spec_type, "lora": [],
+    }
+
+
 def generation_settings(service, request: Request, *, stream: bool, options: ResponseOptions) -> dict:
     """llama-server's ``generation_settings`` of one generation (its resolved ``request``): the
-    fields /slots shows as its ``params`` (slots.generation_params, the same task_params::to_json),
+    fields /slots shows as its ``params`` (``generation_params``, the same task_params::to_json),
     and those only the final body has."""
     sp = request.sampling
     # -inf (a forbidden token) is written as null, as llama-server's JSON writer does

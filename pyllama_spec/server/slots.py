@@ -19,11 +19,11 @@ from starlette.responses import JSONResponse, Response
 
 from pyllama_spec.errors import ClosedError, KVMemoryError
 from pyllama_spec.server.errors import APIError, bad_request
+from pyllama_spec.server.llama_fields import generation_params
 from pyllama_spec.server.offload import off_loop
 from pyllama_spec.server.service import RouteSpec, Service, read_json
 from pyllama_spec.server.worker import QueueFullError
 from pyllama_spec.serving import slot_file
-from pyllama_spec.serving.request import Request as EngineRequest
 
 #: Characters llama-server's fs_validate_filename refuses in a file name, beyond control characters.
 _FORBIDDEN = set(':*?"<>|/\\') | {"\uff0e", "\u2215", "\u2216", "\ufffd", "\ufeff"}
@@ -99,28 +99,6 @@ def slot_json(service: Service, i: int, processing: bool, job, stats) -> dict:
             "per_position_acceptance": list(stats.per_position_acceptance)},
     }
     return out
-
-
-def generation_params(service: Service, request: EngineRequest, stream: bool) -> dict:
-    """A generation's settings (its resolved ``request``: what it gave, else the server's defaults,
-    its command line, else llama-server's) in llama-server's shape (its /slots ``params``, /props
-    ``default_generation_settings.params``; task_params::to_json). Plain Python (no native call)."""
-    sp, max_tokens = request.sampling, request.output.max_tokens
-    return {
-        "seed": request.seed, "temperature": sp.temperature, "dynatemp_range": sp.dynatemp_range,
-        "dynatemp_exponent": sp.dynatemp_exponent, "top_k": sp.top_k, "top_p": sp.top_p,
-        "min_p": sp.min_p, "top_n_sigma": sp.top_n_sigma, "xtc_probability": sp.xtc_probability,
-        "xtc_threshold": sp.xtc_threshold, "typical_p": sp.typical_p, "repeat_last_n": sp.penalty_last_n,
-        "repeat_penalty": sp.repeat_penalty, "presence_penalty": sp.presence_penalty,
-        "frequency_penalty": sp.frequency_penalty, "dry_multiplier": sp.dry_multiplier,
-        "dry_base": sp.dry_base, "dry_allowed_length": sp.dry_allowed_length,
-        "dry_penalty_last_n": sp.dry_penalty_last_n, "mirostat": sp.mirostat,
-        "mirostat_tau": sp.mirostat_tau, "mirostat_eta": sp.mirostat_eta,
-        "max_tokens": max_tokens, "n_predict": max_tokens, "n_keep": 0, "n_discard": 0,
-        "ignore_eos": request.ignore_eos, "stream": stream,
-        "n_probs": request.output.logprobs or 0, "min_keep": sp.min_keep, "samplers": list(sp.samplers),
-        "speculative.types": service.engine.config.spec_type, "lora": [],
-    }
 
 
 # ----------------------------------------------------------------------------- POST /slots/{id_slot}
