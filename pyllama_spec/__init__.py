@@ -34,6 +34,7 @@ _LAZY = {
     "load": "serving.engine", "Engine": "serving.engine", "EngineConfig": "serving.config",
     "Result": "speculative.generation", "Piece": "speculative.generation",
     "Conversation": "serving.conversation", "Submission": "serving.slot_loop",
+    "Request": "serving.request", "RequestOptions": "serving.request",
     "Model": "bindings.model", "Context": "bindings.context", "Memory": "bindings.context", "Sampler": "bindings.sampler",
     "Batch": "bindings.batch",
     "MEDIA_MARKER": "bindings.mtmd",  # mtmd's default media marker, as libmtmd says it
