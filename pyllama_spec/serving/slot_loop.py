@@ -290,11 +290,11 @@ class SlotLoop:
     def reset_all(self) -> None:
         """Forget the cached prompts of the idle slots (in the loop; waits for it)."""
         self._refuse_from_inside_a_turn()
-        done = threading.Event()
         with self._cond:
             if self._stopping:
                 raise ClosedError("the engine is closed")
-            self._reset_requested = done
+            # one reset serves every thread that asks before it runs
+            done = self._reset_requested = self._reset_requested or threading.Event()
             self._cond.notify_all()
         if self.threaded:
             done.wait()
