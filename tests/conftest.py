@@ -16,6 +16,10 @@ Fixtures (reuse them in new test files rather than writing models yourself):
 * ``big_image_png`` the same image written as a PNG file (Pillow), a ``Path``.
 * ``ctx_kwargs``    default keyword arguments for ``Context(model, **ctx_kwargs)`` in tests:
                     one thread, flash attention off, n_ctx 1024, n_batch = n_ubatch = 64.
+
+``TINY_ENGINE`` is the tiny models' engine settings (n_batch = n_ubatch = 64, ``N_THREADS``): pass
+``**TINY_ENGINE`` to ``ps.load`` or ``Context``; ``load_tiny(models, n_ctx=..., ...)`` loads a trio
+(target, mmproj, draft) with them.
 * ``run_python``    runs a Python snippet in a fresh interpreter (the package importable; ``cwd=``
                     optional, ``env_extra=`` variables) and returns the ``CompletedProcess``: the way to prove that a case does not abort
                     the process, without killing the test runner when it does.
@@ -89,8 +93,21 @@ needs_llama_server = pytest.mark.skipif(LLAMA_SERVER is None, reason=NO_LLAMA_SE
 #: Threads for every context and projector made in tests.
 N_THREADS = 1
 
+#: The tiny models' settings for ``ps.load(..., **TINY_ENGINE)`` and ``Context(..., **TINY_ENGINE)``:
+#: batches of 64 rows, N_THREADS threads.
+TINY_ENGINE = dict(n_batch=64, n_ubatch=64, n_threads=N_THREADS)
+
 #: Defaults for ``Context(model, **CTX_KWARGS)`` in tests (also the ``ctx_kwargs`` fixture).
-CTX_KWARGS = dict(n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=N_THREADS, flash_attn=False)
+CTX_KWARGS = dict(n_ctx=1024, **TINY_ENGINE, flash_attn=False)
+
+
+def load_tiny(models, **kw):
+    """``ps.load`` of a trio (``tiny_dense``, ``tiny_hybrid``, ``embedded_models()``): its target,
+    mmproj and draft, with TINY_ENGINE; ``kw`` adds settings or overrides these (``draft=None``:
+    no draft)."""
+    import pyllama_spec as ps
+
+    return ps.load(models.target, **{"mmproj": models.mmproj, "draft": models.draft, **TINY_ENGINE, **kw})
 
 #: Size of ``big_image`` and what the tiny mmproj makes of it.
 BIG_IMAGE_SIZE = 672

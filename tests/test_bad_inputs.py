@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import N_THREADS
+from conftest import N_THREADS, TINY_ENGINE
 from conftest import explain_child as explain
 
 from pyllama_spec.bindings.batch import Batch
@@ -137,7 +137,7 @@ def test_mmproj_for_another_width_raises_projector_error(tiny_dense, bad_dir, as
         assert isinstance(info.value, ValueError)
         # the model is untouched by the failed projector
         toks = m.tokenize("ok")
-        with Context(m, n_ctx=128, n_batch=64, n_ubatch=64, n_threads=N_THREADS) as ctx:
+        with Context(m, n_ctx=128, **TINY_ENGINE) as ctx:
             ctx.decode_tokens(toks, np.arange(len(toks)), outputs=True)
     assert_alive()
 

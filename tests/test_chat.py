@@ -11,16 +11,14 @@ import time
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import N_THREADS, sigint_default
+from conftest import load_tiny, sigint_default
 
 from pyllama_spec.cli import main
 from pyllama_spec.serving.conversation import Conversation
-from pyllama_spec.serving.engine import load
 
 
 def _engine(models, **kw):
-    return load(models.target, mmproj=models.mmproj, draft=models.draft, n_ctx=4096, n_batch=64, n_ubatch=64,
-                n_threads=N_THREADS, draft_max=7, **kw)
+    return load_tiny(models, n_ctx=4096, draft_max=7, **kw)
 
 
 def _reply(conv, text):
@@ -158,8 +156,7 @@ ANSI = r"(?:\x1b\[[0-9;]*m)*"  # rich makes numbers bold even with NO_COLOR
 
 def _expected_reply_start(models, image, message, n_chars=12):
     """What the chat will stream first for this message: the same Conversation, in-process."""
-    with load(models.target, mmproj=models.mmproj, draft=models.draft, n_ctx=8192, n_batch=64, n_ubatch=64,
-              n_threads=N_THREADS, draft_max=7) as engine:
+    with load_tiny(models, n_ctx=8192, draft_max=7) as engine:
         conv = Conversation(engine, max_tokens=40)
         conv.attach(image)
         text = "".join(p.text for p in conv.send(message))

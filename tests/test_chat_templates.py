@@ -12,7 +12,7 @@ test_chat_tools.py, against llama-server's own /apply-template.
 from __future__ import annotations
 
 import pytest
-from conftest import N_THREADS
+from conftest import N_THREADS, TINY_ENGINE
 
 import pyllama_spec as ps
 from pyllama_spec.bindings.model import Model
@@ -146,7 +146,7 @@ def test_the_engine_renders_the_gguf_template_and_says_so(name, template, models
     path = models_with(name, template)
     messages = [{"role": "user", "content": [{"type": "image", "image": big_image},
                                              {"type": "text", "text": "What is it?"}]}]
-    with ps.load(path, mmproj=tiny_dense.mmproj, n_ctx=2048, n_batch=64, n_ubatch=64, n_threads=N_THREADS) as e:
+    with ps.load(path, mmproj=tiny_dense.mmproj, n_ctx=2048, **TINY_ENGINE) as e:
         r = e.generate(messages=messages, max_tokens=4)
     assert r.stats.chat_template == "jinja" and r.stats.images == 1 and len(r.tokens) == 4
 

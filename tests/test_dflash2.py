@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import N_THREADS
+from conftest import TINY_ENGINE
 
 import pyllama_spec
 import pyllama_spec.serving.engine
@@ -110,8 +110,8 @@ def _walk(lattice: np.ndarray, n: int, k: int) -> list[int]:
 
 
 def _engine(models, **kw):
-    return pyllama_spec.serving.engine.load(models.target, mmproj=models.mmproj, n_batch=64, n_ubatch=64,
-                                    n_threads=N_THREADS, draft_max=DRAFT_MAX, **kw)
+    return pyllama_spec.serving.engine.load(models.target, mmproj=models.mmproj, **TINY_ENGINE, draft_max=DRAFT_MAX,
+                                            **kw)
 
 
 @pytest.mark.parametrize("with_image", [False, True], ids=["text", "image"])

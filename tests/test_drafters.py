@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import N_THREADS
+from conftest import N_THREADS, TINY_ENGINE
 
 import pyllama_spec as ps
 from pyllama_spec.drafters import Drafter, DraftRequest, TargetDecode, TargetRows
@@ -27,8 +27,8 @@ def small_draft_model(tiny_dir):
 
 def _engine(models, spec_type, draft_model=None, **kw):
     draft = {"draft-dflash": models.draft, "draft-simple": draft_model}.get(spec_type)
-    return ps.load(models.target, mmproj=models.mmproj, draft=draft, spec_type=spec_type, n_ctx=4096, n_batch=64,
-                   n_ubatch=64, n_threads=N_THREADS, flash_attn=False, **kw)
+    return ps.load(models.target, mmproj=models.mmproj, draft=draft, spec_type=spec_type, n_ctx=4096, **TINY_ENGINE,
+                   flash_attn=False, **kw)
 
 
 @pytest.mark.parametrize("spec_type", ["draft-dflash", "draft-simple", "ngram-simple"])
@@ -228,10 +228,9 @@ def test_a_method_added_to_the_registry_runs_through_the_unchanged_engine(monkey
 
     entry = registry.Method("repeat-last", __name__, draft_file=False)
     monkeypatch.setitem(registry._BY_NAME, "repeat-last", entry)
-    with ps.load(tiny_dense.target, spec_type="repeat-last", n_ctx=1024, n_batch=64, n_ubatch=64,
-                 n_threads=N_THREADS, draft_max=16, flash_attn=False) as engine, \
-            ps.load(tiny_dense.target, spec_type="none", n_ctx=1024, n_batch=64, n_ubatch=64,
-                    n_threads=N_THREADS, flash_attn=False) as plain:
+    with ps.load(tiny_dense.target, spec_type="repeat-last", n_ctx=1024, **TINY_ENGINE, draft_max=16,
+                 flash_attn=False) as engine, \
+            ps.load(tiny_dense.target, spec_type="none", n_ctx=1024, **TINY_ENGINE, flash_attn=False) as plain:
         assert isinstance(engine.drafter, RepeatLastDrafter) and engine.draft_max == 5  # its pairing's limit
         got = engine.generate("def main(", max_tokens=24)
         assert got.tokens == plain.generate("def main(", max_tokens=24).tokens

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import BIG_IMAGE_N_TOKENS, LLAMA_SERVER, N_THREADS, needs_llama_server
+from conftest import BIG_IMAGE_N_TOKENS, LLAMA_SERVER, N_THREADS, TINY_ENGINE, needs_llama_server
 
 import pyllama_spec as ps
 from pyllama_spec.devtools import tiny
@@ -39,8 +39,7 @@ def drafts(tiny_dense, tmp_path_factory) -> dict[str, Path]:
 
 def _load(models, draft=None, **kw):
     spec = {"draft": draft, "spec_type": "draft-eagle3"} if draft else {"spec_type": "none"}
-    return ps.load(models.target, mmproj=models.mmproj, n_batch=64, n_ubatch=64, n_threads=N_THREADS,
-                   draft_max=DRAFT_MAX, **spec, **kw)
+    return ps.load(models.target, mmproj=models.mmproj, **TINY_ENGINE, draft_max=DRAFT_MAX, **spec, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import N_THREADS, REPO_ROOT  # noqa: E402
+from conftest import N_THREADS, REPO_ROOT, TINY_ENGINE  # noqa: E402
 
 from pyllama_spec.embedded import embedded_models  # noqa: E402
 
@@ -185,7 +185,7 @@ def _worker_main() -> None:
     load = ps.load
     image = np.zeros((56, 56, 3), np.uint8)
     image[::2, ::3] = (200, 30, 90)
-    common = dict(n_ctx=256, n_batch=64, n_ubatch=64, n_threads=N_THREADS)
+    common = dict(n_ctx=256, **TINY_ENGINE)
     proto.write("READY\n")
     for line in sys.stdin:
         job = json.loads(line)

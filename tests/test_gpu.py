@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from conftest import N_THREADS
+from conftest import TINY_ENGINE
 
 import pyllama_spec as ps
 from pyllama_spec.bindings import native_info
@@ -22,8 +22,8 @@ PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
 
 
 def _engine(models, **kw):
-    return ps.load(models.target, mmproj=models.mmproj, n_ctx=4096, n_batch=64, n_ubatch=64, n_threads=N_THREADS,
-                   n_gpu_layers=99, flash_attn=False, **kw)
+    return ps.load(models.target, mmproj=models.mmproj, n_ctx=4096, **TINY_ENGINE, n_gpu_layers=99,
+                   flash_attn=False, **kw)
 
 
 def test_all_layers_are_offloaded(tiny_dense, caplog):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import N_THREADS
+from conftest import load_tiny
 from PIL import Image
 
 from pyllama_spec.bindings.image_convert import to_rgb8
@@ -428,8 +428,7 @@ def test_the_server_answers_bad_local_paths_with_400_and_upper_case_base64_with_
     root.mkdir()
     (root / "loop").symlink_to(root / "loop")
     (root / "sub").mkdir()
-    engine = ps.load(tiny_dense.target, mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_ctx=4096, n_batch=64,
-                     n_ubatch=64, n_threads=N_THREADS, flash_attn=False)
+    engine = load_tiny(tiny_dense, n_ctx=4096, flash_attn=False)
     try:
         with TestClient(create_app(engine, ServerSettings(allowed_image_dir=root))) as client:
             def chat(url: str):

@@ -12,7 +12,7 @@ import json
 import threading
 
 import pytest
-from conftest import N_THREADS, explain_child, needs_llama_server
+from conftest import N_THREADS, TINY_ENGINE, explain_child, needs_llama_server
 from serving import http  # (the test extra brings the server extra it imports)
 
 import pyllama_spec as ps
@@ -25,7 +25,7 @@ from pyllama_spec.gguf.writer import GGUFWriter, ValueType
 
 PROMPTS = ("def add(a, b):", "the quick brown fox")
 N_PREDICT = 16
-KW = dict(n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=N_THREADS)
+KW = dict(n_ctx=1024, **TINY_ENGINE)
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +142,7 @@ def test_a_lora_adapter_reads_its_metadata_and_is_freed_before_its_model(tiny_de
         assert (lora.path, lora.task_name, lora.prompt_prefix, lora.alpha) == (str(adapters[1]), "poems",
                                                                               "Write a poem: ", 4.0)
         assert lora.meta("general.type") == "adapter" and lora.meta("no.such.key") is None
-        ctx = Context(model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=N_THREADS)
+        ctx = Context(model, n_ctx=256, **TINY_ENGINE)
         ctx.set_lora([lora], [1.0])
         assert ctx.lora == ((lora, 1.0),)
         lora.close()  # the context lets go of it first: no decode can read freed memory
@@ -155,10 +155,10 @@ def test_a_lora_adapter_reads_its_metadata_and_is_freed_before_its_model(tiny_de
 def test_set_lora_refuses_an_adapter_of_another_model_and_bad_scales(tiny_dense, adapters):
     with Model(tiny_dense.target) as m1, Model(tiny_dense.target) as m2:
         lora = LoraAdapter(m1, adapters[0])
-        ctx = Context(m2, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=N_THREADS)
+        ctx = Context(m2, n_ctx=256, **TINY_ENGINE)
         with pytest.raises(ValueError, match="another model"):
             ctx.set_lora([lora], [1.0])
-        ctx1 = Context(m1, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=N_THREADS)
+        ctx1 = Context(m1, n_ctx=256, **TINY_ENGINE)
         for scales in ([float("inf")], [True], [1.0, 2.0]):
             with pytest.raises(ValueError):
                 ctx1.set_lora([lora], scales)

@@ -7,7 +7,7 @@ import re
 from types import SimpleNamespace
 
 import pytest
-from conftest import N_THREADS
+from conftest import N_THREADS, TINY_ENGINE
 
 import pyllama_spec as ps
 from pyllama_spec.bindings.devices import EnginePlacement
@@ -189,7 +189,7 @@ def test_a_configuration_that_cannot_fit_is_refused_before_anything_is_allocated
 def test_the_context_is_bounded_by_the_training_length(tiny_dense):
     with pytest.raises(ValueError, match="above the target's training length"):
         ps.load(tiny_dense.target, n_ctx=tiny.TINY_CONTEXT_LENGTH + 1, n_threads=N_THREADS)
-    with ps.load(tiny_dense.target, n_ctx=0, n_threads=N_THREADS, n_batch=64, n_ubatch=64) as engine:
+    with ps.load(tiny_dense.target, n_ctx=0, **TINY_ENGINE) as engine:
         assert engine.ctx.n_ctx == tiny.TINY_CONTEXT_LENGTH  # -c 0: the training length
     with pytest.raises(ValueError, match="4096 tokens"):
         ps.load(ps.embedded_models().target, n_ctx=8192, n_threads=N_THREADS)

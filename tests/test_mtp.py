@@ -20,7 +20,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, LLAMA_SERVER, N_THREADS, held_out_prompts, needs_llama_server
+from conftest import (BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, LLAMA_SERVER, N_THREADS, TINY_ENGINE, held_out_prompts,
+                      needs_llama_server)
 
 import pyllama_spec as ps
 from pyllama_spec.bindings.native_info import build_record
@@ -31,7 +32,7 @@ from pyllama_spec.embedded import MODELS_DIR
 IMAGE_PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
 # ~275 text tokens between the image and the generation: drafting a few hundred positions after it
 LONG_AFTER = f"Look: {ps.MEDIA_MARKER} " + "and then the story goes on, line after line, " * 8 + "so:"
-KW = dict(n_ctx=2048, n_batch=64, n_ubatch=64, n_threads=N_THREADS, flash_attn=False)
+KW = dict(n_ctx=2048, **TINY_ENGINE, flash_attn=False)
 MEDIA_PATCH = "0004-mtp-media-rows.patch"
 # media rows reach the head only where the build carries a state beside an embedding (patches/)
 needs_media_patch = pytest.mark.skipif(MEDIA_PATCH not in build_record().get("patches", []),

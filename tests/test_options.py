@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
-from conftest import N_THREADS
+from conftest import TINY_ENGINE, load_tiny
 
 import pyllama_spec as ps
 from pyllama_spec.cli import main
@@ -14,8 +14,7 @@ PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
 
 
 def _engine(models, **kw):
-    return ps.load(models.target, mmproj=models.mmproj, draft=models.draft, n_ctx=2048, n_batch=64, n_ubatch=64,
-                   n_threads=N_THREADS, draft_max=7, **kw)
+    return load_tiny(models, n_ctx=2048, draft_max=7, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +29,7 @@ def wide_target(tiny_dir):
 
 
 def test_q8_0_kv_caches_with_flash_attention_and_the_other_options(wide_target):
-    kw = dict(n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=N_THREADS, n_threads_batch=1, use_mmap=False)
+    kw = dict(n_ctx=1024, **TINY_ENGINE, n_threads_batch=1, use_mmap=False)
     with ps.load(wide_target, flash_attn=True, cache_type_k="q8_0", cache_type_v="q8_0", **kw) as engine:
         r = engine.generate("Hello there", max_tokens=16)
         assert len(r.tokens) == 16 and engine.ctx.memory.pos_max() == engine.positions.pos_next - 1

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import N_THREADS
+from conftest import load_tiny
 
 import pyllama_spec as ps
 from pyllama_spec.bindings.model import Model
@@ -23,8 +23,7 @@ SOURCE = "".join((PACKAGE / f).read_text() for f in ("serving/engine.py", "specu
 @pytest.fixture(scope="module")
 def engine():
     em = ps.embedded_models()
-    with ps.load(em.target, mmproj=em.mmproj, draft=em.draft, n_ctx=512, n_batch=64, n_ubatch=64,
-                 n_threads=N_THREADS) as e:
+    with load_tiny(em, n_ctx=512) as e:
         yield e
 
 

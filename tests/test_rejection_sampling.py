@@ -16,7 +16,7 @@ import functools
 
 import numpy as np
 import pytest
-from conftest import N_THREADS
+from conftest import TINY_ENGINE
 
 import pyllama_spec as ps
 from pyllama_spec.serving import prepared as prepared_module  # where a generation gets its verifier
@@ -40,7 +40,7 @@ def _continuations(models, spec_type, n_seeds, seed0, verify="rejection", sampli
     out = collections.Counter()
     drafted = accepted = 0
     with ps.load(models.target, draft=models.draft if spec_type != "none" else None, spec_type=spec_type,
-                 n_ctx=512, n_batch=64, n_ubatch=64, n_threads=N_THREADS, draft_max=3, flash_attn=False) as e:
+                 n_ctx=512, **TINY_ENGINE, draft_max=3, flash_attn=False) as e:
         for seed in range(seed0, seed0 + n_seeds):
             r = e.generate(PROMPT, max_tokens=3, seed=seed, verify=verify, **sampling)
             out.update(enumerate(r.tokens))

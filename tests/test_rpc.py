@@ -17,7 +17,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
-from conftest import N_THREADS, explain_child
+from conftest import TINY_ENGINE, explain_child
 
 import pyllama_spec as ps
 from pyllama_spec.bindings import devices
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(
     server_binary() is None or not devices.rpc_available(),
     reason="this build has no RPC backend or no ggml-rpc-server (python build.py --rpc builds both)")
 
-KW = dict(n_ctx=2048, n_batch=64, n_ubatch=64, n_threads=N_THREADS, flash_attn=False)
+KW = dict(n_ctx=2048, **TINY_ENGINE, flash_attn=False)
 PROMPT = f"Describe this: {ps.MEDIA_MARKER} in a few words."
 
 

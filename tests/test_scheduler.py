@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import N_THREADS
+from conftest import N_THREADS, TINY_ENGINE, load_tiny
 
 import pyllama_spec as ps
 from pyllama_spec.devtools import tiny
@@ -159,8 +159,7 @@ def test_other_slots_keep_decoding_while_an_image_is_encoded(tiny_dense):
     side = 1344
     img = (np.random.default_rng(0).random((side, side, 3)) * 255).astype(np.uint8)
     prompt = f"Look: {ps.MEDIA_MARKER} and say"
-    kw = dict(mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_batch=64, n_ubatch=64, n_threads=N_THREADS,
-              draft_max=7)
+    kw = dict(mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, **TINY_ENGINE, draft_max=7)
     with ps.load(tiny_dense.target, n_ctx=8192, **kw) as one:
         expected_image = one.generate(prompt, images=[img], max_tokens=8).tokens
         expected_text = one.generate("Tell me", max_tokens=1500).tokens
@@ -190,8 +189,7 @@ def test_other_slots_keep_decoding_while_an_image_is_encoded(tiny_dense):
 
 def test_a_request_cancelled_while_its_image_is_encoded_ends_cleanly(tiny_dense):
     img = (np.random.default_rng(1).random((1344, 1344, 3)) * 255).astype(np.uint8)
-    with ps.load(tiny_dense.target, mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_ctx=2 * 8192,
-                 n_batch=64, n_ubatch=64, n_threads=N_THREADS, draft_max=7, n_parallel=2) as engine:
+    with load_tiny(tiny_dense, n_ctx=2 * 8192, draft_max=7, n_parallel=2) as engine:
         encoding = threading.Event()
         sub = engine.submit(f"Look: {ps.MEDIA_MARKER} and say", images=[img], max_tokens=8,
                             progress=lambda stage, d, t: encoding.set() if stage == "encode" else None)

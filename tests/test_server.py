@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import N_THREADS
+from conftest import TINY_ENGINE, load_tiny
 
 import pyllama_spec as ps
 
@@ -29,8 +29,7 @@ from pyllama_spec.server import ServerSettings  # noqa: E402
 
 
 def _engine(models):
-    return ps.load(models.target, mmproj=models.mmproj, draft=models.draft, n_ctx=4096, n_batch=64, n_ubatch=64,
-                   n_threads=N_THREADS, draft_max=7, flash_attn=False)
+    return load_tiny(models, n_ctx=4096, draft_max=7, flash_attn=False)
 
 
 def _png(seed: int, side: int = 224) -> bytes:
@@ -472,8 +471,7 @@ def test_load_32_clients_4_requests_each(served, reference):
 @pytest.fixture(scope="module")
 def served_slots(tiny_dense):
     """A server with 3 slots: requests generated at once, their drafts verified in one target batch."""
-    engine = ps.load(tiny_dense.target, mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_ctx=3 * 4096,
-                     n_batch=64, n_ubatch=64, n_threads=N_THREADS, draft_max=7, flash_attn=False, n_parallel=3)
+    engine = load_tiny(tiny_dense, n_ctx=3 * 4096, draft_max=7, flash_attn=False, n_parallel=3)
     server = Server(engine, ServerSettings(alias="tiny", max_queue=64, max_image_pixels=1024 * 1024))
     server.engine = engine
     yield server
@@ -548,8 +546,7 @@ def test_slots_a_client_that_leaves_frees_its_slot_and_the_others_are_unchanged(
 
 
 def test_slots_a_full_queue_answers_503_while_the_slots_keep_serving(tiny_dense):
-    engine = ps.load(tiny_dense.target, n_ctx=2 * 4096, n_batch=64, n_ubatch=64, n_threads=N_THREADS,
-                     flash_attn=False, n_parallel=2)
+    engine = ps.load(tiny_dense.target, n_ctx=2 * 4096, **TINY_ENGINE, flash_attn=False, n_parallel=2)
     server = Server(engine, ServerSettings(max_queue=1))
     long = {"messages": OK_MESSAGES, "max_tokens": 3000, "stream": True}
     url = server.url + "/v1/chat/completions"
@@ -594,8 +591,7 @@ def test_a_draft_tree_server_answers_as_target_only_and_reports_it():
     """`serve --draft-tree N` on the trained pair: sampled answers equal target-only answers for a
     seed (`speculative.tree` per request, 0 = a chain), /props says the tree size, bad sizes are 400."""
     m = ps.embedded_models()
-    engine = ps.load(m.target, mmproj=m.mmproj, draft=m.draft, n_ctx=2048, n_batch=64, n_ubatch=64,
-                     n_threads=N_THREADS, draft_max=15, draft_tree=24)
+    engine = load_tiny(m, n_ctx=2048, draft_max=15, draft_tree=24)
     server = Server(engine, ServerSettings(alias="trained"))
     try:
         url = server.url + "/v1/completions"
@@ -668,7 +664,7 @@ def test_n_choices_each_take_a_slot_and_sample_with_seed_plus_their_index(served
 def test_api_keys_in_a_list_and_in_anthropics_header(tiny_dense):
     """--api-key a,b (and --api-key-file): any listed key opens, in Authorization: Bearer or in
     X-Api-Key as llama-server reads it; /health and /v1/health stay open."""
-    engine = ps.load(tiny_dense.target, n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=N_THREADS, flash_attn=False)
+    engine = ps.load(tiny_dense.target, n_ctx=1024, **TINY_ENGINE, flash_attn=False)
     server = Server(engine, ServerSettings(api_key="first,second"))
     try:
         for path in ("/health", "/v1/health"):

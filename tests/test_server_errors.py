@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import N_THREADS
+from conftest import TINY_ENGINE, load_tiny
 
 import pyllama_spec as ps
 from pyllama_spec.bindings.model import Model
@@ -32,8 +32,7 @@ RESERVED = ("add_generation_prompt", "bos_token", "eos_token", "messages", "rais
 
 @pytest.fixture(scope="module")
 def served(tiny_dense):
-    engine = ps.load(tiny_dense.target, mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_ctx=512, n_batch=64,
-                     n_ubatch=64, n_threads=N_THREADS, draft_max=4, flash_attn=False)
+    engine = load_tiny(tiny_dense, n_ctx=512, draft_max=4, flash_attn=False)
     server = LocalServer(engine, ServerSettings(alias="tiny", max_tokens=8, default_max_tokens=4))
     yield server
     server.stop()
@@ -202,7 +201,7 @@ def test_a_template_that_raises_on_a_value_is_a_value_error(strict_template_mode
 
 @pytest.mark.parametrize("value,renders", STRICT_VALUES)
 def test_a_template_that_raises_on_a_value_is_a_400_never_a_500(strict_template_model, value, renders):
-    engine = ps.load(strict_template_model, n_ctx=256, n_batch=64, n_ubatch=64, n_threads=N_THREADS, flash_attn=False)
+    engine = ps.load(strict_template_model, n_ctx=256, **TINY_ENGINE, flash_attn=False)
     server = LocalServer(engine, ServerSettings(alias="strict", max_tokens=4, default_max_tokens=1))
     try:
         for stream in (False, True):

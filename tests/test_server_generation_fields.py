@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import N_THREADS
+from conftest import N_THREADS, TINY_ENGINE, load_tiny
 
 import pyllama_spec as ps
 
@@ -35,8 +35,7 @@ MAX_QUEUE = 4
 @pytest.fixture(scope="module")
 def server(tiny_fim):
     """Two slots over the FIM trio (target, DFlash draft, projector); a queue of MAX_QUEUE."""
-    engine = ps.load(tiny_fim.target, mmproj=tiny_fim.mmproj, draft=tiny_fim.draft, n_ctx=4096, n_batch=64,
-                     n_ubatch=64, n_threads=N_THREADS, n_parallel=2, flash_attn=False)
+    engine = load_tiny(tiny_fim, n_ctx=4096, n_parallel=2, flash_attn=False)
     s = LocalServer(engine, ServerSettings(alias="tiny", max_queue=MAX_QUEUE, default_max_tokens=64))
     yield s
     s.stop()
@@ -46,7 +45,7 @@ def server(tiny_fim):
 @pytest.fixture(scope="module")
 def plain(tiny_dense):
     """A target alone: no FIM tokens, no projector, one slot."""
-    engine = ps.load(tiny_dense.target, n_ctx=1024, n_batch=64, n_ubatch=64, n_threads=N_THREADS, flash_attn=False)
+    engine = ps.load(tiny_dense.target, n_ctx=1024, **TINY_ENGINE, flash_attn=False)
     s = LocalServer(engine, ServerSettings(alias="plain"))
     yield s
     s.stop()

@@ -19,9 +19,7 @@ import sys
 import time
 
 import pytest
-from conftest import N_THREADS, REPO_ROOT
-
-import pyllama_spec as ps
+from conftest import REPO_ROOT, load_tiny
 
 httpx = pytest.importorskip("httpx", reason="the test extra brings httpx")
 pytest.importorskip("uvicorn", reason="the server extra brings uvicorn")
@@ -32,9 +30,7 @@ from pyllama_spec.server.run import ServeLimits  # noqa: E402
 
 
 def _load(models, n_parallel: int = 1):
-    return ps.load(models.target, mmproj=models.mmproj, draft=models.draft, n_ctx=n_parallel * 8192,
-                   n_batch=64, n_ubatch=64, n_threads=N_THREADS, draft_max=7, flash_attn=False,
-                   n_parallel=n_parallel)
+    return load_tiny(models, n_ctx=n_parallel * 8192, draft_max=7, flash_attn=False, n_parallel=n_parallel)
 
 
 def _raw_request(port: int, path: str, body: bytes) -> socket.socket:

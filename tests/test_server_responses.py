@@ -23,7 +23,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from conftest import LLAMA_SERVER, N_THREADS, NO_LLAMA_SERVER
+from conftest import LLAMA_SERVER, N_THREADS, NO_LLAMA_SERVER, load_tiny
 
 import pyllama_spec as ps
 
@@ -334,8 +334,7 @@ def test_random_bodies_are_a_chat_request_or_a_400(body):
 
 
 def _engine(models, **kw):
-    return ps.load(models.target, mmproj=models.mmproj, draft=models.draft, n_ctx=4096, n_batch=64, n_ubatch=64,
-                   n_threads=N_THREADS, draft_max=7, flash_attn=False, **kw)
+    return load_tiny(models, n_ctx=4096, draft_max=7, flash_attn=False, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import N_THREADS, needs_llama_server
+from conftest import TINY_ENGINE, load_tiny, needs_llama_server
 
 import pyllama_spec as ps
 from pyllama_spec.devtools import tiny
@@ -39,8 +39,7 @@ PROMPT = "def add(a, b):"
 
 
 def _engine(models, n_parallel: int, **kw):
-    return ps.load(models.target, mmproj=models.mmproj, draft=models.draft, n_ctx=N_CTX_SLOT * n_parallel,
-                   n_batch=64, n_ubatch=64, n_threads=N_THREADS, flash_attn=False, n_parallel=n_parallel, **kw)
+    return load_tiny(models, n_ctx=N_CTX_SLOT * n_parallel, flash_attn=False, n_parallel=n_parallel, **kw)
 
 
 class _Served:
@@ -194,7 +193,7 @@ def test_a_damaged_file_is_a_400_and_the_slot_works_on(served, fresh):
 
 def test_a_file_saved_from_another_model_is_a_400_and_the_slot_works_on(served, fresh, tiny_dir):
     other = tiny.make_tiny_set(tiny_dir, arch="hunyuan_vl", seed=1, window=32, predictable=0.5)  # the same shapes
-    engine = ps.load(other.target, n_ctx=N_CTX_SLOT, n_batch=64, n_ubatch=64, n_threads=N_THREADS, flash_attn=False)
+    engine = ps.load(other.target, n_ctx=N_CTX_SLOT, **TINY_ENGINE, flash_attn=False)
     try:
         engine.generate(PROMPT, max_tokens=4)
         saved = engine.run_on_slot(0, lambda seq: seq.save_state()).result()

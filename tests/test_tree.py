@@ -15,7 +15,7 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import N_THREADS
+from conftest import N_THREADS, TINY_ENGINE
 
 import pyllama_spec as ps
 from pyllama_spec.bindings.context import Context
@@ -92,8 +92,7 @@ def test_walk_follows_the_target_samples_down_the_tree():
 @pytest.fixture(scope="module")
 def engines():
     m = ps.embedded_models()
-    kw = dict(mmproj=m.mmproj, draft=m.draft, n_threads=N_THREADS, n_ctx=2048, n_batch=64, n_ubatch=64,
-              draft_max=15)
+    kw = dict(mmproj=m.mmproj, draft=m.draft, n_ctx=2048, **TINY_ENGINE, draft_max=15)
     with ps.load(m.target, **kw) as chain, ps.load(m.target, draft_tree=32, **kw) as tree:
         yield chain, tree
 

@@ -9,7 +9,7 @@ import io
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from conftest import BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, N_THREADS
+from conftest import BIG_IMAGE_N_POS, BIG_IMAGE_N_TOKENS, N_THREADS, TINY_ENGINE
 
 import pyllama_spec as ps
 from pyllama_spec.cli import main
@@ -44,8 +44,7 @@ def _images(n, big_image, small_image):
 
 def _load(models, **kw):
     kw.setdefault("n_ctx", 4096)
-    return ps.load(models.target, mmproj=models.mmproj, n_batch=64, n_ubatch=64, n_threads=N_THREADS,
-                   flash_attn=False, **kw)
+    return ps.load(models.target, mmproj=models.mmproj, **TINY_ENGINE, flash_attn=False, **kw)
 
 
 def _vision(models, vlm, **kw):
