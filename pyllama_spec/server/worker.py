@@ -40,7 +40,7 @@ class Job:
         #: Send ("progress", (stage, rows done, rows in all, perf_counter())) events while the prompt is
         #: decoded (llama-server's return_progress); the engine's progress stages (speculative/generation.py).
         self.report_progress = report_progress
-        self._loop = loop
+        self._event_loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
         self.submission = None  # its handle in the slot loop, once submitted
@@ -72,7 +72,7 @@ class Job:
         elif kind != "progress":  # ("progress", ...) events come before the pieces
             self.done = True
         try:
-            self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+            self._event_loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
         except RuntimeError:  # the event loop is gone (server shutting down)
             self.cancelled.set()
 
@@ -95,8 +95,11 @@ class Worker:
         self.engine = engine
         self.max_queue = max_queue
         self._on_finished = on_finished
-        self._slots = engine.scheduler
-        self._slots.start_thread()  # the event loop waits for pieces: the loop turns on its own thread
+        self._slots = engine.slot_loop
+        # the event loop waits for pieces: the slot loop turns on its own thread (a one-slot engine's,
+        # started here, ends with the server)
+        self._started_thread = not self._slots.threaded
+        self._slots.start_thread()
         self._live: set[Job] = set()  # submitted, not finished: stop() cancels them
         self._last: dict[int, Job] = {}  # the latest job that ran in each slot (for /slots)
         self._lock = threading.Lock()
@@ -127,7 +130,7 @@ class Worker:
                         self._last[job.slot] = job
             job.emit(kind, value)
 
-        request = job.request.replace(progress=job.progress) if job.report_progress else job.request
+        request = job.request.with_progress(job.progress) if job.report_progress else job.request
         with self._lock:
             self._live.add(job)
         try:
@@ -180,3 +183,5 @@ class Worker:
         for job in live:
             if job.submission is not None:
                 job.submission.finished.wait(timeout)
+        if self._started_thread:  # the engine outlives the server: its readers turn the loop again
+            self._slots.stop_thread()

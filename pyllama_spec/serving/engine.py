@@ -315,7 +315,7 @@ class Engine:
         if isinstance(prompt, Request):
             if options:
                 raise TypeError("a resolved Request takes no other argument: give its options to resolve()")
-            return self._stream(prompt)
+            return self._stream(self._own(prompt))
         return self._stream(self.resolve(RequestOptions.of(prompt, **options)))
 
     def _stream(self, request: Request) -> Iterator[Piece]:
@@ -337,8 +337,20 @@ class Engine:
         if self.config.n_parallel < 2:
             raise ValueError("submit() runs generations concurrently in slots: load with n_parallel > 1 "
                              "(llama.cpp's -np); with one slot use stream() or generate()")
-        request = prompt if isinstance(prompt, Request) else self.resolve(RequestOptions.of(prompt, **kwargs))
+        if isinstance(prompt, Request):
+            if kwargs:
+                raise TypeError("a resolved Request takes no other argument: give its options to resolve()")
+            request = self._own(prompt)
+        else:
+            request = self.resolve(RequestOptions.of(prompt, **kwargs))
         return self._loop.submit(request, on_event, max_waiting, id_slot)
+
+    def _own(self, request: Request) -> Request:
+        """``request`` if this engine resolved it (its limits were checked here), else TypeError."""
+        if request.resolved_by is not self._resolver:
+            raise TypeError("this Request was not resolved by this engine (Engine.resolve): its settings were "
+                            "checked against another engine's limits, or none")
+        return request
 
     def run_on_slot(self, slot: int, fn: Callable[[sequence.Sequence], Any]) -> Future:
         """Run ``fn(sequence)`` on slot ``slot``'s sequence while no generation uses it, and return
@@ -400,6 +412,8 @@ class Engine:
         return self._step_cost
 
     @property
-    def scheduler(self) -> SlotLoop:
+    def slot_loop(self) -> SlotLoop:
         """The slot loop that runs this engine's generations (slot_loop.py)."""
         return self._loop
+
+    scheduler = slot_loop  # its name before the one loop served one slot too

@@ -114,6 +114,10 @@ class Request:
     lora: tuple[float, ...] | None = None  # a scale per LoRA adapter (serving/lora.py); None: the global ones
     progress: Progress | None = None
     ignore_eos: bool = False  # llama-server's: every end-of-generation token forbidden (serving/prepared.py)
+    #: the resolver that checked it against its engine's limits (an engine runs only its own)
+    resolved_by: Any = dataclasses.field(default=None, repr=False, compare=False)
 
-    def replace(self, **changes: Any) -> "Request":
-        return dataclasses.replace(self, **changes)
+    def with_progress(self, progress: Progress | None) -> "Request":
+        """The same request reporting its prefill to ``progress`` (nothing else may change:
+        other settings are the resolver's to check)."""
+        return dataclasses.replace(self, progress=progress)

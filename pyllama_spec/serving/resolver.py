@@ -89,7 +89,7 @@ class RequestResolver:
                                t_max_predict_ms=float(o.t_max_predict_ms))
         return Request(prompt=prompt, sampling=params, seed=int(seed), draft=draft, output=output,
                        cache_prompt=o.cache_prompt, lora=None if o.lora is None else self._lora_scales(o.lora),
-                       progress=o.progress, ignore_eos=ignore_eos)
+                       progress=o.progress, ignore_eos=ignore_eos, resolved_by=self)
 
     # ------------------------------------------------------------------ parts
     def _prompt(self, o: RequestOptions) -> PromptInput:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import queue
+from concurrent import futures
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -130,12 +131,15 @@ class Submission:
     def _next_event(self) -> tuple[str, Any]:
         self.owner = threading.get_ident()
         while True:
-            try:
+            if not self._events.empty():
                 return self._events.get_nowait()
-            except queue.Empty:
-                pass
-            if self._loop.threaded:
-                return self._events.get()
+            if self.finished.is_set():  # its last event was taken, and lost (a Ctrl-C while it was read)
+                return "cancelled", None
+            if self._loop.threaded:  # (its thread may stop once idle: then this thread turns the loop)
+                try:
+                    return self._events.get(timeout=0.1)
+                except queue.Empty:
+                    continue
             self._loop.turn_for(self)
 
     def result(self):
@@ -210,6 +214,7 @@ class SlotLoop:
         self.steps = 0  # speculative steps run (each over every decoding slot)
         self.slots_per_step: collections.Counter = collections.Counter()  # how many slots shared a step
         self._thread: threading.Thread | None = None
+        self._leave_when_idle = False  # stop_thread() asked the thread to end once idle
         # Media encodes run on their own thread once the loop has one (one at a time: one projector),
         # so the other slots keep decoding while an image is encoded.
         self._encoder: ThreadPoolExecutor | None = None
@@ -229,6 +234,7 @@ class SlotLoop:
                 return
             if self._stopping:
                 raise ClosedError("the engine is closed")
+            self._leave_when_idle = False
             if self._projector is not None:
                 self._encoder = ThreadPoolExecutor(1, thread_name_prefix="pyllama-spec-encode")
             self._thread = threading.Thread(target=self._run_forever, name="pyllama-spec-slots", daemon=True)
@@ -285,6 +291,7 @@ class SlotLoop:
             self._cond.notify_all()
         if not self.threaded:
             self._turn_until(op.future.done)
+        futures.wait([op.future])  # (the loop's thread may have started meanwhile)
         return op.future
 
     def reset_all(self) -> None:
@@ -296,37 +303,32 @@ class SlotLoop:
             # one reset serves every thread that asks before it runs
             done = self._reset_requested = self._reset_requested or threading.Event()
             self._cond.notify_all()
-        if self.threaded:
-            done.wait()
-        else:
+        if not self.threaded:
             self._turn_until(done.is_set)
+        done.wait()  # (the loop's thread may have started meanwhile)
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self) -> None:
         """Close: end everything, waiting and running (a turn running on another thread first ends),
-        and the loop's thread. Their readers get ``ClosedError``."""
+        and the loop's thread. Their readers get ``ClosedError``. Refused from inside a turn (a
+        progress or event callback): the turn would go on over freed native objects."""
+        self._refuse_from_inside_a_turn("close the engine")
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
             thread = self._thread
         if thread is not None:
-            if thread is not threading.current_thread():
-                thread.join(timeout)
-            return
+            thread.join()  # its last turn ends, then it closes everything (_run_forever)
         me = threading.get_ident()
-        with self._cond:
-            while self._driver is not None and self._driver != me:
-                self._cond.wait()
-            if self._closed:
-                return
-            inside = self._driver == me
-            self._driver = me
         try:
+            with self._cond:
+                while self._driver is not None:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                self._driver = me
             self._close_everything()
         finally:
-            if not inside:
-                with self._cond:
-                    self._driver = None
-                    self._cond.notify_all()
+            self._release(me)
 
     def tidy(self) -> None:
         """Free the slots of cancelled requests now, when no turn runs and the loop has no thread
@@ -336,16 +338,14 @@ class SlotLoop:
                 self._cond.notify_all()
             return
         me = threading.get_ident()
-        with self._cond:
-            if self._driver is not None or self._closed:
-                return
-            self._driver = me
         try:
+            with self._cond:
+                if self._driver is not None or self._closed:
+                    return
+                self._driver = me
             self._drop_cancelled()
         finally:
-            with self._cond:
-                self._driver = None
-                self._cond.notify_all()
+            self._release(me)
 
     # ------------------------------------------------------------------ turning the loop on the caller's thread
     def turn_for(self, sub: Submission) -> None:
@@ -356,33 +356,38 @@ class SlotLoop:
     def _turn_until(self, done: Callable[[], bool], driving: Submission | None = None) -> None:
         me = threading.get_ident()
         while not done():
-            with self._cond:
-                if self._driver == me:
-                    raise EngineBusyError("the engine is already running a generation on this thread "
-                                          "(called from inside a step, e.g. a progress callback)")
-                # (while the engine closes, its closing turn comes first)
-                while (self._driver is not None or (self._stopping and not self._closed)) and not done():
-                    self._cond.wait()
-                if done() or self._thread is not None:
-                    return
-                if self._closed:
-                    raise ClosedError("the engine is closed")
-                self._driver = me
+            self._refuse_from_inside_a_turn()
             try:
+                with self._cond:
+                    # (while the engine closes, its closing turn comes first)
+                    while (self._driver is not None or (self._stopping and not self._closed)) and not done():
+                        self._cond.wait()
+                    if done() or self._thread is not None:
+                        return
+                    if self._closed:
+                        raise ClosedError("the engine is closed")
+                    self._driver = me
                 self._supersede_for(me, driving)
                 self._turn(driving)
             except BaseException as e:
-                self._recover(e)  # a turn cut short (Ctrl-C in the loop's own code): no slot goes on
+                if self._driver == me:
+                    self._recover(e, me)  # a turn cut short (Ctrl-C): no slot goes on, the caller gets it
                 raise
             finally:
-                with self._cond:
-                    self._driver = None
-                    self._cond.notify_all()
+                self._release(me)
 
-    def _refuse_from_inside_a_turn(self) -> None:
+    def _release(self, me: int) -> None:
+        """End this thread's turn, if it holds one (set and cleared under the lock, so that a Ctrl-C
+        anywhere between them cannot leave the loop held)."""
+        with self._cond:
+            if self._driver == me:
+                self._driver = None
+                self._cond.notify_all()
+
+    def _refuse_from_inside_a_turn(self, what: str = "start a generation") -> None:
         if self._driver == threading.get_ident():
-            raise EngineBusyError("the engine is already running a generation on this thread "
-                                  "(called from inside a step, e.g. a progress callback)")
+            raise EngineBusyError(f"cannot {what} from inside a step of this engine's own (a progress or "
+                                  "event callback): it would run over the step in progress")
 
     def _supersede_for(self, me: int, driving: Submission | None) -> None:
         """This thread waits for a slot that one of its own suspended streams holds: cancel that
@@ -405,45 +410,75 @@ class SlotLoop:
                 r.submission._cancel_reason = _SUPERSEDED
                 r.submission.cancel()
 
-    def _recover(self, e: BaseException) -> None:
-        """After a turn that raised: every running slot fails with it, from an empty cache."""
+    def _recover(self, e: BaseException, me: int | None = None) -> None:
+        """After a turn that raised (a Ctrl-C, or a fault in the loop itself): every running slot
+        ends from an empty cache. The requests of the thread ``me`` that ran the turn get ``e``
+        (its reader raises it anyway); another thread's get ``GenerationCancelledError``."""
         for i, running in enumerate(self._slots):
             if running is not None:
-                running.gen.seq.reset()
-                self._finish(i, "error", e)
+                try:
+                    if running.prefill is not None and not running.decoding:
+                        self._close_prefill(i, running)  # its cleanup runs now, not later over another prompt
+                    running.gen.seq.reset()
+                finally:
+                    mine = me is None or running.submission.owner == me
+                    self._finish(i, "error", e if mine else GenerationCancelledError(
+                        f"the step this generation shared was interrupted ({type(e).__name__} on the thread "
+                        "that ran it); its cache was forgotten"))
 
     # ------------------------------------------------------------------ the loop's own thread
     def _run_forever(self) -> None:
         me = threading.get_ident()
+        closing = True
         try:
             while True:
                 with self._cond:
-                    while not (self._stopping or self._pending or self.n_active or self._reset_requested
-                               or self._slot_ops) or self._driver is not None:
+                    while not (self._stopping or self._has_work() or self._leave_when_idle) \
+                            or self._driver is not None:
                         self._cond.wait()
                     if self._stopping:
-                        return
+                        break
+                    if self._leave_when_idle and not self._has_work():
+                        # (decided under the lock: whatever comes next finds no thread, and turns it)
+                        self._thread, self._leave_when_idle, closing = None, False, False
+                        break
                     self._driver = me
                 try:
                     self._turn()
                     self._wait_while_only_encodes_run()
+                except Exception as e:  # noqa: BLE001 - a fault of the loop's own: its requests fail, it goes on
+                    self._recover(e)
                 finally:
-                    with self._cond:
-                        self._driver = None
-                        self._cond.notify_all()
+                    self._release(me)
         finally:
-            with self._cond:
-                while self._driver is not None:
-                    self._cond.wait()
-                self._driver = me
-            try:
-                self._close_everything()
-            finally:
-                if self._encoder is not None:
-                    self._encoder.shutdown(wait=True)
-                with self._cond:
-                    self._driver = None
-                    self._cond.notify_all()
+            encoder, self._encoder = self._encoder, None
+            if closing:
+                try:
+                    with self._cond:
+                        self._stopping = True  # (also when it ended on a fault: nothing is queued to no one)
+                        while self._driver is not None:
+                            self._cond.wait()
+                        self._driver = me
+                    self._close_everything()
+                finally:
+                    self._release(me)
+            if encoder is not None:
+                encoder.shutdown(wait=True)
+
+    def _has_work(self) -> bool:
+        return bool(self._pending or self.n_active or self._reset_requested or self._slot_ops)
+
+    def stop_thread(self) -> None:
+        """Let the loop's own thread end once nothing runs or waits (a server stopped: the engine
+        goes on, its readers turning the loop again, lazily, with Ctrl-C reaching native calls)."""
+        with self._cond:
+            thread = self._thread
+            if thread is None:
+                return
+            self._leave_when_idle = True
+            self._cond.notify_all()
+        if thread is not threading.current_thread():
+            thread.join()
 
     # ------------------------------------------------------------------ one turn
     def _turn(self, driving: Submission | None = None) -> None:
@@ -504,18 +539,22 @@ class SlotLoop:
             prepared = self._prepare(sub.request)
             try:
                 gen = prepared.__enter__()
-            except BaseException as e:  # noqa: BLE001 - a bad request fails alone
-                sub._emit("error", e)
+                seqs = self._sequences
+                if sub.id_slot >= 0:
+                    best = sub.id_slot
+                else:
+                    best = (max(free, key=lambda i: (seqs[i].prefix_length(gen.parts), -i)) if gen.cache_prompt
+                            else free[0])
+                gen.seq = seqs[best]
+                scales = self._lora.scales_for(sub.request.lora)
+                self._lora.use(gen.seq, scales)  # a prompt cached under other adapters is not reused
+            except BaseException as e:
+                prepared.__exit__(None, None, None)
+                sub._emit("error", e)  # a bad request fails alone
+                if not isinstance(e, Exception):
+                    raise  # (a Ctrl-C: the turn ends, see _turn_until)
                 continue
-            seqs = self._sequences
-            if sub.id_slot >= 0:
-                best = sub.id_slot
-            else:
-                best = max(free, key=lambda i: (seqs[i].prefix_length(gen.parts), -i)) if gen.cache_prompt else free[0]
-            gen.seq = seqs[best]
             sub.slot = best
-            scales = self._lora.scales_for(sub.request.lora)
-            self._lora.use(gen.seq, scales)  # a prompt cached under other adapters is not reused
             self._slots[best] = _Running(sub, prepared, gen, scales)
 
     def _drop_cancelled(self) -> None:
@@ -556,7 +595,9 @@ class SlotLoop:
                 running.decoding = True
                 self._deliver(i, running.gen.start())
             return max(1, running.gen.seq.positions.n_rows - before)
-        except BaseException as e:  # noqa: BLE001 - a failed prefill fails its request alone
+        except Exception as e:  # noqa: BLE001 - a failed prefill fails its request alone
+            if running.prefill is not None:
+                self._close_prefill(i, running)
             running.gen.seq.reset()
             self._finish(i, "error", e)
             return 1
@@ -597,7 +638,7 @@ class SlotLoop:
         """One speculative step over these decoding slots: one draft call, one target decode."""
         try:
             pieces = speculative_step(self._ctx, self._drafter, [r.gen for _, r in active], self._step_cost)
-        except BaseException as e:  # noqa: BLE001 - a shared step failed: every slot in it fails
+        except Exception as e:  # noqa: BLE001 - a shared step failed: every slot in it fails
             for i, r in active:
                 r.gen.seq.reset()
                 self._finish(i, "error", e)
@@ -623,13 +664,15 @@ class SlotLoop:
     def _finish(self, i: int, kind: str, value: Any = None) -> None:
         running = self._slots[i]
         self._slots[i] = None
-        if running.encoding is not None:
-            try:  # its chunk must outlive the encode that reads it
-                running.encoding.result()
-            except BaseException:  # noqa: BLE001 - the request ends anyway
-                pass
-        running.prepared.__exit__(None, None, None)
-        running.submission._emit(kind, value)
+        try:
+            if running.encoding is not None:
+                try:  # its chunk must outlive the encode that reads it
+                    running.encoding.result()
+                except Exception:  # noqa: BLE001 - the request ends anyway
+                    pass
+            running.prepared.__exit__(None, None, None)
+        finally:
+            running.submission._emit(kind, value)
 
     def _close_everything(self) -> None:
         """The engine closes: every request, running or waiting, and every slot operation ends."""
