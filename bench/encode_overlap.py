@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Does a slot keep decoding while another slot's image is encoded? (scheduler.py's encoder thread)
+"""Does a slot keep decoding while another slot's image is encoded? (the slot loop's encoder thread, serving/slot_loop.py)
 
     python bench/encode_overlap.py --repeats 3
 

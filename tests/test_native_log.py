@@ -1,7 +1,7 @@
 """The native log callback: whole lines into Python logging, in time linear in what is logged.
 
 mtmd logs the whole prompt at debug level; the callback runs inside that native call (on the
-server's scheduler thread), so its cost must not grow faster than the text, and nothing at all
+server's slot loop thread), so its cost must not grow faster than the text, and nothing at all
 should be paid for a level nobody listens to.
 """
 

@@ -1,4 +1,4 @@
-"""Several requests at once (n_parallel slots, scheduler.py), as users run them: from threads and
+"""Several requests at once (n_parallel slots, serving/slot_loop.py), as users run them: from threads and
 through submit(), checked against the same requests run one at a time."""
 
 from __future__ import annotations

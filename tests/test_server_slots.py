@@ -1,6 +1,6 @@
 """llama-server's slot routes in `pyllama-spec serve`: GET /slots, POST /slots/{id}?action=
 save|restore|erase under --slot-save-path, the id_slot request field, GET/POST /props and
-GET /v1/models; with one slot (the engine's own sequence) and with -np 2 (the scheduler's).
+GET /v1/models; with one slot and with -np 2 (the engine's slot loop, either way).
 
 A slot saved, erased and restored gives the next request that shares its prefix the cached rows
 (cached_tokens) and the same greedy output as a fresh server, images included; a file that is

@@ -152,7 +152,7 @@ def test_per_request_tree_size_and_a_chain_on_the_same_engine(engines):
 
 
 def test_two_threads_sharing_a_tree_engine_each_get_target_only_tokens(engines):
-    """One engine, two threads generating at once (the gate runs them one after the other):
+    """One engine, two threads generating at once (the one slot runs them one after the other):
     each thread's answer is its target-only answer, and no branch is left in the cache."""
     import threading
 

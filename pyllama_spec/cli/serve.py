@@ -130,7 +130,7 @@ def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
 @click.option("-np", "--parallel", default=1, show_default=True, type=click.IntRange(-1, 64),
               help="sequence slots: requests generated at once, every slot's draft verified in one target "
                    "batch; each slot gets ctx-size / np of the context (-1: 1)")
-@click.option("--queue", "max_queue", default=16, show_default=True,
+@click.option("--queue", "max_queue", default=16, show_default=True, type=click.IntRange(min=1),
               help="requests that may wait for a slot; more get 503")
 @click.option("--allowed-image-dir", type=click.Path(file_okay=False, exists=True), default=None,
               help="allow image_url parts that name local files under this folder")

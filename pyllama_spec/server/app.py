@@ -45,7 +45,8 @@ _ROUTE_MODULES = (chat_completions, completions, info, tokens, slots, lora, infi
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starlette:
-    """The ASGI app serving ``engine``. Its lifespan starts and stops the engine's worker thread."""
+    """The ASGI app serving ``engine``. Its lifespan starts the Worker (the engine's slot loop on its
+    own thread) and stops it."""
     service = Service(engine, settings or ServerSettings())
 
     def route(path: str, methods: list[str], handler) -> Route:

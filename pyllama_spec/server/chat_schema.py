@@ -4,7 +4,7 @@ common_chat_msgs_parse_oaicompat and common_chat_tools_parse_oaicompat): a messa
 tool_call_id, name and reasoning_content; tools, tool_choice, parallel_tool_calls,
 add_generation_prompt, continue_final_message, reasoning_format, reasoning_effort,
 chat_template_kwargs and the reasoning budget's fields. Each becomes part of a
-``serving.prompt.ChatOptions`` or of a message; anything of the wrong shape is a 400 naming it.
+``serving.chat_template.ChatOptions`` or of a message; anything of the wrong shape is a 400 naming it.
 
 Pure Python: nothing is rendered here (``server/chat.py`` renders, on a thread).
 

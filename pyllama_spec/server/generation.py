@@ -50,7 +50,8 @@ async def generation(service: Service, request: Request, parse) -> Response:
 
 async def answer(service: Service, request: Request, req: GenerationRequest) -> Response:
     """Run a parsed request (its jobs queued now) and answer it whole or as server-sent events.
-    A chat is rendered first, on a thread (server/chat.py's ``prepare``: tools, reasoning)."""
+    A chat is rendered and its jobs' Requests resolved first (``Service.prepare``: on a thread
+    when a template, a schema or a long prompt can make that long)."""
     check_post_sampling_probs(req, service.engine.config.sampling)
     await service.prepare(req)
     jobs = service.submit(req)

@@ -122,7 +122,7 @@ class GenerationRequest:
     #: n choices (None: ``params`` holds the one prompt, or the messages)
     prompts: list[RequestOptions] | None = None
     options: ResponseOptions = dataclasses.field(default_factory=lambda: ResponseOptions())
-    #: a chat request's rendered chat (serving.prompt.ChatParams), once server/chat.py's ``render``
+    #: a chat request's rendered chat (server/chat.py's RenderedChat), once ``render_chat``
     #: rendered it: its parser reads the answer into content, reasoning and tool calls
     chat: Any = None
     #: each job's Request (prompt by prompt, choice by choice), once ``Service.prepare`` resolved them

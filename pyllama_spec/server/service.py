@@ -163,7 +163,7 @@ class Service:
         self.task_ids = itertools.count()  # llama-server's id_task of each generation (/slots)
         self.logprobs = LogprobFormatter(engine.model)
         # Facts the info routes answer with, read once here: the event loop never calls into
-        # native code while the worker thread generates.
+        # native code while the slot loop generates.
         from pyllama_spec.serving.chat_template import MEDIA_MARKER
 
         model, proj = engine.model, engine.projector
@@ -206,7 +206,7 @@ class Service:
         try:
             req.requests = [self.engine.resolve(o) for o in req.job_options(self.engine.config.sampling.get("seed", 0))]
         except (ValueError, TypeError) as e:
-            raise bad_request(str(e)) from None
+            raise engine_error(e) if isinstance(e, ValueError) else bad_request(str(e)) from None
 
     def submit(self, req: GenerationRequest) -> list[Job]:
         """Queue one job per choice of each prompt, prompt by prompt (``GenerationRequest.job_options``),

@@ -22,7 +22,6 @@ from pyllama_spec.server.errors import APIError, bad_request
 from pyllama_spec.server.llama_fields import generation_params
 from pyllama_spec.server.offload import off_loop
 from pyllama_spec.server.service import RouteSpec, Service, read_json
-from pyllama_spec.server.worker import QueueFullError
 from pyllama_spec.serving import slot_file
 
 #: Characters llama-server's fs_validate_filename refuses in a file name, beyond control characters.
@@ -157,9 +156,6 @@ async def _on_slot(service: Service, slot: int, fn):
     """``fn(sequence)`` run by the worker once the slot is idle."""
     try:
         return await service.worker.on_slot(slot, fn)
-    except QueueFullError:
-        raise APIError(503, f"the server is busy ({service.settings.max_queue} requests queued); retry shortly",
-                       type="server_error", code="queue_full", headers={"Retry-After": "1"}) from None
     except ClosedError as e:
         raise APIError(503, str(e), type="server_error", code="cancelled") from None
 

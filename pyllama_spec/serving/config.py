@@ -50,7 +50,7 @@ class EngineConfig:
     use_mlock: bool = False  # --mlock
     mmproj_offload: bool | None = None  # --(no-)mmproj-offload; None: on when layers are offloaded
     # llama.cpp's -np: sequences (slots) served at once, each with n_ctx / n_parallel cache rows;
-    # above 1, generations run concurrently through Engine.submit (scheduler.py)
+    # above 1, generations run concurrently in the slot loop's thread (slot_loop.py, Engine.submit)
     n_parallel: int = 1
     # Devices (devices.py; llama.cpp's --rpc, -dev, -devd, -sm, -ts, -mg): RPC servers' host:port, the
     # target's devices by name (None: llama.cpp's choice, remote ones first; "none": no offload), the

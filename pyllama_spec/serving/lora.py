@@ -16,7 +16,7 @@ global scales when it gives none. As in llama-server (server-context.cpp):
   decoded it (llama-server's ``lora_should_clear_cache``; its aLoRA exception does not arise,
   aLoRA adapters are refused at load);
 * one target decode runs under one set of scales, so only slots whose scales are equal are
-  batched together (its ``can_batch_with``): the scheduler steps each set of slots in turn.
+  batched together (its ``can_batch_with``): the slot loop steps each set of slots in turn.
 """
 
 from __future__ import annotations

@@ -86,7 +86,10 @@ class PromptParts:
 
     def count(self, text: str, images: list) -> int:
         """The cache rows ``text`` and its ``images`` take (BOS/EOS added, special tokens parsed, each
-        image its projector's tokens), without decoding anything (the server's token counts)."""
+        image its projector's tokens; images without markers first, as ``text_and_images`` puts
+        them), without decoding anything (the server's token counts)."""
+        if images and text.count(MEDIA_MARKER) == 0:
+            text = MEDIA_MARKER * len(images) + "\n" + text
         if self.projector is None:
             return len(self.model.tokenize(text, add_special=True))
         bitmaps: list[Bitmap] = []

@@ -25,7 +25,11 @@ Progress = Callable[[str, int, int], None]
 
 @dataclasses.dataclass(frozen=True)
 class RequestOptions:
-    """A request as given: ``None`` is "not given" (the engine's default applies)."""
+    """A request as given. A setting left ``None`` takes the engine's default (its load's
+    ``sampling``, ``draft_max``, ``verify``, ...); the others have the defaults written here (as
+    ``Engine.stream`` documents them). ``sampling`` holds the sampler settings given, by name
+    (``SamplingParams``' fields, and ``grammar``, ``json_schema``, ``ignore_eos``): build it with
+    ``RequestOptions.of(prompt, temperature=0.7, ...)``, which sorts keywords into both."""
 
     prompt: Any = None  # a raw prompt (MEDIA_MARKER where each image goes), or token ids mixed with strings
     messages: Sequence[Any] | None = None  # chat messages through the model's template, or
@@ -58,10 +62,6 @@ class RequestOptions:
 
     def replace(self, **changes: Any) -> "RequestOptions":
         return dataclasses.replace(self, **changes)
-
-    def with_sampling(self, **settings: Any) -> "RequestOptions":
-        """These options with more sampler settings (replacing those of the same name)."""
-        return dataclasses.replace(self, sampling={**self.sampling, **settings})
 
 
 _OPTION_NAMES = frozenset(f.name for f in dataclasses.fields(RequestOptions)) - {"sampling"}

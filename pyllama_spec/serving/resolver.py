@@ -45,6 +45,14 @@ class RequestResolver:
                  grammar_of_schema: Callable[[Any], str]) -> None:
         self.config, self.limits = config, limits
         self._lora_scales, self._grammar_of_schema = lora_scales, grammar_of_schema
+        # The engine's own sampling defaults; a default json_schema (llama-server's --json-schema) is
+        # turned into its grammar once, here, not for every request.
+        self._defaults = dict(config.sampling)
+        if self._defaults.get("json_schema") is not None and not self._defaults.get("grammar"):
+            try:
+                self._defaults["grammar"] = grammar_of_schema(self._defaults.pop("json_schema"))
+            except ValueError as e:
+                raise ValueError(f"the sampling defaults are not valid: {e}") from None
 
     def resolve(self, o: RequestOptions) -> Request:
         """``o`` checked (before anything runs) and completed with the engine's defaults."""
@@ -54,7 +62,7 @@ class RequestResolver:
             raise ValueError(f"max_tokens must be an integer >= 0, got {max_tokens!r}")
         prompt = self._prompt(o)
         draft = self._draft(o)
-        defaults = dict(cfg.sampling)  # the engine's (llama-server's --temp, ...), then the call's
+        defaults = dict(self._defaults)  # the engine's (llama-server's --temp, ...), then the call's
         default_seed = defaults.pop("seed", 0)
         seed = default_seed if o.seed is None else o.seed
         sampling = dict(o.sampling)

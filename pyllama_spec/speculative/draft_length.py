@@ -15,7 +15,7 @@ right and cheap rows (a large model on a GPU) lengthen them. For its first three
 explores from a draft of 3 with HF transformers' schedule (two more after a fully accepted
 block, one fewer after a rejection).
 
-With several slots in one step (scheduler.py) the rows of every slot share one target
+With several slots in one step (serving/slot_loop.py) the rows of every slot share one target
 decode, so a row's cost is the step's, not the slot's: ``plan_lengths`` hands out the
 step's draft rows across the adaptive slots together, each next row to the slot whose next
 draft token is likeliest to be kept, for as long as it raises the step's expected tokens per

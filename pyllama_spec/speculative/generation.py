@@ -11,7 +11,8 @@ A ``Generation`` runs on one ``Sequence``: it prefills the prompt slice by slice
 4. each verifier accepts the longest prefix its sampler agrees with, plus the target's
    own next token, and the sequence commits what was kept (sequence.py).
 
-``Engine`` drives one generation on the caller's thread; ``Scheduler`` drives many.
+The slot loop (serving/slot_loop.py) drives them, one slot or many, each step over every
+decoding slot.
 """
 
 from __future__ import annotations
