@@ -26,8 +26,9 @@ Routes: ``GET /models`` and ``/v1/models`` (every model with its status), ``POST
 ``POST /models/unload``, ``GET /models/sse`` (status events), ``/health``, ``GET /props`` (the
 router's, or a model's with ``?model=``) and llama-server's model routes, proxied.
 
-The modules: ``pool`` (the models' processes and their states: starting, stopping, evicting,
-waiting for one; ``follow_router`` on the child's side), ``proxy`` (a request passed to its
-model's process and the answer passed back; the status events) and ``app`` (the routes:
+The modules: ``pool`` (the models and their states: which run, evicting, waiting for one, the
+status events; ``follow_router`` on the child's side), ``child`` (one model's process: its
+command line, started, followed, stopped, killed), ``proxy`` (a request passed to its model's
+process and the answer passed back; the status events' stream) and ``app`` (the routes:
 ``create_router_app``).
 """

@@ -1,5 +1,6 @@
-"""The router's models: a ``pyllama-spec serve`` process per loaded model, started, stopped and
-evicted as the package's doc says (``Router``); and, on the child's side, ``follow_router``."""
+"""The router's models: which run, started, stopped and evicted as the package's doc says, each
+by its own process (``child.Child``), waited for by requests, reported in status events and
+GET /models entries (``Router``); and, on the child's side, ``follow_router``."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
-import secrets
 import signal
 import sys
 import threading
@@ -19,24 +20,12 @@ from typing import Any
 import httpx
 
 from pyllama_spec import __version__
-from pyllama_spec.ports import free_port
 from pyllama_spec.server.errors import APIError, bad_request
+from pyllama_spec.server.router.child import Child, command
 
 log = logging.getLogger("pyllama_spec.server.router")
 
-#: Set in a child's environment (llama-server's name): the child then exits when its stdin closes.
-ROUTER_ENV = "LLAMA_SERVER_ROUTER_PORT"
-#: Children listen here only, whatever address the router listens on.
-CHILD_HOST = "127.0.0.1"
 DEFAULT_STOP_TIMEOUT = 10  # seconds, llama-server's
-#: What a router's child must not inherit from its environment: the router's own settings, and
-#: the API key (each child gets one of its own).
-_ROUTER_ONLY_ENV = ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "LLAMA_ARG_MODELS_PRESET", "LLAMA_ARG_MODELS_MAX",
-                    "LLAMA_ARG_MODELS_AUTOLOAD", "LLAMA_ARG_MODELS_DIR", "LLAMA_ARG_HOST", "LLAMA_ARG_PORT",
-                    "LLAMA_ARG_ALIAS", "LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE")
-#: Lines of a child's output kept for the reason it failed.
-TAIL_LINES = 20
-_MAX_LINE = 64 * 1024  # a child's line longer than this is cut (the tail stays bounded)
 
 UNLOADED, LOADING, LOADED = "unloaded", "loading", "loaded"
 
@@ -73,23 +62,22 @@ class ModelState:
 
     spec: ModelSpec
     status: str = UNLOADED
-    stopping: bool = False  # asked to stop, not exited yet: still counts against --models-max
+    child: Child | None = None  # its process, while it runs (status loading or loaded)
     exit_code: int = 0
-    tail: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
-    reason: str = ""  # the tail when it failed
-    proc: asyncio.subprocess.Process | None = None
-    port: int = 0
-    key: str = ""  # the child's own API key
+    reason: str = ""  # the child's last lines when it failed
     args: list[str] = dataclasses.field(default_factory=list)  # the command line of the last start
     last_used: float = 0.0
     requests: int = 0  # requests being proxied to it now
     info: dict = dataclasses.field(default_factory=dict)  # the child's /v1/models entry
-    kill_timer: asyncio.TimerHandle | None = None
-    watcher: asyncio.Task | None = None
 
     @property
     def running(self) -> bool:
         return self.status in (LOADING, LOADED)
+
+    @property
+    def stopping(self) -> bool:
+        """Asked to stop, not exited yet: still counts against --models-max."""
+        return self.child is not None and self.child.stopping
 
     @property
     def failed(self) -> bool:
@@ -97,7 +85,8 @@ class ModelState:
 
 
 class Router:
-    """The children and their states (see the module's doc). Use it on one event loop:
+    """The models and their states: which run, within ``models_max``, and who waits for one (see
+    the package's doc); each running model's process is a ``Child``. Use it on one event loop:
     ``await start()``, the routes, ``await close()``."""
 
     def __init__(self, specs: list[ModelSpec], settings: RouterSettings) -> None:
@@ -114,7 +103,7 @@ class Router:
             raise ValueError(f"number of models to load on startup ({len(startup)}) exceeds models_max "
                              f"({settings.models_max})")
         for m in self.models.values():
-            m.args = self._command(m, 0)
+            m.args = command(settings.child_command, m.spec.args, m.spec.name, 0)
         self.closing = False
         self.client: httpx.AsyncClient | None = None
         self._wanted: collections.OrderedDict[str, int] = collections.OrderedDict()  # waiting requests by model
@@ -153,14 +142,13 @@ class Router:
         """Stop every child (each within its stop-timeout, then killed) and wait for them."""
         self.closing = True
         self._stop_all_soon()
-        watchers = [m.watcher for m in self.models.values() if m.watcher is not None]
+        watchers = [m.child.watcher for m in self.models.values() if m.child is not None]
         if watchers:
             limit = max(m.spec.stop_timeout for m in self.models.values()) + 5
             _, pending = await asyncio.wait(watchers, timeout=limit)
             for m in self.models.values():  # a child that outlived even that: killed, then reaped
-                if m.proc is not None and m.proc.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        m.proc.kill()
+                if m.child is not None:
+                    m.child.kill()
             if pending:
                 await asyncio.wait(pending, timeout=5)
         if self.client is not None:
@@ -168,115 +156,36 @@ class Router:
 
     # ------------------------------------------------------------------ children
 
-    def _command(self, m: ModelState, port: int) -> list[str]:
-        return [*self.settings.child_command, *m.spec.args, "--host", CHILD_HOST, "--port", str(port),
-                "--alias", m.spec.name]
-
     def _spawn(self, m: ModelState) -> None:
-        """Start ``m``'s child (its status becomes loading; a watcher follows it)."""
-        m.port, m.key = free_port(CHILD_HOST), secrets.token_urlsafe(24)
-        m.args = self._command(m, m.port)
-        m.status, m.stopping, m.exit_code, m.reason, m.info = LOADING, False, 0, "", {}
+        """Start ``m``'s child (its status becomes loading; ``_loaded`` and ``_exited`` follow)."""
+        m.child = Child(m.spec.name, self.settings.child_command, m.spec.args, stop_timeout=m.spec.stop_timeout,
+                        router_port=self.settings.router_port, client=self.client,
+                        on_ready=functools.partial(self._loaded, m), on_exit=functools.partial(self._exited, m))
+        m.args = m.child.args
+        m.status, m.exit_code, m.reason, m.info = LOADING, 0, "", {}
         m.last_used = time.monotonic()
-        m.tail.clear()
-        m.proc = None
-        m.watcher = asyncio.ensure_future(self._run_child(m))
+        m.child.start()
         self._event(m, "model_status", {"status": LOADING})
         self._notify()
 
-    def _child_env(self, m: ModelState) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in _ROUTER_ONLY_ENV}
-        env[ROUTER_ENV] = str(self.settings.router_port)
-        env["LLAMA_API_KEY"] = m.key
-        env["PYTHONUNBUFFERED"] = "1"  # its lines reach the router as they are written
-        return env
-
-    async def _run_child(self, m: ModelState) -> None:
-        """Start the child, follow its output, mark it loaded when it answers, and record how it ended."""
-        try:
-            # its own session: a Ctrl-C in the router's terminal reaches the router only, which
-            # then stops the children in order; stdin stays open (a pipe) until the router ends
-            proc = await asyncio.create_subprocess_exec(
-                *m.args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE, env=self._child_env(m), start_new_session=True)
-        except OSError as e:
-            m.tail.append(f"cannot start {m.args[0]}: {e}")
-            self._exited(m, None, 127)
-            return
-        m.proc = proc
-        if m.stopping:  # unloaded (or the router stopping) while it was being started
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-        ready = asyncio.ensure_future(self._until_ready(m, proc))
-        await asyncio.gather(self._pump(m, proc.stdout), self._pump(m, proc.stderr))
-        rc = await proc.wait()
-        ready.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await ready
-        self._exited(m, proc, rc)
-
-    async def _pump(self, m: ModelState, stream: asyncio.StreamReader) -> None:
-        """The child's lines, passed on to the router's stderr (prefixed with the model's name)
-        and kept in its tail."""
-        buf = b""
-        while True:
-            chunk = await stream.read(65536)
-            if chunk:
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                if len(buf) > _MAX_LINE:  # a child that never writes a newline: cut, stay bounded
-                    lines, buf = [*lines, buf[:_MAX_LINE]], b""
-            else:
-                lines, buf = ([buf] if buf else []), b""
-            for raw in lines:
-                line = raw.decode("utf-8", "replace").rstrip("\r")
-                if line.strip():
-                    m.tail.append(line)
-                    with contextlib.suppress(OSError, ValueError):  # the router's own stderr gone: go on
-                        sys.stderr.write(f"[{m.spec.name}] {line}\n")
-            if not chunk:
-                with contextlib.suppress(OSError, ValueError):
-                    sys.stderr.flush()
-                return
-
-    async def _until_ready(self, m: ModelState, proc) -> None:
-        """Poll the child's /health until it answers; then read its /v1/models entry and mark it loaded."""
-        base = f"http://{CHILD_HOST}:{m.port}"
-        delay = 0.05
-        while proc.returncode is None:
-            try:
-                r = await self.client.get(base + "/health", timeout=2.0)
-                if r.status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(delay)
-            delay = min(delay * 1.5, 0.5)
-        else:
-            return
-        info = {}
-        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-            r = await self.client.get(base + "/v1/models", headers={"Authorization": f"Bearer {m.key}"}, timeout=10.0)
-            info = r.json()["data"][0]
-        if m.proc is proc and m.status == LOADING and not m.stopping:
-            m.status, m.info = LOADED, info if isinstance(info, dict) else {}
+    def _loaded(self, m: ModelState, child: Child, info: dict) -> None:
+        """``m``'s child answers: it is loaded (unless it was asked to stop meanwhile)."""
+        if m.child is child and m.status == LOADING and not m.stopping:
+            m.status, m.info = LOADED, info
             m.last_used = time.monotonic()
             self._event(m, "status_change", {"status": LOADED, "info": m.info})
             self._notify()
 
-    def _exited(self, m: ModelState, proc, rc: int) -> None:
-        if m.kill_timer is not None:
-            m.kill_timer.cancel()
-            m.kill_timer = None
-        if m.proc is not proc:
+    def _exited(self, m: ModelState, child: Child, rc: int) -> None:
+        if m.child is not child:
             return
         # A child that stopped as asked exits 0 or by the SIGTERM it was sent (uvicorn re-raises
         # it): that is a clean unload. Killed after its stop-timeout, or ended by itself with an
         # error, it failed (as in llama-server, where a force-killed child shows failed too).
-        clean = rc == 0 or (m.stopping and rc == -signal.SIGTERM)
+        clean = rc == 0 or (child.stopping and rc == -signal.SIGTERM)
         m.exit_code = 0 if clean else rc
-        m.reason = "" if clean else "\n".join(m.tail)
-        m.status, m.stopping, m.proc, m.port, m.info = UNLOADED, False, None, 0, {}
+        m.reason = "" if clean else "\n".join(child.tail)
+        m.status, m.child, m.info = UNLOADED, None, {}
         if not clean:
             log.warning("model %s exited with status %s", m.spec.name, rc)
         self._event(m, "status_change", {"status": UNLOADED, "exit_code": m.exit_code})
@@ -287,20 +196,8 @@ class Router:
         killed at once, as llama-server does."""
         if not m.running or m.stopping:
             return
-        m.stopping = True
-        if m.proc is not None and m.proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                m.proc.send_signal(signal.SIGKILL if m.status == LOADING else signal.SIGTERM)
-        loop = asyncio.get_running_loop()
-        m.kill_timer = loop.call_later(m.spec.stop_timeout, self._kill, m)
+        m.child.stop(at_once=m.status == LOADING)
         self._notify()
-
-    def _kill(self, m: ModelState) -> None:
-        m.kill_timer = None
-        if m.stopping and m.proc is not None and m.proc.returncode is None:
-            log.warning("killing model %s: it did not stop within %g s", m.spec.name, m.spec.stop_timeout)
-            with contextlib.suppress(ProcessLookupError):
-                m.proc.kill()
 
     # ------------------------------------------------------------------ scheduling
 

@@ -15,7 +15,8 @@ from starlette.responses import Response
 
 from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.offload import until_disconnected
-from pyllama_spec.server.router.pool import CHILD_HOST, LOADED, LOADING, ModelState, Router, not_running
+from pyllama_spec.server.router.child import Child
+from pyllama_spec.server.router.pool import LOADED, LOADING, ModelState, Router, not_running
 
 log = logging.getLogger("pyllama_spec.server.router")
 
@@ -72,20 +73,20 @@ class ProxyResponse(Response):
             if m.status != LOADED or m.stopping:
                 raise not_running(m)
             with router.using(m, touch=scope["method"] == "POST"):
-                proc, port = m.proc, m.port
+                child = m.child
                 target = scope.get("raw_path") or scope["path"].encode()  # path and query as the client wrote them
                 if scope.get("query_string"):
                     target += b"?" + scope["query_string"]
-                url = httpx.URL(f"http://{CHILD_HOST}:{port}").copy_with(raw_path=target)
+                url = httpx.URL(child.url).copy_with(raw_path=target)
                 headers = [(k, v) for k, v in self.request.headers.raw
                            if k.decode("latin-1").lower() not in _REQUEST_HEADERS_DROPPED]
-                headers.append((b"authorization", f"Bearer {m.key}".encode()))
+                headers.append((b"authorization", f"Bearer {child.key}".encode()))
                 upstream_request = router.client.build_request(scope["method"], url, headers=headers,
                                                                content=self.body_bytes)
                 try:
                     upstream = await router.client.send(upstream_request, stream=True)
                 except httpx.HTTPError as e:
-                    raise await _child_gone(m, proc, e) from None
+                    raise await _child_gone(m, child, e) from None
                 try:
                     self.status_code = upstream.status_code
                     out = [(k, v) for k, v in upstream.headers.raw
@@ -109,12 +110,13 @@ class ProxyResponse(Response):
                 await _send_error(send, e)
 
 
-async def _child_gone(m: ModelState, proc, e: Exception) -> APIError:
+async def _child_gone(m: ModelState, child: Child, e: Exception) -> APIError:
     """The error for a request whose child could not be reached (it crashed or is stopping)."""
+    proc = child.proc
     if proc is not None:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(proc.wait(), 2.0)  # let its exit (and its last lines) be recorded
-    reason = "\n".join(m.tail) if proc is not None and proc.returncode not in (None, 0) else ""
+    reason = "\n".join(child.tail) if proc is not None and proc.returncode not in (None, 0) else ""
     what = f"exited with status {proc.returncode}" if proc is not None and proc.returncode is not None \
         else f"cannot be reached ({type(e).__name__})"
     return APIError(500, f"model name={m.spec.name} {what}" + (f": {reason}" if reason else ""),
