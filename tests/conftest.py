@@ -11,6 +11,9 @@ Fixtures (reuse them in new test files rather than writing models yourself):
                     partial rollback needs ``n_rs_seq`` > 0 on its context).
 * ``tiny_fim``      ``tiny_dense``'s trio with fill-in-the-middle tokens in the vocabulary
                     (``tiny.FIM_TOKENS``: pre, suf, mid, pad, rep, sep), for /infill.
+* ``tiny_server``   one ``serving.LocalServer`` for the session, shared by the modules that only
+                    read from it: ``tiny_dense``'s trio, n_ctx 2048, ``N_THREADS``, flash attention
+                    off, the other engine settings their defaults; ``ServerSettings(alias="tiny")``.
 * ``big_image``     a deterministic, read-only 672x672 RGB uint8 numpy array (576 image tokens
                     over 24 positions through the tiny mmproj).
 * ``big_image_png`` the same image written as a PNG file (Pillow), a ``Path``.
@@ -149,6 +152,27 @@ def tiny_fim(tiny_dir) -> tiny.TinyModels:
 def tiny_hybrid(tiny_dir) -> tiny.TinyModels:
     """Hybrid qwen35 target + mmproj + dflash draft (window 32, predictable 0.5, seed 0)."""
     return tiny.make_tiny_set(tiny_dir, arch="qwen35", seed=0, window=32, predictable=0.5)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_dense):
+    """``tiny_dense``'s trio served for the whole session (n_ctx 2048, N_THREADS threads, flash
+    attention off, ``ServerSettings(alias="tiny")``): a ``serving.LocalServer``, its engine at
+    ``.engine``. Several modules send it requests, in whatever order they run: use it only where a
+    test's answers do not depend on what was sent before (no slot save/restore or /slots
+    contents, no LoRA scales, no full queue, no /metrics counted from zero, no cold cache, no
+    stop). A test that needs any of these starts its own server."""
+    import pyllama_spec as ps
+    from serving import LocalServer
+
+    from pyllama_spec.server import ServerSettings
+
+    engine = ps.load(tiny_dense.target, mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_ctx=2048,
+                     n_threads=N_THREADS, flash_attn=False)
+    served = LocalServer(engine, ServerSettings(alias="tiny"))
+    yield served
+    served.stop()
+    engine.close()
 
 
 def _make_big_image() -> np.ndarray:

@@ -392,13 +392,10 @@ def test_the_anthropic_clients_stream_helper_assembles_the_translated_tool_calls
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dense):
-    engine = ps.load(tiny_dense.target, mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_ctx=2048,
-                     n_threads=N_THREADS, flash_attn=False)
-    served = LocalServer(engine, ServerSettings(alias="tiny"))
-    yield served
-    served.stop()
-    engine.close()
+def server(tiny_server):
+    """The session's shared server (conftest's ``tiny_server``): no test here changes its state in a
+    way another depends on (the cache test sends its conversation twice in a row)."""
+    return tiny_server
 
 
 @pytest.fixture(scope="module")

@@ -189,13 +189,9 @@ def test_apply_template_gives_what_the_chat_route_renders_with_each_real_templat
 
 
 @pytest.fixture(scope="module")
-def ours(tiny_dense):
-    engine = ps.load(tiny_dense.target, mmproj=tiny_dense.mmproj, draft=tiny_dense.draft, n_ctx=2048,
-                     n_threads=N_THREADS)
-    server = LocalServer(engine, ServerSettings(alias="tiny"))
-    yield server.url
-    server.stop()
-    engine.close()
+def ours(tiny_server):
+    """The session's shared server (conftest's ``tiny_server``): these tests only read from it."""
+    return tiny_server.url
 
 
 @pytest.fixture(scope="module")
