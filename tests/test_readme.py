@@ -60,9 +60,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def served_embedded():
-    """`pyllama-spec serve` on the embedded pair, on a free port; yields the port."""
+    """`pyllama-spec serve` on the embedded pair, on a free port; yields the port. One for the
+    module: the client blocks only send it requests (sampled answers, no slot or setting changed)."""
     from serving import cli_server
 
     with cli_server("-t", "1") as url:
