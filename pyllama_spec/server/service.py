@@ -260,7 +260,6 @@ def check_api_key(request: Request, keys: str | None) -> None:
 
 def _prompt_size(prompt) -> int:
     """About how much work resolving a prompt is: its characters, or its token ids and strings."""
-    if prompt is None:
-        return 0
-    return len(prompt) if isinstance(prompt, (str, bytes)) else sum(
-        len(x) if isinstance(x, (str, list, tuple)) or hasattr(x, "__len__") else 1 for x in prompt)
+    if prompt is None or isinstance(prompt, str):
+        return len(prompt or "")
+    return sum(len(x) if hasattr(x, "__len__") else 1 for x in prompt)

@@ -133,8 +133,10 @@ class Submission:
         while True:
             if not self._events.empty():
                 return self._events.get_nowait()
-            if self.finished.is_set():  # its last event was taken, and lost (a Ctrl-C while it was read)
-                return "cancelled", None
+            if self.finished.is_set():  # (set after its last event was put: that event is here, or taken)
+                if not self._events.empty():
+                    return self._events.get_nowait()
+                return "cancelled", None  # taken, and lost (a Ctrl-C while it was read)
             if self._loop.threaded:  # (its thread may stop once idle: then this thread turns the loop)
                 try:
                     return self._events.get(timeout=0.1)
@@ -394,11 +396,13 @@ class SlotLoop:
         stream (see the module), rather than wait for it forever."""
         if not (self._slot_ops or self._pending or self._reset_requested):
             return  # (each step of a stream: nothing waits for a slot)
-        wanted: set[int] = {op.slot for op in self._slot_ops if op.owner == me}
+        with self._cond:  # (other threads queue work meanwhile)
+            ops, pending = list(self._slot_ops), list(self._pending)
+        wanted: set[int] = {op.slot for op in ops if op.owner == me}
         if self._reset_requested is not None:
             wanted.update(range(len(self._slots)))
         free = [i for i, r in enumerate(self._slots) if r is None]
-        for sub in self._pending:
+        for sub in pending:
             if sub.owner == me and not sub.cancelled:
                 if sub.id_slot >= 0:
                     wanted.add(sub.id_slot)
