@@ -100,6 +100,9 @@ class Qwen35Config:
     n_ff: int = 256
     rope_sections: tuple = tuple(ROPE_SECTIONS)
     recurrent: tuple = RECURRENT_LAYERS
+    rope_base: float = ROPE_BASE
+    #: the tiny tokenizer's merges (False: one byte, one token; the reading world's files)
+    merges: bool = True
 
 
 def _torch():
@@ -128,10 +131,10 @@ def imrope_section_of_pair(half: int, sections) -> list[int]:
     return out
 
 
-def rope_imrope(x, pos, sections):
+def rope_imrope(x, pos, sections, base=ROPE_BASE):
     """NeoX-style rotation of x [..., T, H, D] with interleaved M-RoPE: pos [(B,) T, 4] holds each
     row's (t, h, w, e) positions (a text row's are (p, p, p, 0))."""
-    return T.rope_neox(x, pos, sections, section_of_pair=imrope_section_of_pair)
+    return T.rope_neox(x, pos, sections, section_of_pair=imrope_section_of_pair, base=base)
 
 
 def _layer_params(n_ff: int):
@@ -153,15 +156,15 @@ def _layer_params(n_ff: int):
     ))
 
 
-def _qkv(L, x, pos, sections):
+def _qkv(L, x, pos, sections, base=ROPE_BASE):
     """The gated-attention projections of one qwen35 layer on x [B, T, n_embd] (already normed):
     roped, normed q [B, T, H, D], k, v [B, T, Hkv, D] and the output gate [B, T, H * D]."""
     F = _torch().nn.functional
     B, Tn = x.shape[:2]
     qg = F.linear(x, L["wq"]).view(B, Tn, N_HEAD, 2 * HEAD_DIM)
     q, gate = qg[..., :HEAD_DIM], qg[..., HEAD_DIM:].reshape(B, Tn, N_HEAD * HEAD_DIM)
-    q = rope_imrope(rms_norm(q, L["q_norm"]), pos, sections)
-    k = rope_imrope(rms_norm(F.linear(x, L["wk"]).view(B, Tn, N_HEAD_KV, HEAD_DIM), L["k_norm"]), pos, sections)
+    q = rope_imrope(rms_norm(q, L["q_norm"]), pos, sections, base)
+    k = rope_imrope(rms_norm(F.linear(x, L["wk"]).view(B, Tn, N_HEAD_KV, HEAD_DIM), L["k_norm"]), pos, sections, base)
     v = F.linear(x, L["wv"]).view(B, Tn, N_HEAD_KV, HEAD_DIM)
     return q, k, v, gate
 
@@ -178,9 +181,9 @@ def _ffn(L, x):
     return F.linear(F.silu(F.linear(h, L["gate"])) * F.linear(h, L["up"]), L["down"])
 
 
-def _block(L, x, pos, mask, sections):
+def _block(L, x, pos, mask, sections, base=ROPE_BASE):
     """One full-attention qwen35 layer (causal by ``mask`` [B or 1, T, T])."""
-    q, k, v, gate = _qkv(L, rms_norm(x, L["attn_norm"]), pos, sections)
+    q, k, v, gate = _qkv(L, rms_norm(x, L["attn_norm"]), pos, sections, base)
     x = x + _attn_out(L, T.attention(q, k, v, mask), gate)
     return x + _ffn(L, x)
 
@@ -287,7 +290,7 @@ def make_target(cfg: Qwen35Config):
             x = self.embed(tokens, embd)
             causal = torch.ones(Tn, Tn, dtype=torch.bool).tril()[None]
             for L, recurrent in zip(self.layers, cfg.recurrent):
-                x = _delta_net_block(L, x) if recurrent else _block(L, x, pos, causal, cfg.rope_sections)
+                x = _delta_net_block(L, x) if recurrent else _block(L, x, pos, causal, cfg.rope_sections, cfg.rope_base)
             h = rms_norm(x, self.output_norm)
             return F.linear(h, self.output), h
 
@@ -319,7 +322,7 @@ def make_mtp(cfg: Qwen35Config):
         def forward(self, emb, h_prev, pos, mask, output_norm, output):
             """Rows (emb [B, T, n_embd], h_prev [B, T, n_embd]) at positions pos [B, T, 4], visibility
             mask [B or 1, T, T] -> logits [B, T, V], m [B, T, n_embd] (the head's own hidden state)."""
-            x = _block(self.layer, self.inputs(emb, h_prev), pos, mask, cfg.rope_sections)
+            x = _block(self.layer, self.inputs(emb, h_prev), pos, mask, cfg.rope_sections, cfg.rope_base)
             m = rms_norm(x, output_norm)
             return F.linear(m, output), m
 
@@ -329,7 +332,7 @@ def make_mtp(cfg: Qwen35Config):
             (``kv_first`` = (K, V) of the first pass, ``mask`` [B or 1, T, T] over them) and to itself."""
             L = self.layer
             u = self.inputs(emb, m_prev)
-            q, k, v, gate = _qkv(L, rms_norm(u, L["attn_norm"]), pos, cfg.rope_sections)
+            q, k, v, gate = _qkv(L, rms_norm(u, L["attn_norm"]), pos, cfg.rope_sections, cfg.rope_base)
             k1, v1 = kv_first
             Tn = emb.shape[1]
             strict = mask & ~torch.eye(Tn, dtype=torch.bool)[None]
@@ -345,7 +348,7 @@ def make_mtp(cfg: Qwen35Config):
         def first_pass_kv(self, emb, h_prev, pos):
             L = self.layer
             u = self.inputs(emb, h_prev)
-            _, k, v, _ = _qkv(L, rms_norm(u, L["attn_norm"]), pos, cfg.rope_sections)
+            _, k, v, _ = _qkv(L, rms_norm(u, L["attn_norm"]), pos, cfg.rope_sections, cfg.rope_base)
             return k, v
 
     return MTPHead()
@@ -385,7 +388,7 @@ def write_gguf(path, params: dict, cfg: Qwen35Config, mtp_params: dict | None = 
                        ("attention.head_count_kv", N_HEAD_KV), ("attention.key_length", HEAD_DIM),
                        ("attention.value_length", HEAD_DIM), ("rope.dimension_count", HEAD_DIM)):
         w.add_uint32(f"{ARCH}.{key}", value)
-    w.add_float32(f"{ARCH}.rope.freq_base", ROPE_BASE)
+    w.add_float32(f"{ARCH}.rope.freq_base", cfg.rope_base)
     w.add_float32(f"{ARCH}.attention.layer_norm_rms_epsilon", EPS)
     w.add_array(f"{ARCH}.rope.dimension_sections", ValueType.INT32, list(cfg.rope_sections))
     w.add_string("general.name", name)
@@ -396,7 +399,7 @@ def write_gguf(path, params: dict, cfg: Qwen35Config, mtp_params: dict | None = 
         w.add_uint32(f"{ARCH}.{key}", value)
     # one entry per block, the nextn block included (it is full attention)
     w.add_array(f"{ARCH}.attention.recurrent_layers", ValueType.BOOL, list(cfg.recurrent) + [False] * (n_all - cfg.n_layer))
-    tiny._add_tokenizer(w)
+    tiny._add_tokenizer(w, merges=cfg.merges)
     w.add_tensor("token_embd.weight", params["tok_embd"])
     w.add_tensor("output_norm.weight", params["output_norm"])
     w.add_tensor("output.weight", params["output"])
@@ -429,6 +432,8 @@ def load(path):
                        n_ff=int(meta[f"{ARCH}.feed_forward_length"]),
                        rope_sections=tuple(int(s) for s in meta[f"{ARCH}.rope.dimension_sections"]))
     cfg.recurrent = tuple(bool(r) for r in meta[f"{ARCH}.attention.recurrent_layers"])[:cfg.n_layer]
+    cfg.rope_base = float(meta.get(f"{ARCH}.rope.freq_base", ROPE_BASE))
+    cfg.merges = bool(len(meta.get("tokenizer.ggml.merges", [])))
     target = make_target(cfg)
     p = dict(tok_embd=tt["token_embd.weight"], output=tt["output.weight"], output_norm=tt["output_norm.weight"])
     for i in range(cfg.n_layer):
@@ -485,11 +490,12 @@ def _head_batch(target, rng, toks, images, batch, seq, image_share, image_text):
     return x, _default_pos(x[:, :-1], None), None, False
 
 
-def mtp_losses(target, head, x, pos, embd, hide_images, *, chained_weight=0.5):
+def mtp_losses(target, head, x, pos, embd, hide_images, *, chained_weight=0.5, row_weight=None):
     """(loss, stats) of the head on one batch, the target frozen: pass 1 rows (x_i, h_{i-1}) and
     pass 2 rows (x_i, m_{i-1}) (a chained draft step) predict x_{i+1}; each with the corpus label
     (Qwen's MTP objective) plus the target's own distribution at row i (KL), on rows whose label is
-    text and whose own row the head holds."""
+    text and whose own row the head holds. ``row_weight`` [B, T] (default: all 1) weighs each row's
+    loss (the reading world weighs its read-out rows up)."""
     torch = _torch()
     F = torch.nn.functional
     tokens, labels = x[:, :-1], x[:, 1:]
@@ -512,10 +518,17 @@ def mtp_losses(target, head, x, pos, embd, hide_images, *, chained_weight=0.5):
 
     def loss_of(logits):
         lp = F.log_softmax(logits, -1)
-        ce = F.cross_entropy(logits.reshape(-1, N_VOCAB), labels.masked_fill(~valid, -100).reshape(-1),
-                             ignore_index=-100)
-        kl = ((t_logp.exp() * (t_logp - lp)).sum(-1) * valid).sum() / valid.sum().clamp(min=1)
-        agree = ((logits.argmax(-1) == t_logits.argmax(-1)) & valid).sum() / valid.sum().clamp(min=1)
+        if row_weight is None:
+            ce = F.cross_entropy(logits.reshape(-1, N_VOCAB), labels.masked_fill(~valid, -100).reshape(-1),
+                                 ignore_index=-100)
+            kl = ((t_logp.exp() * (t_logp - lp)).sum(-1) * valid).sum() / valid.sum().clamp(min=1)
+        else:
+            w = row_weight * valid
+            rows = F.cross_entropy(logits.reshape(-1, N_VOCAB), labels.clamp(min=0).reshape(-1), reduction="none")
+            ce = (rows.view(B, Tn) * w).sum() / w.sum().clamp(min=1)
+            kl = ((t_logp.exp() * (t_logp - lp)).sum(-1) * w).sum() / w.sum().clamp(min=1)
+        scored = valid if row_weight is None else valid & (row_weight > 0)
+        agree = ((logits.argmax(-1) == t_logits.argmax(-1)) & scored).sum() / scored.sum().clamp(min=1)
         return ce + kl, float(ce.detach()), float(agree)
 
     l1, ce1, a1 = loss_of(logits1)

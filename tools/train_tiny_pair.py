@@ -111,6 +111,11 @@ class PairConfig:
     n_embd: int = N_EMBD
     n_head: int = N_HEAD
     n_head_kv: int = N_HEAD_KV
+    # the target's M-RoPE sections and rope base, and whether its tokenizer has the tiny merges
+    # (the reading world's draft VLM differs in all three: tools/train_reading.py)
+    rope_sections: tuple = tuple(TARGET_ROPE_SECTIONS)
+    rope_base: float = ROPE_BASE
+    merges: bool = True
 
 
 # ----------------------------------------------------------------------------- torch modules
@@ -135,11 +140,12 @@ def _section_of_pair(half: int, sections) -> list[int]:
     return [int(np.searchsorted(bounds, j % int(bounds[-1]), side="right")) for j in range(half)]
 
 
-def rope_neox(x, pos, sections=None, section_of_pair=None):
+def rope_neox(x, pos, sections=None, section_of_pair=None, base=None):
     """ggml NeoX rope: x [..., T, H, D], pos [T] or [B, T] (int).  With ``sections``, ggml's
     M-RoPE (``ggml_rope_multi``): pos [(B,) T, 4] holds each row's (t, h, w, e) positions; a
     text row's (p, p, p, 0) turns exactly as NeoX rope at p. ``section_of_pair`` maps rotation
-    pairs to sections (default: M-RoPE's contiguous sections; Qwen3.5 interleaves them)."""
+    pairs to sections (default: M-RoPE's contiguous sections; Qwen3.5 interleaves them). ``base``:
+    the rope frequency base (default ROPE_BASE)."""
     torch = _torch()
     d = x.shape[-1]
     half = d // 2
@@ -147,8 +153,9 @@ def rope_neox(x, pos, sections=None, section_of_pair=None):
         pos = pos[..., None].expand(*pos.shape, 4)
         sections = [half, 0, 0, 0]
     sec = (section_of_pair or _section_of_pair)(half, sections)
+    base = ROPE_BASE if base is None else base
     if EMULATE_F16_KV:  # ggml: theta = p per section, then theta *= base^(-2/d) per pair, in float32
-        scale = np.float32(ROPE_BASE) ** np.float32(-2.0 / d)
+        scale = np.float32(base) ** np.float32(-2.0 / d)
         th = pos.detach().cpu().numpy().astype(np.float32)  # [..., 4]
         ang = []
         for j in range(half):
@@ -156,7 +163,7 @@ def rope_neox(x, pos, sections=None, section_of_pair=None):
             th = (th * scale).astype(np.float32)
         ang = torch.from_numpy(np.stack(ang, axis=-1))
     else:
-        inv = ROPE_BASE ** (-2.0 * torch.arange(half, dtype=torch.float64) / d)
+        inv = base ** (-2.0 * torch.arange(half, dtype=torch.float64) / d)
         ang = pos.to(torch.float64)[..., sec] * inv  # [(B,) T, half]
     cos = torch.cos(ang).to(x.dtype)[..., None, :]  # [(B,) T, 1, half]
     sin = torch.sin(ang).to(x.dtype)[..., None, :]
@@ -235,7 +242,7 @@ def make_target(cfg: PairConfig):
             and ``pos`` [B, T, 4] every row's M-RoPE positions (text rows (p, p, p, 0))."""
             B, T = tokens.shape
             pos = torch.arange(T) if pos is None else pos
-            sections = TARGET_ROPE_SECTIONS if pos.shape[-1] == 4 and pos.ndim == 3 else None
+            sections = list(cfg.rope_sections) if pos.shape[-1] == 4 and pos.ndim == 3 else None
             x = self.tok_embd[tokens.clamp(min=0)]
             if embd is not None:
                 x = torch.where((tokens < 0)[..., None], embd, x)
@@ -248,8 +255,8 @@ def make_target(cfg: PairConfig):
                 q = F.linear(h, L["wq"]).view(B, T, cfg.n_head, HEAD_DIM)
                 k = F.linear(h, L["wk"]).view(B, T, cfg.n_head_kv, HEAD_DIM)
                 v = F.linear(h, L["wv"]).view(B, T, cfg.n_head_kv, HEAD_DIM)
-                q = rms_norm(rope_neox(q, pos, sections), L["q_norm"])
-                k = rms_norm(rope_neox(k, pos, sections), L["k_norm"])
+                q = rms_norm(rope_neox(q, pos, sections, base=cfg.rope_base), L["q_norm"])
+                k = rms_norm(rope_neox(k, pos, sections, base=cfg.rope_base), L["k_norm"])
                 a = attention(q, k, v, causal).reshape(B, T, cfg.n_head * HEAD_DIM)
                 x = x + F.linear(a, L["wo"])
                 x = x + _ffn(L, x)
@@ -357,7 +364,8 @@ def _np(p) -> np.ndarray:
 
 
 def _add_hparams(w: GGUFWriter, arch: str, n_layer: int, n_ff: int, sections: list[int] | None,
-                 n_embd: int = N_EMBD, n_head: int = N_HEAD, n_head_kv: int = N_HEAD_KV) -> None:
+                 n_embd: int = N_EMBD, n_head: int = N_HEAD, n_head_kv: int = N_HEAD_KV,
+                 rope_base: float = ROPE_BASE) -> None:
     """Hyper-parameters of a file written here; ``sections`` None: a plain 1-D rope."""
     w.add_string("general.architecture", arch)
     w.add_uint32(f"{arch}.context_length", 4096)
@@ -369,7 +377,7 @@ def _add_hparams(w: GGUFWriter, arch: str, n_layer: int, n_ff: int, sections: li
     w.add_uint32(f"{arch}.attention.key_length", HEAD_DIM)
     w.add_uint32(f"{arch}.attention.value_length", HEAD_DIM)
     w.add_uint32(f"{arch}.rope.dimension_count", HEAD_DIM)
-    w.add_float32(f"{arch}.rope.freq_base", ROPE_BASE)
+    w.add_float32(f"{arch}.rope.freq_base", rope_base)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", EPS)
     if sections is not None:
         w.add_array(f"{arch}.rope.dimension_sections", ValueType.INT32, sections)
@@ -383,10 +391,10 @@ _LAYER_TENSORS = [("attn_norm", "attn_norm"), ("wq", "attn_q"), ("wk", "attn_k")
 def write_target_gguf(path, params: dict, cfg: PairConfig, name: str = "trained-tiny-hunyuan_vl") -> Path:
     """params: numpy arrays keyed as the torch module's state_dict."""
     w = GGUFWriter()
-    _add_hparams(w, "hunyuan_vl", cfg.target_n_layer, cfg.target_n_ff, TARGET_ROPE_SECTIONS, cfg.n_embd, cfg.n_head,
-                 cfg.n_head_kv)
+    _add_hparams(w, "hunyuan_vl", cfg.target_n_layer, cfg.target_n_ff, list(cfg.rope_sections), cfg.n_embd,
+                 cfg.n_head, cfg.n_head_kv, cfg.rope_base)
     w.add_string("general.name", name)
-    tiny._add_tokenizer(w)
+    tiny._add_tokenizer(w, merges=cfg.merges)
     w.add_tensor("token_embd.weight", params["tok_embd"])
     w.add_tensor("output_norm.weight", params["output_norm"])
     w.add_tensor("output.weight", params["output"])
@@ -449,7 +457,10 @@ def load_pair(target_path, draft_path=None):
     cfg = PairConfig(target_n_layer=int(tmeta["hunyuan_vl.block_count"]),
                      target_n_ff=int(tmeta["hunyuan_vl.feed_forward_length"]),
                      n_embd=int(tmeta["hunyuan_vl.embedding_length"]), n_head=int(tmeta["hunyuan_vl.attention.head_count"]),
-                     n_head_kv=int(tmeta["hunyuan_vl.attention.head_count_kv"]))
+                     n_head_kv=int(tmeta["hunyuan_vl.attention.head_count_kv"]),
+                     rope_sections=tuple(int(v) for v in tmeta["hunyuan_vl.rope.dimension_sections"]),
+                     rope_base=float(tmeta["hunyuan_vl.rope.freq_base"]),
+                     merges=bool(len(tmeta.get("tokenizer.ggml.merges", []))))
     dt = None
     if draft_path is not None:
         dmeta, dt = read_gguf_tensors(draft_path)

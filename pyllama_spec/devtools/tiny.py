@@ -136,7 +136,9 @@ CHAT_TEMPLATE = (
 
 
 def _add_tokenizer(w: GGUFWriter, *, with_mask_id: bool = False, chat_template: str = CHAT_TEMPLATE,
-                   fim: bool = False) -> None:
+                   fim: bool = False, merges: bool = True) -> None:
+    """The tiny tokenizer's keys; ``merges=False`` writes no merges (one byte, one token; the merged
+    tokens stay in the vocabulary, never produced by tokenizing)."""
     tokens = TOKENS + list(FIM_TOKENS.values()) if fim else TOKENS
     w.add_string("tokenizer.ggml.model", "gpt2")
     w.add_string("tokenizer.ggml.pre", "qwen2")
@@ -147,7 +149,7 @@ def _add_tokenizer(w: GGUFWriter, *, with_mask_id: bool = False, chat_template: 
     if fim:  # llama.cpp's keys (it would also find these tokens by their text)
         for role, token in FIM_TOKEN_ID.items():
             w.add_uint32(f"tokenizer.ggml.fim_{role}_token_id", token)
-    w.add_array("tokenizer.ggml.merges", ValueType.STRING, [f"{a} {b}" for a, b in MERGES])
+    w.add_array("tokenizer.ggml.merges", ValueType.STRING, [f"{a} {b}" for a, b in MERGES] if merges else [])
     w.add_uint32("tokenizer.ggml.bos_token_id", BOS_TOKEN_ID)
     w.add_uint32("tokenizer.ggml.eos_token_id", EOS_TOKEN_ID)
     w.add_uint32("tokenizer.ggml.padding_token_id", PAD_TOKEN_ID)
