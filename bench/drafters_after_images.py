@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import io
 import json
 import subprocess
@@ -163,12 +164,15 @@ class _Prompted:
         return self.eng.generate(prompt, images=images, **kw)
 
 
-def theirs(m: dict, prompts: dict, image_b64: str, args) -> list[dict]:
+@contextlib.contextmanager
+def llama_server(target, mmproj, flags: list, threads: int):
+    """llama-server from the pin on these files with ``flags``, one slot, ``threads`` threads, flash
+    attention off (as ours): yields (its URL, its media marker); stopped on leaving."""
     server = native_build.find_llama_server()
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    proc = subprocess.Popen([str(server), "-m", str(m["target"]), "--mmproj", str(m["mmproj"]), *m["server"],
-                             "-c", "4096", "-np", "1", "-t", str(args.threads), "-td", str(args.threads),
+    proc = subprocess.Popen([str(server), "-m", str(target), "--mmproj", str(mmproj), *map(str, flags),
+                             "-c", "4096", "-np", "1", "-t", str(threads), "-td", str(threads),
                              "-fa", "off",  # as ours (flash_attn=False, the default; llama-server's is auto)
                              "--no-warmup", "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=log)
     url = f"http://127.0.0.1:{port}"
@@ -185,8 +189,16 @@ def theirs(m: dict, prompts: dict, image_b64: str, args) -> list[dict]:
                     raise RuntimeError("llama-server did not start") from None
                 time.sleep(0.3)
         # llama-server draws its media marker per process: /props says which
-        marker = json.load(urllib.request.urlopen(url + "/props", timeout=10)).get("media_marker", MARKER)
-        rows = []
+        yield url, json.load(urllib.request.urlopen(url + "/props", timeout=10)).get("media_marker", MARKER)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        Path(log.name).unlink(missing_ok=True)
+
+
+def theirs(m: dict, prompts: dict, image_b64: str, args) -> list[dict]:
+    rows = []
+    with llama_server(m["target"], m["mmproj"], m["server"], args.threads) as (url, marker):
         for cond, ps_ in prompts.items():
             for temp in args.temps:
                 try:
@@ -197,11 +209,7 @@ def theirs(m: dict, prompts: dict, image_b64: str, args) -> list[dict]:
                     message = json.loads(e.read() or b"{}").get("error", {}).get("message", str(e))
                     res = dict(error=f"HTTP {e.code}: {message}")
                 rows.append(dict(condition=cond, temp=temp, lossless=None, **res))
-        return rows
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        Path(log.name).unlink(missing_ok=True)
+    return rows
 
 
 def _serve_run(url: str, marker: str, prompts: list[str], image_b64: str, temp: float, args) -> dict:
