@@ -5,7 +5,9 @@ when no model is given.
 source, its (untrained) ``qwen2vl_merger`` mmproj and a DFlash draft trained against it (about
 2 MB in all; ``models/README.md`` says how they were made and what they accept). Beside them, for
 the other methods: an EAGLE3 draft and a small draft VLM with its own projector trained for the same
-target, and a ``qwen35`` target with its MTP head and projector (4.7 MB, the folder in all). It writes
+target, a ``qwen35`` target with its MTP head and projector, and the reading world's files
+(``devtools.reading``: a qwen35 that reads a picture of text out, its projector, a draft VLM and its
+projector; 8 MB, the folder in all). It writes
 Python-like code, so a good prompt is the start of some Python source, with or without an image
 before it. The target's training context was 512 tokens (an image adds only its positions: a
 672x672 picture is 576 cache rows over 24 positions). ``draw_demo_image`` draws the picture that
