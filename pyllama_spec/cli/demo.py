@@ -22,8 +22,13 @@ from pyllama_spec.speculative.positions import DRAFT_POSITION_MODES
               help="random tiny models made locally instead of the embedded trained pair "
                    "(they accept, but write random bytes)")
 @click.option("--window", default=32, show_default=True, help="the random tiny draft's sliding window (--random-tiny)")
-def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, random_tiny, window) -> None:
-    """One turn with a large image through DFlash, on the embedded trained pair (or --random-tiny)."""
+@click.option("--reading", "reading_text", default=None, metavar="TEXT",
+              help="the reading world instead: a picture of TEXT (up to 16 characters) read out by its target, "
+                   "drafted blind and seeing, side by side")
+def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, random_tiny, window,
+         reading_text) -> None:
+    """One turn with a large image through DFlash, on the embedded trained pair (or --random-tiny,
+    or --reading TEXT)."""
     from pyllama_spec import MEDIA_MARKER
     from pyllama_spec import native_build as nb
     from pyllama_spec.errors import ModelFileError, NativeLibraryError
@@ -39,6 +44,9 @@ def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, 
         except nb.BuildError as e:
             err_console.print(f"[red]build failed:[/red] {e}")
             sys.exit(1)
+    if reading_text is not None:
+        _reading(reading_text, max_tokens=max_tokens, threads=threads)
+        return
     from pyllama_spec.embedded import PROMPT, draw_demo_image, embedded_models
     from pyllama_spec.serving.engine import load
 
@@ -97,3 +105,58 @@ def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, 
     console.print(table)
     if "".join(text) != expected.text:
         sys.exit(1)
+
+
+def _reading(text: str, *, max_tokens: int, threads: int | None) -> None:
+    """The reading world (``pyllama_spec.devtools.reading``): its target reads a picture of ``text``
+    out and goes on; each drafting method runs blind and seeing, and every output is checked
+    against the target alone's."""
+    from pyllama_spec.devtools import reading  # a world made for showing drafting that sees
+    from pyllama_spec.serving.engine import load
+
+    try:
+        picture = reading.render(text)
+        files = reading.models()
+    except (ValueError, FileNotFoundError) as e:
+        err_console.print(f"[red]{e}[/red]")
+        sys.exit(2)
+    read_len = len(text) + 1  # one byte, one token: the read-out and its newline
+    common = dict(n_threads=threads, flash_attn=False)
+    t, mm = files["target"], files["mmproj"]
+    vlm = dict(draft=files["draft_vlm"], spec_type="draft-simple", draft_max=3)
+    methods = [
+        ("target only", "", dict(spec_type="none"), None),
+        ("draft model", "blind (text only)", vlm, None),
+        ("draft model", "seeing (its own projector)", dict(vlm, mmproj_draft=files["draft_vlm_mmproj"]), None),
+        ("MTP head", "blind (picture rows left out)", dict(spec_type="draft-mtp", draft_max=3), False),
+        ("MTP head", "seeing (picture rows in its cache)", dict(spec_type="draft-mtp", draft_max=3), True),
+    ]
+    console.print(f"[bold]reading world[/bold] {t.parent}: a tiny qwen35 target that reads a picture of text "
+                  f"out, then writes code; the picture: {text!r}, {picture.width}x{picture.height}")
+    table = Table(title="blind and seeing drafts on the read-out")
+    for col in ("method", "draft", "read-out acceptance", "overall acceptance", "tokens/s", "same as target only"):
+        table.add_column(col)
+    expected = None
+    for name, how, kw, rows_in_cache in methods:
+        with console.status(f"{name} {how} ..."), load(t, mmproj=mm, **common, **kw) as eng:
+            if rows_in_cache is not None:
+                eng.drafter.writes_media = rows_in_cache
+            out, texts, read, drafted_read, last = [], [], 0, 0, None
+            for piece in eng.stream(reading.PROMPT, images=[picture], max_tokens=max_tokens, temperature=0.0):
+                if len(out) < read_len:
+                    read, drafted_read = read + piece.from_draft, drafted_read + piece.drafted
+                out.extend(piece.tokens)
+                texts.append(piece.text)
+                last = piece
+        if expected is None:
+            expected = out
+            console.print("[bold]the target's answer:[/bold]")
+            console.print("".join(texts), markup=False, highlight=False)
+        s = last.stats
+        same = "" if name == "target only" else ("yes" if out == expected else "[red]NO[/red]")
+        table.add_row(name, how, f"{read / drafted_read:.2f}" if drafted_read else "-",
+                      f"{s.acceptance_rate:.2f}" if s.drafted else "-", f"{s.tokens_per_second:.0f}", same)
+        if out != expected:
+            console.print(table)
+            sys.exit(1)
+    console.print(table)
