@@ -4,7 +4,7 @@
 
     python bench/reading_world.py --strings 24 --max-tokens 96 --temps 0,0.8 --repeats 3
 
-For each held-out string (``train_reading.held_out_strings``: none of them in training), the prompt is
+For each held-out string (``train_reading.held_out_strings``: none a training corpus line), the prompt is
 ``reading.PROMPT`` with ``reading.render(string)``. Each step of a generation counts towards the
 read-out (the string and its newline) when it starts inside it, else towards what follows, so
 acceptance is given for both. Methods here: target only; the target's MTP head with the picture's rows
@@ -39,7 +39,8 @@ from pyllama_spec import native_build  # noqa: E402
 from pyllama_spec.devtools import reading  # noqa: E402
 
 SPEEDS = ("tokens_per_s", "wall_tokens_per_s")
-COUNTS = ("drafted", "accepted", "generated", "read_drafted", "read_accepted", "read_steps", "after_steps")
+COUNTS = ("drafted", "accepted", "generated", "read_drafted", "read_accepted", "after_drafted", "after_accepted",
+          "read_steps", "after_steps")
 
 
 def methods(draft_max: int, files: dict) -> dict[str, dict]:
@@ -68,17 +69,18 @@ def generate_one(eng, text: str, picture, max_tokens: int, temp: float, seed: in
     stats = None
     for piece in eng.stream(reading.PROMPT, images=[picture], max_tokens=max_tokens, temperature=temp, seed=seed,
                             verify="match", cache_prompt=False):
+        # a step counts where it starts; counted from the pieces (the stats would also count drafts
+        # accepted past max_tokens, which no piece carries)
         region = "read" if len(out) < read_len else "after"
-        if piece.drafted:
-            if region == "read":
-                c["read_drafted"] += piece.drafted
-                c["read_accepted"] += piece.from_draft
+        c[f"{region}_drafted"] += piece.drafted
+        c[f"{region}_accepted"] += piece.from_draft
         if out:  # the first token comes with the prompt, not a step
             c[f"{region}_steps"] += 1
         out.extend(piece.tokens)
         stats = piece.stats or stats
     wall = time.perf_counter() - t0
-    c.update(drafted=stats.drafted, accepted=stats.accepted, generated=stats.generated_tokens)
+    c.update(drafted=c["read_drafted"] + c["after_drafted"], accepted=c["read_accepted"] + c["after_accepted"],
+             generated=len(out))
     return out, c, stats.decode_seconds, wall
 
 
@@ -97,13 +99,12 @@ def run_set(eng, strings, pictures, args, temp):
 
 
 def summarize(t: dict, decode: float, wall: float) -> dict:
-    after_drafted = t["drafted"] - t["read_drafted"]
-    after_accepted = t["accepted"] - t["read_accepted"]
+    """Rates from counts (None where nothing was drafted: no rate to give)."""
     return dict(
-        read_acceptance=t["read_accepted"] / t["read_drafted"] if t["read_drafted"] else 0.0,
-        read_accepted_length=1 + t["read_accepted"] / t["read_steps"] if t["read_steps"] else 0.0,
-        after_acceptance=after_accepted / after_drafted if after_drafted else 0.0,
-        after_accepted_length=1 + after_accepted / t["after_steps"] if t["after_steps"] else 0.0,
+        read_acceptance=t["read_accepted"] / t["read_drafted"] if t["read_drafted"] else None,
+        read_accepted_length=1 + t["read_accepted"] / t["read_steps"] if t["read_steps"] else None,
+        after_acceptance=t["after_accepted"] / t["after_drafted"] if t["after_drafted"] else None,
+        after_accepted_length=1 + t["after_accepted"] / t["after_steps"] if t["after_steps"] else None,
         tokens_per_s=t["generated"] / decode if decode else 0.0, wall_tokens_per_s=t["generated"] / wall,
         **{k: t[k] for k in COUNTS})
 
@@ -111,12 +112,18 @@ def summarize(t: dict, decode: float, wall: float) -> dict:
 def repeated(runs: list[dict]) -> dict:
     first = {k: v for k, v in runs[0].items() if k not in SPEEDS}
     for r in runs[1:]:
-        if any(r[k] != first[k] for k in ("drafted", "accepted", "generated")):
+        if any(r[k] != first[k] for k in COUNTS):
             raise RuntimeError(f"a repeat drafted differently: {r} vs {runs[0]}")
     for speed in SPEEDS:
         xs = sorted(r[speed] for r in runs)
         first.update({speed: float(np.median(xs)), f"{speed}_min": xs[0], f"{speed}_max": xs[-1]})
     return first
+
+
+def target_only_tokens(target, mmproj, strings, pictures, args) -> dict:
+    """temperature -> the target alone's tokens for every string (what every method must give)."""
+    with ps.load(target, mmproj=mmproj, n_threads=args.threads, flash_attn=False, spec_type="none") as eng:
+        return {temp: run_set(eng, strings, pictures, args, temp)[1] for temp in args.temps}
 
 
 def ours(name, m, target, mmproj, strings, pictures, args, refs):
@@ -129,7 +136,7 @@ def ours(name, m, target, mmproj, strings, pictures, args, refs):
             runs, same = [], True
             for _ in range(args.repeats):
                 res, toks = run_set(eng, strings, pictures, args, temp)
-                same &= refs.setdefault(temp, toks) == toks
+                same &= refs[temp] == toks
                 runs.append(res)
             rows.append(dict(method=name, engine="pyllama-spec", temp=temp, lossless=same, **repeated(runs)))
     return rows
@@ -205,7 +212,7 @@ def main() -> int:
     acc = readout_accuracy(target, mmproj, strings, pictures, args.threads)
     print(f"# read-out accuracy (greedy, {len(strings)} held-out strings): {acc:.3f}", flush=True)
     have_server = native_build.find_llama_server() is not None and not args.no_llama_server
-    refs: dict = {}
+    refs = target_only_tokens(target, mmproj, strings, pictures, args)
     table = []
     for name, m in methods(args.draft_max, files).items():
         if args.only and name not in args.only.split(";"):
@@ -220,15 +227,19 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(dict(readout_accuracy=acc, rows=table), indent=1) + "\n")
     print("\n| method | engine | temperature | acceptance on the read-out | accepted length on the read-out | "
-          "acceptance after it | accepted length after it | acceptance overall | decode tokens/s median (min-max) | "
+          "acceptance after it | accepted length after it | acceptance overall (drafted) | decode tokens/s median (min-max) | "
           "wall tokens/s median (min-max) | equals target only |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
+    def rate(v, digits=3):
+        return "-" if v is None else f"{v:.{digits}f}"
+
     for r in table:
-        overall = r["accepted"] / r["drafted"] if r["drafted"] else 0.0
+        overall = rate(r["accepted"] / r["drafted"] if r["drafted"] else None)
         same = "" if r["lossless"] is None else ("yes" if r["lossless"] else "NO")
-        region = (f"{r['read_acceptance']:.3f} | {r['read_accepted_length']:.2f} | {r['after_acceptance']:.3f} | "
-                  f"{r['after_accepted_length']:.2f}" if "read_acceptance" in r else "| | |")
-        print(f"| {r['method']} | {r['engine']} | {r['temp']:g} | {region} | {overall:.3f} | "
+        region = (f"{rate(r['read_acceptance'])} | {rate(r['read_accepted_length'], 2)} | "
+                  f"{rate(r['after_acceptance'])} | {rate(r['after_accepted_length'], 2)}"
+                  if "read_acceptance" in r else "| | |")
+        print(f"| {r['method']} | {r['engine']} | {r['temp']:g} | {region} | {overall} ({r['drafted']} drafted) | "
               f"{r['tokens_per_s']:.0f} ({r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f}) | "
               f"{r['wall_tokens_per_s']:.0f} ({r['wall_tokens_per_s_min']:.0f}-{r['wall_tokens_per_s_max']:.0f}) | "
               f"{same} |")

@@ -4,9 +4,9 @@ acceptance on text: does a picture in the context make drafting worse?
 
     python bench/unfamiliar_pictures.py --prompts 8 --max-tokens 64 --draft-max default,short
 
-Pictures (``pictures()``, 448 x 448, none of them in any training pool): black; random blocks of colour;
-noise; a photograph-like picture (smooth colour gradients under soft blobs); a screenshot-like page
-(a title bar and lines of text on white). Each goes before a held-out 400-character code prompt
+Pictures (``pictures()``, 448 x 448, none of them in a training pool): black; random blocks of colour;
+noise (kinds the pools have: other pictures of them); a photograph-like picture (smooth colour
+gradients under soft blobs); a screenshot-like page (a title bar and lines of text on white). Each goes before a held-out 400-character code prompt
 (``<__media__>\\n`` + prompt); the text condition is the prompt alone. Two worlds:
 
 * the embedded one (``pyllama_spec/models/trained-*``): DFlash, EAGLE3, the draft VLM blind and

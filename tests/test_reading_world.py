@@ -14,6 +14,7 @@ pictures, its files, what its target reads, and drafting through its pictures.
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 
 import numpy as np
@@ -115,20 +116,22 @@ def _libmtmd_rows(target_path, mmproj_path, picture):
 
 @pytest.mark.parametrize("which", ["random", "committed"])
 def test_projector_equals_libmtmd(which, files, tmp_path):
-    R = _trainer()
-    torch = R._torch()
+    TR = _trainer()
+    torch = TR._torch()
     if which == "random":  # every weight away from its trained value: a misplaced one shows
-        proj = R.make_projector(3)
+        proj = TR.make_projector(3)
         with torch.no_grad():
             for p in proj.parameters():
                 p.add_(torch.randn_like(p) * 0.1)
-        mmproj = R.write_mmproj(tmp_path / "mmproj.gguf", proj)
+        mmproj = TR.write_mmproj(tmp_path / "mmproj.gguf", proj)
     else:
         mmproj = files["mmproj"]
-    proj = R.load_projector(mmproj)
+    proj = TR.load_projector(mmproj)
     rng = np.random.default_rng(1)
-    for text in ("def f(x):", "0123456789abcdef", "_"):
-        picture = reading.render_varied(text, rng)
+    pictures = [reading.render_varied(text, rng) for text in ("def f(x):", "0123456789abcdef", "_")]
+    # and pictures of several rows of cells (the merge order across row pairs), as training's others are
+    pictures += [p for p in TR.other_pictures(6, 0) if p.shape[0] >= 56][:2]
+    for picture in pictures:
         want = _libmtmd_rows(files["target"], mmproj, picture)
         with torch.no_grad():
             got = proj(torch.from_numpy(picture)[None])[0].numpy()
@@ -136,18 +139,49 @@ def test_projector_equals_libmtmd(which, files, tmp_path):
         _close(got, want, rel=2e-3, rel_typical=1e-3)
 
 
-def test_target_reads_as_llama_cpp_computes(files, held_out):
-    """The trainer's target over [prompt, picture, read-out] gives llama.cpp's logits."""
-    R = _trainer()
-    torch = R._torch()
+def test_draft_vlm_equals_llama_cpp(files, held_out):
+    """The trainer's draft VLM (hunyuan_vl, sections [1, 1, 6, 0], rope base 20) over a reading prompt
+    through its own projector gives llama.cpp's logits."""
+    TR = _trainer()
+    torch = TR._torch()
     from pyllama_spec.bindings.context import Context
     from pyllama_spec.bindings.model import Model
     from pyllama_spec.bindings.mtmd import Bitmap, Projector
 
-    target, _, cfg = R.Q.load(files["target"])
-    assert cfg.rope_base == R.ROPE_BASE and not cfg.merges
-    proj = R.load_projector(files["mmproj"])
-    layout = R.Layout(files["target"], files["mmproj"])
+    draft, _, cfg = TR.T.load_pair(files["draft_vlm"])
+    assert tuple(cfg.rope_sections) == (1, 1, 6, 0) and cfg.rope_base == TR.ROPE_BASE and not cfg.merges
+    proj = TR.load_projector(files["draft_vlm_mmproj"])
+    layout = TR.Layout(files["draft_vlm"], files["draft_vlm_mmproj"])
+    picture = np.array(reading.render(held_out[1]))
+    read = np.frombuffer((held_out[1] + "\n").encode(), np.uint8).astype(np.int64)
+    with Model(files["draft_vlm"]) as m, Projector(files["draft_vlm_mmproj"], m, n_threads=N_THREADS) as pj, \
+            Context(m, n_ctx=512, n_batch=256, n_ubatch=256, n_threads=N_THREADS, flash_attn=False) as ctx:
+        chunks = pj.tokenize(reading.PROMPT, [Bitmap(picture)])
+        pre, media, post = chunks[0].tokens, chunks[1], chunks[2].tokens
+        ctx.decode_tokens(pre, np.arange(len(pre)))
+        pos = pj.decode_media(ctx, media, pj.encode(media), len(pre), n_batch=256)
+        after = np.concatenate([post, read])
+        ctx.decode_tokens(after, pos + np.arange(len(after)), outputs=True)
+        want = ctx.output_logits(len(after)).copy()
+    x = torch.from_numpy(np.concatenate([layout.pre, np.full(TR.N_CELLS, -1), layout.post, read]))[None]
+    with torch.no_grad():
+        logits, _ = draft(x, torch.from_numpy(layout.positions(x.shape[1]))[None],
+                          embd=TR._image_rows(layout, proj(torch.from_numpy(picture)[None]), x.shape[1]))
+    _close(logits[0, -len(after):].numpy(), want, rel=2e-3, rel_typical=5e-4)
+
+
+def test_target_reads_as_llama_cpp_computes(files, held_out):
+    """The trainer's target over [prompt, picture, read-out] gives llama.cpp's logits."""
+    TR = _trainer()
+    torch = TR._torch()
+    from pyllama_spec.bindings.context import Context
+    from pyllama_spec.bindings.model import Model
+    from pyllama_spec.bindings.mtmd import Bitmap, Projector
+
+    target, _, cfg = TR.Q.load(files["target"])
+    assert cfg.rope_base == TR.ROPE_BASE and not cfg.merges
+    proj = TR.load_projector(files["mmproj"])
+    layout = TR.Layout(files["target"], files["mmproj"])
     text = held_out[0] + "\n"
     picture = np.array(reading.render(held_out[0]))
     read = np.frombuffer(text.encode(), np.uint8).astype(np.int64)
@@ -160,11 +194,11 @@ def test_target_reads_as_llama_cpp_computes(files, held_out):
         after = np.concatenate([post, read])
         ctx.decode_tokens(after, pos + np.arange(len(after)), outputs=True)
         want = ctx.output_logits(len(after)).copy()
-    x = torch.from_numpy(np.concatenate([layout.pre, np.full(R.N_CELLS, -1), layout.post, read]))[None]
+    x = torch.from_numpy(np.concatenate([layout.pre, np.full(TR.N_CELLS, -1), layout.post, read]))[None]
     with torch.no_grad():
         rows = proj(torch.from_numpy(picture)[None])
         logits, _ = target(x, torch.from_numpy(layout.positions(x.shape[1]))[None],
-                           embd=R._image_rows(layout, rows, x.shape[1]))
+                           embd=TR._image_rows(layout, rows, x.shape[1]))
     _close(logits[0, -len(after):].numpy(), want, rel=2e-3, rel_typical=5e-4)
 
 
@@ -240,7 +274,8 @@ def test_seeing_drafts_on_four_slots_give_the_targets_tokens(method, files, held
                            cache_prompt=False) for s in strings]
         results = [sub.result() for sub in subs]
     assert [r.tokens for r in results] == target_only[:8]
-    assert sum(r.stats.accepted for r in results) > 0
+    # mostly read-out (a blind draft accepts about 0.4 of these answers, a seeing one over 0.9)
+    assert sum(r.stats.accepted for r in results) / sum(r.stats.drafted for r in results) >= 0.75
 
 
 def test_demo_reads_a_picture_with_blind_and_seeing_drafts(files):
@@ -248,10 +283,11 @@ def test_demo_reads_a_picture_with_blind_and_seeing_drafts(files):
 
     from pyllama_spec.cli import main
 
-    result = CliRunner().invoke(main, ["demo", "--reading", "count = 7", "--max-tokens", "24", "--threads", "1"])
+    result = CliRunner().invoke(main, ["demo", "--reading", "a[i] = 7", "--max-tokens", "24", "--threads", "1"])
     assert result.exit_code == 0, result.output
     out = result.output
-    assert "reading world" in out and "count = 7" in out
+    assert "reading world" in out and "'a[i] = 7'" in out  # shown as typed, not read as markup
+    assert re.search(r"draft\s+max\s+3", out)  # the reading world's draft length unless one is given
     assert "seeing" in out and "blind" in out and "NO" not in out
 
 
@@ -262,3 +298,5 @@ def test_demo_refuses_a_line_it_cannot_draw(files):
 
     result = CliRunner().invoke(main, ["demo", "--reading", "x" * 40])
     assert result.exit_code == 2 and "1 to 16 characters" in result.output
+    result = CliRunner().invoke(main, ["demo", "--reading", "x", "--random-tiny"])
+    assert result.exit_code == 2 and "leave out --random-tiny" in result.output

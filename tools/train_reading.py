@@ -142,9 +142,9 @@ def draw_string(rng: np.random.Generator, lines: list[tuple[str, int]]) -> tuple
 
 
 def held_out_strings(n: int, seed: int = 10_000) -> list[str]:
-    """n strings none of the training runs drew from: held-out corpus lines and fresh identifiers,
-    numbers and random characters (drawn as training draws them, from another seed), none of them
-    a training corpus line."""
+    """n strings for evaluation: held-out corpus lines and identifiers, numbers and random characters
+    drawn as training draws them from another seed; none is a training corpus line (a short drawn one,
+    a two-digit number, say, may also have been drawn in training)."""
     train_files, held_files = T.corpus_files()
     seen = {s for s, _ in code_lines(corpus_bytes(train_files))}
     lines = [ln for ln in code_lines(corpus_bytes(held_files)) if ln[0] not in seen]
@@ -334,6 +334,7 @@ def reading_batch(rng, layout: Layout, lines, corpus: np.ndarray, batch: int, ta
         s, after = draw_string(rng, lines)
         if after is None:
             after = lines[int(rng.integers(len(lines)))][1]
+        after = min(after, len(corpus) - tail - 1)  # a line near the corpus's end: text from a little earlier
         read = np.frombuffer(s.encode("ascii"), np.uint8).astype(np.int64)
         cells[i, :len(read)] = read
         text = np.concatenate([read, [10], corpus[after:after + tail]])[:tail + 1]

@@ -45,7 +45,11 @@ def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, 
             err_console.print(f"[red]build failed:[/red] {e}")
             sys.exit(1)
     if reading_text is not None:
-        _reading(reading_text, max_tokens=max_tokens, threads=threads)
+        if random_tiny:
+            raise click.UsageError("--reading runs the reading world's files: leave out --random-tiny")
+        # the reading world's drafts do best at 3 (MTP guesses from its own guesses); a given --draft-max is kept
+        given = click.get_current_context().get_parameter_source("draft_max") != click.core.ParameterSource.DEFAULT
+        _reading(reading_text, max_tokens=max_tokens, threads=threads, draft_max=draft_max if given else 3)
         return
     from pyllama_spec.embedded import PROMPT, draw_demo_image, embedded_models
     from pyllama_spec.serving.engine import load
@@ -107,10 +111,12 @@ def demo(image_size, n_ubatch, draft_max, max_tokens, draft_positions, threads, 
         sys.exit(1)
 
 
-def _reading(text: str, *, max_tokens: int, threads: int | None) -> None:
+def _reading(text: str, *, max_tokens: int, threads: int | None, draft_max: int) -> None:
     """The reading world (``pyllama_spec.devtools.reading``): its target reads a picture of ``text``
     out and goes on; each drafting method runs blind and seeing, and every output is checked
     against the target alone's."""
+    from rich.markup import escape
+
     from pyllama_spec.devtools import reading  # a world made for showing drafting that sees
     from pyllama_spec.serving.engine import load
 
@@ -123,16 +129,17 @@ def _reading(text: str, *, max_tokens: int, threads: int | None) -> None:
     read_len = len(text) + 1  # one byte, one token: the read-out and its newline
     common = dict(n_threads=threads, flash_attn=False)
     t, mm = files["target"], files["mmproj"]
-    vlm = dict(draft=files["draft_vlm"], spec_type="draft-simple", draft_max=3)
+    vlm = dict(draft=files["draft_vlm"], spec_type="draft-simple", draft_max=draft_max)
     methods = [
         ("target only", "", dict(spec_type="none"), None),
         ("draft model", "blind (text only)", vlm, None),
         ("draft model", "seeing (its own projector)", dict(vlm, mmproj_draft=files["draft_vlm_mmproj"]), None),
-        ("MTP head", "blind (picture rows left out)", dict(spec_type="draft-mtp", draft_max=3), False),
-        ("MTP head", "seeing (picture rows in its cache)", dict(spec_type="draft-mtp", draft_max=3), True),
+        ("MTP head", "blind (picture rows left out)", dict(spec_type="draft-mtp", draft_max=draft_max), False),
+        ("MTP head", "seeing (picture rows in its cache)", dict(spec_type="draft-mtp", draft_max=draft_max), True),
     ]
     console.print(f"[bold]reading world[/bold] {t.parent}: a tiny qwen35 target that reads a picture of text "
-                  f"out, then writes code; the picture: {text!r}, {picture.width}x{picture.height}")
+                  f"out, then writes code; the picture: {escape(repr(text))}, {picture.width}x{picture.height}, "
+                  f"draft max {draft_max}")
     table = Table(title="blind and seeing drafts on the read-out")
     for col in ("method", "draft", "read-out acceptance", "overall acceptance", "tokens/s", "same as target only"):
         table.add_column(col)
@@ -141,10 +148,10 @@ def _reading(text: str, *, max_tokens: int, threads: int | None) -> None:
         with console.status(f"{name} {how} ..."), load(t, mmproj=mm, **common, **kw) as eng:
             if rows_in_cache is not None:
                 eng.drafter.writes_media = rows_in_cache
-            out, texts, read, drafted_read, last = [], [], 0, 0, None
+            out, texts, accepted_read, drafted_read, last = [], [], 0, 0, None
             for piece in eng.stream(reading.PROMPT, images=[picture], max_tokens=max_tokens, temperature=0.0):
                 if len(out) < read_len:
-                    read, drafted_read = read + piece.from_draft, drafted_read + piece.drafted
+                    accepted_read, drafted_read = accepted_read + piece.from_draft, drafted_read + piece.drafted
                 out.extend(piece.tokens)
                 texts.append(piece.text)
                 last = piece
@@ -154,7 +161,7 @@ def _reading(text: str, *, max_tokens: int, threads: int | None) -> None:
             console.print("".join(texts), markup=False, highlight=False)
         s = last.stats
         same = "" if name == "target only" else ("yes" if out == expected else "[red]NO[/red]")
-        table.add_row(name, how, f"{read / drafted_read:.2f}" if drafted_read else "-",
+        table.add_row(name, how, f"{accepted_read / drafted_read:.2f}" if drafted_read else "-",
                       f"{s.acceptance_rate:.2f}" if s.drafted else "-", f"{s.tokens_per_second:.0f}", same)
         if out != expected:
             console.print(table)

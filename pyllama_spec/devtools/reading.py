@@ -12,6 +12,8 @@ prompt, so a draft that sees the picture can predict the read-out where a blind 
 
 ``render`` draws the world's standard picture (dark text on a light ground, the middle size);
 training draws the same glyphs with varied colours, sizes and offsets (:func:`render_varied`).
+Greedy, the tiny target's text after the read-out often settles into spaces (as the embedded pair's
+does after a while); sampled, it writes code.
 The tokenizer of the reading world's files has no merges: one byte, one token, so the k-th token
 of a read-out is the k-th cell of the picture.
 """
@@ -38,8 +40,8 @@ MODEL_FILES = {
     "target": "reading-qwen35-mtp.gguf",   # qwen35 with its MTP head (spec_type="draft-mtp")
     "mmproj": "reading-mmproj.gguf",
 }
-#: Its drafts by role: a small hunyuan_vl draft model, blind without its projector (``draft``) and
-#: seeing with it (``mmproj_draft``).
+#: Its drafts by role: a small hunyuan_vl draft model (load it as ``draft=``), blind without its
+#: projector and seeing with it (``mmproj_draft=``).
 DRAFT_FILES = {
     "draft_vlm": "reading-draft-vlm.gguf",
     "draft_vlm_mmproj": "reading-draft-vlm-mmproj.gguf",
