@@ -139,22 +139,19 @@ def test_projector_equals_libmtmd(which, files, tmp_path):
         _close(got, want, rel=2e-3, rel_typical=1e-3)
 
 
-def test_draft_vlm_equals_llama_cpp(files, held_out):
-    """The trainer's draft VLM (hunyuan_vl, sections [1, 1, 6, 0], rope base 20) over a reading prompt
-    through its own projector gives llama.cpp's logits."""
-    TR = _trainer()
+def _read_out_parity(TR, model, model_path, mmproj_path, text):
+    """``model`` (the trainer's module for ``model_path``) over [PROMPT with the picture of ``text``,
+    the read-out of ``text``] gives llama.cpp's logits for the rows after the picture."""
     torch = TR._torch()
     from pyllama_spec.bindings.context import Context
     from pyllama_spec.bindings.model import Model
     from pyllama_spec.bindings.mtmd import Bitmap, Projector
 
-    draft, _, cfg = TR.T.load_pair(files["draft_vlm"])
-    assert tuple(cfg.rope_sections) == (1, 1, 6, 0) and cfg.rope_base == TR.ROPE_BASE and not cfg.merges
-    proj = TR.load_projector(files["draft_vlm_mmproj"])
-    layout = TR.Layout(files["draft_vlm"], files["draft_vlm_mmproj"])
-    picture = np.array(reading.render(held_out[1]))
-    read = np.frombuffer((held_out[1] + "\n").encode(), np.uint8).astype(np.int64)
-    with Model(files["draft_vlm"]) as m, Projector(files["draft_vlm_mmproj"], m, n_threads=N_THREADS) as pj, \
+    proj = TR.load_projector(mmproj_path)
+    layout = TR.Layout(model_path, mmproj_path)
+    picture = np.array(reading.render(text))
+    read = np.frombuffer((text + "\n").encode(), np.uint8).astype(np.int64)
+    with Model(model_path) as m, Projector(mmproj_path, m, n_threads=N_THREADS) as pj, \
             Context(m, n_ctx=512, n_batch=256, n_ubatch=256, n_threads=N_THREADS, flash_attn=False) as ctx:
         chunks = pj.tokenize(reading.PROMPT, [Bitmap(picture)])
         pre, media, post = chunks[0].tokens, chunks[1], chunks[2].tokens
@@ -165,41 +162,25 @@ def test_draft_vlm_equals_llama_cpp(files, held_out):
         want = ctx.output_logits(len(after)).copy()
     x = torch.from_numpy(np.concatenate([layout.pre, np.full(TR.N_CELLS, -1), layout.post, read]))[None]
     with torch.no_grad():
-        logits, _ = draft(x, torch.from_numpy(layout.positions(x.shape[1]))[None],
+        logits, _ = model(x, torch.from_numpy(layout.positions(x.shape[1]))[None],
                           embd=TR._image_rows(layout, proj(torch.from_numpy(picture)[None]), x.shape[1]))
     _close(logits[0, -len(after):].numpy(), want, rel=2e-3, rel_typical=5e-4)
 
 
 def test_target_reads_as_llama_cpp_computes(files, held_out):
-    """The trainer's target over [prompt, picture, read-out] gives llama.cpp's logits."""
+    """The trainer's target (qwen35, rope base 20, no merges) through its projector."""
     TR = _trainer()
-    torch = TR._torch()
-    from pyllama_spec.bindings.context import Context
-    from pyllama_spec.bindings.model import Model
-    from pyllama_spec.bindings.mtmd import Bitmap, Projector
-
     target, _, cfg = TR.Q.load(files["target"])
     assert cfg.rope_base == TR.ROPE_BASE and not cfg.merges
-    proj = TR.load_projector(files["mmproj"])
-    layout = TR.Layout(files["target"], files["mmproj"])
-    text = held_out[0] + "\n"
-    picture = np.array(reading.render(held_out[0]))
-    read = np.frombuffer(text.encode(), np.uint8).astype(np.int64)
-    with Model(files["target"]) as m, Projector(files["mmproj"], m, n_threads=N_THREADS) as pj, \
-            Context(m, n_ctx=512, n_batch=256, n_ubatch=256, n_threads=N_THREADS, flash_attn=False) as ctx:
-        chunks = pj.tokenize(reading.PROMPT, [Bitmap(picture)])
-        pre, media, post = chunks[0].tokens, chunks[1], chunks[2].tokens
-        ctx.decode_tokens(pre, np.arange(len(pre)))
-        pos = pj.decode_media(ctx, media, pj.encode(media), len(pre), n_batch=256)
-        after = np.concatenate([post, read])
-        ctx.decode_tokens(after, pos + np.arange(len(after)), outputs=True)
-        want = ctx.output_logits(len(after)).copy()
-    x = torch.from_numpy(np.concatenate([layout.pre, np.full(TR.N_CELLS, -1), layout.post, read]))[None]
-    with torch.no_grad():
-        rows = proj(torch.from_numpy(picture)[None])
-        logits, _ = target(x, torch.from_numpy(layout.positions(x.shape[1]))[None],
-                           embd=TR._image_rows(layout, rows, x.shape[1]))
-    _close(logits[0, -len(after):].numpy(), want, rel=2e-3, rel_typical=5e-4)
+    _read_out_parity(TR, target, files["target"], files["mmproj"], held_out[0])
+
+
+def test_draft_vlm_equals_llama_cpp(files, held_out):
+    """The trainer's draft VLM (hunyuan_vl, sections [1, 1, 6, 0], rope base 20) through its own projector."""
+    TR = _trainer()
+    draft, _, cfg = TR.T.load_pair(files["draft_vlm"])
+    assert tuple(cfg.rope_sections) == (1, 1, 6, 0) and cfg.rope_base == TR.ROPE_BASE and not cfg.merges
+    _read_out_parity(TR, draft, files["draft_vlm"], files["draft_vlm_mmproj"], held_out[1])
 
 
 # ----------------------------------------------------------------------------- reading and drafting
