@@ -115,8 +115,9 @@ _LOWER = "abcdefghijklmnopqrstuvwxyz"
 
 def draw_string(rng: np.random.Generator, lines: list[tuple[str, int]]) -> tuple[str, int | None]:
     """A string to draw and, for a corpus line, where the text after it starts: a code line, a
-    snake_case identifier, a number, or random printable characters (a quarter each)."""
-    kind = int(rng.integers(4))
+    snake_case identifier, a number, or random printable characters (a quarter each; without corpus
+    lines, a third each of the others)."""
+    kind = int(rng.integers(4)) if lines else int(rng.integers(1, 4))
     if kind == 0:
         return lines[int(rng.integers(len(lines)))]
     if kind == 1:
