@@ -12,7 +12,8 @@ in its cache (``draft-mtp``, this project's default) and without them (``writes_
 llama.cpp leaves them); n-gram lookup; the world's small draft model without its projector (blind) and
 with it (``mmproj_draft``: it reads the picture itself). llama-server, built from the same pin, runs target only, its
 ``draft-mtp`` (blind: its head never sees an image row), ``ngram-simple`` and the draft model (blind:
-llama-server gives a draft model no picture) on the same files and prompts through ``/completion``, one thread and flash attention off on both. Above temperature 0,
+llama-server gives a draft model no picture) on the same files and prompts through ``/completion``, one thread and flash attention off on both; its timings give totals only, so its
+acceptance on the read-out comes from a second pass that stops there. Above temperature 0,
 string i samples with seed i, verified by llama.cpp's rule (``verify="match"``), so every output
 equals the target alone's (``equals target only``). Counts must repeat exactly over ``--repeats``;
 speeds are min / median / max. The target's read-out accuracy (characters of its greedy read-out
@@ -143,18 +144,24 @@ def ours(name, m, target, mmproj, strings, pictures, args, refs):
 
 
 def theirs(name, m, target, mmproj, strings, pictures, args):
-    """llama-server's same method: per-region counts are not in its timings, so only totals."""
+    """llama-server's same method. Its timings give totals only, so the read-out's acceptance comes from
+    a second pass that stops at the read-out (``n_predict`` = its length; a step's drafts there are the
+    same as in the full answer, but for the last step, whose drafts may run past the read-out)."""
     from drafters_after_images import llama_server, png_b64
 
     rows = []
     with llama_server(target, mmproj, m["server"], args.threads) as (url, marker):
         for temp in args.temps:
             runs = [_serve_set(url, marker, strings, pictures, temp, args, png_b64) for _ in range(args.repeats)]
-            rows.append(dict(method=name, engine="llama-server", temp=temp, lossless=None, **repeated(runs)))
+            row = dict(method=name, engine="llama-server", temp=temp, lossless=None, **repeated(runs))
+            read = _serve_set(url, marker, strings, pictures, temp, args, png_b64, read_out_only=True)
+            row.update(read_drafted=read["drafted"], read_accepted=read["accepted"],
+                       read_acceptance=read["accepted"] / read["drafted"] if read["drafted"] else None)
+            rows.append(row)
     return rows
 
 
-def _serve_set(url, marker, strings, pictures, temp, args, png_b64):
+def _serve_set(url, marker, strings, pictures, temp, args, png_b64, read_out_only=False):
     import urllib.request
 
     t = dict.fromkeys(COUNTS, 0)
@@ -162,7 +169,8 @@ def _serve_set(url, marker, strings, pictures, temp, args, png_b64):
     for i, (s, pic) in enumerate(zip(strings, pictures)):
         body = {"prompt": {"prompt_string": reading.PROMPT.replace("<__media__>", marker),
                            "multimodal_data": [png_b64(np.asarray(pic))]},
-                "n_predict": args.max_tokens, "temperature": temp, "seed": i, "cache_prompt": False}
+                "n_predict": len(s) + 1 if read_out_only else args.max_tokens, "temperature": temp, "seed": i,
+                "cache_prompt": False}
         req = urllib.request.Request(url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
         t0 = time.perf_counter()
         timings = json.load(urllib.request.urlopen(req, timeout=600))["timings"]
@@ -172,7 +180,6 @@ def _serve_set(url, marker, strings, pictures, temp, args, png_b64):
         t["generated"] += timings["predicted_n"]
         decode += timings["predicted_ms"] / 1000
     res = summarize(t, decode, wall)
-    res["acceptance"] = t["accepted"] / t["drafted"] if t["drafted"] else 0.0
     for k in ("read_acceptance", "read_accepted_length", "after_acceptance", "after_accepted_length"):
         res.pop(k)
     return res
@@ -236,9 +243,13 @@ def main() -> int:
     for r in table:
         overall = rate(r["accepted"] / r["drafted"] if r["drafted"] else None)
         same = "" if r["lossless"] is None else ("yes" if r["lossless"] else "NO")
-        region = (f"{rate(r['read_acceptance'])} | {rate(r['read_accepted_length'], 2)} | "
-                  f"{rate(r['after_acceptance'])} | {rate(r['after_accepted_length'], 2)}"
-                  if "read_acceptance" in r else "| | |")
+        if "read_accepted_length" in r:
+            region = (f"{rate(r['read_acceptance'])} | {rate(r['read_accepted_length'], 2)} | "
+                      f"{rate(r['after_acceptance'])} | {rate(r['after_accepted_length'], 2)}")
+        elif r["engine"] == "llama-server" and r["method"] != "target only":  # read-out pass only
+            region = f"{rate(r['read_acceptance'])} (a pass stopped at it) | | |"
+        else:
+            region = "- | | - |"
         print(f"| {r['method']} | {r['engine']} | {r['temp']:g} | {region} | {overall} ({r['drafted']} drafted) | "
               f"{r['tokens_per_s']:.0f} ({r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f}) | "
               f"{r['wall_tokens_per_s']:.0f} ({r['wall_tokens_per_s_min']:.0f}-{r['wall_tokens_per_s_max']:.0f}) | "
