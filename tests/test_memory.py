@@ -235,3 +235,24 @@ def test_doctor_counts_every_methods_draft_and_draft_projector(spec_type):
     est = _estimate(TRAINED, draft=draft, mmproj_draft=mmproj_draft, spec_type=spec, n_ctx=2048, n_ubatch=64)
     assert f"{est.total / memory.MiB:.1f} MiB" in result.output  # the estimate load() checks
     assert ("draft mmproj" in result.output) == bool(mmproj_draft)
+
+
+def test_doctor_says_how_a_method_drafts_through_pictures():
+    """With a projector, doctor says whether the method's drafts see the picture and through what
+    (the registry's ``sees_picture``); a draft model sees only with its own projector."""
+    from click.testing import CliRunner
+
+    from pyllama_spec.cli import main
+    from pyllama_spec.devtools import reading
+
+    f = reading.models()
+    base = ["doctor", "-m", str(f["target"]), "--mmproj", str(f["mmproj"]), "-c", "2048"]
+    cases = [(["--spec-type", "draft-mtp"], "draft-mtp drafts seeing them through the picture's rows in the head's own cache"),
+             (["-md", str(f["draft_vlm"]), "--spec-type", "draft-simple"], "draft-simple drafts blind to them (its own projector"),
+             (["-md", str(f["draft_vlm"]), "--mmproj-draft", str(f["draft_vlm_mmproj"])],
+              "draft-simple drafts seeing them through its own projector"),
+             (["--spec-type", "ngram-simple"], "ngram-simple drafts blind to them")]
+    for args, said in cases:
+        result = CliRunner().invoke(main, base + args, terminal_width=400)
+        assert result.exit_code == 0, result.output
+        assert said in " ".join(result.output.split()), result.output

@@ -104,6 +104,12 @@ def doctor(model, mmproj, draft, mmproj_draft, n_ctx, n_batch, n_ubatch, n_paral
         for row in est.table():
             mem.add_row(*row)
         console.print(mem)
+        if config.spec_type != "none" and mmproj is not None:
+            m = method(config.spec_type)
+            blind = not m.sees_picture or (m.draft_projector and mmproj_draft is None)
+            console.print(f"pictures: {config.spec_type} drafts " + (
+                f"blind to them ({m.sees_picture})" if blind and m.sees_picture else "blind to them" if blind
+                else f"seeing them through {m.sees_picture}"), markup=False, highlight=False)
 
 
 #: ggml backends that run on this machine's CPU (BLAS: CPU matrix libraries) or on others' devices (RPC).

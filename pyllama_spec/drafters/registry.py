@@ -88,6 +88,9 @@ class Method:
     trees: bool = False  # a draft tree can be built from its drafts (with per-position logits)
     loads_target_mtp: bool = False  # the target is loaded with its multi-token-prediction (nextn) block
     draft_projector: bool = False  # its draft model may take a projector of its own (mmproj_draft: it sees pictures)
+    #: What its drafts see a picture in the prompt through (the default way is the measured best:
+    #: bench/RESULTS.md "Drafting that sees the picture"); "" where they never see one.
+    sees_picture: str = ""
 
     def _impl(self):
         return importlib.import_module(self.module)
@@ -114,13 +117,20 @@ class Method:
 
 METHODS = (
     Method("draft-dflash", "pyllama_spec.drafters.dflash", "a DFlash draft", aliases=("dflash",),
-           target_features="layer inputs", uses_target_head=True, trees=True),
+           target_features="layer inputs", uses_target_head=True, trees=True,
+           sees_picture="the target's layer inputs of the picture's rows, injected at consecutive positions with "
+                        "draft_positions='sequential' (the default 'target' leaves pinned rows out)"),
     Method("draft-eagle3", "pyllama_spec.drafters.eagle3", "an EAGLE3 draft", aliases=("eagle3",),
-           target_features="layer inputs", uses_target_head=True),
-    Method("draft-simple", "pyllama_spec.drafters.draft_model", "a draft model", draft_projector=True),
+           target_features="layer inputs", uses_target_head=True,
+           sees_picture="the target's layer inputs of the picture's rows, written into its own cache"),
+    Method("draft-simple", "pyllama_spec.drafters.draft_model", "a draft model", draft_projector=True,
+           sees_picture="its own projector, given mmproj_draft (blind without one)"),
     Method("ngram-simple", "pyllama_spec.drafters.ngram", "n-gram lookup", draft_file=False),
     Method("draft-mtp", "pyllama_spec.drafters.mtp", "its own MTP head", draft_file=False,
-           target_features="final hidden state", loads_target_mtp=True),
+           target_features="final hidden state", loads_target_mtp=True,
+           sees_picture="the picture's rows in the head's own cache, each image embedding beside the target's hidden "
+                        "state of the row before (llama.cpp leaves them out; so does a build without "
+                        "patches/0004-mtp-media-rows.patch)"),
 )
 _BY_NAME = {name: m for m in METHODS for name in (m.name, *m.aliases)}
 
