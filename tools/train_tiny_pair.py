@@ -1642,6 +1642,17 @@ def _set_readme_section(readme: Path, text: str) -> None:
     readme.write_text("\n\n".join(sections) + "\n")
 
 
+def _kept_readme_parts(readme: Path) -> tuple[list[str], list[str]]:
+    """What a new target's README keeps of the old one: the --eagle3 / --draft-vlm runs' sections (their
+    files are not rewritten here), and the other tools' documents after this one (each from a "# "
+    heading: the qwen35 target's, the reading world's), as they are. Its "## Measured" sections go:
+    they measured the old files."""
+    old = readme.read_text().rstrip("\n") if readme.exists() else ""
+    docs = old.split("\n\n# ")
+    kept = [x for x in docs[0].split("\n\n## ")[1:] if x.startswith(("EAGLE3 draft", "Draft VLM"))]
+    return kept, ["# " + d for d in docs[1:]]
+
+
 def train_drafts_for_target(args, out: Path, toks, held, corpus: dict, log) -> int:
     """--eagle3 / --draft-vlm: drafts for the trained target ``--target-from`` (not retrained), each
     written with its section of README.md."""
@@ -1891,9 +1902,7 @@ def main(argv=None) -> int:
         capped = "**Stopped by the --minutes cap**: step counts above are what ran."
     log(json.dumps(dict(config=asdict(cfg), target=t_info, draft=d_info, seed=args.seed, args=vars(args))))
     readme = out / "README.md"
-    # the --eagle3 / --draft-vlm runs' sections stay (their files are not rewritten here)
-    kept = [x for x in (readme.read_text().split("\n\n## ") if readme.exists() else [])[1:]
-            if x.startswith(("EAGLE3 draft", "Draft VLM"))]
+    kept, others = _kept_readme_parts(readme)
     readme.write_text(README.format(
         **asdict(cfg), seed=args.seed, argv=shown, torch_version=torch.__version__, threads=torch.get_num_threads(),
         corpus=CORPUS_GLOB, py=sys.version.split()[0], every=HELD_OUT_EVERY, n_train=len(train_files),
@@ -1914,6 +1923,8 @@ def main(argv=None) -> int:
         lengths=list(BLOCK_LENGTHS), capped=capped))
     for section in kept:
         _set_readme_section(readme, "## " + section)
+    if others:
+        readme.write_text(readme.read_text().rstrip("\n") + "\n\n" + "\n\n".join(others) + "\n")
     log(f"wrote {out}/trained-target.gguf, trained-draft.gguf, trained-mmproj.gguf, README.md")
     return 0
 
