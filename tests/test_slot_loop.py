@@ -153,6 +153,27 @@ def test_requests_that_arrive_together_start_decoding_together(pair, sequential)
     assert len(set(first_at.values())) == 1, first_at  # all three started in one turn
 
 
+def test_an_action_on_a_busy_slot_returns_its_future_at_once_when_the_loop_has_its_thread(pair):
+    """With the loop's own thread (n_parallel > 1, or a server), run_on_slot hands back the Future at
+    once and the action runs when the slot frees: a server calls it on its event loop, which must not
+    wait for another request's generation."""
+    with ps.load(pair.target, draft=pair.draft, n_threads=N_THREADS, n_parallel=2) as engine:
+        held, go = threading.Event(), threading.Event()
+
+        def hold(stage, n, total):  # on the loop's thread, inside the request's prefill: slot 0 busy
+            held.set()
+            go.wait(10)  # (were run_on_slot to wait for the slot, it would return after this)
+
+        busy = engine.submit(PROMPTS[0], max_tokens=8, progress=hold, id_slot=0)
+        assert held.wait(30)
+        action = engine.run_on_slot(0, lambda seq: seq.positions.n_rows)
+        done_on_return = action.done()
+        go.set()
+        answer = busy.result()
+        assert not done_on_return
+        assert action.result(30) == answer.stats.prompt_tokens + len(answer.tokens) - 1
+
+
 def test_other_slots_keep_decoding_while_an_image_is_encoded(tiny_dense):
     """A big image's encode runs on the encoder thread: the slot beside it streams tokens during
     the encode (with the encode inline it would stream none), and both answers stay exact."""

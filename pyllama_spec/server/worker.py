@@ -184,4 +184,4 @@ class Worker:
             if job.submission is not None:
                 job.submission.finished.wait(timeout)
         if self._started_thread:  # the engine outlives the server: its readers turn the loop again
-            self._slots.stop_thread()
+            self._slots.stop_thread(timeout)

@@ -280,8 +280,9 @@ class SlotLoop:
     def run_on_slot(self, slot: int, fn: Callable[[Any], Any]) -> Future:
         """Run ``fn(sequence)`` in the loop once ``slot`` is free (before any request waiting for a
         slot takes it), and return the Future of its result. While the slot runs a generation the
-        call waits, as llama-server defers a slot action on a busy slot. Without the loop's own
-        thread it runs on this thread, and the Future is done on return."""
+        action waits, as llama-server defers a slot action on a busy slot. With the loop's own thread
+        the Future is returned at once (a server calls this on its event loop); without it the call
+        runs the loop on this thread, and the Future is done on return."""
         if not 0 <= slot < len(self._slots):
             raise ValueError(f"slot must be from 0 to {len(self._slots) - 1}, got {slot}")
         self._refuse_from_inside_a_turn()
@@ -293,7 +294,7 @@ class SlotLoop:
             self._cond.notify_all()
         if not self.threaded:
             self._turn_until(op.future.done)
-        futures.wait([op.future])  # (the loop's thread may have started meanwhile)
+            futures.wait([op.future])  # (the loop's thread may have started meanwhile)
         return op.future
 
     def reset_all(self) -> None:
@@ -433,7 +434,7 @@ class SlotLoop:
     # ------------------------------------------------------------------ the loop's own thread
     def _run_forever(self) -> None:
         me = threading.get_ident()
-        closing = True
+        closing, encoder = True, None
         try:
             while True:
                 with self._cond:
@@ -443,8 +444,10 @@ class SlotLoop:
                     if self._stopping:
                         break
                     if self._leave_when_idle and not self._has_work():
-                        # (decided under the lock: whatever comes next finds no thread, and turns it)
+                        # (decided under the lock: whatever comes next finds no thread, and turns it; the
+                        # encoder is this thread's, taken here before a new thread can make its own)
                         self._thread, self._leave_when_idle, closing = None, False, False
+                        encoder, self._encoder = self._encoder, None
                         break
                     self._driver = me
                 try:
@@ -455,8 +458,8 @@ class SlotLoop:
                 finally:
                     self._release(me)
         finally:
-            encoder, self._encoder = self._encoder, None
-            if closing:
+            if closing:  # (this thread is still the loop's: start_thread makes no other, nor an encoder)
+                encoder, self._encoder = self._encoder, None
                 try:
                     with self._cond:
                         self._stopping = True  # (also when it ended on a fault: nothing is queued to no one)
@@ -472,9 +475,11 @@ class SlotLoop:
     def _has_work(self) -> bool:
         return bool(self._pending or self.n_active or self._reset_requested or self._slot_ops)
 
-    def stop_thread(self) -> None:
+    def stop_thread(self, timeout: float | None = None) -> None:
         """Let the loop's own thread end once nothing runs or waits (a server stopped: the engine
-        goes on, its readers turning the loop again, lazily, with Ctrl-C reaching native calls)."""
+        goes on, its readers turning the loop again, lazily, with Ctrl-C reaching native calls).
+        Waits for it at most ``timeout`` seconds (None: until it ends); one still busy then (work of
+        the engine's other users) ends by itself once idle."""
         with self._cond:
             thread = self._thread
             if thread is None:
@@ -482,15 +487,15 @@ class SlotLoop:
             self._leave_when_idle = True
             self._cond.notify_all()
         if thread is not threading.current_thread():
-            thread.join()
+            thread.join(timeout)
 
     # ------------------------------------------------------------------ one turn
     def _turn(self, driving: Submission | None = None) -> None:
         """One turn (see the module). Run for ``driving``'s reader, it stops once that request has
         a piece: a stream advances only as it is read."""
-        with self._cond:
-            reset, self._reset_requested = self._reset_requested, None
         self._drop_cancelled()
+        with self._cond:  # (taken after: were dropping to fail, the reset would wait for the next turn)
+            reset, self._reset_requested = self._reset_requested, None
         if reset is not None:
             for seq, running in zip(self._sequences, self._slots):
                 if running is None:
