@@ -312,11 +312,7 @@ class Engine:
         The arguments are checked now (``resolve``); the generation takes a slot at the stream's
         first step and runs in the slot loop (see ``Engine`` and serving/slot_loop.py).
         """
-        if isinstance(prompt, Request):
-            if options:
-                raise TypeError("a resolved Request takes no other argument: give its options to resolve()")
-            return self._stream(self._own(prompt))
-        return self._stream(self.resolve(RequestOptions.of(prompt, **options)))
+        return self._stream(self._request_of(prompt, options))
 
     def _stream(self, request: Request) -> Iterator[Piece]:
         """Submitted at its first step (a stream never iterated takes no slot); leaving it early
@@ -337,13 +333,16 @@ class Engine:
         if self.config.n_parallel < 2:
             raise ValueError("submit() runs generations concurrently in slots: load with n_parallel > 1 "
                              "(llama.cpp's -np); with one slot use stream() or generate()")
+        return self._loop.submit(self._request_of(prompt, kwargs), on_event, max_waiting, id_slot)
+
+    def _request_of(self, prompt, options: dict) -> Request:
+        """The Request a call runs: ``prompt`` itself when it is one this engine resolved (and no
+        other option is given), else ``prompt`` and ``options`` resolved now."""
         if isinstance(prompt, Request):
-            if kwargs:
+            if options:
                 raise TypeError("a resolved Request takes no other argument: give its options to resolve()")
-            request = self._own(prompt)
-        else:
-            request = self.resolve(RequestOptions.of(prompt, **kwargs))
-        return self._loop.submit(request, on_event, max_waiting, id_slot)
+            return self._own(prompt)
+        return self.resolve(RequestOptions.of(prompt, **options))
 
     def _own(self, request: Request) -> Request:
         """``request`` if this engine resolved it (its limits were checked here), else TypeError."""
