@@ -356,14 +356,10 @@ def _image_rows(layout: Layout, rows, n: int):
 
 
 def picture_text_loss(model, proj, batch):
-    """Next-token loss of ``model`` on the text after one of the other pictures (picture_batch)."""
-    torch = _torch()
+    """Next-token loss of ``model`` on the text after one of the other pictures (picture_batch), as
+    train_tiny_pair scores its [picture, text] batches."""
     picture, x, pos, layout = batch
-    B, n = x.shape[0], x.shape[1] - 1
-    embd = _image_rows(layout, proj(picture), n).expand(B, n, -1)
-    logits, _ = model(x[:, :-1], pos[None].expand(B, n, 4), embd=embd)
-    labels = x[:, 1:].masked_fill(x[:, 1:] < 0, -100)
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, T.N_VOCAB), labels.reshape(-1), ignore_index=-100)
+    return T._image_text_loss(model, x, pos, _image_rows(layout, proj(picture), x.shape[1] - 1)[0])
 
 
 def reading_losses(target, proj, layout: Layout, batch):
@@ -407,9 +403,10 @@ def train_reader(target, proj, layout, lines, corpus, others, *, steps, seconds,
     F = torch.nn.functional
     rng = np.random.default_rng(seed + 7)
     params = list(target.parameters()) + list(proj.parameters())
-    opt = torch.optim.AdamW([dict(params=list(proj.parameters()), lr=3e-3),
-                             dict(params=list(target.parameters()), lr=2e-3)], betas=(0.9, 0.95), weight_decay=0.01)
-    peaks = [3e-3, 2e-3]
+    peaks = [3e-3, 2e-3]  # projector, target
+    opt = torch.optim.AdamW([dict(params=list(proj.parameters()), lr=peaks[0]),
+                             dict(params=list(target.parameters()), lr=peaks[1])], betas=(0.9, 0.95),
+                            weight_decay=0.01)
     t0, hist, step = time.time(), [], 0
     for step in range(steps):
         if time.time() - t0 > seconds:
