@@ -266,6 +266,9 @@ class Eagle3Drafter:
         self._pending = {s: _Rows.empty(self._n_embd) for s in range(n_seq)}
         self._last = {s: _Rows.empty(self._n_embd) for s in range(n_seq)}
         self.trace: list[TraceEvent] | None = None  # set to [] to record "write", "seed" and "restart"
+        # False: the draft never sees a picture's rows, as llama.cpp leaves them out (to measure what
+        # seeing them is worth). Its 1-D cache holds no gap, so a sequence starts afresh after a picture.
+        self.writes_media = True
 
     # --- protocol
     @property
@@ -292,13 +295,19 @@ class Eagle3Drafter:
     def process(self, decode: TargetDecode) -> None:
         """Encode the target's features for every row it just decoded (image rows too), and write every
         row whose partner and position are now known into the draft's cache, all sequences at once."""
-        if not decode.rows:
+        kept = []
+        for r in decode.rows:
+            if self.writes_media or not r.has_embeddings:
+                kept.append(r)
+            else:  # a picture left out: what came before it goes too (writes_media)
+                self.forget(r.seq_id, 0, 0)
+        if not kept:
             return
-        feats = np.concatenate([decode.features(self.config.target_layers, r) for r in decode.rows])
+        feats = np.concatenate([decode.features(self.config.target_layers, r) for r in kept])
         g = self._encode(feats)
         writes: list[tuple[int, _Rows]] = []
         at = 0
-        for r in decode.rows:
+        for r in kept:
             new = _Rows(self._own_tokens(r), g[at:at + r.n_rows], *self._positions(r))
             at += r.n_rows
             self._last[r.seq_id] = new
