@@ -6,9 +6,11 @@ pictures, its files, what its target reads, and drafting through its pictures.
 * the PyTorch projector and target of the trainer compute what libmtmd and llama.cpp compute (on a
   random projector and on the committed files; skipped without torch, a training-only dependency);
 * the committed target reads held-out strings out (at least 90% of their characters, greedy);
+* the PyTorch target's layer inputs (what the EAGLE3 and DFlash drafts were trained on) are llama.cpp's;
 * drafts through a reading picture are lossless, and a draft that sees the picture accepts far more
-  of the read-out than the same draft blind: the MTP head with the picture's rows in its cache
-  against the head without them, the small draft model with its own projector against it without.
+  of the read-out than the same draft blind: the MTP head and the EAGLE3 draft with the picture's rows
+  in their caches against them without, the small draft model with its own projector against it
+  without, the DFlash draft at sequential positions (the rows injected) against target positions.
 """
 
 from __future__ import annotations
@@ -175,6 +177,27 @@ def test_target_reads_as_llama_cpp_computes(files, held_out):
     _read_out_parity(TR, target, files["target"], files["mmproj"], held_out[0])
 
 
+def test_target_layer_inputs_equal_llama_cpps(files):
+    """What the EAGLE3 and DFlash drafts read on text (tools/train_reading_drafts.py takes it from the
+    PyTorch target): the inputs of layers 1, 2 and 3, against llama.cpp's."""
+    from pyllama_spec.bindings.context import Context
+    from pyllama_spec.bindings.model import Model
+
+    TR = _trainer()
+    torch = TR._torch()
+    target, _, _ = TR.Q.load(files["target"])
+    toks = TR.corpus_bytes(TR.T.corpus_files()[1])[:96]  # held-out code, one byte a token
+    layers = (1, 2, 3)
+    with Model(files["target"]) as m, Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=N_THREADS) as ctx:
+        ctx.enable_layer_inputs(layers)
+        ctx.decode_tokens(toks.astype(np.int32), np.arange(len(toks)), outputs=True)
+        want = {lid: ctx.layer_input(lid, len(toks)).copy() for lid in layers}
+    with torch.no_grad():
+        _, feats = target(torch.from_numpy(toks.astype(np.int64))[None], layer_ids=layers)
+    for lid in layers:
+        _close(feats[lid][0].numpy(), want[lid], rel=2e-3, rel_typical=5e-4)
+
+
 def test_draft_vlm_equals_llama_cpp(files, held_out):
     """The trainer's draft VLM (hunyuan_vl, sections [1, 1, 6, 0], rope base 20) through its own projector."""
     TR = _trainer()
@@ -226,14 +249,22 @@ def target_only(files, held_out):
                              temperature=0.0, cache_prompt=False).tokens for s in held_out[:12]]
 
 
-@pytest.mark.parametrize("method", ["mtp", "draft model"])
+@pytest.mark.parametrize("method", ["mtp", "draft model", "eagle3", "dflash"])
 def test_a_draft_that_sees_the_picture_reads_it_where_a_blind_one_cannot(method, files, held_out, target_only):
     """Greedy, 12 held-out strings: lossless both ways; seeing accepts at least 3x blind on the read-out
-    (measured on 24 strings: MTP 0.98 vs 0.16, the draft model 0.92 vs 0.07; bench/reading_world.py)."""
+    (measured on 24 strings: MTP 0.98 vs 0.16, the draft model 0.92 vs 0.07; bench/reading_world.py).
+    Seeing and blind: the MTP head and EAGLE3 with the picture's rows in their caches or without them;
+    the draft model with its own projector or without it; DFlash at sequential positions (the rows
+    injected) or at the target's (the pinned rows left out)."""
     strings = held_out[:12]
-    if method == "mtp":
-        seeing, seeing_rate = _readout_run(files, strings, dict(spec_type="draft-mtp"), rows_in_cache=True)
-        blind, blind_rate = _readout_run(files, strings, dict(spec_type="draft-mtp"), rows_in_cache=False)
+    if method in ("mtp", "eagle3"):
+        kw = dict(spec_type="draft-mtp") if method == "mtp" else dict(spec_type="draft-eagle3", draft=files["eagle3"])
+        seeing, seeing_rate = _readout_run(files, strings, kw, rows_in_cache=True)
+        blind, blind_rate = _readout_run(files, strings, kw, rows_in_cache=False)
+    elif method == "dflash":
+        kw = dict(spec_type="draft-dflash", draft=files["dflash"])
+        seeing, seeing_rate = _readout_run(files, strings, dict(kw, draft_positions="sequential"))
+        blind, blind_rate = _readout_run(files, strings, dict(kw, draft_positions="target"))
     else:
         kw = dict(spec_type="draft-simple", draft=files["draft_vlm"])
         seeing, seeing_rate = _readout_run(files, strings, dict(kw, mmproj_draft=files["draft_vlm_mmproj"]))
@@ -243,11 +274,19 @@ def test_a_draft_that_sees_the_picture_reads_it_where_a_blind_one_cannot(method,
     assert seeing_rate >= 0.7 and seeing_rate >= 3 * blind_rate
 
 
-@pytest.mark.parametrize("method", ["mtp", "draft model"])
+def _seeing(method: str, files) -> dict:
+    """Engine settings of each method's seeing draft."""
+    return {"mtp": dict(spec_type="draft-mtp"),
+            "draft model": dict(spec_type="draft-simple", draft=files["draft_vlm"],
+                                mmproj_draft=files["draft_vlm_mmproj"]),
+            "eagle3": dict(spec_type="draft-eagle3", draft=files["eagle3"]),
+            "dflash": dict(spec_type="draft-dflash", draft=files["dflash"], draft_positions="sequential")}[method]
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft model", "eagle3", "dflash"])
 def test_seeing_drafts_on_four_slots_give_the_targets_tokens(method, files, held_out, target_only):
     """Four reading pictures at once through one engine's four slots: each answer is the target's own."""
-    kw = (dict(spec_type="draft-mtp") if method == "mtp" else
-          dict(spec_type="draft-simple", draft=files["draft_vlm"], mmproj_draft=files["draft_vlm_mmproj"]))
+    kw = _seeing(method, files)
     strings = held_out[:8]
     with ps.load(files["target"], mmproj=files["mmproj"], n_threads=N_THREADS, draft_max=3, n_parallel=4,
                  n_ctx=2048, **kw) as eng:

@@ -281,18 +281,23 @@ def make_target(cfg: Qwen35Config):
                 x = torch.where((tokens < 0)[..., None], embd, x)
             return x
 
-        def forward(self, tokens, pos=None, *, embd=None):
+        def forward(self, tokens, pos=None, *, embd=None, layer_ids=None):
             """tokens [B, T] (-1 on image rows, whose rows ``embd`` [B, T, n_embd] holds) at M-RoPE
             positions pos [B, T, 4] (default: text 0..T-1) -> logits [B, T, V], h_nextn [B, T, n_embd]
-            (the output-normed hidden state the MTP head pairs with the next token)."""
+            (the output-normed hidden state the MTP head pairs with the next token). With
+            ``layer_ids``: logits, {lid: layer lid's input [B, T, n_embd]} instead (what an EAGLE3
+            or DFlash draft reads, as train_tiny_pair's target gives it)."""
             Tn = tokens.shape[1]
             pos = _default_pos(tokens, pos)
             x = self.embed(tokens, embd)
             causal = torch.ones(Tn, Tn, dtype=torch.bool).tril()[None]
-            for L, recurrent in zip(self.layers, cfg.recurrent):
+            feats = {}
+            for il, (L, recurrent) in enumerate(zip(self.layers, cfg.recurrent)):
+                if layer_ids is not None and il in layer_ids:
+                    feats[il] = x
                 x = _delta_net_block(L, x) if recurrent else _block(L, x, pos, causal, cfg.rope_sections, cfg.rope_base)
             h = rms_norm(x, self.output_norm)
-            return F.linear(h, self.output), h
+            return F.linear(h, self.output), (h if layer_ids is None else feats)
 
     return Qwen35Target()
 

@@ -414,7 +414,7 @@ def write_draft_gguf(path, params: dict, cfg: PairConfig, name: str = "trained-t
     w.add_uint32("dflash.block_size", cfg.block_size)
     w.add_uint32("dflash.attention.sliding_window", cfg.sliding_window)
     w.add_array("dflash.attention.sliding_window_pattern", ValueType.BOOL, [True] * cfg.draft_n_layer)
-    tiny._add_tokenizer(w, with_mask_id=True)
+    tiny._add_tokenizer(w, with_mask_id=True, merges=cfg.merges)
     w.add_tensor("fc.weight", params["fc"])
     w.add_tensor("enc.output_norm.weight", params["enc_norm"])
     w.add_tensor("output_norm.weight", params["output_norm"])
@@ -738,7 +738,10 @@ class ImageSequences:
     pos_target: np.ndarray  # int32 [N, R]: draft positions in "target" mode (image rows unused)
     pos_sequential: np.ndarray  # int32 [N, R]: draft positions in "sequential" mode
     n_pre: int
-    n_image: int  # image rows kept (= the draft's window)
+    n_image: int  # image rows kept (the draft's window, or every row of pictures smaller than it)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
 
     def rows(self, i: int, mode: str, seq: int):
         """(tokens, feats, greedy, positions, first post row) of sequence i as a draft in ``mode``
@@ -753,9 +756,14 @@ class ImageSequences:
 
 
 def generate_image_sequences(target_gguf, mmproj_gguf, toks: np.ndarray, images: list[np.ndarray], n_seqs: int,
-                             prompt_len: int, gen_len: int, cfg: PairConfig, seed: int, log=print) -> ImageSequences:
+                             prompt_len: int, gen_len: int, cfg: PairConfig, seed: int, log=print,
+                             prompt: str | None = None, one_each: bool = False) -> ImageSequences:
     """n_seqs sequences [picture, corpus prompt, greedy continuation] decoded by the trained target
-    in llama.cpp, with the target layer inputs of every row (see ImageSequences)."""
+    in llama.cpp, with the target layer inputs of every row (see ImageSequences).
+
+    ``prompt``: the text around the picture (its media marker first; default the marker and a
+    newline); ``one_each``: sequence i takes picture i (else a random one). The image's last W rows
+    are kept (W: the draft's window); pictures of fewer rows must all have as many, and all are kept."""
     from pyllama_spec.bindings.context import Context
     from pyllama_spec.bindings.model import Model
     from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
@@ -768,13 +776,15 @@ def generate_image_sequences(target_gguf, mmproj_gguf, toks: np.ndarray, images:
     with Model(target_gguf) as m, Projector(mmproj_gguf, m, n_threads=1) as proj:
         prepared = []  # per picture: pre tokens, image chunk (kept alive by its Chunks), embeddings, post tokens
         for img in images:
-            chunks = proj.tokenize(MEDIA_MARKER + "\n", [Bitmap(img)])
+            chunks = proj.tokenize(prompt or MEDIA_MARKER + "\n", [Bitmap(img)])
             kinds = [c.type for c in chunks]
             if kinds != ["text", "image", "text"]:
                 raise RuntimeError(f"unexpected chunk layout for an image prompt: {kinds}")
-            if chunks[1].n_tokens < W:
-                raise RuntimeError(f"a {img.shape} picture gives {chunks[1].n_tokens} rows < the window {W}")
             prepared.append((chunks, chunks[0].tokens, chunks[1], proj.encode(chunks[1]), chunks[2].tokens))
+        sizes = {min(W, p[2].n_tokens) for p in prepared}
+        if len(sizes) != 1:
+            raise RuntimeError(f"pictures of fewer rows than the window {W} must all have as many: {sorted(sizes)}")
+        W = sizes.pop()  # the image rows kept: every row a query after the picture can see
         n_pre, n_post0 = len(prepared[0][1]), len(prepared[0][4])
         n_post = n_post0 + prompt_len + gen_len
         R = n_pre + W + n_post
@@ -792,7 +802,7 @@ def generate_image_sequences(target_gguf, mmproj_gguf, toks: np.ndarray, images:
 
             post0 = n_pre + W
             for i in range(n_seqs):
-                _, pre, media, embd, post_start = prepared[int(rng.integers(0, len(prepared)))]
+                _, pre, media, embd, post_start = prepared[i if one_each else int(rng.integers(0, len(prepared)))]
                 s = int(rng.integers(0, len(toks) - prompt_len))
                 # the draft's positions in each mode, by the engine's own bookkeeping
                 track = {mode: SequencePositions(mode) for mode in ("target", "sequential")}
@@ -860,7 +870,7 @@ class DraftData:
         rows = []
         for _ in range(batch):
             if self.images is not None and rng.random() < self.image_share:
-                i = int(rng.integers(0, len(self.images.tokens)))
+                i = int(rng.integers(0, len(self.images)))
                 mode = self.image_modes[int(rng.integers(0, len(self.image_modes)))]
                 rows.append(DraftRow(*self.images.rows(i, mode, seq)))
                 continue
@@ -1101,15 +1111,16 @@ _EAGLE3_TENSORS = [("fc", "fc.weight"), ("output_norm", "output_norm.weight"),
                    ("blk.up", "blk.0.ffn_up.weight"), ("blk.down", "blk.0.ffn_down.weight")]
 
 
-def write_eagle3_gguf(path, params: dict, ecfg: Eagle3Config, name: str = "trained-tiny-eagle3") -> Path:
+def write_eagle3_gguf(path, params: dict, ecfg: Eagle3Config, name: str = "trained-tiny-eagle3",
+                      merges: bool = True) -> Path:
     """An ``eagle3`` draft as pyllama_spec.devtools.tiny.write_eagle3_draft lays one out (no d2t: it
-    borrows the target's token embedding and output head)."""
+    borrows the target's token embedding and output head); ``merges``: as its target's tokenizer."""
     w = GGUFWriter()
     _add_hparams(w, "eagle3", 1, ecfg.n_ff, None)
     w.add_string("general.name", name)
     w.add_array("eagle3.target_layers", ValueType.INT32, list(ecfg.target_layers))
     w.add_uint32("eagle3.target_hidden_size", N_EMBD)
-    tiny._add_tokenizer(w)
+    tiny._add_tokenizer(w, merges=merges)
     for k, t in _EAGLE3_TENSORS:
         w.add_tensor(t, params[k])
     path = Path(path)
@@ -1146,6 +1157,9 @@ class ImageContinuations:
     feats: np.ndarray  # [N, n_post, n_in]
     greedy: np.ndarray  # [N, n_post]: the target's argmax after each text row
 
+    def __len__(self) -> int:
+        return len(self.picture)
+
     def rows(self, i: int, mode: str):
         """(own tokens, feats, greedy (-1: none), 1-D draft positions) of sequence i as the drafter
         lays it out in ``mode`` (drafters/eagle3.py: _positions, _lay_out)."""
@@ -1175,9 +1189,10 @@ class ImageContinuations:
 
 def generate_image_continuations(target_gguf, mmproj_gguf, toks: np.ndarray, images: list[np.ndarray], n_seqs: int,
                                  prompt_len: int, gen_len: int, target_layers, seed: int,
-                                 log=print) -> ImageContinuations:
+                                 log=print, prompt: str | None = None, one_each: bool = False) -> ImageContinuations:
     """n_seqs sequences [picture, corpus prompt, greedy continuation] decoded by the trained target in
-    llama.cpp, with the layer inputs ``target_layers`` of every row (see ImageContinuations)."""
+    llama.cpp, with the layer inputs ``target_layers`` of every row (see ImageContinuations).
+    ``prompt`` and ``one_each`` as for generate_image_sequences."""
     from pyllama_spec.bindings.context import Context
     from pyllama_spec.bindings.model import Model
     from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
@@ -1190,7 +1205,7 @@ def generate_image_continuations(target_gguf, mmproj_gguf, toks: np.ndarray, ima
         media = media_token(m)
         prepared = []
         for img in images:
-            chunks = proj.tokenize(MEDIA_MARKER + "\n", [Bitmap(img)])
+            chunks = proj.tokenize(prompt or MEDIA_MARKER + "\n", [Bitmap(img)])
             if [c.type for c in chunks] != ["text", "image", "text"]:
                 raise RuntimeError(f"unexpected chunk layout for an image prompt: {[c.type for c in chunks]}")
             prepared.append((chunks, proj.encode(chunks[1])))
@@ -1211,7 +1226,7 @@ def generate_image_continuations(target_gguf, mmproj_gguf, toks: np.ndarray, ima
                 return np.concatenate([ctx.layer_input(lid, n) for lid in lids], axis=1)
 
             for i in range(n_seqs):
-                p = int(rng.integers(0, len(images)))
+                p = i if one_each else int(rng.integers(0, len(images)))
                 s = int(rng.integers(0, len(toks) - prompt_len))
                 chunks, embd = prepared[p]
                 pre, chunk, post_start = chunks[0].tokens, chunks[1], chunks[2].tokens
@@ -1282,7 +1297,7 @@ class Eagle3Data:
         rows = []
         for _ in range(batch):
             if self.images is not None and rng.random() < self.image_share:
-                i = int(rng.integers(0, len(self.images.picture)))
+                i = int(rng.integers(0, len(self.images)))
                 rows.append(self.images.rows(i, self.image_modes[int(rng.integers(0, len(self.image_modes)))]))
                 continue
             if self.gen is not None and rng.random() < self.gen_share:

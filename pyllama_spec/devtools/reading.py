@@ -41,10 +41,15 @@ MODEL_FILES = {
     "mmproj": "reading-mmproj.gguf",
 }
 #: Its drafts by role: a small hunyuan_vl draft model (load it as ``draft=``), blind without its
-#: projector and seeing with it (``mmproj_draft=``).
+#: projector and seeing with it (``mmproj_draft=``); an EAGLE3 draft (``spec_type="draft-eagle3"``),
+#: which holds the target's features of the picture's rows; a DFlash draft
+#: (``spec_type="draft-dflash"``), seeing with ``draft_positions="sequential"``, blind with the default
+#: "target" (the picture's rows share one position and are left out).
 DRAFT_FILES = {
     "draft_vlm": "reading-draft-vlm.gguf",
     "draft_vlm_mmproj": "reading-draft-vlm-mmproj.gguf",
+    "eagle3": "reading-eagle3.gguf",
+    "dflash": "reading-dflash.gguf",
 }
 
 
