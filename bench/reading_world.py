@@ -10,9 +10,13 @@ read-out (the string and its newline) when it starts inside it, else towards wha
 acceptance is given for both. Methods here: target only; the target's MTP head with the picture's rows
 in its cache (``draft-mtp``, this project's default) and without them (``writes_media = False``: as
 llama.cpp leaves them); n-gram lookup; the world's small draft model without its projector (blind) and
-with it (``mmproj_draft``: it reads the picture itself). llama-server, built from the same pin, runs target only, its
-``draft-mtp`` (blind: its head never sees an image row), ``ngram-simple`` and the draft model (blind:
-llama-server gives a draft model no picture) on the same files and prompts through ``/completion``, one thread and flash attention off on both; its timings give totals only, so its
+with it (``mmproj_draft``: it reads the picture itself); its EAGLE3 draft with the target's features of the
+picture's rows in its cache and without them (``writes_media = False``); its DFlash draft at the target's
+positions (the default: a qwen35 picture's rows share one position, so they are left out: blind) and at
+sequential positions (the rows injected: seeing). llama-server, built from the same pin, runs target only, its
+``draft-mtp`` (blind: its head never sees an image row), ``ngram-simple``, the draft model (blind:
+llama-server gives a draft model no picture), ``draft-eagle3`` and ``draft-dflash`` (blind: its drafts skip
+every image batch) on the same files and prompts through ``/completion``, one thread and flash attention off on both; its timings give totals only, so its
 acceptance on the read-out comes from a second pass that stops there. Above temperature 0,
 string i samples with seed i, verified by llama.cpp's rule (``verify="match"``), so every output
 equals the target alone's (``equals target only``). Counts must repeat exactly over ``--repeats``;
@@ -58,6 +62,16 @@ def methods(draft_max: int, files: dict) -> dict[str, dict]:
         "draft model, seeing (its own projector)": dict(
             kw={"spec_type": "draft-simple", "draft": files["draft_vlm"], "mmproj_draft": files["draft_vlm_mmproj"]},
             server=None),
+        "EAGLE3 with the picture's rows": dict(kw={"spec_type": "draft-eagle3", "draft": files["eagle3"]}, server=None),
+        "EAGLE3 without the picture's rows": dict(
+            kw={"spec_type": "draft-eagle3", "draft": files["eagle3"]},
+            server=["-md", files["eagle3"], "--spec-type", "draft-eagle3", *n],
+            after_load=lambda eng: setattr(eng.drafter, "writes_media", False)),
+        "DFlash, target positions (pinned rows left out)": dict(
+            kw={"spec_type": "draft-dflash", "draft": files["dflash"]},
+            server=["-md", files["dflash"], "--spec-type", "draft-dflash", *n]),
+        "DFlash, sequential positions (the picture's rows in)": dict(
+            kw={"spec_type": "draft-dflash", "draft": files["dflash"], "draft_positions": "sequential"}, server=None),
     }
 
 

@@ -12,8 +12,9 @@ gradients under soft blobs); a screenshot-like page (a title bar and lines of te
 * the embedded one (``pyllama_spec/models/trained-*``): DFlash, EAGLE3, the draft VLM blind and
   seeing, on the hunyuan_vl target; the qwen35 target's MTP head with the picture's rows in its cache
   and without; n-gram;
-* the reading world (``reading-*``): its MTP head with and without the picture's rows, its draft
-  model blind and seeing; n-gram.
+* the reading world (``reading-*``): its MTP head and its EAGLE3 draft, each with and without the
+  picture's rows; its draft model blind and seeing; its DFlash draft at target and at sequential
+  positions; n-gram.
 
 ``--draft-max default`` leaves each method at the engine's default draft length; ``short`` gives 7,
 and 3 to MTP (as bench/drafters_after_images.py does). Greedy; every output is checked against the
@@ -101,6 +102,12 @@ def methods(world: str, short: bool) -> dict[str, dict]:
         "draft model, blind": (t, mm, dict(spec_type="draft-simple", draft=f["draft_vlm"], **n(False)), None),
         "draft model, seeing": (t, mm, dict(spec_type="draft-simple", draft=f["draft_vlm"],
                                             mmproj_draft=f["draft_vlm_mmproj"], **n(False)), None),
+        "EAGLE3, picture rows in its cache": (t, mm, dict(spec_type="draft-eagle3", draft=f["eagle3"], **n(False)),
+                                              True),
+        "EAGLE3, picture rows left out": (t, mm, dict(spec_type="draft-eagle3", draft=f["eagle3"], **n(False)), False),
+        "DFlash, target positions": (t, mm, dict(spec_type="draft-dflash", draft=f["dflash"], **n(False)), None),
+        "DFlash, sequential positions": (t, mm, dict(spec_type="draft-dflash", draft=f["dflash"],
+                                                     draft_positions="sequential", **n(False)), None),
         "n-gram": (t, mm, dict(spec_type="ngram-simple", **n(False)), None),
     }
 
@@ -126,6 +133,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--worlds", default="embedded,reading")
     ap.add_argument("--draft-max", default="default,short")
+    ap.add_argument("--only", default=None, help="method names separated by ';' (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     prompts = held_out_prompts(args.prompts)
@@ -135,6 +143,8 @@ def main() -> int:
     for world in args.worlds.split(","):
         for length in args.draft_max.split(","):
             for name, (t, mm, kw, rows_in_cache) in methods(world, length == "short").items():
+                if args.only and name not in args.only.split(";"):
+                    continue
                 if str(t) not in {k[0] for k in refs}:
                     with ps.load(t, mmproj=mm, n_threads=args.threads, flash_attn=False, spec_type="none") as plain:
                         for kind, picture in [("text", None), *pics.items()]:

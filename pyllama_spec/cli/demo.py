@@ -130,12 +130,18 @@ def _reading(text: str, *, max_tokens: int, threads: int | None, draft_max: int)
     common = dict(n_threads=threads, flash_attn=False)
     t, mm = files["target"], files["mmproj"]
     vlm = dict(draft=files["draft_vlm"], spec_type="draft-simple", draft_max=draft_max)
+    eagle3 = dict(draft=files["eagle3"], spec_type="draft-eagle3", draft_max=draft_max)
+    dflash = dict(draft=files["dflash"], spec_type="draft-dflash", draft_max=draft_max)
     methods = [
         ("target only", "", dict(spec_type="none"), None),
         ("draft model", "blind (text only)", vlm, None),
         ("draft model", "seeing (its own projector)", dict(vlm, mmproj_draft=files["draft_vlm_mmproj"]), None),
         ("MTP head", "blind (picture rows left out)", dict(spec_type="draft-mtp", draft_max=draft_max), False),
         ("MTP head", "seeing (picture rows in its cache)", dict(spec_type="draft-mtp", draft_max=draft_max), True),
+        ("EAGLE3", "blind (picture rows left out)", eagle3, False),
+        ("EAGLE3", "seeing (picture rows in its cache)", eagle3, True),
+        ("DFlash", "blind (target positions)", dict(dflash, draft_positions="target"), None),
+        ("DFlash", "seeing (sequential positions)", dict(dflash, draft_positions="sequential"), None),
     ]
     console.print(f"[bold]reading world[/bold] {t.parent}: a tiny qwen35 target that reads a picture of text "
                   f"out, then writes code; the picture: {escape(repr(text))}, {picture.width}x{picture.height}, "
