@@ -211,6 +211,31 @@ def readout_accuracy(target, mmproj, strings, pictures, threads) -> float:
     return right / total
 
 
+def print_table(table: list[dict]) -> None:
+    """The rows as a markdown table (``--table-from`` prints a saved ``--json``'s)."""
+    print("\n| method | engine | temperature | acceptance on the read-out | accepted length on the read-out | "
+          "acceptance after it | accepted length after it | acceptance overall (drafted) | decode tokens/s median (min-max) | "
+          "wall tokens/s median (min-max) | equals target only |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    def rate(v, digits=3):
+        return "-" if v is None else f"{v:.{digits}f}"
+
+    for r in table:
+        overall = rate(r["accepted"] / r["drafted"] if r["drafted"] else None)
+        same = "" if r["lossless"] is None else ("yes" if r["lossless"] else "NO")
+        if "read_accepted_length" in r:
+            region = (f"{rate(r['read_acceptance'])} | {rate(r['read_accepted_length'], 2)} | "
+                      f"{rate(r['after_acceptance'])} | {rate(r['after_accepted_length'], 2)}")
+        elif r["engine"] == "llama-server" and r["method"] != "target only":  # read-out pass only
+            region = f"{rate(r['read_acceptance'])} (a pass stopped at it) | | |"
+        else:
+            region = "- | | - |"
+        print(f"| {r['method']} | {r['engine']} | {r['temp']:g} | {region} | {overall} ({r['drafted']} drafted) | "
+              f"{r['tokens_per_s']:.0f} ({r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f}) | "
+              f"{r['wall_tokens_per_s']:.0f} ({r['wall_tokens_per_s_min']:.0f}-{r['wall_tokens_per_s_max']:.0f}) | "
+              f"{same} |")
+
+
 def main() -> int:
     import train_reading
 
@@ -224,7 +249,11 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="method names separated by ';' (default: all)")
     ap.add_argument("--no-llama-server", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--table-from", default=None, help="print the table of a saved --json and stop")
     args = ap.parse_args()
+    if args.table_from:
+        print_table(json.loads(Path(args.table_from).read_text())["rows"])
+        return 0
     args.temps = [float(t) for t in args.temps.split(",")]
     files = reading.models()
     target, mmproj = files["target"], files["mmproj"]
@@ -247,27 +276,7 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(readout_accuracy=acc, rows=table), indent=1) + "\n")
-    print("\n| method | engine | temperature | acceptance on the read-out | accepted length on the read-out | "
-          "acceptance after it | accepted length after it | acceptance overall (drafted) | decode tokens/s median (min-max) | "
-          "wall tokens/s median (min-max) | equals target only |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    def rate(v, digits=3):
-        return "-" if v is None else f"{v:.{digits}f}"
-
-    for r in table:
-        overall = rate(r["accepted"] / r["drafted"] if r["drafted"] else None)
-        same = "" if r["lossless"] is None else ("yes" if r["lossless"] else "NO")
-        if "read_accepted_length" in r:
-            region = (f"{rate(r['read_acceptance'])} | {rate(r['read_accepted_length'], 2)} | "
-                      f"{rate(r['after_acceptance'])} | {rate(r['after_accepted_length'], 2)}")
-        elif r["engine"] == "llama-server" and r["method"] != "target only":  # read-out pass only
-            region = f"{rate(r['read_acceptance'])} (a pass stopped at it) | | |"
-        else:
-            region = "- | | - |"
-        print(f"| {r['method']} | {r['engine']} | {r['temp']:g} | {region} | {overall} ({r['drafted']} drafted) | "
-              f"{r['tokens_per_s']:.0f} ({r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f}) | "
-              f"{r['wall_tokens_per_s']:.0f} ({r['wall_tokens_per_s_min']:.0f}-{r['wall_tokens_per_s_max']:.0f}) | "
-              f"{same} |")
+    print_table(table)
     return 0
 
 
