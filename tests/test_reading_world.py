@@ -6,7 +6,8 @@ pictures, its files, what its target reads, and drafting through its pictures.
 * the PyTorch projector and target of the trainer compute what libmtmd and llama.cpp compute (on a
   random projector and on the committed files; skipped without torch, a training-only dependency);
 * the committed target reads held-out strings out (at least 90% of their characters, greedy);
-* the PyTorch target's layer inputs (what the EAGLE3 and DFlash drafts were trained on) are llama.cpp's;
+* the PyTorch target's layer inputs (what the EAGLE3 and DFlash drafts were trained on) are llama.cpp's,
+  and so are the EAGLE3 and DFlash drafts' numbers through a reading picture;
 * drafts through a reading picture are lossless, and a draft that sees the picture accepts far more
   of the read-out than the same draft blind: the MTP head and the EAGLE3 draft with the picture's rows
   in their caches against them without, the small draft model with its own projector against it
@@ -196,6 +197,65 @@ def test_target_layer_inputs_equal_llama_cpps(files):
         _, feats = target(torch.from_numpy(toks.astype(np.int64))[None], layer_ids=layers)
     for lid in layers:
         _close(feats[lid][0].numpy(), want[lid], rel=2e-3, rel_typical=5e-4)
+
+
+def _after_a_picture(TR, files, text, cfg, kind):
+    """One reading sequence (the picture of ``text``, the prompt, 24 greedy tokens) decoded by llama.cpp
+    with every row's layer inputs, as tools/train_reading_drafts.py makes its training data."""
+    gen = TR.T.generate_image_sequences if kind == "dflash" else TR.T.generate_image_continuations
+    what = cfg if kind == "dflash" else cfg.target_layers
+    return gen(files["target"], files["mmproj"], np.zeros(8, np.int64), [np.asarray(reading.render(text))], 1, 0, 24,
+               what, 0, log=lambda *_: None, prompt=reading.PROMPT, one_each=True)
+
+
+@pytest.mark.parametrize("mode", ["target", "sequential"])
+def test_eagle3_draft_equals_llama_cpp_through_a_picture(files, held_out, mode):
+    """The committed EAGLE3 draft in PyTorch (as trained) against llama.cpp: its cache rows over a reading
+    picture's rows laid out as the drafter lays them in ``mode``, and a drafted chain from the last row."""
+    from test_trained_drafts import _check_eagle3
+
+    TR = _trainer()
+    _, ecfg = TR.T.load_eagle3(files["eagle3"])
+    own, feats, greedy, pos = _after_a_picture(TR, files, held_out[2], ecfg, "eagle3").rows(0, mode)
+    target, _, _ = TR.Q.load(files["target"])
+    _check_eagle3(TR.T, np.ascontiguousarray(feats), own, pos, int(greedy[-1]), files=(files["target"], files["eagle3"]),
+                  target=target)
+
+
+@pytest.mark.parametrize("mode", ["target", "sequential"])
+def test_dflash_draft_equals_llama_cpp_through_a_picture(files, held_out, mode):
+    """The committed DFlash draft in PyTorch (as trained) against llama.cpp: a block at the read-out's first
+    row over the rows before it as the draft holds them in ``mode`` (sequential: the picture's rows too)."""
+    from pyllama_spec.bindings.batch import Batch
+    from pyllama_spec.bindings.context import Context
+    from pyllama_spec.bindings.model import Model
+
+    TR = _trainer()
+    torch = TR._torch()
+    cfg = TR.T.PairConfig(merges=False)
+    draft = TR.T.load_draft(files["dflash"], cfg)
+    seqs = _after_a_picture(TR, files, held_out[3], cfg, "dflash")
+    tokens, feats, _, pos, first = seqs.rows(0, mode, seqs.tokens.shape[1] - (seqs.n_image if mode == "target" else 0))
+    a = first + len(TR.Layout(files["target"], files["mmproj"]).post)  # the read-out's first row
+    rows = 8
+    with Model(files["target"]) as m, Model(files["dflash"], role="draft") as d, \
+            Context(m, n_ctx=256, n_batch=256, n_ubatch=256, n_threads=N_THREADS) as ctx, \
+            Context(d, ctx_other=ctx, role="draft", n_ctx=256, n_batch=256, n_ubatch=256, n_threads=N_THREADS) as dctx:
+        dctx.enable_draft_embeddings(True, True)
+        dctx.set_causal_attn(False)
+        p = pos[:a].astype(np.int32)
+        with Batch(dctx) as batch:
+            batch.add_embeddings(np.ascontiguousarray(feats[:a]), np.stack([p, p, p, np.zeros_like(p)], axis=1))
+            dctx.decode(batch)
+        block = [int(tokens[a])] + [d.mask_token] * (rows - 1)
+        dctx.decode_tokens(block, int(pos[a]) + np.arange(rows), outputs=True)
+        ours = dctx.output_logits(rows).copy()
+    target, _, _ = TR.Q.load(files["target"])
+    with torch.no_grad():
+        theirs, _ = TR.T.draft_block_logits(draft, target, torch.from_numpy(feats)[None],
+                                            torch.from_numpy(tokens.astype(np.int64))[None], torch.tensor([[a]]), cfg,
+                                            torch.tensor([[rows]]), ctx_pos=torch.from_numpy(pos.astype(np.int64))[None])
+    _close(ours, theirs[0, :rows].numpy(), rel=2e-3, rel_typical=5e-4)
 
 
 def test_draft_vlm_equals_llama_cpp(files, held_out):

@@ -32,8 +32,9 @@ The DFlash draft's window is 64 positions (the embedded draft's is 32): in "sequ
 read-out's last character is about 58 positions past the picture's first row (16 rows, then the
 prompt's 26 tokens, then the read-out), so the whole picture stays in view.
 
-Parity of these graphs with llama.cpp is tests/test_trained_pair.py's (the same modules, the same
-llama.cpp graphs); tests/test_reading_world.py measures the committed drafts through the engine.
+tests/test_reading_world.py checks the committed drafts against llama.cpp through a reading picture
+(the PyTorch target's layer inputs, EAGLE3's cache rows and drafted chain, a DFlash block, in both
+position modes) and measures them through the engine.
 """
 
 from __future__ import annotations

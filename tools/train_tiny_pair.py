@@ -461,25 +461,28 @@ def load_pair(target_path, draft_path=None):
                      rope_sections=tuple(int(v) for v in tmeta["hunyuan_vl.rope.dimension_sections"]),
                      rope_base=float(tmeta["hunyuan_vl.rope.freq_base"]),
                      merges=bool(len(tmeta.get("tokenizer.ggml.merges", []))))
-    dt = None
-    if draft_path is not None:
-        dmeta, dt = read_gguf_tensors(draft_path)
-        cfg.draft_n_layer = int(dmeta["dflash.block_count"])
-        cfg.draft_n_ff = int(dmeta["dflash.feed_forward_length"])
-        cfg.target_layers = tuple(int(x) for x in dmeta["dflash.target_layers"])
-        cfg.block_size = int(dmeta["dflash.block_size"])
-        cfg.sliding_window = int(dmeta["dflash.attention.sliding_window"])
     target = make_target(cfg)
     p = _params_from_gguf(tt, cfg.target_n_layer, dict(tok_embd="token_embd.weight", output="output.weight",
                                                      output_norm="output_norm.weight"))
     target.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in p.items()})
-    draft = None
-    if dt is not None:
-        draft = make_draft(cfg)
-        p = _params_from_gguf(dt, cfg.draft_n_layer, dict(fc="fc.weight", enc_norm="enc.output_norm.weight",
-                                                        output_norm="output_norm.weight"))
-        draft.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in p.items()})
-    return target.eval(), (draft.eval() if draft is not None else None), cfg
+    draft = load_draft(draft_path, cfg) if draft_path is not None else None
+    return target.eval(), draft, cfg
+
+
+def load_draft(draft_path, cfg: PairConfig):
+    """The DFlash draft module of a file written here; its shapes go into ``cfg`` (any target's)."""
+    torch = _torch()
+    dmeta, dt = read_gguf_tensors(draft_path)
+    cfg.draft_n_layer = int(dmeta["dflash.block_count"])
+    cfg.draft_n_ff = int(dmeta["dflash.feed_forward_length"])
+    cfg.target_layers = tuple(int(x) for x in dmeta["dflash.target_layers"])
+    cfg.block_size = int(dmeta["dflash.block_size"])
+    cfg.sliding_window = int(dmeta["dflash.attention.sliding_window"])
+    draft = make_draft(cfg)
+    p = _params_from_gguf(dt, cfg.draft_n_layer, dict(fc="fc.weight", enc_norm="enc.output_norm.weight",
+                                                    output_norm="output_norm.weight"))
+    draft.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in p.items()})
+    return draft.eval()
 
 
 # ----------------------------------------------------------------------------- corpus
