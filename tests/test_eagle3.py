@@ -114,6 +114,29 @@ def test_output_equals_the_target_alone_greedy_and_seeded(tiny_dense, drafts, ex
             assert sum(n for call, _, _, n in eng.drafter.trace if call == "write") > BIG_IMAGE_N_TOKENS
 
 
+@pytest.mark.parametrize("n_parallel", [1, 3])
+def test_a_draft_left_blind_to_the_picture_starts_afresh_after_it(tiny_dense, drafts, expected, n_parallel):
+    """``writes_media = False`` (to measure what seeing is worth): the image's rows are left out (its
+    slices logged as "skip"), each sequence's draft starts afresh after them, and every answer is still
+    the target's own, on one slot and on several at once."""
+    jobs = [(i, p, im) for i, (p, im) in enumerate(PROMPTS)] * n_parallel
+    with _load(tiny_dense, drafts["full"], n_parallel=n_parallel) as eng:
+        eng.drafter.writes_media = False
+        eng.drafter.trace = []
+        if n_parallel > 1:
+            subs = [eng.submit(p, images=im, max_tokens=MAX_TOKENS) for _, p, im in jobs]
+            answers = [s.result().tokens for s in subs]
+        else:
+            answers = [eng.generate(p, images=im, max_tokens=MAX_TOKENS).tokens for _, p, im in jobs]
+        assert answers == [expected[(i, 0.0)] for i, _, _ in jobs]
+        trace = eng.drafter.trace
+    n_pictures = sum(1 for _, _, im in jobs if im)
+    assert sum(n for call, _, _, n in trace if call == "skip") == n_pictures * BIG_IMAGE_N_TOKENS
+    # every answer's text rows written, and fewer rows in all than the pictures alone hold
+    assert sum(n for call, _, _, n in trace if call == "write") < n_pictures * BIG_IMAGE_N_TOKENS
+    assert sum(1 for call, *_ in trace if call == "restart") >= n_pictures
+
+
 def test_several_slots_draft_together_and_each_gets_its_own_answer(tiny_dense, drafts, expected):
     jobs = [(i, p, im) for i, (p, im) in enumerate(PROMPTS)] * 2
     with _load(tiny_dense, drafts["d2t"], n_parallel=3) as eng:

@@ -159,7 +159,7 @@ class DraftRequest:
 class TraceEvent(NamedTuple):
     """One thing a drafter did to its cache, recorded while its ``trace`` is a list (None, the
     default: nothing is recorded): ``call`` (DFlash: "inject", "skip", "draft"; EAGLE3: "write",
-    "seed", "restart"; MTP: "pair", "media", "skip", "draft"), the sequence, the first position
+    "seed", "restart", "skip"; MTP: "pair", "media", "skip", "draft"), the sequence, the first position
     (the draft's) and the rows."""
 
     call: str

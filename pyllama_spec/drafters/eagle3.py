@@ -27,6 +27,10 @@ in "target" mode the rows of an M-RoPE image, which all share one section-0 posi
 back until the position after the image is known, then laid in order over the positions the
 image spans (the draft's cache is not windowed, so it can hold them; it never holds more rows
 than the target). In "sequential" mode every row takes the draft's next position.
+
+``writes_media = False`` leaves a picture's rows out, as llama.cpp does, to measure what seeing them is
+worth; unlike llama.cpp (whose EAGLE3 fails on text before a picture), the sequence then starts afresh
+in the draft after the picture.
 """
 
 from __future__ import annotations
@@ -265,9 +269,9 @@ class Eagle3Drafter:
         # a rollback, as llama.cpp's accept() does)
         self._pending = {s: _Rows.empty(self._n_embd) for s in range(n_seq)}
         self._last = {s: _Rows.empty(self._n_embd) for s in range(n_seq)}
-        self.trace: list[TraceEvent] | None = None  # set to [] to record "write", "seed" and "restart"
+        self.trace: list[TraceEvent] | None = None  # set to [] to record "write", "seed", "restart" and "skip"
         # False: the draft never sees a picture's rows, as llama.cpp leaves them out (to measure what
-        # seeing them is worth). Its 1-D cache holds no gap, so a sequence starts afresh after a picture.
+        # seeing them is worth; _leave_out says what else goes with them)
         self.writes_media = True
 
     # --- protocol
@@ -296,11 +300,11 @@ class Eagle3Drafter:
         """Encode the target's features for every row it just decoded (image rows too), and write every
         row whose partner and position are now known into the draft's cache, all sequences at once."""
         kept = []
-        for r in decode.rows:
+        for r in decode.rows:  # a target decode is all text rows or all media rows
             if self.writes_media or not r.has_embeddings:
                 kept.append(r)
-            else:  # a picture left out: what came before it goes too (writes_media)
-                self.forget(r.seq_id, 0, 0)
+            else:
+                self._leave_out(r)
         if not kept:
             return
         feats = np.concatenate([decode.features(self.config.target_layers, r) for r in kept])
@@ -388,6 +392,13 @@ class Eagle3Drafter:
         self.ctx.close()
 
     # --- parts
+    def _leave_out(self, r: TargetRows) -> None:
+        """``writes_media`` False: a picture's rows never reach the draft. Its 1-D cache cannot hold the
+        gap they leave, and the held-back row before them would be written with the first token after
+        them as its partner, so the sequence starts afresh after the picture (what came before it goes)."""
+        self.forget(r.seq_id, 0, 0)
+        self._log("skip", r.seq_id, int(r.first_draft_pos), r.n_rows)
+
     def _own_tokens(self, r: TargetRows) -> np.ndarray:
         """Each row's own input token: the text token, or the image placeholder for a media row."""
         if r.has_embeddings or r.tokens is None:
