@@ -56,13 +56,14 @@ def _held_out_prompts(n: int) -> list[str]:
 # ----------------------------------------------------------------------------- EAGLE3 parity
 
 
-def _eagle3_through_llama_cpp(rows_tokens, rows_g_feats, rows_pos, id_last, n_chain, target=TARGET, eagle3=EAGLE3):
+def _eagle3_through_llama_cpp(rows_tokens, rows_g_feats, rows_pos, id_last, n_chain, target_path=TARGET,
+                              eagle3_path=EAGLE3):
     """The EAGLE3 drafter's calls on llama.cpp's draft context: encode the target features, write the
     cache rows (partner token, g) at their positions with outputs on every row, then a seed row and
     n_chain drafted rows each fed the previous row's pre-norm output. Returns g, the cache rows'
     (logits, prenorm), and the chain's tokens and (logits, prenorm)."""
     n = len(rows_tokens)
-    with Model(target) as m, Model(eagle3, role="draft") as d, Context(m, **CTX_KWARGS) as ctx, \
+    with Model(target_path) as m, Model(eagle3_path, role="draft") as d, Context(m, **CTX_KWARGS) as ctx, \
             Context(d, ctx_other=ctx, role="draft", **BIG_BATCH) as dctx, Batch(dctx) as batch:
         dctx.enable_draft_embeddings(True, masked=True)
         batch.add_embeddings(rows_g_feats, np.arange(n, dtype=np.int32), outputs=True)
@@ -86,11 +87,13 @@ def _eagle3_through_llama_cpp(rows_tokens, rows_g_feats, rows_pos, id_last, n_ch
     return g, partners, (logits, prenorm), chain_tokens, (np.stack(chain_logits), np.stack(chain_pre))
 
 
-def _check_eagle3(T, feats, own_tokens, pos, id_last, rows_to_compare=None, files=(TARGET, EAGLE3), target=None):
-    """The EAGLE3 draft ``files`` = (its target, the draft) in PyTorch against llama.cpp; ``target``: the
-    PyTorch target whose token embedding and output head the draft borrows (default: ``files[0]`` read
-    as train_tiny_pair's hunyuan_vl)."""
+def _check_eagle3(T, feats, own_tokens, pos, id_last, rows_to_compare=None, files=(TARGET, EAGLE3),
+                  target_module=None):
+    """The EAGLE3 draft ``files`` = (its target, the draft) in PyTorch against llama.cpp; ``target_module``:
+    the PyTorch target whose token embedding and output head the draft borrows (default: ``files[0]``
+    read as train_tiny_pair's hunyuan_vl)."""
     torch = T._torch()
+    target = target_module
     if target is None:
         target, _, _ = T.load_pair(files[0])
     draft, _ = T.load_eagle3(files[1])

@@ -287,6 +287,8 @@ def make_target(cfg: Qwen35Config):
             (the output-normed hidden state the MTP head pairs with the next token). With
             ``layer_ids``: logits, {lid: layer lid's input [B, T, n_embd]} instead (what an EAGLE3
             or DFlash draft reads, as train_tiny_pair's target gives it)."""
+            if layer_ids is not None and not all(0 <= lid < cfg.n_layer for lid in layer_ids):
+                raise ValueError(f"layer_ids {list(layer_ids)}: the target has layers 0..{cfg.n_layer - 1}")
             Tn = tokens.shape[1]
             pos = _default_pos(tokens, pos)
             x = self.embed(tokens, embd)

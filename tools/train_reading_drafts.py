@@ -91,8 +91,9 @@ def held_out_pictures(n: int) -> list[np.ndarray]:
 
 
 def pictures_of_at_least(pictures, rows: int) -> list[np.ndarray]:
-    """The pictures whose projector rows (one per 28 x 28 cell) are at least ``rows``."""
-    return [p for p in pictures if (p.shape[0] // 28) * (p.shape[1] // 28) >= rows]
+    """The pictures whose projector rows are at least ``rows`` (one row a cell of 2 x 2 merged patches:
+    other_pictures cuts them to whole cells, which the projector takes without a resize)."""
+    return [p for p in pictures if (p.shape[0] // R.CELL) * (p.shape[1] // R.CELL) >= rows]
 
 
 def eagle3_main(args, target, corpus, held, lines, log) -> dict:
@@ -122,6 +123,7 @@ def eagle3_main(args, target, corpus, held, lines, log) -> dict:
     start, ecfg = T.load_eagle3(MODELS / "trained-eagle3.gguf")  # the embedded world's: its shapes, its start
     if tuple(ecfg.target_layers) != TARGET_LAYERS:
         raise SystemExit(f"trained-eagle3.gguf reads layers {ecfg.target_layers}, expected {TARGET_LAYERS}")
+    ecfg.merges = False  # the reading target's tokenizer: one byte, one token
     torch.manual_seed(args.seed + 2)
     draft = T.make_eagle3(ecfg)
     draft.load_state_dict(start.state_dict())
@@ -130,7 +132,7 @@ def eagle3_main(args, target, corpus, held, lines, log) -> dict:
                           batch=args.batch, seq=args.seq, n_anchors=args.anchors, seed=args.seed, log=log)
     draft.eval()
     path = T.write_eagle3_gguf(Path(args.out) / R.DRAFT_FILES["eagle3"], {k: T._np(v) for k, v in draft.state_dict().items()},
-                               ecfg, name="reading-eagle3", merges=False)
+                               ecfg, name="reading-eagle3")
     info.update(data_seconds=round(data_s), config=asdict(ecfg), all_steps=info["steps"] == args.steps,
                 wrote=str(path))
     return info
@@ -139,8 +141,11 @@ def eagle3_main(args, target, corpus, held, lines, log) -> dict:
 def dflash_main(args, target, corpus, held, lines, log) -> dict:
     target_path, mmproj_path = Path(args.out) / R.MODEL_FILES["target"], Path(args.out) / R.MODEL_FILES["mmproj"]
     torch = T._torch()
-    _, start, cfg = T.load_pair(MODELS / "trained-target.gguf", MODELS / "trained-draft.gguf")
-    cfg.sliding_window, cfg.merges, cfg.target_layers = DFLASH_WINDOW, False, TARGET_LAYERS
+    cfg = T.PairConfig(merges=False)  # the reading target's tokenizer: one byte, one token
+    start = T.load_draft(MODELS / "trained-draft.gguf", cfg)  # the embedded world's: its shapes, its start
+    if tuple(cfg.target_layers) != TARGET_LAYERS:
+        raise SystemExit(f"trained-draft.gguf reads layers {cfg.target_layers}, expected {TARGET_LAYERS}")
+    cfg.sliding_window = DFLASH_WINDOW
     t0 = time.time()
 
     def sequences(pictures, toks, prompt_len, gen_len, seed, prompt=None):

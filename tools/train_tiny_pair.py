@@ -727,9 +727,10 @@ def _image_text_loss(target, x, pos, embd):
 class ImageSequences:
     """Draft training rows after an image, as llama.cpp's target produced them.
 
-    Each sequence is ``MEDIA_MARKER + "\n"`` with a picture (mtmd: pre text, image, post text)
-    followed by a corpus prompt and the target's greedy continuation of it.  Rows are laid out
-    [pre | the image's last W rows | post]: no draft query after the image can see an earlier
+    Each sequence is ``MEDIA_MARKER + "\n"`` (or another prompt around the marker) with a picture
+    (mtmd: pre text, image, post text) followed by a corpus prompt and the target's greedy continuation
+    of it.  Rows are laid out [pre | the image's last W rows | post] (every image row where a picture
+    has fewer than W): no draft query after the image can see an earlier
     image row, since every post row is more than W positions past them in "sequential" mode and
     image rows are never injected in "target" mode.  The target features are read from llama.cpp
     (layer inputs, with the image's M-RoPE positions), so the PyTorch target needs no image path.
@@ -758,6 +759,13 @@ class ImageSequences:
         return self.tokens[i, cols], self.feats[i, cols], self.greedy[i, cols], pos[i, cols], first
 
 
+def _check_pictures(images, n_seqs: int, one_each: bool) -> None:
+    if not len(images):
+        raise ValueError("no pictures to make sequences after")
+    if one_each and n_seqs > len(images):
+        raise ValueError(f"one picture a sequence: {n_seqs} sequences need as many pictures, got {len(images)}")
+
+
 def generate_image_sequences(target_gguf, mmproj_gguf, toks: np.ndarray, images: list[np.ndarray], n_seqs: int,
                              prompt_len: int, gen_len: int, cfg: PairConfig, seed: int, log=print,
                              prompt: str | None = None, one_each: bool = False) -> ImageSequences:
@@ -772,6 +780,7 @@ def generate_image_sequences(target_gguf, mmproj_gguf, toks: np.ndarray, images:
     from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
     from pyllama_spec.speculative.positions import SequencePositions
 
+    _check_pictures(images, n_seqs, one_each)
     rng = np.random.default_rng(seed + 41)
     lids = list(cfg.target_layers)
     W = cfg.sliding_window
@@ -825,10 +834,10 @@ def generate_image_sequences(target_gguf, mmproj_gguf, toks: np.ndarray, images:
                 # the image's last W rows sit just before the sequential draft's next position
                 out.pos_sequential[i, n_pre:post0] = track["sequential"].draft_pos_next - W + np.arange(W)
                 # post text: decoded as one batch (all rows output), then continued greedily
-                prompt = np.concatenate([post_start, toks[s:s + prompt_len]]).astype(np.int32)
-                n_p = len(prompt)
-                ctx.decode_tokens(prompt, pos + np.arange(n_p), outputs=True)
-                out.tokens[i, post0:post0 + n_p] = prompt
+                post = np.concatenate([post_start, toks[s:s + prompt_len]]).astype(np.int32)
+                n_p = len(post)
+                ctx.decode_tokens(post, pos + np.arange(n_p), outputs=True)
+                out.tokens[i, post0:post0 + n_p] = post
                 out.feats[i, post0:post0 + n_p] = features(n_p)
                 out.greedy[i, post0:post0 + n_p] = ctx.output_logits(n_p).argmax(-1)
                 for j in range(n_p, n_post):
@@ -985,6 +994,7 @@ class Eagle3Config:
     target_layers: tuple = (1, 2, 3)  # eagle3.target_layers: the target layers whose inputs the encoder reads
     n_ff: int = 256
     ttt_steps: int = 7  # training-time test: chain steps trained per anchor (step 0 reads the target's g)
+    merges: bool = True  # the tokenizer's merges, as its target's (the reading world's have none)
 
 
 def rope_norm(x, pos):
@@ -1114,16 +1124,15 @@ _EAGLE3_TENSORS = [("fc", "fc.weight"), ("output_norm", "output_norm.weight"),
                    ("blk.up", "blk.0.ffn_up.weight"), ("blk.down", "blk.0.ffn_down.weight")]
 
 
-def write_eagle3_gguf(path, params: dict, ecfg: Eagle3Config, name: str = "trained-tiny-eagle3",
-                      merges: bool = True) -> Path:
+def write_eagle3_gguf(path, params: dict, ecfg: Eagle3Config, name: str = "trained-tiny-eagle3") -> Path:
     """An ``eagle3`` draft as pyllama_spec.devtools.tiny.write_eagle3_draft lays one out (no d2t: it
-    borrows the target's token embedding and output head); ``merges``: as its target's tokenizer."""
+    borrows the target's token embedding and output head)."""
     w = GGUFWriter()
     _add_hparams(w, "eagle3", 1, ecfg.n_ff, None)
     w.add_string("general.name", name)
     w.add_array("eagle3.target_layers", ValueType.INT32, list(ecfg.target_layers))
     w.add_uint32("eagle3.target_hidden_size", N_EMBD)
-    tiny._add_tokenizer(w, merges=merges)
+    tiny._add_tokenizer(w, merges=ecfg.merges)
     for k, t in _EAGLE3_TENSORS:
         w.add_tensor(t, params[k])
     path = Path(path)
@@ -1136,7 +1145,8 @@ def load_eagle3(path):
     torch = _torch()
     meta, tensors = read_gguf_tensors(path)
     ecfg = Eagle3Config(target_layers=tuple(int(x) for x in meta["eagle3.target_layers"]),
-                        n_ff=int(meta["eagle3.feed_forward_length"]))
+                        n_ff=int(meta["eagle3.feed_forward_length"]),
+                        merges=bool(len(meta.get("tokenizer.ggml.merges", []))))
     draft = make_eagle3(ecfg)
     draft.load_state_dict({k: torch.from_numpy(tensors[t].copy()) for k, t in _EAGLE3_TENSORS})
     return draft.eval(), ecfg
@@ -1144,8 +1154,8 @@ def load_eagle3(path):
 
 @dataclass
 class ImageContinuations:
-    """Sequences [``MEDIA_MARKER + "\\n"`` with a picture, a corpus prompt, the target's greedy
-    continuation of it], decoded by the trained target in llama.cpp, with every row's target layer
+    """Sequences [``MEDIA_MARKER + "\\n"`` (or another prompt around the marker) with a picture, a corpus
+    prompt, the target's greedy continuation of it], decoded by the trained target in llama.cpp, with every row's target layer
     inputs. The rows up to the picture's last one (its "head") do not depend on what follows, so
     they are kept once per picture; the text after it per sequence. ``rows`` lays a sequence out as
     the EAGLE3 drafter holds it, in either ``draft_positions`` mode, with its own ``_lay_out``."""
@@ -1201,6 +1211,7 @@ def generate_image_continuations(target_gguf, mmproj_gguf, toks: np.ndarray, ima
     from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
     from pyllama_spec.drafters.eagle3 import media_token
 
+    _check_pictures(images, n_seqs, one_each)
     rng = np.random.default_rng(seed + 43)
     lids = list(target_layers)
     t0 = time.time()
@@ -1243,11 +1254,11 @@ def generate_image_continuations(target_gguf, mmproj_gguf, toks: np.ndarray, ima
                     heads[p] = (np.concatenate([pre, np.full(chunk.n_tokens, media)]).astype(np.int32),
                                 np.concatenate(head), np.concatenate([np.arange(n_pre), section0]).astype(np.int32),
                                 chunk.n_tokens, pos - n_pre)
-                prompt = np.concatenate([post_start, toks[s:s + prompt_len]]).astype(np.int32)
-                n_p = len(prompt)
-                ctx.decode_tokens(prompt, pos + np.arange(n_p), outputs=True)
+                post = np.concatenate([post_start, toks[s:s + prompt_len]]).astype(np.int32)
+                n_p = len(post)
+                ctx.decode_tokens(post, pos + np.arange(n_p), outputs=True)
                 out.picture[i] = p
-                out.tokens[i, :n_p] = prompt
+                out.tokens[i, :n_p] = post
                 out.feats[i, :n_p] = features(n_p)
                 out.greedy[i, :n_p] = ctx.output_logits(n_p).argmax(-1)
                 for j in range(n_p, n_post):

@@ -88,7 +88,7 @@ class Method:
     trees: bool = False  # a draft tree can be built from its drafts (with per-position logits)
     loads_target_mtp: bool = False  # the target is loaded with its multi-token-prediction (nextn) block
     draft_projector: bool = False  # its draft model may take a projector of its own (mmproj_draft: it sees pictures)
-    #: What its drafts see a picture in the prompt through (the default way is the measured best:
+    #: What its drafts see a picture in the prompt through, and under which setting (measured:
     #: bench/RESULTS.md "Drafting that sees the picture"); "" where they never see one.
     sees_picture: str = ""
 
