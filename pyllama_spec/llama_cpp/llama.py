@@ -1,0 +1,446 @@
+"""``Llama``, llama-cpp-python's high-level class, on this project's engine.
+
+A program written for llama-cpp-python 0.3.36 loads its model with ``Llama(model_path, ...)`` and asks
+for completions and chats; here each call becomes one of the engine's requests (``Engine.stream``: the
+typed request, the slot loop), so a ``draft_model`` may be any of this project's drafters
+(``llama_speculative``), and a chat with pictures drafts through them too. The responses are
+llama-cpp-python's dicts, field for field, plus one field of this project's: ``"speculative"``, the
+generation's drafting statistics (drafted, accepted, acceptance, ...).
+
+Where llama-cpp-python runs Python per token (``logits_processor``, ``stopping_criteria``, a draft model
+of your own), or reaches into llama.cpp (``vocab_only``, ``embedding``, ``save_state``), this facade
+does not follow yet: such a call raises ``NotImplementedError`` that says so, and a constructor option
+that cannot apply warns once.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from pyllama_spec.llama_cpp import llama_types as T
+from pyllama_spec.llama_cpp.llama_chat_format import MTMDChatHandler, load_image
+from pyllama_spec.llama_cpp.llama_grammar import LlamaGrammar
+from pyllama_spec.llama_cpp.llama_speculative import EngineDraft, LlamaDraftModel
+
+LLAMA_DEFAULT_SEED = 0xFFFFFFFF
+#: ggml type ids (llama-cpp-python's ``type_k`` / ``type_v``) -> the engine's cache type names.
+GGML_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 20: "iq4_nl", 30: "bf16"}
+
+# constructor options with nothing to apply them to here, and their llama-cpp-python defaults
+_IGNORED = {"kv_overrides": None, "rope_scaling_type": -1, "pooling_type": -1, "attention_type": -1,
+            "rope_freq_base": 0.0, "rope_freq_scale": 0.0, "yarn_ext_factor": -1.0, "yarn_attn_factor": 1.0,
+            "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0, "offload_kqv": True,
+            "op_offload": None, "no_perf": False, "last_n_tokens_size": 64, "lora_base": None, "numa": False,
+            "tokenizer": None, "spm_infill": False, "logits_all": False}
+_SPLIT_MODES = {0: "none", 1: "layer", 2: "row"}
+
+
+class LogitsProcessorList(list):
+    """llama-cpp-python's list of ``(input_ids, logits) -> logits`` callables."""
+
+
+class StoppingCriteriaList(list):
+    """llama-cpp-python's list of ``(input_ids, logits) -> bool`` callables."""
+
+
+class Llama:
+    """A model, its context and its drafter, as llama-cpp-python's ``Llama`` is used."""
+
+    def __init__(self, model_path: str, *, n_gpu_layers: int = 0, split_mode: int = 1, main_gpu: int = 0,
+                 tensor_split: Sequence[float] | None = None, vocab_only: bool = False, use_mmap: bool = True,
+                 use_mlock: bool = False, seed: int = LLAMA_DEFAULT_SEED, n_ctx: int = 512, n_batch: int = 512,
+                 n_ubatch: int = 512, n_threads: int | None = None, n_threads_batch: int | None = None,
+                 embedding: bool = False, flash_attn: bool = False, swa_full: bool | None = None,
+                 lora_scale: float = 1.0, lora_path: str | None = None, chat_format: str | None = None,
+                 chat_handler: MTMDChatHandler | None = None, draft_model: LlamaDraftModel | None = None,
+                 type_k: int | None = None, type_v: int | None = None, verbose: bool = True,
+                 **kwargs: Any) -> None:
+        if vocab_only:
+            raise NotImplementedError("vocab_only: this facade loads the whole model (pyllama_spec.llama_cpp "
+                                      "has no vocabulary-only load yet)")
+        if embedding:
+            raise NotImplementedError("embedding=True: embeddings are not served by pyllama_spec.llama_cpp yet")
+        for name, value in kwargs.items():
+            if name not in _IGNORED:
+                raise TypeError(f"Llama() got an unexpected keyword argument {name!r}")
+            if value != _IGNORED[name]:
+                warnings.warn(f"Llama({name}={value!r}) does not apply to pyllama_spec's engine: ignored",
+                              stacklevel=2)
+        if chat_format is not None:
+            warnings.warn(f"chat_format={chat_format!r}: pyllama_spec renders chats with the model's own template",
+                          stacklevel=2)
+        self.model_path = str(model_path)
+        self.verbose = verbose
+        self.chat_handler = chat_handler
+        self.draft_model = draft_model
+        self._seed = seed
+        settings: dict[str, Any] = dict(
+            n_ctx=n_ctx or _trained_context(self.model_path), n_batch=n_batch, n_ubatch=min(n_ubatch, n_batch),
+            n_threads=n_threads, n_threads_batch=n_threads_batch, n_gpu_layers=n_gpu_layers,
+            split_mode=_SPLIT_MODES.get(split_mode, "layer"), main_gpu=main_gpu, use_mmap=use_mmap,
+            use_mlock=use_mlock, flash_attn=flash_attn)
+        if tensor_split:
+            settings["tensor_split"] = list(tensor_split)
+        if swa_full is not None:
+            settings["swa_full"] = swa_full
+        for name, value in (("cache_type_k", type_k), ("cache_type_v", type_v)):
+            if value is not None:
+                if value not in GGML_TYPES:
+                    raise ValueError(f"{name.replace('cache_', '')}={value}: not a KV cache type this engine knows "
+                                     f"(ggml type ids {sorted(GGML_TYPES)})")
+                settings[name] = GGML_TYPES[value]
+        if lora_path:
+            settings["lora"] = [(lora_path, lora_scale)]
+        if chat_handler is not None:
+            settings["mmproj"] = chat_handler.clip_model_path
+        settings.update(_draft_settings(draft_model))
+        from pyllama_spec.serving.engine import load
+
+        self._engine = load(self.model_path, **settings)
+        self.n_tokens = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> "Llama":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to free it with
+            pass
+
+    @property
+    def engine(self):
+        """The pyllama_spec ``Engine`` behind this facade (its full API)."""
+        return self._engine
+
+    # ------------------------------------------------------------------ the vocabulary
+    def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
+        return [int(t) for t in self._engine.model.tokenize(text.decode("utf-8", errors="replace"),
+                                                            add_special=add_bos, parse_special=special)]
+
+    def detokenize(self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None,
+                   special: bool = False) -> bytes:
+        text = self._engine.model.detokenize(list(tokens), special=special)
+        if prev_tokens:  # the text the tokens add after prev_tokens
+            before = self._engine.model.detokenize(list(prev_tokens), special=special)
+            whole = self._engine.model.detokenize(list(prev_tokens) + list(tokens), special=special)
+            text = whole[len(before):] if whole.startswith(before) else text
+        return text.encode("utf-8", errors="replace")
+
+    def token_bos(self) -> int:
+        return int(self._engine.model.bos)
+
+    def token_eos(self) -> int:
+        return int(self._engine.model.eos)
+
+    def n_ctx(self) -> int:
+        return int(self._engine.ctx.n_ctx)
+
+    def n_vocab(self) -> int:
+        return int(self._engine.model.n_vocab)
+
+    def n_embd(self) -> int:
+        return int(self._engine.model.n_embd)
+
+    def set_seed(self, seed: int) -> None:
+        self._seed = seed
+
+    def reset(self) -> None:
+        """Forget the cached prompt: the next call decodes all of its prompt again."""
+        self._engine.reset_cache()
+        self.n_tokens = 0
+
+    # ------------------------------------------------------------------ completions
+    def create_completion(self, prompt: str | list[int], suffix: str | None = None, max_tokens: int | None = 16,
+                          temperature: float = 0.8, top_p: float = 0.95, min_p: float = 0.05,
+                          typical_p: float = 1.0, logprobs: int | None = None, echo: bool = False,
+                          stop: str | list[str] | None = None, frequency_penalty: float = 0.0,
+                          presence_penalty: float = 0.0, repeat_penalty: float = 1.0, top_k: int = 40,
+                          stream: bool = False, seed: int | None = None, tfs_z: float = 1.0, mirostat_mode: int = 0,
+                          mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, model: str | None = None,
+                          stopping_criteria: StoppingCriteriaList | None = None,
+                          logits_processor: LogitsProcessorList | None = None, grammar: LlamaGrammar | None = None,
+                          logit_bias: dict[int, float] | None = None
+                          ) -> T.CreateCompletionResponse | Iterator[T.CreateCompletionStreamResponse]:
+        """Complete ``prompt`` (text, or token ids). Streamed: llama-cpp-python's chunks, the last with
+        its ``finish_reason``."""
+        _refuse_python_hooks(stopping_criteria, logits_processor)
+        if suffix is not None:
+            raise NotImplementedError("suffix (fill-in-the-middle): use pyllama_spec's /infill route or "
+                                      "Engine.stream with the model's FIM tokens")
+        if isinstance(prompt, str):
+            text_prompt = prompt
+        else:
+            text_prompt = (np.asarray(prompt, dtype=np.int32),)
+        options = self._options(max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
+                                typical_p=typical_p, stop=stop, frequency_penalty=frequency_penalty,
+                                presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k,
+                                seed=seed, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+                                mirostat_eta=mirostat_eta, grammar=grammar, logit_bias=logit_bias,
+                                logprobs=logprobs)
+        head = dict(id=f"cmpl-{uuid.uuid4()}", object="text_completion", created=int(time.time()),
+                    model=model or self.model_path)
+        echoed = (prompt if isinstance(prompt, str) else self.detokenize(prompt).decode("utf-8", errors="replace")) \
+            if echo else ""
+        pieces = self._engine.stream(text_prompt, **options)
+        if stream:
+            return self._completion_chunks(pieces, head, echoed, logprobs)
+        return self._completion(pieces, head, echoed, logprobs)
+
+    __call__ = create_completion
+
+    def _completion(self, pieces, head: dict, echoed: str, logprobs: int | None) -> T.CreateCompletionResponse:
+        text, entries, last = [echoed], [], None
+        for piece in pieces:
+            text.append(piece.text)
+            entries.extend(_token_entries(self, piece) if logprobs is not None else ())
+            last = piece
+        stats = last.stats
+        return dict(head, choices=[dict(text="".join(text), index=0,
+                                        logprobs=_completion_logprobs(entries, len(echoed)) if logprobs is not None
+                                        else None, finish_reason=last.finish_reason or "stop")],
+                    usage=_usage(stats), speculative=stats.as_dict())
+
+    def _completion_chunks(self, pieces, head: dict, echoed: str, logprobs: int | None):
+        offset = 0
+        try:
+            if echoed:
+                yield dict(head, choices=[dict(text=echoed, index=0, logprobs=None, finish_reason=None)])
+                offset = len(echoed)
+            for piece in pieces:
+                lp = None
+                if logprobs is not None:
+                    lp = _completion_logprobs(_token_entries(self, piece), offset)
+                offset += len(piece.text)
+                done = piece.stats is not None
+                chunk = dict(head, choices=[dict(text=piece.text, index=0, logprobs=lp,
+                                                 finish_reason=(piece.finish_reason or "stop") if done else None)])
+                if done:
+                    chunk["usage"] = _usage(piece.stats)
+                    chunk["speculative"] = piece.stats.as_dict()
+                yield chunk
+        finally:
+            pieces.close()  # a consumer that stops early ends the generation
+
+    # ------------------------------------------------------------------ chats
+    def create_chat_completion(self, messages: list[T.ChatCompletionRequestMessage], functions: Any = None,
+                               function_call: Any = None, tools: list[T.ChatCompletionTool] | None = None,
+                               tool_choice: Any = None, temperature: float = 0.2, top_p: float = 0.95,
+                               top_k: int = 40, min_p: float = 0.05, typical_p: float = 1.0, stream: bool = False,
+                               stop: str | list[str] | None = None, seed: int | None = None,
+                               response_format: T.ChatCompletionRequestResponseFormat | None = None,
+                               max_tokens: int | None = None, presence_penalty: float = 0.0,
+                               frequency_penalty: float = 0.0, repeat_penalty: float = 1.0, tfs_z: float = 1.0,
+                               mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                               model: str | None = None, logits_processor: LogitsProcessorList | None = None,
+                               grammar: LlamaGrammar | None = None, logit_bias: dict[int, float] | None = None,
+                               logprobs: bool | None = None, top_logprobs: int | None = None
+                               ) -> T.CreateChatCompletionResponse | Iterator[T.CreateChatCompletionStreamResponse]:
+        """Answer a chat through the model's template: text and ``image_url`` parts (with a
+        ``chat_handler``), ``tools`` / ``tool_choice`` (the answer's tool calls parsed as llama-server
+        parses them), ``response_format`` (``json_object``, with or without a ``schema``)."""
+        from pyllama_spec.serving.chat_template import ChatOptions
+
+        _refuse_python_hooks(None, logits_processor)
+        if functions is not None or function_call is not None:
+            tools = [{"type": "function", "function": f} for f in functions or []] or tools
+            if isinstance(function_call, dict):
+                tool_choice = {"type": "function", "function": {"name": function_call["name"]}}
+            elif function_call is not None:
+                tool_choice = function_call
+        schema = None
+        if response_format is not None and response_format.get("type") == "json_object":
+            schema = response_format.get("schema") or {}
+        if schema is not None and grammar is not None:
+            raise ValueError("give grammar= or response_format with a schema, not both")
+        chat = self._engine.chat_params(self._messages(messages), ChatOptions(
+            tools=tools or None, tool_choice=tool_choice or "auto", json_schema=schema,
+            grammar=grammar._grammar if grammar is not None else None))
+        options = self._options(max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
+                                typical_p=typical_p, stop=stop, frequency_penalty=frequency_penalty,
+                                presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k,
+                                seed=seed, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+                                mirostat_eta=mirostat_eta, grammar=None, logit_bias=logit_bias,
+                                logprobs=(top_logprobs or 0) if logprobs else None)
+        head = dict(id=f"chatcmpl-{uuid.uuid4()}", created=int(time.time()), model=model or self.model_path)
+        pieces = self._engine.stream(chat=chat, **options)
+        if stream:
+            return self._chat_chunks(pieces, chat, head, bool(logprobs))
+        return self._chat(pieces, chat, head, bool(logprobs))
+
+    def _messages(self, messages: list) -> list:
+        """The messages with each ``image_url`` as a picture the engine reads (bytes or a local path)."""
+        out = []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, list) and any(p.get("type") == "image_url" for p in content):
+                if self.chat_handler is None:
+                    raise ValueError("a message has an image_url part, but this Llama has no chat_handler "
+                                     "(its projector): Llama(..., chat_handler=MTMDChatHandler(clip_model_path=...))")
+                parts = []
+                for p in content:
+                    if p.get("type") == "image_url":
+                        url = p["image_url"]["url"] if isinstance(p["image_url"], dict) else p["image_url"]
+                        p = {"type": "image", "image": load_image(url)}
+                    parts.append(p)
+                m = dict(m, content=parts)
+            out.append(m)
+        return out
+
+    def _chat(self, pieces, chat, head: dict, logprobs: bool) -> T.CreateChatCompletionResponse:
+        from pyllama_spec.serving.chat_template import ChatError, ChatParser
+
+        text, entries, last = [], [], None
+        for piece in pieces:
+            text.append(piece.text)
+            if logprobs:
+                entries.extend(_token_entries(self, piece))
+            last = piece
+        whole = "".join(text)
+        try:
+            message, _ = ChatParser(chat.parser_params()).update(whole, partial=False)
+        except ChatError:  # nothing the template's format makes sense of: the text, as llama-server answers
+            message = {"content": whole}
+        message = {"role": "assistant", "content": message.get("content") or None,
+                   **{k: message[k] for k in ("tool_calls", "reasoning_content") if message.get(k)}}
+        if message["content"] is None and not message.get("tool_calls"):
+            message["content"] = ""
+        finish = last.finish_reason or "stop"
+        if finish == "stop" and message.get("tool_calls"):
+            finish = "tool_calls"
+        return dict(head, object="chat.completion",
+                    choices=[dict(index=0, message=message, finish_reason=finish,
+                                  logprobs=_chat_logprobs(entries) if logprobs else None)],
+                    usage=_usage(last.stats), speculative=last.stats.as_dict())
+
+    def _chat_chunks(self, pieces, chat, head: dict, logprobs: bool):
+        from pyllama_spec.serving.chat_template import ChatError, ChatParser
+
+        parser = ChatParser(chat.parser_params(stream=True))
+        sent = False
+        try:
+            yield dict(head, object="chat.completion.chunk",
+                       choices=[dict(index=0, delta={"role": "assistant"}, finish_reason=None, logprobs=None)])
+            for piece in pieces:
+                done = piece.stats is not None
+                try:
+                    message, deltas = parser.update(piece.text, partial=not done)
+                except ChatError:
+                    if not done:
+                        continue  # not parseable yet: the parser keeps the text
+                    message, deltas = {"content": ""}, [] if sent else [{"content": piece.text}]
+                for delta in (d for d in deltas if d):
+                    sent = True
+                    yield dict(head, object="chat.completion.chunk",
+                               choices=[dict(index=0, delta=delta, finish_reason=None,
+                                             logprobs=_chat_logprobs(_token_entries(self, piece)) if logprobs
+                                             else None)])
+                if done:
+                    finish = piece.finish_reason or "stop"
+                    if finish == "stop" and message.get("tool_calls"):
+                        finish = "tool_calls"
+                    last = dict(head, object="chat.completion.chunk",
+                                choices=[dict(index=0, delta={}, finish_reason=finish, logprobs=None)])
+                    last["usage"] = _usage(piece.stats)
+                    last["speculative"] = piece.stats.as_dict()
+                    yield last
+        finally:
+            pieces.close()
+
+    # ------------------------------------------------------------------ the request
+    def _options(self, *, max_tokens, temperature, top_p, min_p, typical_p, stop, frequency_penalty,
+                 presence_penalty, repeat_penalty, top_k, seed, mirostat_mode, mirostat_tau, mirostat_eta, grammar,
+                 logit_bias, logprobs) -> dict[str, Any]:
+        """llama-cpp-python's call options as the engine's request options."""
+        if max_tokens is None or max_tokens <= 0:  # llama-cpp-python: until the context is full
+            max_tokens = self.n_ctx()
+        if seed is None:
+            seed = self._seed if self._seed != LLAMA_DEFAULT_SEED else random.getrandbits(31)
+        out: dict[str, Any] = dict(
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p,
+            top_k=top_k, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty, seed=seed, stop=[stop] if isinstance(stop, str) else list(stop or ()),
+            mirostat=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta)
+        if grammar is not None:
+            out["grammar"] = grammar._grammar
+        if logit_bias:
+            out["logit_bias"] = tuple((int(t), float(b)) for t, b in logit_bias.items())
+        if logprobs is not None:
+            out["logprobs"] = int(logprobs)
+        return out
+
+
+# ---------------------------------------------------------------------- helpers
+
+def _trained_context(model_path: str) -> int:
+    """n_ctx=0: the model's own context length (llama-cpp-python's meaning)."""
+    from pyllama_spec.gguf.reader import read_gguf
+
+    info = read_gguf(model_path, "model")
+    return int(info.metadata.get(f"{info.arch}.context_length", 4096))
+
+
+def _draft_settings(draft_model: LlamaDraftModel | None) -> dict[str, Any]:
+    if draft_model is None:
+        return {"spec_type": "none"}
+    if not isinstance(draft_model, EngineDraft):
+        raise NotImplementedError(
+            f"draft_model={type(draft_model).__name__}(...): a draft model of your own (Python proposing tokens) is "
+            "not run by pyllama_spec's engine; use llama_speculative.LlamaPromptLookupDecoding, DFlashDraft, "
+            "Eagle3Draft, MTPDraft or DraftModel")
+    return draft_model.engine_settings()
+
+
+def _refuse_python_hooks(stopping_criteria, logits_processor) -> None:
+    if stopping_criteria:
+        raise NotImplementedError("stopping_criteria (Python per token) is not run by pyllama_spec's engine; "
+                                  "use stop= strings or max_tokens")
+    if logits_processor:
+        raise NotImplementedError("logits_processor (Python per token) is not run by pyllama_spec's engine; "
+                                  "use grammar=, logit_bias= or the sampler options")
+
+
+def _usage(stats) -> T.CompletionUsage:
+    return dict(prompt_tokens=stats.prompt_tokens, completion_tokens=stats.generated_tokens,
+                total_tokens=stats.prompt_tokens + stats.generated_tokens)
+
+
+def _token_entries(llama: Llama, piece) -> list[tuple[str, float, dict[str, float]]]:
+    """(token text, its logprob, {top token text: logprob}) for each token of a piece."""
+    out = []
+    for lp in piece.logprobs:
+        text = llama.detokenize([lp.token]).decode("utf-8", errors="replace")
+        top = {llama.detokenize([t]).decode("utf-8", errors="replace"): float(v) for t, v in lp.top}
+        out.append((text, float(lp.logprob), top))
+    return out
+
+
+def _completion_logprobs(entries, offset: int) -> T.CompletionLogprobs:
+    text_offset, at = [], offset
+    for text, _, _ in entries:
+        text_offset.append(at)
+        at += len(text)
+    return dict(tokens=[e[0] for e in entries], text_offset=text_offset, token_logprobs=[e[1] for e in entries],
+                top_logprobs=[e[2] or None for e in entries])
+
+
+def _chat_logprobs(entries) -> T.ChatCompletionLogprobs:
+    return dict(content=[dict(token=text, logprob=lp, bytes=list(text.encode()),
+                              top_logprobs=[dict(token=t, logprob=v, bytes=list(t.encode())) for t, v in top.items()])
+                         for text, lp, top in entries], refusal=None)
