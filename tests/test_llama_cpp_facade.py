@@ -79,12 +79,18 @@ def test_llama_cpp_pythons_own_tests_of_what_the_facade_covers(tmp_path):
 
 
 def test_import_llama_cpp_finds_the_facade(run_python):
+    """With ``sys.modules["llama_cpp"]`` pointed at the facade, its submodules are the facade's own (a
+    second copy would hold other classes: a draft model made from one would be refused by the other)."""
     res = run_python("import sys, pyllama_spec.llama_cpp\nsys.modules['llama_cpp'] = pyllama_spec.llama_cpp\n"
                      "import llama_cpp\nfrom llama_cpp import Llama, LlamaGrammar\n"
                      "from llama_cpp.llama_speculative import LlamaPromptLookupDecoding\n"
-                     "print(llama_cpp.__version__, Llama.__module__)")
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.split() == ["0.3.36", "pyllama_spec.llama_cpp.llama"]
+                     "import llama_cpp.llama_chat_format as chat\n"
+                     "import pyllama_spec.llama_cpp.llama_chat_format as ours\n"
+                     f"llm = Llama({TARGET!r}, n_ctx=256, n_threads=1, verbose=False,\n"
+                     "            draft_model=LlamaPromptLookupDecoding(num_pred_tokens=4))\n"
+                     "print(llama_cpp.__version__, Llama.__module__, chat is ours)")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.split() == ["0.3.36", "pyllama_spec.llama_cpp.llama", "True"]
 
 
 # ----------------------------------------------------------------------------- completions

@@ -17,6 +17,11 @@ pictures included), the multimodal chat handlers of ``llama_chat_format`` and th
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
 from pyllama_spec.llama_cpp import llama_chat_format, llama_grammar, llama_speculative, llama_types
 from pyllama_spec.llama_cpp.llama import LLAMA_DEFAULT_SEED, Llama, LogitsProcessorList, StoppingCriteriaList
 from pyllama_spec.llama_cpp.llama_grammar import LlamaGrammar
@@ -24,3 +29,29 @@ from pyllama_spec.llama_cpp.llama_types import *  # noqa: F403 (llama_cpp re-exp
 
 #: The llama-cpp-python API this facade follows.
 __version__ = "0.3.36"
+
+
+class _SubmoduleAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """With ``sys.modules["llama_cpp"]`` pointed at this package, ``import llama_cpp.llama_speculative``
+    (and the other submodules) gives this package's own module, not a second copy of its file: a
+    second copy would hold other classes, and ``isinstance`` checks across the two would fail."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        head, _, tail = fullname.partition(".")
+        if head != "llama_cpp" or not tail or sys.modules.get("llama_cpp") is not sys.modules[__name__]:
+            return None
+        try:
+            importlib.import_module(f"{__name__}.{tail}")
+        except ImportError:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec):
+        return sys.modules[f"{__name__}.{spec.name.partition('.')[2]}"]
+
+    def exec_module(self, module):
+        pass  # the module ran once, under its own name
+
+
+if not any(isinstance(f, _SubmoduleAliases) for f in sys.meta_path):
+    sys.meta_path.insert(0, _SubmoduleAliases())
