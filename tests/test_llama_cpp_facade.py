@@ -112,12 +112,14 @@ def test_a_completion_is_the_engines_greedy_text_in_llama_cpp_pythons_shape(llm,
 
 
 def test_a_streamed_completion_comes_in_chunks_that_add_up(llm, greedy):
-    chunks = list(llm(PROMPT, max_tokens=24, temperature=0.0, stream=True))
+    chunks = list(llm(PROMPT, max_tokens=24, temperature=0.0, stream=True, echo=True))  # no echo in a stream
     assert len(chunks) > 1 and all(c["object"] == "text_completion" for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks) == greedy
-    assert [c["choices"][0]["finish_reason"] for c in chunks][-2:] == [None, "length"]
-    assert chunks[-1]["usage"]["completion_tokens"] == 24
-    # a consumer that stops early ends the generation: the next call runs at once
+    # llama-cpp-python's last chunk: no text, the finish reason (and here the drafting statistics)
+    assert chunks[-1]["choices"][0] == {"text": "", "index": 0, "logprobs": None, "finish_reason": "length"}
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["speculative"]["generated_tokens"] == 24
+    # a consumer that stops early and the next call
     it = llm(PROMPT, max_tokens=200, temperature=0.0, stream=True)
     next(it)
     it.close()
@@ -128,14 +130,25 @@ def test_stop_strings_seeds_logprobs_and_the_vocabulary(llm, greedy):
     word = greedy.strip().split()[0]
     cut = llm(PROMPT, max_tokens=24, temperature=0.0, stop=[word])["choices"][0]
     assert cut["finish_reason"] == "stop" and word not in cut["text"]
-    a = llm(PROMPT, max_tokens=16, temperature=0.9, seed=5)["choices"][0]["text"]
-    assert a == llm(PROMPT, max_tokens=16, temperature=0.9, seed=5)["choices"][0]["text"]
+    # llama-cpp-python's seeds: a given seed is the Llama's from then on; without one, each call takes the
+    # next seed of a chain (the same chain in every process)
+    hot = dict(max_tokens=16, temperature=3.0, top_k=0, top_p=1.0, min_p=0.0)
+    a = llm(PROMPT, seed=5, **hot)["choices"][0]["text"]
+    assert a == llm(PROMPT, seed=5, **hot)["choices"][0]["text"]
+    llm.set_seed(5)
+    b, c = (llm(PROMPT, **hot)["choices"][0]["text"] for _ in range(2))
+    assert b != c  # the chain moved on
+    llm.set_seed(5)
+    assert llm(PROMPT, **hot)["choices"][0]["text"] == b
     lp = llm(PROMPT, max_tokens=4, temperature=0.0, logprobs=2)["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["text_offset"]) == 4
-    assert all(v <= 0 for v in lp["token_logprobs"]) and all(len(t) <= 2 for t in lp["top_logprobs"])
+    assert lp["text_offset"][0] == len(PROMPT)  # offsets count from the prompt's start, as there
+    assert all(v <= 0 for v in lp["token_logprobs"])
+    assert all(t in top and len(top) <= 3 for t, top in zip(lp["tokens"], lp["top_logprobs"]))
     assert "".join(lp["tokens"]) == llm(PROMPT, max_tokens=4, temperature=0.0)["choices"][0]["text"]
-    text = b"class Stack:\n    pass"
-    assert llm.detokenize(llm.tokenize(text, add_bos=False)) == text
+    text = "class Stack:\n    naïve = '日本'".encode()
+    ids = llm.tokenize(text, add_bos=False)
+    assert llm.detokenize(ids) == text and b"".join(llm.detokenize([t]) for t in ids) == text
     assert llm.n_ctx() == 1024 and llm.n_vocab() > 0 and llm.n_embd() > 0
     assert isinstance(llm.token_eos(), int)
 
@@ -250,6 +263,11 @@ def test_what_the_facade_cannot_do_is_refused_with_the_reason(llm, tmp_path):
         llama_cpp.Llama(TARGET, type_k=99, **KW)
     with pytest.raises(ValueError, match="Clip model path does not exist"):
         MTMDChatHandler(clip_model_path=str(tmp_path / "missing.gguf"))
+    for method in (llm.save_state, llm.set_cache, llm.create_embedding, llm.eval):
+        with pytest.raises(NotImplementedError, match="not in pyllama_spec.llama_cpp yet"):
+            method()
+    with pytest.raises(NotImplementedError, match="download the GGUF"):
+        llama_cpp.Llama.from_pretrained("Qwen/Qwen3.5-0.8B-GGUF", "*q8_0.gguf")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         llama_cpp.Llama(TARGET, rope_freq_base=5000.0, **KW).close()

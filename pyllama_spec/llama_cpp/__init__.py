@@ -38,19 +38,29 @@ class _SubmoduleAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, fullname, path=None, target=None):
         head, _, tail = fullname.partition(".")
-        if head != "llama_cpp" or not tail or sys.modules.get("llama_cpp") is not sys.modules[__name__]:
+        package = sys.modules.get(__name__)
+        if head != "llama_cpp" or not tail or package is None or sys.modules.get("llama_cpp") is not package:
             return None
+        own = f"{__name__}.{tail}"
         try:
-            importlib.import_module(f"{__name__}.{tail}")
-        except ImportError:
-            return None
-        return importlib.util.spec_from_loader(fullname, self)
+            module = importlib.import_module(own)
+        except ModuleNotFoundError as e:
+            if e.name == own:
+                return None  # not one of ours: the import fails as it would
+            raise
+        spec = importlib.util.spec_from_loader(fullname, self, origin=getattr(module, "__file__", None))
+        spec.loader_state = module
+        return spec
 
     def create_module(self, spec):
-        return sys.modules[f"{__name__}.{spec.name.partition('.')[2]}"]
+        module = spec.loader_state
+        spec.loader_state = (module, module.__spec__, module.__loader__)  # put back by exec_module
+        return module
 
     def exec_module(self, module):
-        pass  # the module ran once, under its own name
+        # the module ran once, under its own name: keep its own spec (importlib wrote the alias's)
+        _, own_spec, own_loader = module.__spec__.loader_state
+        module.__spec__, module.__loader__ = own_spec, own_loader
 
 
 if not any(isinstance(f, _SubmoduleAliases) for f in sys.meta_path):

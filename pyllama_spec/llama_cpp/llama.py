@@ -8,13 +8,15 @@ llama-cpp-python's dicts, field for field, plus one field of this project's: ``"
 generation's drafting statistics (drafted, accepted, acceptance, ...).
 
 Where llama-cpp-python runs Python per token (``logits_processor``, ``stopping_criteria``, a draft model
-of your own), or reaches into llama.cpp (``vocab_only``, ``embedding``, ``save_state``), this facade
-does not follow yet: such a call raises ``NotImplementedError`` that says so, and a constructor option
-that cannot apply warns once.
+of your own), or reaches into llama.cpp (``vocab_only``, ``embedding``, ``save_state``, ``eval``), this
+facade does not follow yet: such a call raises ``NotImplementedError`` that says so, and a constructor
+option that cannot apply warns once. Chats keep a model's reasoning in ``content`` (``<think>...``), as
+llama-cpp-python's chat handlers do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 import uuid
@@ -84,7 +86,7 @@ class Llama:
         settings: dict[str, Any] = dict(
             n_ctx=n_ctx or _trained_context(self.model_path), n_batch=n_batch, n_ubatch=min(n_ubatch, n_batch),
             n_threads=n_threads, n_threads_batch=n_threads_batch, n_gpu_layers=n_gpu_layers,
-            split_mode=_SPLIT_MODES.get(split_mode, "layer"), main_gpu=main_gpu, use_mmap=use_mmap,
+            split_mode=_split_mode(split_mode), main_gpu=main_gpu, use_mmap=use_mmap,
             use_mlock=use_mlock, flash_attn=flash_attn)
         if tensor_split:
             settings["tensor_split"] = list(tensor_split)
@@ -99,7 +101,15 @@ class Llama:
         if lora_path:
             settings["lora"] = [(lora_path, lora_scale)]
         if chat_handler is not None:
+            if not isinstance(chat_handler, MTMDChatHandler):
+                raise NotImplementedError(
+                    f"chat_handler={type(chat_handler).__name__}(...): this facade takes the vision chat handlers of "
+                    "llama_chat_format (MTMDChatHandler, Qwen25VLChatHandler, ...), whose clip_model_path is the "
+                    "projector; chats are rendered with the model's own template")
             settings["mmproj"] = chat_handler.clip_model_path
+            if not chat_handler.use_gpu:
+                settings["mmproj_offload"] = False
+        settings["reasoning_format"] = "none"  # llama-cpp-python leaves <think>...</think> in the content
         settings.update(_draft_settings(draft_model))
         from pyllama_spec.serving.engine import load
 
@@ -136,12 +146,14 @@ class Llama:
 
     def detokenize(self, tokens: Sequence[int], prev_tokens: Sequence[int] | None = None,
                    special: bool = False) -> bytes:
-        text = self._engine.model.detokenize(list(tokens), special=special)
-        if prev_tokens:  # the text the tokens add after prev_tokens
-            before = self._engine.model.detokenize(list(prev_tokens), special=special)
-            whole = self._engine.model.detokenize(list(prev_tokens) + list(tokens), special=special)
-            text = whole[len(before):] if whole.startswith(before) else text
-        return text.encode("utf-8", errors="replace")
+        """The tokens' bytes, joined (a token may hold part of a UTF-8 character), as llama-cpp-python
+        joins them: a leading space after a first BOS token dropped; ``prev_tokens`` not used."""
+        model = self._engine.model
+        tokens = [int(t) for t in tokens]
+        out = b"".join(model.token_to_bytes(t, special=special) for t in tokens)
+        if tokens and tokens[0] == model.bos and out[:1] == b" ":
+            out = out[1:]
+        return out
 
     def token_bos(self) -> int:
         return int(self._engine.model.bos)
@@ -165,6 +177,37 @@ class Llama:
         """Forget the cached prompt: the next call decodes all of its prompt again."""
         self._engine.reset_cache()
         self.n_tokens = 0
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The GGUF's metadata, values as strings (llama-cpp-python's ``Llama.metadata``)."""
+        from pyllama_spec.gguf.reader import read_gguf
+
+        return {k: str(v) for k, v in read_gguf(self.model_path, "model").metadata.items()}
+
+    # what llama-cpp-python has and this facade does not do yet: each says so
+    def save_state(self, *args: Any, **kwargs: Any):
+        raise _not_yet("save_state / load_state (the engine keeps prompts in its slots: cache_prompt)")
+
+    load_state = save_state
+
+    def set_cache(self, *args: Any, **kwargs: Any):
+        raise _not_yet("set_cache (LlamaRAMCache / LlamaDiskCache): the engine reuses a slot's cached prompt itself")
+
+    def create_embedding(self, *args: Any, **kwargs: Any):
+        raise _not_yet("create_embedding / embed")
+
+    embed = create_embedding
+
+    def eval(self, *args: Any, **kwargs: Any):
+        raise _not_yet("eval / sample / generate (token-level decoding): use create_completion, or the engine's "
+                       "own API (Llama.engine.stream)")
+
+    sample = generate = eval
+
+    @classmethod
+    def from_pretrained(cls, repo_id: str, filename: str | None = None, *args: Any, **kwargs: Any) -> "Llama":
+        raise _not_yet(f"from_pretrained({repo_id!r}): download the GGUF and pass its path as model_path")
 
     # ------------------------------------------------------------------ completions
     def create_completion(self, prompt: str | list[int], suffix: str | None = None, max_tokens: int | None = 16,
@@ -196,47 +239,44 @@ class Llama:
                                 logprobs=logprobs)
         head = dict(id=f"cmpl-{uuid.uuid4()}", object="text_completion", created=int(time.time()),
                     model=model or self.model_path)
-        echoed = (prompt if isinstance(prompt, str) else self.detokenize(prompt).decode("utf-8", errors="replace")) \
-            if echo else ""
+        prompt_text = prompt if isinstance(prompt, str) else self.detokenize(prompt).decode("utf-8", errors="replace")
         pieces = self._engine.stream(text_prompt, **options)
-        if stream:
-            return self._completion_chunks(pieces, head, echoed, logprobs)
-        return self._completion(pieces, head, echoed, logprobs)
+        if stream:  # llama-cpp-python streams no echo
+            return self._completion_chunks(pieces, head, len(prompt_text), logprobs)
+        return self._completion(pieces, head, prompt_text if echo else "", len(prompt_text), logprobs)
 
     __call__ = create_completion
 
-    def _completion(self, pieces, head: dict, echoed: str, logprobs: int | None) -> T.CreateCompletionResponse:
+    def _completion(self, pieces, head: dict, echoed: str, prompt_chars: int,
+                    logprobs: int | None) -> T.CreateCompletionResponse:
         text, entries, last = [echoed], [], None
-        for piece in pieces:
-            text.append(piece.text)
-            entries.extend(_token_entries(self, piece) if logprobs is not None else ())
-            last = piece
+        with contextlib.closing(pieces):
+            for piece in pieces:
+                text.append(piece.text)
+                if logprobs is not None:
+                    entries.extend(_token_entries(self, piece))
+                last = piece
         stats = last.stats
-        return dict(head, choices=[dict(text="".join(text), index=0,
-                                        logprobs=_completion_logprobs(entries, len(echoed)) if logprobs is not None
-                                        else None, finish_reason=last.finish_reason or "stop")],
+        # llama-cpp-python: offsets count from the start of the prompt (0 with echo, whose prompt tokens
+        # it also lists; this engine gives no prompt logprobs, so those are not listed)
+        lp = _completion_logprobs(entries, len(echoed) if echoed else prompt_chars) if logprobs is not None else None
+        return dict(head, choices=[dict(text="".join(text), index=0, logprobs=lp,
+                                        finish_reason=last.finish_reason or "stop")],
                     usage=_usage(stats), speculative=stats.as_dict())
 
-    def _completion_chunks(self, pieces, head: dict, echoed: str, logprobs: int | None):
-        offset = 0
-        try:
-            if echoed:
-                yield dict(head, choices=[dict(text=echoed, index=0, logprobs=None, finish_reason=None)])
-                offset = len(echoed)
+    def _completion_chunks(self, pieces, head: dict, offset: int, logprobs: int | None):
+        """llama-cpp-python's stream: the text as it comes, then an empty chunk with the finish reason
+        (and, this project's, the drafting statistics)."""
+        with contextlib.closing(pieces):  # a consumer that stops early ends the generation
             for piece in pieces:
-                lp = None
-                if logprobs is not None:
-                    lp = _completion_logprobs(_token_entries(self, piece), offset)
-                offset += len(piece.text)
-                done = piece.stats is not None
-                chunk = dict(head, choices=[dict(text=piece.text, index=0, logprobs=lp,
-                                                 finish_reason=(piece.finish_reason or "stop") if done else None)])
-                if done:
-                    chunk["usage"] = _usage(piece.stats)
-                    chunk["speculative"] = piece.stats.as_dict()
-                yield chunk
-        finally:
-            pieces.close()  # a consumer that stops early ends the generation
+                if piece.text:
+                    lp = _completion_logprobs(_token_entries(self, piece), offset) if logprobs is not None else None
+                    offset += len(piece.text)
+                    yield dict(head, choices=[dict(text=piece.text, index=0, logprobs=lp, finish_reason=None)])
+                if piece.stats is not None:
+                    yield dict(head, choices=[dict(text="", index=0, logprobs=None,
+                                                   finish_reason=piece.finish_reason or "stop")],
+                               speculative=piece.stats.as_dict())
 
     # ------------------------------------------------------------------ chats
     def create_chat_completion(self, messages: list[T.ChatCompletionRequestMessage], functions: Any = None,
@@ -277,12 +317,13 @@ class Llama:
                                 presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k,
                                 seed=seed, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
                                 mirostat_eta=mirostat_eta, grammar=None, logit_bias=logit_bias,
-                                logprobs=(top_logprobs or 0) if logprobs else None)
+                                logprobs=top_logprobs if logprobs else None)
         head = dict(id=f"chatcmpl-{uuid.uuid4()}", created=int(time.time()), model=model or self.model_path)
         pieces = self._engine.stream(chat=chat, **options)
+        with_logprobs = bool(logprobs) and top_logprobs is not None  # llama-cpp-python: both, or none
         if stream:
-            return self._chat_chunks(pieces, chat, head, bool(logprobs))
-        return self._chat(pieces, chat, head, bool(logprobs))
+            return self._chat_chunks(pieces, chat, head, with_logprobs)
+        return self._chat(pieces, chat, head, with_logprobs)
 
     def _messages(self, messages: list) -> list:
         """The messages with each ``image_url`` as a picture the engine reads (bytes or a local path)."""
@@ -304,64 +345,42 @@ class Llama:
         return out
 
     def _chat(self, pieces, chat, head: dict, logprobs: bool) -> T.CreateChatCompletionResponse:
-        from pyllama_spec.serving.chat_template import ChatError, ChatParser
-
-        text, entries, last = [], [], None
-        for piece in pieces:
-            text.append(piece.text)
-            if logprobs:
-                entries.extend(_token_entries(self, piece))
-            last = piece
-        whole = "".join(text)
-        try:
-            message, _ = ChatParser(chat.parser_params()).update(whole, partial=False)
-        except ChatError:  # nothing the template's format makes sense of: the text, as llama-server answers
-            message = {"content": whole}
-        message = {"role": "assistant", "content": message.get("content") or None,
-                   **{k: message[k] for k in ("tool_calls", "reasoning_content") if message.get(k)}}
-        if message["content"] is None and not message.get("tool_calls"):
-            message["content"] = ""
-        finish = last.finish_reason or "stop"
-        if finish == "stop" and message.get("tool_calls"):
-            finish = "tool_calls"
+        answer = _Answer(chat, stream=False)
+        entries, last = [], None
+        with contextlib.closing(pieces):
+            for piece in pieces:
+                answer.feed(piece.text)
+                if logprobs:
+                    entries.extend(_token_entries(self, piece))
+                last = piece
+        answer.feed("", final=True)
         return dict(head, object="chat.completion",
-                    choices=[dict(index=0, message=message, finish_reason=finish,
+                    choices=[dict(index=0, message=answer.message(), finish_reason=answer.finish_reason(last),
                                   logprobs=_chat_logprobs(entries) if logprobs else None)],
                     usage=_usage(last.stats), speculative=last.stats.as_dict())
 
     def _chat_chunks(self, pieces, chat, head: dict, logprobs: bool):
-        from pyllama_spec.serving.chat_template import ChatError, ChatParser
+        """llama-cpp-python's chat stream: the role first, a delta a chunk, then an empty delta with the
+        finish reason (and, this project's, the drafting statistics)."""
+        answer = _Answer(chat, stream=True)
 
-        parser = ChatParser(chat.parser_params(stream=True))
-        sent = False
-        try:
-            yield dict(head, object="chat.completion.chunk",
-                       choices=[dict(index=0, delta={"role": "assistant"}, finish_reason=None, logprobs=None)])
+        def chunk(delta: dict, finish=None, lp=None) -> dict:
+            return dict(head, object="chat.completion.chunk",
+                        choices=[dict(index=0, delta=delta, finish_reason=finish, logprobs=lp)])
+
+        with contextlib.closing(pieces):
+            yield chunk({"role": "assistant"})
             for piece in pieces:
                 done = piece.stats is not None
-                try:
-                    message, deltas = parser.update(piece.text, partial=not done)
-                except ChatError:
-                    if not done:
-                        continue  # not parseable yet: the parser keeps the text
-                    message, deltas = {"content": ""}, [] if sent else [{"content": piece.text}]
-                for delta in (d for d in deltas if d):
-                    sent = True
-                    yield dict(head, object="chat.completion.chunk",
-                               choices=[dict(index=0, delta=delta, finish_reason=None,
-                                             logprobs=_chat_logprobs(_token_entries(self, piece)) if logprobs
-                                             else None)])
+                deltas = answer.feed(piece.text, final=done)
+                # a piece's logprobs go with its first delta (a piece the parser holds back has none yet)
+                lp = _chat_logprobs(_token_entries(self, piece)) if logprobs and piece.logprobs else None
+                for i, delta in enumerate(deltas):
+                    yield chunk(delta, lp=lp if i == 0 else None)
                 if done:
-                    finish = piece.finish_reason or "stop"
-                    if finish == "stop" and message.get("tool_calls"):
-                        finish = "tool_calls"
-                    last = dict(head, object="chat.completion.chunk",
-                                choices=[dict(index=0, delta={}, finish_reason=finish, logprobs=None)])
-                    last["usage"] = _usage(piece.stats)
+                    last = chunk({}, answer.finish_reason(piece))
                     last["speculative"] = piece.stats.as_dict()
                     yield last
-        finally:
-            pieces.close()
 
     # ------------------------------------------------------------------ the request
     def _options(self, *, max_tokens, temperature, top_p, min_p, typical_p, stop, frequency_penalty,
@@ -370,12 +389,13 @@ class Llama:
         """llama-cpp-python's call options as the engine's request options."""
         if max_tokens is None or max_tokens <= 0:  # llama-cpp-python: until the context is full
             max_tokens = self.n_ctx()
-        if seed is None:
-            seed = self._seed if self._seed != LLAMA_DEFAULT_SEED else random.getrandbits(31)
+        # llama-cpp-python's seed chain: a given seed stays the Llama's; otherwise each call draws the next
+        # seed from the last, so a run is the same from process to process
+        self.set_seed(seed if seed is not None else random.Random(self._seed).randint(0, 2**32))
         out: dict[str, Any] = dict(
             max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p, typical_p=typical_p,
             top_k=top_k, repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty, seed=seed, stop=[stop] if isinstance(stop, str) else list(stop or ()),
+            presence_penalty=presence_penalty, seed=self._seed & 0xFFFFFFFF, stop=[stop] if isinstance(stop, str) else list(stop or ()),
             mirostat=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta)
         if grammar is not None:
             out["grammar"] = grammar._grammar
@@ -422,11 +442,14 @@ def _usage(stats) -> T.CompletionUsage:
 
 
 def _token_entries(llama: Llama, piece) -> list[tuple[str, float, dict[str, float]]]:
-    """(token text, its logprob, {top token text: logprob}) for each token of a piece."""
+    """(token text, its logprob, {top token text: logprob}) for each token of a piece, as
+    llama-cpp-python lists them: the token's own text and logprob among the top ones too."""
     out = []
-    for lp in piece.logprobs:
-        text = llama.detokenize([lp.token]).decode("utf-8", errors="replace")
-        top = {llama.detokenize([t]).decode("utf-8", errors="replace"): float(v) for t, v in lp.top}
+    texts = piece.token_texts or tuple(llama.detokenize([lp.token]).decode("utf-8", errors="ignore")
+                                       for lp in piece.logprobs)
+    for lp, text in zip(piece.logprobs, texts):
+        top = {llama.detokenize([t]).decode("utf-8", errors="ignore"): float(v) for t, v in lp.top}
+        top[text] = float(lp.logprob)
         out.append((text, float(lp.logprob), top))
     return out
 
@@ -437,10 +460,73 @@ def _completion_logprobs(entries, offset: int) -> T.CompletionLogprobs:
         text_offset.append(at)
         at += len(text)
     return dict(tokens=[e[0] for e in entries], text_offset=text_offset, token_logprobs=[e[1] for e in entries],
-                top_logprobs=[e[2] or None for e in entries])
+                top_logprobs=[e[2] for e in entries])
 
 
 def _chat_logprobs(entries) -> T.ChatCompletionLogprobs:
-    return dict(content=[dict(token=text, logprob=lp, bytes=list(text.encode()),
-                              top_logprobs=[dict(token=t, logprob=v, bytes=list(t.encode())) for t, v in top.items()])
+    return dict(content=[dict(token=text, logprob=lp, bytes=None,
+                              top_logprobs=[dict(token=t, logprob=v, bytes=None) for t, v in top.items()])
                          for text, lp, top in entries], refusal=None)
+
+
+class _Answer:
+    """One chat answer parsed as it comes, as the server's chat route parses it (server/chat.py): the
+    template's format gives content, tool calls and reasoning; an answer it makes nothing of is the
+    model's text as content."""
+
+    def __init__(self, chat, *, stream: bool) -> None:
+        from pyllama_spec.serving.chat_template import ChatParser
+
+        self._parser = ChatParser(chat.parser_params(stream=stream))
+        self._text: list[str] = []
+        self._sent = False
+        self._message: dict = {"content": ""}
+
+    def feed(self, text: str, *, final: bool = False) -> list[dict]:
+        """OpenAI's deltas since the last call (``final``: the answer is whole)."""
+        from pyllama_spec.serving.chat_template import ChatError
+
+        self._text.append(text)
+        try:
+            message, deltas = self._parser.update(text, partial=not final)
+        except ChatError:
+            return self._plain_text() if final else []  # not parseable yet: the parser keeps the text
+        self._message = message
+        deltas = [d for d in deltas if d]
+        self._sent = self._sent or bool(deltas)
+        if final and not (message.get("content") or message.get("tool_calls") or message.get("reasoning_content")):
+            return deltas + self._plain_text()
+        return deltas
+
+    def _plain_text(self) -> list[dict]:
+        whole = "".join(self._text)
+        if self._sent:
+            return []
+        self._message = {"content": whole}
+        self._sent = bool(whole)
+        return [{"content": whole}] if whole else []
+
+    def message(self) -> dict:
+        m = self._message
+        out = {"role": "assistant", "content": m.get("content") or (None if m.get("tool_calls") else "")}
+        if m.get("tool_calls"):
+            out["tool_calls"] = m["tool_calls"]
+            first = m["tool_calls"][0].get("function", {})  # llama-cpp-python's legacy field too
+            out["function_call"] = {"name": first.get("name", ""), "arguments": first.get("arguments", "")}
+        if m.get("reasoning_content"):
+            out["reasoning_content"] = m["reasoning_content"]
+        return out
+
+    def finish_reason(self, last) -> str:
+        ended = last.finish_reason or "stop"
+        return "tool_calls" if ended == "stop" and self._message.get("tool_calls") else ended
+
+
+def _not_yet(what: str) -> NotImplementedError:
+    return NotImplementedError(f"{what}: not in pyllama_spec.llama_cpp yet (docs/llama_cpp.md)")
+
+
+def _split_mode(split_mode: int) -> str:
+    if split_mode not in _SPLIT_MODES:
+        raise ValueError(f"split_mode={split_mode}: llama.cpp's split modes are {_SPLIT_MODES}")
+    return _SPLIT_MODES[split_mode]

@@ -11,10 +11,9 @@ own, this facade uses the model's.
 from __future__ import annotations
 
 import base64
+import urllib.parse
 import urllib.request
 from pathlib import Path
-from typing import Any
-
 #: The most bytes an image fetched from a URL may have.
 MAX_IMAGE_BYTES = 64 * 2**20
 FETCH_TIMEOUT_S = 30
@@ -23,7 +22,7 @@ FETCH_TIMEOUT_S = 30
 class MTMDChatHandler:
     """A chat with pictures through libmtmd: ``clip_model_path`` is the model's projector file."""
 
-    def __init__(self, clip_model_path: str, verbose: bool = True, use_gpu: bool = True, **kwargs: Any) -> None:
+    def __init__(self, clip_model_path: str, verbose: bool = True, use_gpu: bool = True) -> None:
         if not Path(clip_model_path).exists():
             raise ValueError(f"Clip model path does not exist: {clip_model_path}")
         self.clip_model_path = str(clip_model_path)
@@ -42,16 +41,21 @@ def load_image(image_url: str) -> bytes | str:
         if not sep or ";base64" not in head:
             raise ValueError(f"an image data URI must be base64: {image_url[:40]!r}...")
         try:
-            return base64.b64decode(data, validate=True)
+            return base64.b64decode("".join(data.split()), validate=True)
         except ValueError as e:
             raise ValueError(f"the image data URI is not valid base64: {e}") from e
-    if image_url.startswith(("http://", "https://")):
+    scheme = urllib.parse.urlparse(image_url).scheme
+    if scheme in ("http", "https"):
         with urllib.request.urlopen(image_url, timeout=FETCH_TIMEOUT_S) as f:
             data = f.read(MAX_IMAGE_BYTES + 1)
         if len(data) > MAX_IMAGE_BYTES:
             raise ValueError(f"the image at {image_url} is over {MAX_IMAGE_BYTES} bytes")
         return data
-    return image_url[len("file://"):] if image_url.startswith("file://") else image_url
+    if scheme == "file":
+        return urllib.request.url2pathname(urllib.parse.urlparse(image_url).path)
+    if len(scheme) > 1:  # a one-letter scheme is a Windows drive: a path
+        raise ValueError(f"image_url {image_url[:60]!r}: takes a data: URI, an http(s):// or file:// URL, or a path")
+    return image_url
 
 
 class Llava15ChatHandler(MTMDChatHandler):

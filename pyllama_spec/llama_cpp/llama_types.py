@@ -245,3 +245,20 @@ ChatCompletionToolChoiceOption = Union[Literal["none", "auto", "required"], Chat
 class ChatCompletionRequestResponseFormat(TypedDict):
     type: Literal["text", "json_object"]
     schema: NotRequired[JsonType]
+
+
+# llama-cpp-python's older names of the same types
+EmbeddingData = Embedding
+ChatCompletionMessage = ChatCompletionResponseMessage
+ChatCompletionChoice = ChatCompletionResponseChoice
+ChatCompletion = CreateChatCompletionResponse
+ChatCompletionChunkDeltaEmpty = ChatCompletionStreamResponseDeltaEmpty
+ChatCompletionChunkChoice = ChatCompletionStreamResponseChoice
+ChatCompletionChunkDelta = ChatCompletionStreamResponseDelta
+ChatCompletionChunk = CreateChatCompletionStreamResponse
+ChatCompletionStreamResponse = CreateChatCompletionStreamResponse
+ChatCompletionResponseFunction = ChatCompletionFunction
+ChatCompletionFunctionCall = ChatCompletionResponseFunctionCall
+
+__all__ = [name for name in dir() if name[0].isupper() and name not in ("Any", "Dict", "List", "Literal", "Optional",
+                                                                       "TypedDict", "Union", "NotRequired")]
