@@ -6,14 +6,22 @@ each ``image_url`` part where the picture goes. ``image_url`` may be a ``data:``
 ``file://`` URL or a local path, or an ``http(s)://`` URL, fetched as llama-cpp-python fetches it.
 The handlers differ only in name here: llama-cpp-python's Llava-style handlers carry a template of their
 own, this facade uses the model's.
+
+llama-cpp-python's Python chat formatters are here too, for code that renders prompts itself
+(``Jinja2ChatFormatter``, ``hf_tokenizer_config_to_chat_formatter``, ``format_mistral_instruct``: Jinja2,
+the ``llama-cpp`` extra, as llama-cpp-python renders them); ``Llama`` does not use them.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
+import json
 import urllib.parse
 import urllib.request
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 #: The most bytes an image fetched from a URL may have.
 MAX_IMAGE_BYTES = 64 * 2**20
 FETCH_TIMEOUT_S = 30
@@ -92,3 +100,106 @@ class Qwen25VLChatHandler(Llava15ChatHandler):
 
 class Gemma4ChatHandler(MTMDChatHandler):
     pass
+
+
+# ---------------------------------------------------------------------- llama-cpp-python's chat formatters
+# (its llama_chat_format.py, MIT: the same renderings, so prompts built by hand come out the same)
+
+@dataclasses.dataclass
+class ChatFormatterResponse:
+    """A formatted chat: the prompt, its stop strings, and whether it carries its special tokens."""
+
+    prompt: str
+    stop: str | list[str] | None = None
+    stopping_criteria: Any = None
+    added_special: bool = False
+
+
+def _jinja_environment(**kwargs: Any):
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:
+        raise ImportError("llama-cpp-python's chat formatters render with Jinja2: "
+                          "pip install 'pyllama-spec[llama-cpp]'") from e
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, **kwargs)
+
+
+class Jinja2ChatFormatter:
+    """A Hugging Face chat template rendered as llama-cpp-python renders it."""
+
+    def __init__(self, template: str, eos_token: str, bos_token: str, add_generation_prompt: bool = True,
+                 stop_token_ids: list[int] | None = None) -> None:
+        import jinja2.ext
+        from jinja2.ext import Extension
+
+        class IgnoreGenerationTags(Extension):  # Hugging Face's {% generation %} tag, passed through
+            tags = {"generation"}
+
+            def parse(self, parser):
+                parser.stream.skip(1)
+                return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+        self.template, self.eos_token, self.bos_token = template, eos_token, bos_token
+        self.add_generation_prompt = add_generation_prompt
+        self.stop_token_ids = set(stop_token_ids) if stop_token_ids is not None else None
+        environment = _jinja_environment(extensions=[IgnoreGenerationTags, jinja2.ext.loopcontrols])
+        environment.filters["tojson"] = self.tojson
+        self._environment = environment.from_string(template)
+
+    @staticmethod
+    def strftime_now(f: str) -> str:
+        return datetime.now().strftime(f)
+
+    @staticmethod
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def __call__(self, *, messages: list, functions=None, function_call=None, tools=None, tool_choice=None,
+                 **kwargs: Any) -> ChatFormatterResponse:
+        def raise_exception(message: str):
+            raise ValueError(message)
+
+        prompt = self._environment.render(messages=messages, eos_token=self.eos_token, bos_token=self.bos_token,
+                                          raise_exception=raise_exception,
+                                          add_generation_prompt=self.add_generation_prompt, functions=functions,
+                                          function_call=function_call, tools=tools, tool_choice=tool_choice,
+                                          strftime_now=self.strftime_now, **kwargs)
+        stopping_criteria = None
+        if self.stop_token_ids is not None:
+            from pyllama_spec.llama_cpp.llama import StoppingCriteriaList
+
+            stop_ids = self.stop_token_ids
+            stopping_criteria = StoppingCriteriaList([lambda tokens, logits: tokens[-1] in stop_ids])
+        return ChatFormatterResponse(prompt=prompt, stop=[self.eos_token], stopping_criteria=stopping_criteria,
+                                     added_special=True)
+
+
+def hf_tokenizer_config_to_chat_formatter(tokenizer_config: dict[str, Any], add_generation_prompt: bool = True):
+    """A formatter of a Hugging Face ``tokenizer_config.json``'s chat template, as llama-cpp-python makes it."""
+    for key in ("chat_template", "bos_token", "eos_token"):
+        if not isinstance(tokenizer_config.get(key), str):
+            raise ValueError(f"the tokenizer config needs a string {key!r}")
+    env = _jinja_environment().from_string(tokenizer_config["chat_template"])
+    bos, eos = tokenizer_config["bos_token"], tokenizer_config["eos_token"]
+
+    def format_tokenizer_config(messages: list, **kwargs: Any) -> ChatFormatterResponse:
+        if add_generation_prompt:  # llama-cpp-python's way: a blank assistant message at the end
+            messages = [*messages, {"role": "assistant", "content": ""}]
+        prompt = env.render(messages=messages, bos_token=bos, eos_token=eos, **kwargs)
+        return ChatFormatterResponse(prompt=prompt, stop=[eos, bos], added_special=True)
+
+    return format_tokenizer_config
+
+
+def format_mistral_instruct(messages: list, **kwargs: Any) -> ChatFormatterResponse:
+    """llama-cpp-python's ``mistral-instruct`` chat format."""
+    eos = "</s>"
+    prompt = ""
+    for message in messages:
+        if message["role"] == "user" and isinstance(message["content"], str):
+            prompt += "[INST] " + message["content"]
+        elif message["role"] == "assistant" and message["content"] is not None:
+            prompt += " [/INST]" + message["content"] + eos
+    prompt += " [/INST]"
+    return ChatFormatterResponse(prompt=prompt, stop=eos)
