@@ -8,8 +8,10 @@
 The program (``PROGRAM`` below, the embedded pair's files): greedy completions of held-out code prompts,
 a chat with a picture through ``MTMDChatHandler`` (both render the GGUF's template) and through
 ``Qwen25VLChatHandler`` (llama-cpp-python's has a template of its own; the facade uses the model's),
-the same completions with ``LlamaPromptLookupDecoding``; on the facade also with each of this
-project's draft models (DFlash, EAGLE3, a draft model, and the qwen35 target's MTP head). Printed:
+the same completions and the picture chat with ``LlamaPromptLookupDecoding``; on the facade also with each
+of this project's draft models (DFlash, EAGLE3, a draft model that sees the picture through its own
+projector). Each timed call runs ``--repeats`` times on one ``Llama``, as a program would: both packages
+may reuse the cached prompt on a repeat (the facade's engine reuses a picture's too). Printed:
 whether each output equals the other engine's and the run without a draft, and tokens/s
 (completion tokens over the call's wall time) min/median/max over ``--repeats``.
 """
@@ -40,7 +42,11 @@ def timed(name, llm, call):
     texts, speeds = None, []
     for _ in range(REPEATS):
         t0 = time.perf_counter()
-        outs = call(llm)
+        try:
+            outs = call(llm)
+        except Exception as e:  # recorded: the table says which engine failed and how
+            results[name] = dict(error=f"{type(e).__name__}: {e}")
+            return
         wall = time.perf_counter() - t0
         speeds.append(sum(o["usage"]["completion_tokens"] for o in outs) / wall)
         texts = [o["choices"][0].get("text", o["choices"][0].get("message", {}).get("content")) for o in outs]
@@ -67,6 +73,10 @@ for handler in (MTMDChatHandler, Qwen25VLChatHandler):
     llm = llama_cpp.Llama(T, chat_handler=handler(clip_model_path=MM, verbose=False), **KW)
     timed(f"chat with a picture, {handler.__name__}", llm, chat)
     llm.close()
+llm = llama_cpp.Llama(T, chat_handler=MTMDChatHandler(clip_model_path=MM, verbose=False),
+                      draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10), **KW)
+timed("chat with a picture, MTMDChatHandler, prompt lookup", llm, chat)
+llm.close()
 if FACADE:
     from llama_cpp.llama_speculative import DFlashDraft, DraftModel, Eagle3Draft, MTPDraft
     drafts = {"DFlash": lambda seeing: DFlashDraft(M + "/trained-draft.gguf", num_pred_tokens=7),
@@ -124,7 +134,11 @@ def main() -> int:
         for engine, got in (("llama-cpp-python", real.get(name)), ("pyllama_spec.llama_cpp", ours[name])):
             if got is None:
                 continue
-            same_real = "" if name not in real else ("yes" if got["texts"] == real[name]["texts"] else "NO")
+            if "error" in got:
+                print(f"| {name} | {engine} | failed: {got['error'][:120]} | | |")
+                continue
+            same_real = "" if name not in real or "error" in real[name] else \
+                ("yes" if got["texts"] == real[name]["texts"] else "NO")
             plain = (ours if engine != "llama-cpp-python" else real)
             ref = plain["completion"]["texts"] if name.startswith("completion") else \
                 plain.get("chat with a picture, MTMDChatHandler", {}).get("texts")
