@@ -29,6 +29,7 @@ import numpy as np
 from pyllama_spec.llama_cpp import llama_types as T
 from pyllama_spec.llama_cpp.llama_chat_format import MTMDChatHandler, load_image
 from pyllama_spec.llama_cpp.llama_grammar import LlamaGrammar
+from pyllama_spec.llama_cpp.llama_hooks import LogitsProcessorList, StoppingCriteriaList
 from pyllama_spec.llama_cpp.llama_speculative import EngineDraft, LlamaDraftModel
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
@@ -42,14 +43,6 @@ _IGNORED = {"kv_overrides": None, "rope_scaling_type": -1, "pooling_type": -1, "
             "op_offload": None, "no_perf": False, "last_n_tokens_size": 64, "lora_base": None, "numa": False,
             "tokenizer": None, "spm_infill": False, "logits_all": False}
 _SPLIT_MODES = {0: "none", 1: "layer", 2: "row"}
-
-
-class LogitsProcessorList(list):
-    """llama-cpp-python's list of ``(input_ids, logits) -> logits`` callables."""
-
-
-class StoppingCriteriaList(list):
-    """llama-cpp-python's list of ``(input_ids, logits) -> bool`` callables."""
 
 
 class Llama:

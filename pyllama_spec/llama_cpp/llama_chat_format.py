@@ -167,7 +167,7 @@ class Jinja2ChatFormatter:
                                           strftime_now=self.strftime_now, **kwargs)
         stopping_criteria = None
         if self.stop_token_ids is not None:
-            from pyllama_spec.llama_cpp.llama import StoppingCriteriaList
+            from pyllama_spec.llama_cpp.llama_hooks import StoppingCriteriaList
 
             stop_ids = self.stop_token_ids
             stopping_criteria = StoppingCriteriaList([lambda tokens, logits: tokens[-1] in stop_ids])
