@@ -155,6 +155,25 @@ def test_stop_strings_seeds_logprobs_and_the_vocabulary(llm, greedy):
     assert isinstance(llm.token_eos(), int)
 
 
+def test_logprobs_come_a_token_each_even_where_the_text_is_held_back(llm, greedy):
+    """A possible stop string holds text back: each token still has its own entry, its own text, in the
+    stream (with the next chunk that has text) and in the whole answer, as in llama-cpp-python."""
+    stop = greedy[5:12] + "#"  # a prefix the answer shows and never completes
+    whole = llm(PROMPT, max_tokens=24, temperature=0.0, stop=[stop], logprobs=1)["choices"][0]
+    assert "".join(whole["logprobs"]["tokens"]) == whole["text"] == greedy
+    assert whole["logprobs"]["text_offset"] == [len(PROMPT) + len(greedy[:i]) for i in
+                                               np.cumsum([0] + [len(t) for t in whole["logprobs"]["tokens"][:-1]])]
+    chunks = list(llm(PROMPT, max_tokens=24, temperature=0.0, stop=[stop], logprobs=1, stream=True))
+    entries = [t for c in chunks if c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert entries == whole["logprobs"]["tokens"] and len(entries) == 24
+
+
+def test_seed_zero_and_none_are_llama_cpp_pythons_default(llm):
+    for seed in (0, None):
+        with llama_cpp.Llama(TARGET, seed=seed, **KW) as other:
+            assert other._seed == llama_cpp.LLAMA_DEFAULT_SEED
+
+
 def test_a_grammar_constrains_the_completion(llm):
     yes_no = llama_cpp.LlamaGrammar.from_string('root ::= "yes" | "no"')
     assert llm(PROMPT, max_tokens=8, temperature=0.0, grammar=yes_no)["choices"][0]["text"] in ("yes", "no")

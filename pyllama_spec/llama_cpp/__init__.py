@@ -63,5 +63,7 @@ class _SubmoduleAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__spec__, module.__loader__ = own_spec, own_loader
 
 
-if not any(isinstance(f, _SubmoduleAliases) for f in sys.meta_path):
-    sys.meta_path.insert(0, _SubmoduleAliases())
+# one finder, also after a reload of this package (whose class is then a new one)
+sys.meta_path[:] = [f for f in sys.meta_path if type(f).__qualname__ != _SubmoduleAliases.__qualname__
+                    or type(f).__module__ != __name__]
+sys.meta_path.insert(0, _SubmoduleAliases())

@@ -75,7 +75,7 @@ class Llama:
         self.verbose = verbose
         self.chat_handler = chat_handler
         self.draft_model = draft_model
-        self._seed = seed
+        self._seed = seed or LLAMA_DEFAULT_SEED  # llama-cpp-python's: 0 and None mean the default
         settings: dict[str, Any] = dict(
             n_ctx=n_ctx or _trained_context(self.model_path), n_batch=n_batch, n_ubatch=min(n_ubatch, n_batch),
             n_threads=n_threads, n_threads_batch=n_threads_batch, n_gpu_layers=n_gpu_layers,
@@ -164,7 +164,7 @@ class Llama:
         return int(self._engine.model.n_embd)
 
     def set_seed(self, seed: int) -> None:
-        self._seed = seed
+        self._seed = seed or LLAMA_DEFAULT_SEED  # llama-cpp-python's: 0 and None mean the default
 
     def reset(self) -> None:
         """Forget the cached prompt: the next call decodes all of its prompt again."""
@@ -260,14 +260,20 @@ class Llama:
     def _completion_chunks(self, pieces, head: dict, offset: int, logprobs: int | None):
         """llama-cpp-python's stream: the text as it comes, then an empty chunk with the finish reason
         (and, this project's, the drafting statistics)."""
+        pending: list = []  # logprobs of tokens whose text the engine holds back (a partial character, a
+        # possible stop string): they go with the next chunk that has text
         with contextlib.closing(pieces):  # a consumer that stops early ends the generation
             for piece in pieces:
+                if logprobs is not None:
+                    pending.extend(_token_entries(self, piece))
                 if piece.text:
-                    lp = _completion_logprobs(_token_entries(self, piece), offset) if logprobs is not None else None
-                    offset += len(piece.text)
+                    lp = _completion_logprobs(pending, offset) if logprobs is not None else None
+                    offset += sum(len(e[0]) for e in pending) if logprobs is not None else len(piece.text)
+                    pending = []
                     yield dict(head, choices=[dict(text=piece.text, index=0, logprobs=lp, finish_reason=None)])
                 if piece.stats is not None:
-                    yield dict(head, choices=[dict(text="", index=0, logprobs=None,
+                    yield dict(head, choices=[dict(text="", index=0,
+                                                   logprobs=_completion_logprobs(pending, offset) if pending else None,
                                                    finish_reason=piece.finish_reason or "stop")],
                                speculative=piece.stats.as_dict())
 
@@ -339,14 +345,14 @@ class Llama:
 
     def _chat(self, pieces, chat, head: dict, logprobs: bool) -> T.CreateChatCompletionResponse:
         answer = _Answer(chat, stream=False)
-        entries, last = [], None
+        text, entries, last = [], [], None
         with contextlib.closing(pieces):
             for piece in pieces:
-                answer.feed(piece.text)
+                text.append(piece.text)
                 if logprobs:
                     entries.extend(_token_entries(self, piece))
                 last = piece
-        answer.feed("", final=True)
+        answer.feed("".join(text), final=True)  # the whole answer, parsed once (as the server's route)
         return dict(head, object="chat.completion",
                     choices=[dict(index=0, message=answer.message(), finish_reason=answer.finish_reason(last),
                                   logprobs=_chat_logprobs(entries) if logprobs else None)],
@@ -361,17 +367,19 @@ class Llama:
             return dict(head, object="chat.completion.chunk",
                         choices=[dict(index=0, delta=delta, finish_reason=finish, logprobs=lp)])
 
+        pending: list = []  # logprobs of tokens no delta has carried yet (text the parser holds back)
         with contextlib.closing(pieces):
             yield chunk({"role": "assistant"})
             for piece in pieces:
                 done = piece.stats is not None
                 deltas = answer.feed(piece.text, final=done)
-                # a piece's logprobs go with its first delta (a piece the parser holds back has none yet)
-                lp = _chat_logprobs(_token_entries(self, piece)) if logprobs and piece.logprobs else None
-                for i, delta in enumerate(deltas):
-                    yield chunk(delta, lp=lp if i == 0 else None)
+                if logprobs:
+                    pending.extend(_token_entries(self, piece))
+                for delta in deltas:
+                    yield chunk(delta, lp=_chat_logprobs(pending) if pending else None)
+                    pending = []
                 if done:
-                    last = chunk({}, answer.finish_reason(piece))
+                    last = chunk({}, answer.finish_reason(piece), lp=_chat_logprobs(pending) if pending else None)
                     last["speculative"] = piece.stats.as_dict()
                     yield last
 
@@ -438,9 +446,8 @@ def _token_entries(llama: Llama, piece) -> list[tuple[str, float, dict[str, floa
     """(token text, its logprob, {top token text: logprob}) for each token of a piece, as
     llama-cpp-python lists them: the token's own text and logprob among the top ones too."""
     out = []
-    texts = piece.token_texts or tuple(llama.detokenize([lp.token]).decode("utf-8", errors="ignore")
-                                       for lp in piece.logprobs)
-    for lp, text in zip(piece.logprobs, texts):
+    for lp in piece.logprobs:
+        text = llama.detokenize([lp.token]).decode("utf-8", errors="ignore")  # the token's own, as there
         top = {llama.detokenize([t]).decode("utf-8", errors="ignore"): float(v) for t, v in lp.top}
         top[text] = float(lp.logprob)
         out.append((text, float(lp.logprob), top))
