@@ -225,3 +225,43 @@ def test_sigterm_stops_a_busy_server_at_once(slots, tiny_dense):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# A JSON schema of ~20,000 optional properties overflowed llama.cpp's json-schema-to-grammar's stack
+# and killed the process (llama-server's too); 1,000 stalled every connection for seconds. It is now
+# refused before the converter sees it (serving/grammars.py), on every route that converts schemas.
+HUGE_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20000)}}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/completion", {"prompt": "hi", "n_predict": 4, "json_schema": HUGE_SCHEMA}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                              "response_format": {"type": "json_schema",
+                                                  "json_schema": {"name": "x", "schema": HUGE_SCHEMA}}}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                              "tools": [{"type": "function", "function": {"name": "f", "parameters": HUGE_SCHEMA}}]}),
+], ids=["completion json_schema", "chat response_format", "chat tool parameters"])
+def test_a_schema_too_costly_to_convert_is_a_400_and_the_server_lives(tiny_server, path, body):
+    t0 = time.perf_counter()
+    r = httpx.post(tiny_server.url + path, json=body, timeout=60)
+    took = time.perf_counter() - t0
+    assert r.status_code == 400, r.text[:500]
+    assert "optional properties" in r.text and "290" in r.text
+    assert took < 10  # the refusal itself is quick; before, 5-25 s and then SIGSEGV
+    assert httpx.get(tiny_server.url + "/health", timeout=10).status_code == 200
+    ok = httpx.post(tiny_server.url + "/completion", json={"prompt": "hi", "n_predict": 2, "json_schema": {
+        "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(100)}}}, timeout=120)
+    assert ok.status_code == 200, ok.text[:300]
+
+
+def test_the_python_api_refuses_a_schema_too_costly_to_convert(tiny_server):
+    import pyllama_spec as ps
+
+    with pytest.raises(ValueError, match="at most 290 optional properties"):
+        tiny_server.engine.generate("hi", max_tokens=2, json_schema=HUGE_SCHEMA)
+    with pytest.raises(ValueError, match="nested deeper than"):
+        deep: dict = {"type": "string"}
+        for _ in range(200):
+            deep = {"type": "array", "items": deep}
+        tiny_server.engine.generate("hi", max_tokens=2, json_schema=deep)
+    assert isinstance(tiny_server.engine.generate("hi", max_tokens=2), ps.Result)

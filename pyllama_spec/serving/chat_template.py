@@ -25,13 +25,13 @@ import dataclasses
 import json
 from typing import Any, Iterable, Mapping, Sequence
 
-# The server takes ChatParser, ChatError, MEDIA_MARKER and json_schema_to_grammar from here: the
-# import contract keeps it out of bindings/ (ChatParser and the converter are re-exported for it).
+# The server takes ChatParser, ChatError and MEDIA_MARKER from here: the import contract keeps it out
+# of bindings/ (ChatParser is re-exported for it; the schema converter is serving/grammars.py's).
 from pyllama_spec.bindings.chat import ChatError, ChatParser, ChatTemplates  # noqa: F401
-from pyllama_spec.bindings.grammar import json_schema_to_grammar  # noqa: F401
 from pyllama_spec.bindings.model import Model
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER
 from pyllama_spec.errors import ChatTemplateError
+from pyllama_spec.serving.grammars import check_schema_cost
 
 #: Template variables the renderer sets itself, which chat_template_kwargs may not set.
 RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
@@ -199,6 +199,13 @@ class ChatRenderer:
         if o.json_schema is not None and o.grammar:
             raise ValueError("Cannot use both json_schema and grammar")
         schema = o.json_schema
+        # llama.cpp converts these schemas natively: bounded first (serving/grammars.py)
+        if schema is not None:
+            check_schema_cost(schema, "response_format")
+        for tool in tools or ():
+            function = tool.get("function") if isinstance(tool, Mapping) else None
+            if isinstance(function, Mapping) and function.get("parameters") is not None:
+                check_schema_cost(function["parameters"], f"the parameters of tool {function.get('name')!r}")
         if isinstance(schema, dict) and not schema:
             schema = {"type": "object"}  # an empty schema means any object
         add_generation_prompt = o.add_generation_prompt

@@ -29,12 +29,12 @@ from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence
 
 from pyllama_spec.bindings.context import Context
-from pyllama_spec.bindings.grammar import json_schema_to_grammar
 from pyllama_spec.bindings.model import Model
 from pyllama_spec.bindings.mtmd import Projector
 from pyllama_spec.drafters import Drafter
 from pyllama_spec.drafters.registry import DrafterSetup, Pairing, method
 from pyllama_spec.serving.config import EngineConfig
+from pyllama_spec.serving.grammars import json_schema_to_grammar
 from pyllama_spec.serving.load_plan import plan_drafts, plan_load
 from pyllama_spec.serving.lora import EngineAdapters, lora_specs
 from pyllama_spec.serving.prepared import PreparedGeneration
