@@ -265,3 +265,28 @@ def test_the_python_api_refuses_a_schema_too_costly_to_convert(tiny_server):
             deep = {"type": "array", "items": deep}
         tiny_server.engine.generate("hi", max_tokens=2, json_schema=deep)
     assert isinstance(tiny_server.engine.generate("hi", max_tokens=2), ps.Result)
+
+
+def _sse_events(url: str, body: dict) -> list[str]:
+    """The data of every server-sent event of a streamed request (the body sent as ASCII JSON, so a lone
+    surrogate goes as its \\ud800 escape, as a client's JSON encoder sends it)."""
+    with httpx.stream("POST", url, content=json.dumps(body).encode(), timeout=120,
+                      headers={"Content-Type": "application/json"}) as r:
+        assert r.status_code == 200, r.read()[:300]
+        return [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/completion", {"prompt": "def main(", "n_predict": 8, "stream": True, "stop": ["\ud800"]}),
+    ("/v1/responses", {"input": "def main(", "max_output_tokens": 8, "stream": True, "metadata": {"k": "\ud800"}}),
+], ids=["completion stop", "responses metadata"])
+def test_a_lone_surrogate_echoed_into_a_stream_does_not_abort_it(tiny_server, path, body):
+    """A text UTF-8 cannot carry goes out escaped in the event's JSON; the stream ends as it should
+    (before, the first event holding it raised UnicodeEncodeError and the connection dropped)."""
+    events = [json.loads(e) for e in _sse_events(tiny_server.url + path, body) if e != "[DONE]"]
+    last = events[-1]
+    if path == "/completion":
+        assert last["stop"] is True and last["stop_type"] == "limit"
+    else:
+        assert last["type"] in ("response.completed", "response.incomplete")
+        assert last["response"]["metadata"] == {"k": "\ud800"}

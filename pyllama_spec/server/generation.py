@@ -288,6 +288,18 @@ async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:
             future.cancel()
 
 
+def event_data(obj: Any) -> str:
+    """An event's JSON, UTF-8 as llama-server sends it; where a text holds a lone surrogate (a client's
+    ``"\\ud800"`` echoed back in metadata, a stop string, a tool name), which UTF-8 cannot carry, with
+    every non-ASCII character escaped instead: still the same JSON, and the stream goes on."""
+    text = json.dumps(obj, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj)
+    return text
+
+
 async def _stream_events(service: Service, req: GenerationRequest, jobs: list[Job]) -> AsyncIterator[dict]:
     """Server-sent events: ``stream_objects``' chunks, each a ``data:`` event, then ``[DONE]`` on
     OpenAI's routes (unless the stream ended with an error)."""
@@ -295,7 +307,7 @@ async def _stream_events(service: Service, req: GenerationRequest, jobs: list[Jo
     async with contextlib.aclosing(stream_objects(service, req, jobs)) as objects:
         async for obj in objects:
             failed = "error" in obj
-            yield {"data": json.dumps(obj, ensure_ascii=False)}
+            yield {"data": event_data(obj)}
     if req.kind != "llama" and not failed:
         yield {"data": "[DONE]"}
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 from typing import Any, AsyncIterator
 
 from sse_starlette.sse import EventSourceResponse
@@ -29,6 +28,7 @@ from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.generation import (
     complete_body,
     error_of_chunk,
+    event_data,
     first_translated,
     stream_objects,
 )
@@ -118,7 +118,7 @@ async def _events(first: list, objects: AsyncIterator[dict], stream: convert.Mes
 
 
 def _sse(name: str, data: dict) -> dict:
-    return {"event": name, "data": json.dumps(data, ensure_ascii=False)}
+    return {"event": name, "data": event_data(data)}
 
 
 async def _count_tokens(service: Service, request: Request, run: ThreadRunner) -> Response:

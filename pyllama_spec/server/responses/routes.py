@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse, Response
 from pyllama_spec.server.errors import APIError, bad_request
 from pyllama_spec.server.generation import (
     complete_body,
+    event_data,
     first_translated,
     stream_objects,
 )
@@ -136,14 +137,14 @@ async def _stream(first: list[dict], objects: AsyncIterator[dict], events: Event
     which cancels the job."""
 
     def sse(event: dict) -> dict:
-        return {"event": event["type"], "data": json.dumps(event, ensure_ascii=False)}
+        return {"event": event["type"], "data": event_data(event)}
 
     async with contextlib.aclosing(objects):
         for event in first:
             yield sse(event)
         async for chunk in objects:  # nothing more when the first events ended it
             if "error" in chunk:
-                yield {"data": json.dumps(chunk, ensure_ascii=False)}
+                yield {"data": event_data(chunk)}
                 return
             for event in events.chunk(chunk):
                 yield sse(event)
