@@ -191,6 +191,30 @@ def test_a_damaged_file_is_a_400_and_the_slot_works_on(served, fresh):
     assert after["content"] == fresh("/completion", body)["content"]
 
 
+def test_a_fifo_or_a_link_in_the_slot_folder_is_a_400_at_once(served, fresh):
+    """Not a regular file: refused without reading (a FIFO used to hold the reading thread until
+    something wrote to it; a link could point anywhere)."""
+    import os
+    import time
+
+    body = {"prompt": "class Stack:", "n_predict": 6, "temperature": 0}
+    _ok(served.post("/completion", {**body, "id_slot": 0}))
+    _ok(served.post("/slots/0?action=save", {"filename": "real.bin"}))
+    fifo, link = served.save_dir / "fifo.bin", served.save_dir / "link.bin"
+    for p in (fifo, link):
+        if p.is_symlink() or p.exists():
+            p.unlink()
+    os.mkfifo(fifo)
+    link.symlink_to(served.save_dir / "real.bin")
+    for name, why in (("fifo.bin", "not a regular file"), ("link.bin", "symbolic link")):
+        t0 = time.perf_counter()
+        r = served.post("/slots/0?action=restore", {"filename": name})
+        assert r.status_code == 400 and why in r.json()["error"]["message"], r.text
+        assert time.perf_counter() - t0 < 10
+    after = _ok(served.post("/completion", {**body, "id_slot": 0}))
+    assert after["content"] == fresh("/completion", body)["content"]
+
+
 def test_a_file_saved_from_another_model_is_a_400_and_the_slot_works_on(served, fresh, tiny_dir):
     other = tiny.make_tiny_set(tiny_dir, arch="hunyuan_vl", seed=1, window=32, predictable=0.5)  # the same shapes
     engine = ps.load(other.target, n_ctx=N_CTX_SLOT, **TINY_ENGINE, flash_attn=False)

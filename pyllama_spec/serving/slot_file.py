@@ -22,9 +22,11 @@ The drafter's state is not saved: a restored slot's drafter starts afresh (see
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import stat
 import struct
 import uuid
 from pathlib import Path
@@ -104,7 +106,7 @@ def read(path: str | os.PathLike, ident: SlotIdentity, *, n_ctx: int,
     ``n_vocab`` tokens; SlotFileError otherwise (FileNotFoundError / OSError when it cannot be
     read at all)."""
     max_header = 4096 + 64 * n_ctx  # a header for n_ctx rows of tokens or media items is well below
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(_PREFIX.size)
         if len(prefix) < _PREFIX.size:
@@ -128,6 +130,26 @@ def read(path: str | os.PathLike, ident: SlotIdentity, *, n_ctx: int,
     if hashlib.sha256(data).hexdigest() != memory["sha256"]:
         raise SlotFileError("its memory does not match its checksum (the file is damaged)")
     return SavedSequence(tuple(parts), mode, data), size, scales
+
+
+def _open_regular(path: str | os.PathLike):
+    """``path`` opened for reading if it is a regular file, and not through a symbolic link. Opened
+    without blocking, so that a FIFO planted in the slot folder cannot hold the reading thread until
+    something writes to it; anything but a regular file is a SlotFileError."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            raise SlotFileError("it is a symbolic link, not a slot file") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SlotFileError("it is not a regular file")
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _check_lora(header: dict, ident: SlotIdentity) -> tuple[float, ...]:
