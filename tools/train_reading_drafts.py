@@ -96,6 +96,16 @@ def pictures_of_at_least(pictures, rows: int) -> list[np.ndarray]:
     return [p for p in pictures if (p.shape[0] // R.CELL) * (p.shape[1] // R.CELL) >= rows]
 
 
+def held_out_sets(data_class, held, reading, others) -> dict:
+    """The evaluation sets of a draft (``data_class``: Eagle3Data or DraftData): held-out corpus text,
+    and held-out reading sequences and other pictures in each ``draft_positions`` mode."""
+    sets = {"text": data_class(held)}
+    for mode in ("target", "sequential"):
+        sets[f"reading_{mode}"] = data_class(held, images=reading, image_share=1.0, image_modes=(mode,))
+        sets[f"other_pictures_{mode}"] = data_class(held, images=others, image_share=1.0, image_modes=(mode,))
+    return sets
+
+
 def eagle3_main(args, target, corpus, held, lines, log) -> dict:
     target_path, mmproj_path = Path(args.out) / R.MODEL_FILES["target"], Path(args.out) / R.MODEL_FILES["mmproj"]
     torch = T._torch()
@@ -115,11 +125,7 @@ def eagle3_main(args, target, corpus, held, lines, log) -> dict:
     data_s = time.time() - t0
     log(f"eagle3 data: {len(reads)} reading, {len(others)} other pictures ({data_s:.0f}s)")
     data = T.Eagle3Data(corpus, images=Mixed(reads, others), image_share=args.image_share)
-    held_sets = {"text": T.Eagle3Data(held)}
-    for mode in ("target", "sequential"):
-        held_sets[f"reading_{mode}"] = T.Eagle3Data(held, images=held_reads, image_share=1.0, image_modes=(mode,))
-        held_sets[f"other_pictures_{mode}"] = T.Eagle3Data(held, images=held_others, image_share=1.0,
-                                                           image_modes=(mode,))
+    held_sets = held_out_sets(T.Eagle3Data, held, held_reads, held_others)
     start, ecfg = T.load_eagle3(MODELS / "trained-eagle3.gguf")  # the embedded world's: its shapes, its start
     if tuple(ecfg.target_layers) != TARGET_LAYERS:
         raise SystemExit(f"trained-eagle3.gguf reads layers {ecfg.target_layers}, expected {TARGET_LAYERS}")
@@ -163,11 +169,7 @@ def dflash_main(args, target, corpus, held, lines, log) -> dict:
     data_s = time.time() - t0
     log(f"dflash data: {len(reads)} reading, {len(others)} other pictures ({data_s:.0f}s)")
     data = T.DraftData(corpus, images=Mixed(reads, others), image_share=args.image_share)
-    held_sets = {"text": T.DraftData(held)}
-    for mode in ("target", "sequential"):
-        held_sets[f"reading_{mode}"] = T.DraftData(held, images=held_reads, image_share=1.0, image_modes=(mode,))
-        held_sets[f"other_pictures_{mode}"] = T.DraftData(held, images=held_others, image_share=1.0,
-                                                          image_modes=(mode,))
+    held_sets = held_out_sets(T.DraftData, held, held_reads, held_others)
     torch.manual_seed(args.seed + 3)
     draft = T.make_draft(cfg)
     draft.load_state_dict(start.state_dict())
