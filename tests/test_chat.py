@@ -148,6 +148,35 @@ def test_chat_commands_through_cli_runner(tiny_dense, big_image_png, tmp_path):
     assert json.loads((tmp_path / "c.json").read_text())["session"]["turns"] == 1
 
 
+def test_a_turn_that_fails_leaves_the_conversation_as_it_was(tiny_dense, big_image_png, tmp_path):
+    """An over-long image turn fails; the next, short, turn answers as in a fresh chat: neither the
+    failed message nor its image is carried into it (it used to go with every later message)."""
+    from pyllama_spec.errors import ContextOverflowError
+
+    with load_tiny(tiny_dense, n_ctx=256, draft_max=7) as engine:
+        conv = Conversation(engine, max_tokens=8)
+        conv.attach(big_image_png)
+        with pytest.raises(ContextOverflowError, match="n_ctx is 256"):
+            _reply(conv, "look")  # the picture alone is over 256 rows
+        assert conv.messages == [] and conv.pending_images == [] and conv.dropped_images == [str(big_image_png)]
+        assert _reply(conv, "def f(x):")
+        assert [m["role"] for m in conv.messages] == ["user", "assistant"]
+    # the same through the command: an over-long turn, then a short one that answers
+    lines = [f"look @{big_image_png}", "def f(x):", f"/save {tmp_path / 'c.json'}", "/quit"]
+    result = CliRunner().invoke(main, ["chat", *_model_args(tiny_dense), "-c", "256", "-n", "8"],
+                                input="\n".join(lines) + "\n")
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())  # as read, whatever the terminal's width wrapped
+    assert out.count("n_ctx is 256") == 1, out  # the second turn does not fail
+    assert f"nor its image {big_image_png}: attach it again with /image" in out, out
+    saved = json.loads((tmp_path / "c.json").read_text())
+    assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
+    assert saved["messages"][0]["content"] == "def f(x):"
+    with load_tiny(tiny_dense, n_ctx=256, draft_max=7) as engine:  # the answer a fresh chat gives
+        fresh = Conversation(engine, max_tokens=8)
+        assert saved["messages"][1]["content"] == _reply(fresh, "def f(x):")
+
+
 # --------------------------------------------------------------------------- chat on a real terminal
 
 

@@ -90,9 +90,19 @@ def chat(system, **o) -> None:
             except KeyboardInterrupt:
                 progress.close()
                 console.print("\n[yellow](reply interrupted: what was said is kept)[/yellow]")
+                _say_dropped(conv)
             except (PyllamaError, ValueError, OSError) as e:
                 progress.close()
                 console.print(f"\n[red]{e}[/red]")
+                _say_dropped(conv)
+
+
+def _say_dropped(conv) -> None:
+    """After a turn that said nothing: the conversation is as it was before it, images included."""
+    if conv.dropped_images:
+        names = ", ".join(conv.dropped_images)
+        console.print(f"[yellow](the message was not kept, nor its image {names}: attach it again with "
+                      f"/image to retry)[/yellow]")
 
 
 def _stream_reply(conv, line: str, progress: "_PrefillProgress"):

@@ -36,6 +36,7 @@ class Conversation:
         self.max_tokens = max_tokens
         self.sampling = sampling
         self.pending_images: list[str] = []
+        self.dropped_images: list[str] = []  # the images of the last turn, when it failed before a word
         self.session = StatsTotals()  # the turns so far
         self.last_stats: GenerationStats | None = None
         self.messages: list[dict] = []
@@ -73,8 +74,11 @@ class Conversation:
     def send(self, text: str) -> Iterator[Piece]:
         """Add a user message (with the attached images) and stream the reply.
 
-        Whatever was streamed stays in the conversation, also when the reply is interrupted.
+        Whatever was streamed stays in the conversation, also when the reply is interrupted. A turn
+        that fails (or is interrupted) before its first word leaves the conversation as it was before
+        it: its message is not kept, and neither are its images (``dropped_images`` lists them).
         """
+        self.dropped_images = []
         text = self.take_inline_images(text)
         images, self.pending_images = self.pending_images, []
         content: Any = text if not images else (
@@ -91,9 +95,11 @@ class Conversation:
                     counted = True
                 yield piece
         except BaseException:
-            if not reply:  # nothing was said: the turn did not happen
+            if not reply:  # nothing was said: the turn did not happen, and leaves no trace
                 self.messages.pop()
-                self.pending_images = images + self.pending_images
+                # Its images go too: kept, they would go with the next message and fail it again
+                # (a picture too large for the context); the caller says so (``dropped_images``).
+                self.dropped_images = images
                 raise
             if not counted and self.engine.last_stats is not None:  # interrupted: count what was said
                 self.last_stats = self.engine.last_stats
