@@ -94,8 +94,16 @@ def test_a_draft_for_another_width_is_refused(tmp_path, tiny_dense, drafts):
 
 
 def test_a_non_eagle3_draft_is_refused(tiny_dense):
-    with pytest.raises(IncompatibleModelsError, match="not an 'eagle3' draft"):
+    with pytest.raises(IncompatibleModelsError, match=r"is a DFlash draft \('dflash'\), not an EAGLE3 draft: load it "
+                                                      r"with spec_type='draft-dflash' \(--spec-type draft-dflash\)"):
         ps.load(tiny_dense.target, draft=tiny_dense.draft, spec_type="draft-eagle3", n_threads=N_THREADS)
+
+
+@pytest.mark.parametrize("spec_type", ["draft-dflash", "draft-simple"])
+def test_an_eagle3_draft_given_to_another_method_names_the_setting_that_reads_it(tiny_dense, drafts, spec_type):
+    with pytest.raises(IncompatibleModelsError, match=r"is an EAGLE3 draft \('eagle3'\), not .*: load it with "
+                                                      r"spec_type='draft-eagle3' \(--spec-type draft-eagle3\)"):
+        ps.load(tiny_dense.target, draft=drafts["full"], spec_type=spec_type, n_threads=N_THREADS)
 
 
 # ------------------------------------------------------------------ lossless

@@ -25,6 +25,7 @@ from pyllama_spec.bindings.batch import Batch
 from pyllama_spec.bindings.context import Context
 from pyllama_spec.bindings.model import Model
 from pyllama_spec.drafters import DraftRequest, Proposal, TargetDecode, TraceEvent
+from pyllama_spec.drafters.registry import wrong_draft_kind
 from pyllama_spec.errors import IncompatibleModelsError
 
 DEFAULT_BLOCK_SIZE = 16
@@ -59,7 +60,7 @@ class DFlashConfig:
 def check_dflash_pair(target: Model, draft: Model, dflash_target_archs: list[str] | None) -> DFlashConfig:
     """Refuse, before any context exists, every pairing that would abort natively or cannot work."""
     if draft.arch != "dflash":
-        raise IncompatibleModelsError(f"the draft {draft.path.name} is a {draft.arch!r} model, not a 'dflash' draft")
+        raise IncompatibleModelsError(wrong_draft_kind(draft.path.name, draft.arch, "draft-dflash"))
     cfg = DFlashConfig.read(draft)
     if cfg.is_dflash2:
         from pyllama_spec.gguf.writer import read_gguf_metadata

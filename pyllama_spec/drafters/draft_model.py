@@ -42,6 +42,7 @@ from pyllama_spec.drafters import (
     TargetRows,
     token_limit_reason,
 )
+from pyllama_spec.drafters.registry import wrong_draft_kind
 from pyllama_spec.errors import IncompatibleModelsError
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 
 def check_draft_model(target: Model, draft: Model) -> None:
     """Refuse, before any context exists, a draft model that cannot propose the target's tokens."""
+    if draft.arch in ("dflash", "eagle3"):  # a draft that needs the target's features: another method's
+        raise IncompatibleModelsError(wrong_draft_kind(draft.path.name, draft.arch, "draft-simple"))
     if draft.n_vocab != target.n_vocab:
         raise IncompatibleModelsError(f"the draft model {draft.path.name} has {draft.n_vocab} tokens, the target "
                                       f"{target.n_vocab}: a draft model needs the target's vocabulary")

@@ -52,6 +52,7 @@ from pyllama_spec.drafters import (
     TraceEvent,
     token_limit_reason,
 )
+from pyllama_spec.drafters.registry import wrong_draft_kind
 from pyllama_spec.errors import IncompatibleModelsError
 
 DRAFT_TOP_K = 10  # upstream reads the draft's choice through a top-k 10 sampler
@@ -78,7 +79,7 @@ def _gguf_facts(draft: Model):
 def check_eagle3_pair(target: Model, draft: Model, layer_input_archs: list[str] | None) -> Eagle3Config:
     """Refuse, before any context exists, every pairing that would abort natively or cannot work."""
     if draft.arch != "eagle3":
-        raise IncompatibleModelsError(f"the draft {draft.path.name} is a {draft.arch!r} model, not an 'eagle3' draft")
+        raise IncompatibleModelsError(wrong_draft_kind(draft.path.name, draft.arch, "draft-eagle3"))
     layers = tuple(draft.target_layer_ids)
     if len(layers) != 3:  # the loader refuses this too; say it in our words if it ever gets through
         raise IncompatibleModelsError(f"an EAGLE3 draft reads exactly 3 target layers; {draft.path.name} "

@@ -155,6 +155,19 @@ def default_spec_type(draft, mmproj_draft=None) -> str:
     return "draft-simple" if mmproj_draft else "draft-dflash"
 
 
+#: Draft files whose architecture says which method reads them (any other is a draft model's).
+_METHOD_OF_DRAFT_ARCH = {"dflash": "draft-dflash", "eagle3": "draft-eagle3"}
+
+
+def wrong_draft_kind(draft_name: str, arch: str, wanted: str) -> str:
+    """What to say when a draft file of architecture ``arch`` was given to method ``wanted``, with the
+    setting that reads it, in the API's words and the command line's."""
+    m = _BY_NAME[_METHOD_OF_DRAFT_ARCH.get(arch, "draft-simple")]
+    kind = f"{m.title} ({arch!r})" if arch in _METHOD_OF_DRAFT_ARCH else f"a {arch!r} model ({m.title})"
+    return (f"the draft {draft_name} is {kind}, not {_BY_NAME[wanted].title}: load it with spec_type={m.name!r} "
+            f"(--spec-type {m.name})")
+
+
 def method(spec_type: str) -> Method | None:
     """The entry for ``spec_type`` (None for "none")."""
     name = canonical_spec_type(spec_type)
