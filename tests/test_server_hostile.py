@@ -64,7 +64,11 @@ def two_slots(tiny_dense):
 
 
 @pytest.mark.parametrize("served_name", ["one_slot", "two_slots"])
-def test_a_non_streamed_request_stops_generating_when_its_client_leaves(served_name, request):
+def test_a_non_streamed_request_stops_generating_when_its_client_leaves(served_name, request, caplog):
+    import gc
+    import logging
+
+    caplog.set_level(logging.ERROR, logger="asyncio")
     served = request.getfixturevalue(served_name)
     sock = _raw_request(served.port, "/v1/completions", LONG)
     deadline = time.monotonic() + 20
@@ -76,6 +80,9 @@ def test_a_non_streamed_request_stops_generating_when_its_client_leaves(served_n
     assert served.wait_idle(within=2.0) < 2.0  # within a step; it generated on for 14.7 s
     r = httpx.post(served.url + "/v1/completions", json={"prompt": "def main(", "max_tokens": 4}, timeout=30)
     assert r.status_code == 200
+    gc.collect()  # asyncio reports an unretrieved exception when its future is collected
+    unseen = [r.getMessage() for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert not unseen, unseen  # issue 43, item 9: one per client that left
 
 
 def test_a_connection_that_sends_its_headers_a_byte_at_a_time_is_closed(one_slot):

@@ -206,6 +206,12 @@ class _Choice:
     has_new_line: bool = False  # llama-server's: a newline was streamed
 
 
+def _retrieve(future: asyncio.Future) -> None:
+    """Mark a finished future's outcome as seen (nobody waits for it any more)."""
+    if not future.cancelled():
+        future.exception()
+
+
 async def _gather(job: Job) -> _Choice:
     out = _Choice()
     while True:
@@ -237,6 +243,9 @@ async def complete_body(service: Service, req: GenerationRequest, jobs: list[Job
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
             work.cancel()
+            # The gather ends with the cancelled job's error once that job sees the cancel: retrieve
+            # it then, or asyncio logs "_GatheringFuture exception was never retrieved" per client.
+            work.add_done_callback(_retrieve)
             raise APIError(499, "the client disconnected")
         choices = work.result()  # the first error, if one failed
     finally:
