@@ -155,11 +155,15 @@ def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
               help="a folder for POST /slots/{id}?action=save|restore|erase: a slot's cache to a file and back")
 @click.option("--props", "endpoint_props", is_flag=True, default=False,
               help="accept POST /props (as in llama-server, no property can be changed yet)")
+@click.option("--cors-origins", default="localhost", show_default=True,
+              help="web pages that may send requests besides this server's own page: 'localhost' (pages served "
+                   "from this machine), '*' (any site: llama-server's default), or origins separated by commas "
+                   "(http://example.com:3000); a browser's request from any other site gets 403")
 @click.option("--lora-init-without-apply", "lora_init_without_apply", is_flag=True, default=False,
               help="load the --lora adapters at scale 0 (set their scales with POST /lora-adapters)")
 def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed_image_dir, max_images,
           max_image_pixels, max_request_pixels, max_body_mib, body_timeout, models_max, models_autoload, endpoint_slots, slot_save_path,
-          endpoint_props, **o):
+          endpoint_props, cors_origins, **o):
     """OpenAI- and llama-server-compatible HTTP server (chat with images, speculative stats); takes
     llama-server's flags and --models-preset files. Needs the 'server' extra."""
     try:
@@ -172,11 +176,17 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
     if parallel == 0:
         raise click.BadParameter("must be -1 (auto) or at least 1", param_hint="'-np' / '--parallel'")
     parallel = max(parallel, 1)
+    from pyllama_spec.server.origins import OriginPolicy
+
+    try:
+        origins = OriginPolicy.parse(cors_origins)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--cors-origins'") from None
     keys = _api_keys(api_key, api_key_file)
     plan = router_plan(click.get_current_context())
     if plan is not None:
         _serve_router(plan, host=host, port=port, keys=keys, models_max=models_max, autoload=models_autoload,
-                      max_body_bytes=max_body_mib * 2**20, body_timeout=body_timeout)
+                      max_body_bytes=max_body_mib * 2**20, body_timeout=body_timeout, origins=origins)
         return
     if os.environ.get("LLAMA_SERVER_ROUTER_PORT"):  # a router's model: it goes when the router goes
         from pyllama_spec.server.router.pool import follow_router
@@ -189,7 +199,7 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
                               max_request_pixels=max_request_pixels, max_body_bytes=max_body_mib * 2**20,
                               allowed_image_dir=Path(allowed_image_dir) if allowed_image_dir else None,
                               body_timeout=body_timeout, endpoint_slots=endpoint_slots, endpoint_props=endpoint_props,
-                              slot_save_path=Path(slot_save_path) if slot_save_path else None)
+                              slot_save_path=Path(slot_save_path) if slot_save_path else None, cors_origins=origins)
     mode = _speculative_mode(engine)
     slots = f"{parallel} slots of {engine.ctx.n_ctx_seq} tokens" if parallel > 1 else "1 slot"
     err_console.print(f"[bold]pyllama-spec serve[/bold] · {engine.model.path.name} as '{settings.alias}' · "
@@ -202,7 +212,7 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
 
 
 def _serve_router(plan: RouterPlan, *, host: str, port: int, keys: list[str], models_max: int, autoload: bool,
-                  max_body_bytes: int, body_timeout: float) -> None:
+                  max_body_bytes: int, body_timeout: float, origins) -> None:
     from pyllama_spec.server.router.app import create_router_app
     from pyllama_spec.server.router.pool import ModelSpec, RouterSettings, input_modalities
     from pyllama_spec.server.run import serve as serve_app
@@ -211,7 +221,8 @@ def _serve_router(plan: RouterPlan, *, host: str, port: int, keys: list[str], mo
                        load_on_startup=p.load_on_startup, stop_timeout=p.stop_timeout, preset=p.ini,
                        input_modalities=input_modalities(p.mmproj)) for p in plan.presets]
     settings = RouterSettings(models_max=models_max, autoload=autoload, api_key=",".join(keys) or None,
-                              max_body_bytes=max_body_bytes, body_timeout=body_timeout, router_port=port)
+                              max_body_bytes=max_body_bytes, body_timeout=body_timeout, router_port=port,
+                              cors_origins=origins)
     try:
         app = create_router_app(specs, settings)
     except ValueError as e:

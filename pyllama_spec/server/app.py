@@ -6,7 +6,8 @@ save/restore/erase), ``infill`` (/infill), ``anthropic/`` (Anthropic's /v1/messa
 count_tokens), ``responses/`` (OpenAI's /v1/responses and its input_tokens) and ``not_served``
 (the embedding and reranking routes, answered as llama-server without --embeddings answers
 them), each behind the API-key check, with OpenAI-style errors for everything that goes wrong
-(Anthropic-style on Anthropic's routes).
+(Anthropic-style on Anthropic's routes). A request a browser sends from a site that
+``--cors-origins`` does not allow is refused before any route sees it (``origins``).
 
 The app holds a ``Service`` (its ``Worker`` hands each generation to the engine's slot loop,
 which runs on a thread of its own) and never touches native objects itself. Build it with
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
@@ -27,6 +29,7 @@ from pyllama_spec.server import chat_completions, completions, infill, info, lor
 from pyllama_spec.server.anthropic import routes as anthropic
 from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.offload import off_loop
+from pyllama_spec.server.origins import CrossSiteGuard
 from pyllama_spec.server.responses import routes as responses
 from pyllama_spec.server.service import (
     ERROR_HANDLERS,
@@ -74,6 +77,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
         finally:
             await off_loop(True, service.stop)  # it waits for the generations to end
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS,
+                    middleware=[Middleware(CrossSiteGuard, policy=service.settings.cors_origins)])
     app.state.service = service
     return app

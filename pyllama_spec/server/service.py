@@ -34,6 +34,7 @@ from pyllama_spec.server.metrics import ServerMetrics
 from pyllama_spec.server.schema import GenerationRequest, RequestLimits, parse_json_body
 from pyllama_spec.server.chat import render_chat
 from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
+from pyllama_spec.server.origins import OriginPolicy
 from pyllama_spec.server.worker import Job, QueueFullError, Worker
 from pyllama_spec.serving.engine import Engine
 from pyllama_spec.serving.request import RequestOptions
@@ -64,6 +65,9 @@ class ServerSettings:
     # holding at most this many bytes of conversation; the least recently used go first
     responses_stored: int = 1024
     responses_stored_bytes: int = 256 * 2**20
+    # the web pages that may send requests (--cors-origins; server/origins.py): by default this server's
+    # own page and pages served from localhost
+    cors_origins: OriginPolicy = OriginPolicy()
 
 
 # Routes that need no API key: the health check, and the page (it holds no data; it asks for the

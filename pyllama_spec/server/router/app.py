@@ -8,12 +8,14 @@ import time
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pyllama_spec.server.errors import APIError, bad_request
 from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
+from pyllama_spec.server.origins import CrossSiteGuard
 from pyllama_spec.server.router.pool import ModelSpec, ModelState, Router, RouterSettings
 from pyllama_spec.server.router.proxy import EventsResponse, ProxyResponse
 from pyllama_spec.server.schema import parse_json_body
@@ -156,7 +158,8 @@ def create_router_app(specs: list[ModelSpec], settings: RouterSettings) -> Starl
         finally:
             await router.close()
 
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS,
+                    middleware=[Middleware(CrossSiteGuard, policy=settings.cors_origins)])
     app.state.router = router
     app.state.service = router  # run.py's server calls its cancel_all() on SIGTERM / Ctrl-C
     return app

@@ -21,6 +21,7 @@ import httpx
 
 from pyllama_spec import __version__
 from pyllama_spec.server.errors import APIError, bad_request
+from pyllama_spec.server.origins import OriginPolicy
 from pyllama_spec.server.router.child import Child, command
 
 log = logging.getLogger("pyllama_spec.server.router")
@@ -51,6 +52,7 @@ class RouterSettings:
     api_key: str | None = None  # comma-separated keys; None: open
     max_body_bytes: int = 64 * 2**20
     body_timeout: float = 60.0
+    cors_origins: OriginPolicy = OriginPolicy()  # the web pages that may send requests (server/origins.py)
     #: How a child is started; its arguments follow.
     child_command: tuple[str, ...] = (sys.executable, "-m", "pyllama_spec.cli", "serve")
     router_port: int = 0  # told to the children (llama-server's LLAMA_SERVER_ROUTER_PORT)

@@ -24,7 +24,8 @@ log = logging.getLogger("pyllama_spec.server.router")
 #: uvicorn set again, the client's key (the child gets its own), compression (passed through raw).
 _REQUEST_HEADERS_DROPPED = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
                             "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding",
-                            "authorization", "x-api-key"}
+                            "authorization", "x-api-key",
+                            "origin"}  # checked by the router (server/origins.py); the child's address differs
 _RESPONSE_HEADERS_DROPPED = {"server", "date", "transfer-encoding", "content-length", "connection", "keep-alive"}
 
 
