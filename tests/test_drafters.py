@@ -170,6 +170,7 @@ def test_a_draft_model_with_another_vocabulary_is_refused():
     class Facts:
         def __init__(self, n_vocab, spell):
             self.n_vocab, self.path, self.is_recurrent, self._spell = n_vocab, Path("m.gguf"), False, spell
+            self.arch = "llama"
 
         def token_text(self, t):
             return self._spell(t)
