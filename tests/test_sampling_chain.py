@@ -132,6 +132,9 @@ def test_rejection_refuses_samplers_it_cannot_apply(engine):
     (dict(grammar='x ::= "a"'), "no 'root' rule"),
     (dict(grammar="root ::= " + "(" * 300 + '"a"' + ")" * 300), "nests groups 300 deep"),
     (dict(grammar='root ::= "' + "a" * 300_000 + '"'), "at most"),
+    # the issue's grammar, smaller: its repetitions write out 1.2 million elements (a second here)
+    (dict(grammar="root ::= r0\n" + "".join(f'r{i} ::= "x"{{0,2000}}\n' for i in range(300))),
+     "about 1200001 elements once written out"),
     (dict(grammar="root ::= root \"a\""), "refused the grammar"),  # left recursion
     (dict(json_schema={"type": "object", "properties": 5}), "json_schema"),
     (dict(logit_bias={10**9: 1.0}), "not in the vocabulary"),
@@ -146,6 +149,20 @@ def test_bad_sampling_settings_are_refused_before_anything_runs(engine, bad, mat
     with pytest.raises(ValueError, match=match):
         engine.generate(PROMPT, max_tokens=4, **bad)
     assert engine.generate(PROMPT, max_tokens=4).tokens  # and the engine still works
+
+
+@pytest.mark.parametrize("gbnf, elements", [
+    ('root ::= "abc" [a-z]', 4),  # a literal's characters, a class
+    ('root ::= "x"{0,2000}', 4000),  # 2,000 copies, each optional one a rule of its own
+    ('root ::= ("a" [b-c]){3}', 9),
+    ('root ::= ( ("x"){0,10} ){0,10}', 210),  # nested repetitions multiply
+    ('root ::= "{0,9999}" [{}] # x{0,9999}\n', 9),  # braces in literals, classes and comments are not repetitions
+    ('root ::= a | b\na ::= "x"+\nb ::= "y"*', 2 + 4 + 4),  # x+ and y* as x{2}: two copies, two rules
+])
+def test_a_grammars_written_out_size_is_estimated_from_its_text(gbnf, elements):
+    from pyllama_spec.speculative.sampling import _parsed_size
+
+    assert _parsed_size(gbnf)[1] == elements
 
 
 def test_unknown_sampling_settings_are_a_type_error(engine):

@@ -195,11 +195,12 @@ class Service:
         """Make a parsed request ready to queue: render its chat (server/chat.py) and resolve each
         of its jobs into the engine's ``Request`` (the engine's defaults applied, every value
         checked, a json_schema turned into its grammar: a 400 for what it refuses). On a thread
-        when that can take long (a chat template with tools, a schema, a long prompt of ids)."""
+        when that can take long (a chat template with tools, a schema, a grammar's cost check, a long
+        prompt of ids)."""
         p = req.params
         big = (req.kind == "chat" and req.chat is None and p.messages is not None) or any(
-            o.sampling.get("json_schema") is not None or _prompt_size(o.prompt) > PARSE_ON_A_THREAD_ABOVE
-            for o in (req.prompts or [p]))
+            o.sampling.get("json_schema") is not None or o.sampling.get("grammar")
+            or _prompt_size(o.prompt) > PARSE_ON_A_THREAD_ABOVE for o in (req.prompts or [p]))
         await off_loop(big, self._prepare, req)
 
     def _prepare(self, req: GenerationRequest) -> None:

@@ -16,6 +16,7 @@ Pure Python + numpy: nothing native here.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 
@@ -224,35 +225,86 @@ def _chat_constraint(v: dict) -> None:
 #: left-recursion check recurse once per level and per rule, on the generating thread's stack.
 MAX_GRAMMAR_CHARS = 256 * 1024
 MAX_GRAMMAR_NESTING = 256
+#: The most elements a grammar may hold once llama.cpp's parser has written out its repetitions
+#: ("x"{0,2000} is 2,000 nested rules): about 0.5 s and 60 MB of parsing here (bench/RESULTS.md).
+MAX_GRAMMAR_ELEMENTS = 2 ** 18
+
+# GBNF's tokens, as far as the size of the parsed grammar goes: literals, character classes and
+# comments (skipped whole), rule names, "::=", groups, alternatives and repetition operators.
+_GBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*|::=|[()|*+?]'
+                         r"|\{\s*(\d*)\s*(?:(,)\s*(\d*)\s*)?\}|[A-Za-z0-9_.-]+")
 
 
 def _check_grammar_size(gbnf: str) -> None:
+    """Refuse (ValueError, naming the limit) a grammar too large, nested too deep, or whose repetitions
+    would make llama.cpp's parser write out too many elements; in time linear in its length."""
     if len(gbnf) > MAX_GRAMMAR_CHARS:
         raise ValueError(f"the grammar is {len(gbnf)} characters; at most {MAX_GRAMMAR_CHARS} are taken")
-    if gbnf.count("(") <= MAX_GRAMMAR_NESTING:
-        return
-    depth = deepest = 0
-    quote = bracket = escaped = False
-    for c in gbnf:  # groups outside "literals" and [character classes]
-        if escaped:
-            escaped = False
-        elif c == "\\" and (quote or bracket):
-            escaped = True
-        elif quote:
-            quote = c != '"'
-        elif bracket:
-            bracket = c != "]"
-        elif c == '"':
-            quote = True
-        elif c == "[":
-            bracket = True
+    if gbnf.count("(") <= MAX_GRAMMAR_NESTING and "{" not in gbnf and "*" not in gbnf and "+" not in gbnf:
+        return  # neither deep nor repeated: its parsed size is about its length
+    depth, elements = _parsed_size(gbnf)
+    if depth > MAX_GRAMMAR_NESTING:
+        raise ValueError(f"the grammar nests groups {depth} deep; at most {MAX_GRAMMAR_NESTING} levels are taken")
+    if elements > MAX_GRAMMAR_ELEMENTS:
+        raise ValueError(f"the grammar's repetitions make about {elements} elements once written out (each "
+                         f"x{{m,n}} is n copies of x, nested ones multiply); at most {MAX_GRAMMAR_ELEMENTS} "
+                         "are taken: use * or + for long runs")
+
+
+def _parsed_size(gbnf: str) -> tuple[int, int]:
+    """(deepest group nesting, elements once llama.cpp's parser has expanded every repetition).
+
+    A literal counts its characters, a class or a rule name one; ``x{m,n}`` (and ``x{m,}``: m + 1)
+    is x copied that many times, each optional copy a rule of its own; ``x*``, ``x+`` and ``x?`` count
+    as ``x{2}`` (llama.cpp writes x once or twice, and a rule). Sizes of a group's alternatives add; a repeated group multiplies its size."""
+    total = 0
+    stack = [[0, 0, 0]]  # per open group: [finished alternatives' size, this alternative's size, last element's]
+    deepest = 0
+    for m in _GBNF_TOKEN.finditer(gbnf):
+        tok = m.group(0)
+        frame = stack[-1]
+        c = tok[0]
+        if c == "#":
+            continue
+        if c == '"':
+            size = max(1, len(tok) - 2)
+        elif c == "[" or c.isalnum() or c in "_.-":
+            size = 1
+        elif tok == "::=":  # a new rule: the name just counted was its name, not an element
+            frame[1] -= frame[2]
+            total += sum(f[0] + f[1] for f in stack)
+            stack = [[0, 0, 0]]
+            continue
         elif c == "(":
-            depth += 1
-            deepest = max(deepest, depth)
+            stack.append([0, 0, 0])
+            deepest = max(deepest, len(stack) - 1)
+            continue
         elif c == ")":
-            depth -= 1
-    if deepest > MAX_GRAMMAR_NESTING:
-        raise ValueError(f"the grammar nests groups {deepest} deep; at most {MAX_GRAMMAR_NESTING} levels are taken")
+            if len(stack) == 1:
+                continue  # unbalanced: the parser says so
+            done = stack.pop()
+            frame = stack[-1]
+            size = done[0] + done[1]
+        elif c == "|":
+            frame[0] += frame[1]
+            frame[1] = frame[2] = 0
+            continue
+        else:  # a repetition of the last element
+            last = frame[2]
+            if c == "{":
+                low = int(m.group(1) or 0)
+                high = low + 1 if m.group(2) and not m.group(3) else int(m.group(3) or low) if m.group(2) else low
+                copies = max(high, low, 1)
+            else:
+                copies = 2
+            grown = last * copies + copies  # the copies, and a rule for each optional one
+            frame[1] += grown - last
+            frame[2] = grown
+            continue
+        frame[1] += size
+        frame[2] = size
+    total += sum(f[0] + f[1] for f in stack)
+    return deepest, total
 
 
 def _logit_bias(given, n_vocab: int) -> tuple[tuple[int, float], ...]:
