@@ -448,6 +448,37 @@ def test_the_stream_helper_gives_the_final_response_of_a_completed_answer(client
     assert whole.output_text == final.output_text
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chain_with_empty_input_continues_the_answer_once_not_twice(served, client, stream):
+    """Issue 43, item 9: with no new input the answer continues the last assistant message (llama-server
+    prefills it); a whole answer repeats that message, and storing it beside the message doubled the
+    conversation at every hop (24, 28, 36, 52 tokens). Each hop's prompt is now the chat of the user's
+    message and one assistant message: the answers so far, once."""
+    first = client.responses.create(model="tiny", input="def add(a, b):", max_output_tokens=6, temperature=0)
+    said = [first.output_text]  # the assistant message's parts, as the conversation holds them
+    prev = first.id
+    for _ in range(3):
+        body = {"input": [], "previous_response_id": prev, "max_output_tokens": 4, "temperature": 0}
+        if stream:
+            response = [data["response"] for name, data in _events(served.url, body)
+                        if name in ("response.completed", "response.incomplete")][0]
+        else:
+            status, response = post(served.url, "/v1/responses", body)
+            assert status == 200, response
+        chat = _chat(served.url, [{"role": "user", "content": "def add(a, b):"}, {
+            "role": "assistant", "content": [{"type": "text", "text": t} for t in said]}], 1)
+        assert response["usage"]["input_tokens"] == chat["usage"]["prompt_tokens"], (said, response["usage"])
+        text = "".join(p["text"] for item in response["output"] if item["type"] == "message" for p in item["content"])
+        assert text
+        # a whole answer holds the message it continued, from its start; a stream sends the new text
+        said = said + [text] if stream else [text]
+        prev = response["id"]
+    count = client.responses.input_tokens.count(model="tiny", input=[], previous_response_id=prev)
+    chat = _chat(served.url, [{"role": "user", "content": "def add(a, b):"}, {
+        "role": "assistant", "content": [{"type": "text", "text": t} for t in said]}], 1)
+    assert count.input_tokens == chat["usage"]["prompt_tokens"]
+
+
 def test_previous_response_id_continues_the_conversation_from_the_cached_prefix(served, client):
     system = "You complete Python code."
     first = client.responses.create(model="tiny", instructions=system, input="def mul(a, b):",

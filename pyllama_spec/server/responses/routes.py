@@ -35,7 +35,7 @@ from pyllama_spec.server.responses.convert import (
     responses_usage,
 )
 from pyllama_spec.server.responses.events import EventTranslator
-from pyllama_spec.server.responses.store import ResponseStore, Turn, conversation_items
+from pyllama_spec.server.responses.store import ResponseStore, Turn, conversation_items, is_assistant_message
 from pyllama_spec.server.schema import GenerationRequest, parse_chat
 from pyllama_spec.server.service import RouteSpec, Service, read_json
 from pyllama_spec.server.tokens import chat_prompt
@@ -98,7 +98,14 @@ async def _create(service: Service, store: ResponseStore, request: Request) -> R
 
     def save(output: list[dict]) -> None:
         if keep:
-            turn = Turn(tuple(new_items) + tuple(output), size + len(json.dumps(output)))
+            # A continued message (a final assistant one: llama-server prefills it) is in a whole answer's
+            # output from its start, so the output stands for it; a streamed answer's output holds the new
+            # text alone (its deltas), which the conversation's items merge into the message it continued.
+            own, continues = list(new_items), req.chat is not None and req.chat.params.is_continuation and not req.stream
+            while continues and own and is_assistant_message(own[-1]):
+                own.pop()
+            turn = Turn(tuple(own) + tuple(output), size + len(json.dumps(output)),
+                        continues=continues and len(own) == len(new_items))
             if not store.put(head.id, history + (turn,)):
                 log.warning("response %s is not kept for previous_response_id: its conversation is over %d bytes",
                             head.id, store.max_bytes)

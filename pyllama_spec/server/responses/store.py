@@ -13,6 +13,9 @@ class Turn:
 
     items: tuple
     size: int  # bytes it holds, about (its request body's size, plus its output's)
+    # Its output continued the assistant message the conversation ended with (llama-server prefills a
+    # final assistant message), and repeats it whole: that message is left out before this turn.
+    continues: bool = False
 
 
 class ResponseStore:
@@ -66,4 +69,16 @@ class ResponseStore:
 
 
 def conversation_items(turns: tuple[Turn, ...]) -> list[dict]:
-    return [item for turn in turns for item in turn.items]
+    """The items of a stored conversation, in order; the message a turn continued gives way to the
+    turn's output, which holds it whole (kept twice, the assistant's text doubled at every hop)."""
+    out: list = []
+    for turn in turns:
+        if turn.continues:
+            while out and is_assistant_message(out[-1]):
+                out.pop()
+        out.extend(turn.items)
+    return out
+
+
+def is_assistant_message(item) -> bool:
+    return isinstance(item, dict) and item.get("role") == "assistant" and item.get("type") in ("message", None)
