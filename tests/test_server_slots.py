@@ -215,6 +215,34 @@ def test_a_fifo_or_a_link_in_the_slot_folder_is_a_400_at_once(served, fresh):
     assert after["content"] == fresh("/completion", body)["content"]
 
 
+def test_a_file_claiming_more_memory_than_a_slot_holds_is_refused_before_it_is_read(served, fresh):
+    """Issue 43, item 7: a well-formed file whose header claims 2 GiB of memory (a sparse file, the size
+    matching) was read whole, +2 GB of RSS; the claim is now compared with what a slot of this model
+    can hold first."""
+    import json as _json
+    import struct
+    import time
+
+    _ok(served.post("/completion", {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "id_slot": 0}))
+    _ok(served.post("/slots/0?action=save", {"filename": "big.bin"}))
+    path = served.save_dir / "big.bin"
+    raw = path.read_bytes()
+    n_header = struct.unpack("<I", raw[8:12])[0]
+    header = _json.loads(raw[12:12 + n_header])
+    header["memory"]["size"] = claimed = 2 * 2**30
+    head = _json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(raw[:8] + struct.pack("<I", len(head)) + head)
+        f.truncate(12 + len(head) + claimed)  # sparse: no disk, but reading it would take 2 GiB
+    t0 = time.perf_counter()
+    r = served.post("/slots/0?action=restore", {"filename": "big.bin"})
+    assert r.status_code == 400 and f"claims {claimed} bytes" in r.json()["error"]["message"], r.text
+    assert time.perf_counter() - t0 < 5
+    path.unlink()
+    body = {"prompt": "import os", "n_predict": 6, "temperature": 0}
+    assert _ok(served.post("/completion", {**body, "id_slot": 0}))["content"] == fresh("/completion", body)["content"]
+
+
 def test_a_file_saved_from_another_model_is_a_400_and_the_slot_works_on(served, fresh, tiny_dir):
     other = tiny.make_tiny_set(tiny_dir, arch="hunyuan_vl", seed=1, window=32, predictable=0.5)  # the same shapes
     engine = ps.load(other.target, n_ctx=N_CTX_SLOT, **TINY_ENGINE, flash_attn=False)

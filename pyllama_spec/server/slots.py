@@ -109,6 +109,7 @@ class _SlotFiles:
     def __init__(self, service: Service) -> None:
         self.service = service
         self._identity: slot_file.SlotIdentity | None = None
+        self._bound: int | None = None
 
     async def identity(self) -> slot_file.SlotIdentity:
         if self._identity is None:
@@ -117,6 +118,15 @@ class _SlotFiles:
                 True, lambda: slot_file.identity(c.model, c.mmproj, type_k=c.cache_type_k, type_v=c.cache_type_v,
                                                  lora_paths=[a.path for a in self.service.engine.lora.adapters]))
         return self._identity
+
+    async def memory_bound(self, n_ctx: int) -> int:
+        """The most memory a slot file of this server may hold (a planted file claiming gigabytes is
+        refused before it is read)."""
+        if self._bound is None:
+            c = self.service.engine.config
+            self._bound = await off_loop(True, lambda: slot_file.memory_bound(
+                c.model, n_ctx=n_ctx, type_k=c.cache_type_k, type_v=c.cache_type_v))
+        return self._bound
 
 
 async def _post_slot(service: Service, files: _SlotFiles, request: Request) -> Response:
@@ -193,10 +203,12 @@ async def _save(service: Service, files: _SlotFiles, id_slot: int, filename: str
 async def _restore(service: Service, files: _SlotFiles, id_slot: int, filename: str, path) -> dict:
     ident = await files.identity()
     seq = service.engine.sequences[id_slot]
+    bound = await files.memory_bound(seq.n_ctx)  # every slot has the same n_ctx
     t = time.perf_counter()
     try:
         saved, n_read, scales = await off_loop(
-            True, lambda: slot_file.read(path, ident, n_ctx=seq.n_ctx, n_vocab=service.facts["n_vocab"]))
+            True, lambda: slot_file.read(path, ident, n_ctx=seq.n_ctx, n_vocab=service.facts["n_vocab"],
+                                         max_memory=bound))
     except FileNotFoundError:
         raise bad_request("Unable to restore slot: no such file under --slot-save-path", "filename") from None
     except (slot_file.SlotFileError, OSError) as e:

@@ -13,7 +13,9 @@ memory that follows.
 another model, projector or cache layout, a truncated or altered one, tokens outside the
 vocabulary, a cache that cannot fit the slot: each is a ``SlotFileError`` (a ValueError) that says
 what is wrong. It reads the memory only once the header passed, so a file made for a bigger
-context or another model costs its header alone. Pure Python: the native part is the Sequence's.
+context or another model costs its header alone, and one whose memory claims more than a slot of
+this model can hold (``memory_bound``) is refused before it is read. Pure Python: the native part is the
+Sequence's.
 
 The drafter's state is not saved: a restored slot's drafter starts afresh (see
 ``Sequence.restore_state``), and the output is the same as with a fresh server.
@@ -99,12 +101,24 @@ def write(path: str | os.PathLike, saved: SavedSequence, ident: SlotIdentity, lo
     return _PREFIX.size + len(header) + len(saved.memory)
 
 
+#: Room a slot's memory may take besides its KV cache rows: recurrent state, llama.cpp's own fields.
+MEMORY_SLACK = 256 * 2**20
+
+
+def memory_bound(model: str | os.PathLike, *, n_ctx: int, type_k: str, type_v: str) -> int:
+    """The most memory a slot of ``n_ctx`` rows of ``model`` can hold once serialized: twice its KV
+    cache as estimated from the file (every layer counted as attention), and ``MEMORY_SLACK``."""
+    from pyllama_spec.gguf.memory import model_part
+
+    return 2 * model_part("target", model, n_ctx=n_ctx, n_ubatch=1, type_k=type_k, type_v=type_v).kv + MEMORY_SLACK
+
+
 def read(path: str | os.PathLike, ident: SlotIdentity, *, n_ctx: int,
-         n_vocab: int) -> tuple[SavedSequence, int, tuple[float, ...]]:
+         n_vocab: int, max_memory: int | None = None) -> tuple[SavedSequence, int, tuple[float, ...]]:
     """The SavedSequence in ``path``, the bytes read and the LoRA scales its cache was decoded
     with, checked against this engine (``ident``), a slot of ``n_ctx`` rows and a vocabulary of
-    ``n_vocab`` tokens; SlotFileError otherwise (FileNotFoundError / OSError when it cannot be
-    read at all)."""
+    ``n_vocab`` tokens, and memory of at most ``max_memory`` bytes (``memory_bound``) before it is
+    read; SlotFileError otherwise (FileNotFoundError / OSError when it cannot be read at all)."""
     max_header = 4096 + 64 * n_ctx  # a header for n_ctx rows of tokens or media items is well below
     with _open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
@@ -122,6 +136,9 @@ def read(path: str | os.PathLike, ident: SlotIdentity, *, n_ctx: int,
         except (ValueError, RecursionError):  # (UnicodeDecodeError is a ValueError)
             raise SlotFileError("its header is not valid JSON (the file is damaged)") from None
         parts, mode, memory = _check_header(header, ident, n_ctx=n_ctx, n_vocab=n_vocab)
+        if max_memory is not None and memory["size"] > max_memory:
+            raise SlotFileError(f"its memory claims {memory['size']} bytes; a slot of {n_ctx} rows of this model "
+                                f"holds at most {max_memory}")
         scales = _check_lora(header, ident)
         if size - _PREFIX.size - n_header != memory["size"]:
             raise SlotFileError(f"it holds {size - _PREFIX.size - n_header} bytes of memory, its header says "
