@@ -5,7 +5,6 @@ answer converted back (see the package's doc)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 from typing import AsyncIterator, Callable
@@ -81,10 +80,14 @@ async def _create(service: Service, store: ResponseStore, request: Request) -> R
     if not isinstance(keep, bool):
         raise bad_request("'store' must be a boolean", "store")
 
-    earlier, new_items = conversation_items(history), input_items(body)
-    items = earlier + new_items
+    new_items = input_items(body)
+    earlier: list = []  # the previous responses' items, read back from the store while parsing
+    items: list = new_items
 
     def parse() -> GenerationRequest:
+        nonlocal earlier, items
+        earlier = conversation_items(history)
+        items = earlier + new_items
         chat = chat_body(body, items, n_earlier=len(earlier), max_tokens_limit=service.limits.max_tokens)
         try:
             return parse_chat(chat, service.limits)
@@ -104,8 +107,7 @@ async def _create(service: Service, store: ResponseStore, request: Request) -> R
             own, continues = list(new_items), req.chat is not None and req.chat.params.is_continuation and not req.stream
             while continues and own and is_assistant_message(own[-1]):
                 own.pop()
-            turn = Turn(tuple(own) + tuple(output), size + len(json.dumps(output)),
-                        continues=continues and len(own) == len(new_items))
+            turn = Turn.of(own + output, continues=continues and len(own) == len(new_items))
             if not store.put(head.id, history + (turn,)):
                 log.warning("response %s is not kept for previous_response_id: its conversation is over %d bytes",
                             head.id, store.max_bytes)

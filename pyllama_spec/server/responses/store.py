@@ -5,17 +5,31 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Turn:
-    """One response's share of a conversation: its request's input items, then its output items."""
+    """One response's share of a conversation: its request's input items, then its output items, kept
+    as compact JSON. What it holds in memory is what it counts (as Python objects, a request's items
+    took about 24 times the bytes counted for them), and it is parsed back only when continued."""
 
-    items: tuple
-    size: int  # bytes it holds, about (its request body's size, plus its output's)
+    data: bytes
     # Its output continued the assistant message the conversation ended with (llama-server prefills a
     # final assistant message), and repeats it whole: that message is left out before this turn.
     continues: bool = False
+
+    @classmethod
+    def of(cls, items, *, continues: bool = False) -> "Turn":
+        return cls(json.dumps(list(items), separators=(",", ":")).encode(), continues)
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    @property
+    def items(self) -> list:
+        return json.loads(self.data)
 
 
 class ResponseStore:
@@ -69,8 +83,9 @@ class ResponseStore:
 
 
 def conversation_items(turns: tuple[Turn, ...]) -> list[dict]:
-    """The items of a stored conversation, in order; the message a turn continued gives way to the
-    turn's output, which holds it whole (kept twice, the assistant's text doubled at every hop)."""
+    """The items of a stored conversation, in order (parsed from each turn's JSON: off the event loop
+    when large); the message a turn continued gives way to the turn's output, which holds it whole
+    (kept twice, the assistant's text doubled at every hop)."""
     out: list = []
     for turn in turns:
         if turn.continues:
