@@ -53,12 +53,14 @@ def test_the_banner_asks_the_drafter_what_caps_draft_max():
 
 
 def test_chat_banner_says_the_draft_block_caps_draft_max_and_help_says_so_too():
-    result = CliRunner().invoke(main, ["chat", "-t", "1"], input="/quit\n", terminal_width=200)
+    result = CliRunner().invoke(main, ["chat", "-t", "1", "--draft-max", "16"], input="/quit\n", terminal_width=200)
     assert result.exit_code == 0, result.output
     banner = " ".join(result.output.split())  # rich wraps the line at the console's width
     assert "draft_max 15, capped by the draft's block size 16" in banner, result.output
     result = CliRunner().invoke(main, ["chat", "-t", "1", "--draft-max", "4"], input="/quit\n")
     assert "(draft_max 4)" in " ".join(result.output.split()), result.output
+    result = CliRunner().invoke(main, ["chat", "-t", "1"], input="/quit\n")  # DFlash's measured default
+    assert "draft-dflash (draft_max 5)" in " ".join(result.output.split()), result.output
     help_text = " ".join(CliRunner().invoke(main, ["generate", "--help"]).output.split())
     assert "capped by a DFlash draft's block size minus one" in help_text
     assert "chat template" in help_text and "--raw" in help_text

@@ -96,3 +96,22 @@ def test_a_request_without_temperature_or_seed_leaves_them_to_the_server_default
     assert "temperature" not in params.sampling and params.seed is None
     params = parse_chat({"messages": MESSAGES, "temperature": -1, "seed": -1}, limits).params
     assert params.sampling["temperature"] == 0.0 and params.seed == 0xFFFFFFFF
+
+
+def test_the_draft_length_defaults_to_the_methods_measured_one(tiny_dense):
+    """No draft_max: the registry's length for the method (bench/RESULTS.md "Default draft lengths"),
+    in the engine, per call, in /props' terms and in the CLI; a given one is kept."""
+    from pyllama_spec.drafters.registry import method
+
+    assert (method("draft-dflash").draft_max, method("draft-mtp").draft_max, method("draft-eagle3").draft_max,
+            method("draft-simple").draft_max, method("ngram-simple").draft_max) == (5, 3, 3, 3, 3)
+    m = ps.embedded_models()
+    for kw, expected in [(dict(draft=m.draft), 5), (dict(spec_type="ngram-simple"), 3),
+                         (dict(draft=m.draft, draft_max=9), 9), (dict(draft=m.draft, draft_max="auto"), "auto"),
+                         ({}, 0)]:
+        with ps.load(m.target, n_ctx=1024, n_threads=1, **kw) as engine:
+            assert engine.draft_max == expected, kw
+            assert engine.config.draft_max == expected
+            if expected == 5:  # a call without draft_max drafts at most that many
+                r = engine.generate("def add(a, b):\n", max_tokens=24)
+                assert r.stats.drafted <= 5 * r.stats.target_steps and r.stats.drafted > 0

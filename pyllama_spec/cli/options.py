@@ -295,9 +295,10 @@ def model_options(f):
         click.option("-lm", "--load-mode", "load_mode", default=None,
                      type=click.Choice(["auto", "none", "mmap", "mlock", "mmap+mlock", "dio"]),
                      help="llama-server's loading mode (sets --mmap / --mlock; dio: read without mmap)"),
-        click.option("--draft-max", "--spec-draft-n-max", "draft_max", default="16", show_default=True,
-                     type=DRAFT_MAX, help="most tokens drafted per step, capped by a DFlash draft's block "
-                                          "size minus one (15 for the embedded draft, block size 16), or 'auto': "
+        click.option("--draft-max", "--spec-draft-n-max", "draft_max", default=None,
+                     type=DRAFT_MAX, help="most tokens drafted per step (default: the method's fastest measured "
+                                          "length: 5 for DFlash, 3 for the others), "
+                                          "capped by a DFlash draft's block size minus one, or 'auto': "
                                           "a length planned each step from acceptance and the measured cost "
                                           "of a row, up to that cap"),
         click.option("--spec-draft-n-min", "draft_min", type=click.IntRange(min=0), default=0, show_default=True,

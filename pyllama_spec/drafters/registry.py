@@ -91,6 +91,10 @@ class Method:
     #: What its drafts see a picture in the prompt through, and under which setting (measured:
     #: bench/RESULTS.md "Drafting that sees the picture"); "" where they never see one.
     sees_picture: str = ""
+    #: The draft length used when none is given (draft_max=None, no --spec-draft-n-max): the fixed
+    #: length measured fastest for the method, on text and after a picture, in both trained worlds
+    #: (bench/RESULTS.md "Default draft lengths"). llama-server's is 3 for every method.
+    draft_max: int = 3
 
     def _impl(self):
         return importlib.import_module(self.module)
@@ -117,17 +121,19 @@ class Method:
 
 METHODS = (
     Method("draft-dflash", "pyllama_spec.drafters.dflash", "a DFlash draft", aliases=("dflash",),
-           target_features="layer inputs", uses_target_head=True, trees=True,
+           target_features="layer inputs", uses_target_head=True, trees=True, draft_max=5,
            sees_picture="the target's layer inputs of the picture's rows, injected at consecutive positions with "
                         "draft_positions='sequential' (the default 'target' leaves pinned rows out)"),
     Method("draft-eagle3", "pyllama_spec.drafters.eagle3", "an EAGLE3 draft", aliases=("eagle3",),
-           target_features="layer inputs", uses_target_head=True,
+           target_features="layer inputs", uses_target_head=True, draft_max=3,
            sees_picture="the target's layer inputs of the picture's rows, written into its own cache"),
     Method("draft-simple", "pyllama_spec.drafters.draft_model", "a draft model", draft_projector=True,
+           draft_max=3,
            sees_picture="its own projector, given mmproj_draft (blind without one)"),
-    Method("ngram-simple", "pyllama_spec.drafters.ngram", "n-gram lookup", draft_file=False),
+    Method("ngram-simple", "pyllama_spec.drafters.ngram", "n-gram lookup", draft_file=False,
+           draft_max=3),
     Method("draft-mtp", "pyllama_spec.drafters.mtp", "its own MTP head", draft_file=False,
-           target_features="final hidden state", loads_target_mtp=True,
+           target_features="final hidden state", loads_target_mtp=True, draft_max=3,
            sees_picture="the picture's rows in the head's own cache, each image embedding beside the target's hidden "
                         "state of the row before (llama.cpp leaves them out; so does a build without "
                         "patches/0004-mtp-media-rows.patch)"),

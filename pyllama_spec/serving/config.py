@@ -27,7 +27,9 @@ class EngineConfig:
     n_ubatch: int = 512
     n_gpu_layers: int = 0
     draft_n_gpu_layers: int | None = None
-    draft_max: int | str = 16  # or "auto": every request's length adapts (draft_length.py)
+    # the most tokens one step drafts, or "auto": every request's length adapts (draft_length.py);
+    # None: the method's measured default (registry Method.draft_max), set by checked()
+    draft_max: int | str | None = None
     draft_min: int = 0
     draft_p_min: float = 0.0
     draft_positions: str = "target"
@@ -105,6 +107,8 @@ class EngineConfig:
                              f"and spec_type {takes}, got spec_type {c.spec_type!r}")
         if c.n_ubatch > c.n_batch:
             raise ValueError(f"n_ubatch ({c.n_ubatch}) cannot exceed n_batch ({c.n_batch})")
+        if c.draft_max is None:
+            c = dataclasses.replace(c, draft_max=m.draft_max if m is not None else 0)
         dm = c.draft_max
         if dm != "auto" and (isinstance(dm, bool) or not isinstance(dm, int) or dm < 0):
             raise ValueError(f'draft_max must be an integer >= 0 or "auto", got {dm!r}')
