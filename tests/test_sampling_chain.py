@@ -132,9 +132,9 @@ def test_rejection_refuses_samplers_it_cannot_apply(engine):
     (dict(grammar='x ::= "a"'), "no 'root' rule"),
     (dict(grammar="root ::= " + "(" * 300 + '"a"' + ")" * 300), "nests groups 300 deep"),
     (dict(grammar='root ::= "' + "a" * 300_000 + '"'), "at most"),
-    # the issue's grammar, smaller: its repetitions write out 1.2 million elements (a second here)
+    # the issue's grammar, smaller: its repetitions write out 2.4 million symbols (half a second here)
     (dict(grammar="root ::= r0\n" + "".join(f'r{i} ::= "x"{{0,2000}}\n' for i in range(300))),
-     "about 1200001 elements once written out"),
+     "about 2400302 symbols once written out"),
     (dict(grammar="root ::= root \"a\""), "refused the grammar"),  # left recursion
     (dict(json_schema={"type": "object", "properties": 5}), "json_schema"),
     (dict(logit_bias={10**9: 1.0}), "not in the vocabulary"),
@@ -151,18 +151,30 @@ def test_bad_sampling_settings_are_refused_before_anything_runs(engine, bad, mat
     assert engine.generate(PROMPT, max_tokens=4).tokens  # and the engine still works
 
 
-@pytest.mark.parametrize("gbnf, elements", [
-    ('root ::= "abc" [a-z]', 4),  # a literal's characters, a class
-    ('root ::= "x"{0,2000}', 4000),  # 2,000 copies, each optional one a rule of its own
-    ('root ::= ("a" [b-c]){3}', 9),
-    ('root ::= ( ("x"){0,10} ){0,10}', 210),  # nested repetitions multiply
-    ('root ::= "{0,9999}" [{}] # x{0,9999}\n', 9),  # braces in literals, classes and comments are not repetitions
-    ('root ::= a | b\na ::= "x"+\nb ::= "y"*', 2 + 4 + 4),  # x+ and y* as x{2}: two copies, two rules
+@pytest.mark.parametrize("gbnf, symbols", [
+    ('root ::= "abc" [a-z]', 7),  # each rule's name, a literal's characters, a class's
+    ('root ::= "x"{0,2000}', 1 + 2000 + 3 * 2000),  # 2,000 copies, each optional one a rule of its own
+    ('root ::= ("a" [b-c]){3}', 8),  # a group is repeated as one reference to its rule
+    ('root ::= ( ("x"){0,10} ){0,10}', 82),  # nested repetitions do not multiply what is written out
+    ('root ::= "x"{0,150000}', 5),  # above 2,000, llama.cpp reads no maximum: x{0,}
+    ('root ::= "{0,9999}" [{}] # x{0,9999}\n', 11),  # braces in literals, classes and comments are not repetitions
+    ('root ::= ("x"{0, # a comment\n 2000})', 1 + 2000 + 3 * 2000 + 1),  # nor do comments hide one
+    ('root ::= a | b\na ::= "x"+\nb ::= "y"*', 14),
 ])
-def test_a_grammars_written_out_size_is_estimated_from_its_text(gbnf, elements):
+def test_a_grammars_written_out_size_is_estimated_from_its_text(gbnf, symbols):
     from pyllama_spec.speculative.sampling import _parsed_size
 
-    assert _parsed_size(gbnf)[1] == elements
+    assert _parsed_size(gbnf)[1] == symbols
+
+
+def test_the_estimate_refuses_what_costs_and_takes_what_llama_cpp_parses_at_once(engine):
+    hidden = "root ::= (" + '"x"{0,#\n2000}' * 300 + ")"  # comments in braces: 2.4 million symbols, 0.2 s
+    with pytest.raises(ValueError, match="symbols once written out"):
+        engine.generate(PROMPT, max_tokens=2, grammar=hidden)
+    # a long string or array in a schema: llama.cpp writes "no maximum" past 2,000, at no cost
+    engine.generate(PROMPT, max_tokens=2, json_schema={"type": "string", "maxLength": 150_000})
+    engine.generate(PROMPT, max_tokens=2, json_schema={"type": "array", "items": {"type": "integer"},
+                                                       "maxItems": 100_000})
 
 
 def test_unknown_sampling_settings_are_a_type_error(engine):

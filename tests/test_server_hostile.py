@@ -269,7 +269,7 @@ def test_a_grammar_whose_repetitions_would_take_minutes_is_a_400_at_once(tiny_se
     t0 = time.perf_counter()
     r = httpx.post(tiny_server.url + "/completion", json={"prompt": "hi", "n_predict": 4, "grammar": grammar},
                    timeout=60)
-    assert r.status_code == 400 and "elements once written out" in r.text, r.text[:300]
+    assert r.status_code == 400 and "symbols once written out" in r.text, r.text[:300]
     assert time.perf_counter() - t0 < 5  # the estimate is linear in the text: well under a second here
     ok = httpx.post(tiny_server.url + "/completion", timeout=60, json={
         "prompt": "hi", "n_predict": 3, "grammar": 'root ::= "x"{0,2000}'})

@@ -225,19 +225,24 @@ def _chat_constraint(v: dict) -> None:
 #: left-recursion check recurse once per level and per rule, on the generating thread's stack.
 MAX_GRAMMAR_CHARS = 256 * 1024
 MAX_GRAMMAR_NESTING = 256
-#: The most elements a grammar may hold once llama.cpp's parser has written out its repetitions
-#: ("x"{0,2000} is 2,000 nested rules): about 0.5 s and 60 MB of parsing here (bench/RESULTS.md).
-MAX_GRAMMAR_ELEMENTS = 2 ** 18
+#: The most symbols a grammar may hold once llama.cpp's parser has written out its repetitions
+#: ("x"{0,2000} is 2,000 optional rules, each holding "x"): about 0.15 s and 30 MB of parsing here
+#: (bench/RESULTS.md, "A hostile client: grammars, slot files, other sites").
+MAX_GRAMMAR_ELEMENTS = 2 ** 19
+#: llama.cpp's MAX_REPETITION_THRESHOLD: a larger maximum is read as none ({m,}), a larger minimum refused.
+_REPETITION_THRESHOLD = 2000
 
-# GBNF's tokens, as far as the size of the parsed grammar goes: literals, character classes and
-# comments (skipped whole), rule names, "::=", groups, alternatives and repetition operators.
+# GBNF's tokens, as far as the parsed grammar's size goes: literals, character classes and comments
+# (skipped whole), "::=", groups, alternatives, repetition operators (llama.cpp allows spaces, newlines
+# and comments inside braces) and names.
+_SPACE = r"(?:\s|#[^\n]*)*"
 _GBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*|::=|[()|*+?]'
-                         r"|\{\s*(\d*)\s*(?:(,)\s*(\d*)\s*)?\}|[A-Za-z0-9_.-]+")
+                         rf"|\{{{_SPACE}(\d*){_SPACE}(?:(,){_SPACE}(\d*){_SPACE})?\}}|[A-Za-z0-9_.-]+")
 
 
 def _check_grammar_size(gbnf: str) -> None:
     """Refuse (ValueError, naming the limit) a grammar too large, nested too deep, or whose repetitions
-    would make llama.cpp's parser write out too many elements; in time linear in its length."""
+    would make llama.cpp's parser write out too many symbols; in time linear in its length."""
     if len(gbnf) > MAX_GRAMMAR_CHARS:
         raise ValueError(f"the grammar is {len(gbnf)} characters; at most {MAX_GRAMMAR_CHARS} are taken")
     if gbnf.count("(") <= MAX_GRAMMAR_NESTING and "{" not in gbnf and "*" not in gbnf and "+" not in gbnf:
@@ -246,64 +251,52 @@ def _check_grammar_size(gbnf: str) -> None:
     if depth > MAX_GRAMMAR_NESTING:
         raise ValueError(f"the grammar nests groups {depth} deep; at most {MAX_GRAMMAR_NESTING} levels are taken")
     if elements > MAX_GRAMMAR_ELEMENTS:
-        raise ValueError(f"the grammar's repetitions make about {elements} elements once written out (each "
-                         f"x{{m,n}} is n copies of x, nested ones multiply); at most {MAX_GRAMMAR_ELEMENTS} "
-                         "are taken: use * or + for long runs")
+        raise ValueError(f"the grammar's repetitions make about {elements} symbols once written out (x{{m,n}} is "
+                         f"n copies of x and n - m rules); at most {MAX_GRAMMAR_ELEMENTS} are taken: use * or + "
+                         "for long runs")
 
 
 def _parsed_size(gbnf: str) -> tuple[int, int]:
-    """(deepest group nesting, elements once llama.cpp's parser has expanded every repetition).
+    """(deepest group nesting, symbols once llama.cpp's parser has written out every repetition).
 
-    A literal counts its characters, a class or a rule name one; ``x{m,n}`` (and ``x{m,}``: m + 1)
-    is x copied that many times, each optional copy a rule of its own; ``x*``, ``x+`` and ``x?`` count
-    as ``x{2}`` (llama.cpp writes x once or twice, and a rule). Sizes of a group's alternatives add; a repeated group multiplies its size."""
-    total = 0
-    stack = [[0, 0, 0]]  # per open group: [finished alternatives' size, this alternative's size, last element's]
-    deepest = 0
+    As llama.cpp's parser does (llama-grammar.cpp, ``handle_repetitions``): a repetition copies the
+    element before it, a literal (its characters), a class, a rule name or a group (one reference to
+    the group's rule, whose contents are written once); ``x{m,n}`` is n copies of x and n - m optional
+    rules of three more symbols each; a maximum above 2,000 is read as none, and ``x{m,}`` is m + 1
+    copies and one rule; ``x*``, ``x+`` and ``x?`` are ``x{0,}``, ``x{1,}`` and ``x{0,1}``."""
+    total, depth, deepest, last = 0, 0, 0, 0
     for m in _GBNF_TOKEN.finditer(gbnf):
         tok = m.group(0)
-        frame = stack[-1]
         c = tok[0]
-        if c == "#":
+        if c == "#" or c == "|" or tok == "::=":
+            last = 0
             continue
-        if c == '"':
-            size = max(1, len(tok) - 2)
-        elif c == "[" or c.isalnum() or c in "_.-":
-            size = 1
-        elif tok == "::=":  # a new rule: the name just counted was its name, not an element
-            frame[1] -= frame[2]
-            total += sum(f[0] + f[1] for f in stack)
-            stack = [[0, 0, 0]]
+        if c == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+            last = 0
             continue
-        elif c == "(":
-            stack.append([0, 0, 0])
-            deepest = max(deepest, len(stack) - 1)
-            continue
-        elif c == ")":
-            if len(stack) == 1:
-                continue  # unbalanced: the parser says so
-            done = stack.pop()
-            frame = stack[-1]
-            size = done[0] + done[1]
-        elif c == "|":
-            frame[0] += frame[1]
-            frame[1] = frame[2] = 0
-            continue
-        else:  # a repetition of the last element
-            last = frame[2]
+        if c in "*+?{":
             if c == "{":
-                low = int(m.group(1) or 0)
-                high = low + 1 if m.group(2) and not m.group(3) else int(m.group(3) or low) if m.group(2) else low
-                copies = max(high, low, 1)
+                low, comma, high = int(m.group(1) or 0), m.group(2), m.group(3)
+                high = low if not comma else int(high) if high else None
             else:
-                copies = 2
-            grown = last * copies + copies  # the copies, and a rule for each optional one
-            frame[1] += grown - last
-            frame[2] = grown
+                low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+            if high is not None and high > _REPETITION_THRESHOLD:
+                high = None  # llama.cpp: no maximum
+            copies, rules = (low + 1, 1) if high is None else (max(high, low), high - low if high > low else 0)
+            total += last * (copies - 1) + 3 * rules  # the element itself is counted already
+            last = 0  # a repetition of a repetition repeats the rule reference llama.cpp wrote
             continue
-        frame[1] += size
-        frame[2] = size
-    total += sum(f[0] + f[1] for f in stack)
+        if c == ")":
+            depth = max(depth - 1, 0)
+            size = 1  # the reference to the group's rule
+        elif c == '"' or c == "[":
+            size = max(1, len(tok) - 2)
+        else:
+            size = 1
+        total += size
+        last = size
     return deepest, total
 
 
