@@ -14,7 +14,14 @@ with its native part built; default this one) and measures, one server per item:
   the server stays busy after the close;
 - ``huge_prompt``: a 60 MiB prompt without newlines: seconds to its answer and the server's peak
   resident memory (VmHWM) before and after;
-- ``sigterm``: SIGTERM while two 8000-token completions run: seconds to exit.
+- ``sigterm``: SIGTERM while two 8000-token completions run: seconds to exit;
+- ``costly_schema``: a JSON schema of 20,000 optional properties (issue 43, item 1), and
+  ``grammar_repetitions``: 11,800 rules of ``"x"{0,2000}`` (item 3), each beside a request on the
+  other slot as above, with the server's peak resident memory after;
+- ``cross_site``: a ``text/plain`` POST to ``/lora-adapters`` with a foreign ``Origin`` (item 8): its
+  status, and whether the scales changed.
+
+``--only a,b`` runs the items named.
 
 Run it on two trees to compare (e.g. ``git worktree add /tmp/old REV`` and copy
 ``pyllama_spec/_native/`` build outputs into it).
@@ -32,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -97,12 +105,12 @@ class Server:
             self.proc.wait()
 
 
-def beside(port: int, body: dict) -> dict:
+def beside(port: int, body: dict, path: str = "/v1/completions") -> dict:
     """``body`` on one slot; 0.5 s later a 1-token request on the other: both timed."""
     out = {}
 
     def hostile():
-        out["status"], out["seconds"] = post(port, "/v1/completions", body)
+        out["status"], out["seconds"] = post(port, path, body)
 
     t = threading.Thread(target=hostile)
     t.start()
@@ -116,7 +124,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tree", type=Path, default=ROOT)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--only", default=None, help="items to run, separated by commas (default: all)")
     args = ap.parse_args()
+    only = set(args.only.split(",")) if args.only else None
     sys.path.insert(0, str(ROOT))
     from pyllama_spec.devtools import tiny
 
@@ -124,6 +134,8 @@ def main() -> int:
     results: dict = {"tree": str(args.tree)}
 
     def item(name, fn):
+        if only is not None and name not in only:
+            return
         server = Server(args.tree, models)
         try:
             results[name] = fn(server)
@@ -138,7 +150,7 @@ def main() -> int:
     def client_leaves(s):
         body = json.dumps({"prompt": "def main(", "max_tokens": 8000}).encode()
         sock = socket.create_connection(("127.0.0.1", s.port))
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         time.sleep(0.3)
         sock.close()
@@ -162,7 +174,7 @@ def main() -> int:
         socks = []
         for _ in range(2):
             sock = socket.create_connection(("127.0.0.1", s.port))
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
             socks.append(sock)
         time.sleep(1.0)
@@ -177,8 +189,37 @@ def main() -> int:
         return {"exit_seconds": round(time.monotonic() - start, 2), "exited": s.proc.poll() is not None}
 
     item("sigterm", sigterm)
-    for name in ("newlines", "long_stop"):
-        results[name] = {k: round(v, 2) if isinstance(v, float) else v for k, v in results[name].items()}
+
+    def costly(body: dict):
+        def run(s):
+            out = beside(s.port, body, "/completion")
+            return {**out, "alive": s.proc.poll() is None, "peak_rss_mib": round(peak_rss_mib(s.proc.pid))}
+        return run
+
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20000)}}
+    item("costly_schema", costly({"prompt": "hi", "n_predict": 4, "json_schema": schema}))
+    grammar = "root ::= r0\n" + "".join(f'r{i} ::= "x"{{0,2000}}\n' for i in range(11800))
+    item("grammar_repetitions", costly({"prompt": "hi", "n_predict": 4, "grammar": grammar}))
+
+    def cross_site(s):
+        def scales():
+            with urllib.request.urlopen(f"http://127.0.0.1:{s.port}/lora-adapters", timeout=60) as r:
+                return r.read()
+        before = scales()
+        req = urllib.request.Request(f"http://127.0.0.1:{s.port}/completion", method="POST",
+                                     data=json.dumps({"prompt": "hi", "n_predict": 2}).encode(),
+                                     headers={"Content-Type": "text/plain", "Origin": "http://evil.example"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                status = r.status
+        except urllib.error.HTTPError as e:
+            status = e.code
+        return {"status": status, "scales_unchanged": scales() == before}
+
+    item("cross_site", cross_site)
+    for name in ("newlines", "long_stop", "costly_schema", "grammar_repetitions"):
+        if name in results:
+            results[name] = {k: round(v, 2) if isinstance(v, float) else v for k, v in results[name].items()}
     if args.out:
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))

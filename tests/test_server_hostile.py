@@ -35,7 +35,7 @@ def _load(models, n_parallel: int = 1):
 
 def _raw_request(port: int, path: str, body: bytes) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     return sock
 
@@ -88,7 +88,7 @@ def test_a_non_streamed_request_stops_generating_when_its_client_leaves(served_n
 def test_a_connection_that_sends_its_headers_a_byte_at_a_time_is_closed(one_slot):
     sock = socket.create_connection(("127.0.0.1", one_slot.port))
     sock.settimeout(10)
-    start, head = time.monotonic(), b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
+    start, head = time.monotonic(), b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: " + b"a" * 200
     closed_after = None
     for byte in head:
         try:
@@ -114,7 +114,7 @@ def test_a_connection_that_sends_its_headers_a_byte_at_a_time_is_closed(one_slot
 def test_a_body_sent_a_byte_at_a_time_gets_a_408_at_the_deadline(one_slot):
     sock = socket.create_connection(("127.0.0.1", one_slot.port))
     sock.settimeout(10)
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 1000\r\n\r\n{")
     start, answer = time.monotonic(), b""
     try:

@@ -71,21 +71,21 @@ def test_clients_without_an_origin_the_servers_own_page_and_local_pages_are_serv
         assert _simple_post(url, "/completion", COMPLETION, origin).status_code == 403
 
 
-def _app(policy: OriginPolicy) -> TestClient:
+def _app(policy: OriginPolicy, base_url: str = "http://server:8080") -> TestClient:
     async def act(request):
         return JSONResponse({"acted": True})
 
-    app = Starlette(routes=[Route("/act", act, methods=["POST"]), Route("/health", act, methods=["GET"])],
+    app = Starlette(routes=[Route("/act", act, methods=["POST", "GET"]), Route("/health", act, methods=["GET"])],
                     middleware=[Middleware(CrossSiteGuard, policy=policy)])
-    return TestClient(app, base_url="http://server:8080")
+    return TestClient(app, base_url=base_url)
 
 
 @pytest.mark.parametrize("value, allowed, refused", [
     ("localhost", ["http://localhost", "https://127.0.0.1:3000", "http://[::1]:8000"],
      [EVIL, "http://192.168.1.5:3000", "null"]),
     ("*", [EVIL, "null", "http://localhost"], []),
-    ("https://app.example.com, http://localhost:3000", ["https://app.example.com", "https://APP.example.com/",
-                                                         "http://localhost:3000"],
+    ("https://app.example.com:443, http://localhost:3000", ["https://app.example.com", "https://APP.example.com/",
+                                                             "http://localhost:3000"],
      ["http://app.example.com", "https://app.example.com:444", "http://localhost:3001", EVIL]),
 ])
 def test_cors_origins_values_as_llama_server_names_them(value, allowed, refused):
@@ -107,3 +107,36 @@ def test_a_bad_cors_origins_value_is_a_usage_error():
             OriginPolicy.parse(bad)
     result = CliRunner().invoke(main, ["serve", "--cors-origins", "example.com"])
     assert result.exit_code == 2 and "--cors-origins" in result.output and "example.com" in result.output
+
+
+def test_a_page_that_rebinds_its_name_to_this_machine_is_refused_on_a_loopback_server():
+    """DNS rebinding: a page at http://rebind.attacker.example:8080 whose name now points at 127.0.0.1
+    sends a matching Host and Origin (or none, on a GET): a server listening on loopback answers only
+    requests for localhost or a loopback address (review of issue 43, item 8)."""
+    policy = OriginPolicy.parse("localhost", listen_host="127.0.0.1")
+    attacker = "http://rebind.attacker.example:8080"
+    client = _app(policy, base_url=attacker)
+    for headers in ({"Origin": attacker}, {}):
+        r = client.post("/act", headers=headers)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "host_not_allowed", r.text
+    assert client.get("/health").status_code == 200
+    for base in ("http://127.0.0.1:8080", "http://localhost:8080", "http://[::1]:8080"):
+        assert _app(policy, base_url=base).post("/act").status_code == 200, base
+    # listening on another address (the user exposed it), any name is served
+    exposed = OriginPolicy.parse("localhost", listen_host="0.0.0.0")
+    assert not exposed.loopback_host and _app(exposed, base_url=attacker).post("/act").status_code == 200
+    assert OriginPolicy.parse(None, listen_host="localhost").loopback_host
+
+
+def test_a_cross_site_request_without_an_origin_is_refused():
+    """An <img src=".../props?model=big"> sends a GET without an Origin; browsers mark it
+    Sec-Fetch-Site: cross-site (a router would load that model)."""
+    client = _app(OriginPolicy.parse("localhost"))
+    assert client.get("/act", headers={"Sec-Fetch-Site": "cross-site"}).status_code == 403
+    assert client.get("/act", headers={"Sec-Fetch-Site": "same-site"}).status_code == 200  # another local port
+    assert client.get("/act", headers={"Sec-Fetch-Site": "same-origin"}).status_code == 200
+    assert client.get("/act", headers={"Sec-Fetch-Site": "none"}).status_code == 200  # typed in the address bar
+    assert client.get("/health", headers={"Sec-Fetch-Site": "cross-site"}).status_code == 200
+    listed = _app(OriginPolicy.parse("https://app.example.com"))
+    assert listed.get("/act", headers={"Sec-Fetch-Site": "same-site"}).status_code == 403
+    assert _app(OriginPolicy.parse("*")).get("/act", headers={"Sec-Fetch-Site": "cross-site"}).status_code == 200

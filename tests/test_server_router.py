@@ -289,7 +289,7 @@ def test_a_model_that_fails_to_load_says_why_and_the_others_keep_working(router)
 
 
 def test_a_body_over_the_limit_is_refused_before_it_is_read_and_a_slow_one_holds_up_nobody(router):
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n{"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n{"
     with socket.create_connection(("127.0.0.1", router.port), timeout=10) as sock:
         sock.sendall(head % (65 * 2**20))
         assert sock.recv(100).startswith(b"HTTP/1.1 413 ")

@@ -179,7 +179,7 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
     from pyllama_spec.server.origins import OriginPolicy
 
     try:
-        origins = OriginPolicy.parse(cors_origins)
+        origins = OriginPolicy.parse(cors_origins, listen_host=host)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--cors-origins'") from None
     keys = _api_keys(api_key, api_key_file)

@@ -1,11 +1,19 @@
 """Which web pages may talk to the server: requests sent by a browser from another site are refused.
 
-A browser sends a "simple" cross-site request (a POST with ``Content-Type: text/plain``, a form) without
-asking the server first, and it carries an ``Origin`` header naming the page's site. Without an API key
-any page the user opens could then load LoRA scales, erase slots or fill the queue of a server on
-localhost. So a request whose ``Origin`` is neither the server's own (its chat page) nor allowed by
-``--cors-origins`` is answered 403, on every route but the health check; requests without an ``Origin``
-(curl, the SDKs, scripts) are served as before.
+A browser sends a "simple" cross-site request (a POST with ``Content-Type: text/plain``, a form, an
+``<img>``'s GET) without asking the server first. Without an API key any page the user opens could then
+set LoRA scales, erase slots, fill the queue or make a router load models on a server on localhost. So,
+on every route but the health check:
+
+* a request whose ``Origin`` is neither the server's own (its chat page) nor allowed by ``--cors-origins``
+  is answered 403;
+* a request without an ``Origin`` that the browser marks ``Sec-Fetch-Site: cross-site`` (or
+  ``same-site`` where pages on this machine are not allowed) is answered 403;
+* on a server listening on a loopback address (the default), a request whose ``Host`` is not a
+  loopback address or ``localhost`` is answered 403: a page whose name an attacker re-pointed at
+  127.0.0.1 (DNS rebinding) would otherwise be "the server's own" origin.
+
+Requests without these headers (curl, the SDKs, scripts) are served as before.
 
 ``--cors-origins`` is llama-server's flag, with its values: a comma-separated list of origins,
 ``localhost`` (pages served from this machine: ``http://localhost:3000``, ``http://127.0.0.1:5173``, ...;
@@ -18,6 +26,7 @@ answers it, with no CORS headers for an origin that is not allowed).
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 from urllib.parse import urlsplit
 
@@ -25,7 +34,6 @@ from urllib.parse import urlsplit
 OPEN_PATHS = frozenset({"/health", "/v1/health"})
 #: What a preflight allows (llama-server's --cors-methods and --cors-headers defaults).
 ALLOW_METHODS = b"GET, POST, DELETE, OPTIONS"
-LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1", "[::1]"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,25 +43,56 @@ class OriginPolicy:
     any_origin: bool = False
     local_origins: bool = True
     origins: frozenset[str] = frozenset()
+    # the server listens on a loopback address: only requests naming a loopback Host are served
+    loopback_host: bool = False
 
     @classmethod
-    def parse(cls, value: str | None) -> "OriginPolicy":
-        """From --cors-origins: "*", "localhost", or origins separated by commas (None: "localhost")."""
+    def parse(cls, value: str | None, *, listen_host: str | None = None) -> "OriginPolicy":
+        """From --cors-origins: "*", "localhost", or origins separated by commas (None: "localhost"),
+        for a server listening on ``listen_host`` (--host)."""
+        loopback = listen_host is not None and _is_loopback(listen_host)
         if value is None:
-            return cls()
-        items = [v.strip().rstrip("/").lower() for v in value.split(",") if v.strip()]
+            return cls(loopback_host=loopback)
+        items = [_normal(v.strip()) for v in value.split(",") if v.strip()]
         bad = [v for v in items if v not in ("*", "localhost") and not _is_origin(v)]
         if bad:
             raise ValueError(f"--cors-origins takes '*', 'localhost' or origins like http://example.com:3000, "
                              f"separated by commas; got {bad[0]!r}")
         return cls(any_origin="*" in items, local_origins="localhost" in items,
-                   origins=frozenset(v for v in items if v not in ("*", "localhost")))
+                   origins=frozenset(v for v in items if v not in ("*", "localhost")), loopback_host=loopback)
 
     def allows(self, origin: str) -> bool:
-        origin = origin.rstrip("/").lower()
+        origin = _normal(origin)
         if self.any_origin or origin in self.origins:
             return True
         return self.local_origins and _is_local(origin)
+
+
+def _normal(origin: str) -> str:
+    """An origin as compared: lower case, no trailing slash, no default port (a browser sends none)."""
+    origin = origin.rstrip("/").lower()
+    for scheme, port in (("http://", ":80"), ("https://", ":443")):
+        if origin.startswith(scheme) and origin.endswith(port) and "/" not in origin[len(scheme):]:
+            return origin[: -len(port)]
+    return origin
+
+
+def _is_loopback(host: str) -> bool:
+    """``host`` (a name or an address, without a port) is this machine's loopback."""
+    host = host.strip("[]").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, without its port."""
+    if host.startswith("["):
+        return host[1:host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 def _is_origin(value: str) -> bool:
@@ -64,7 +103,7 @@ def _is_origin(value: str) -> bool:
 def _is_local(origin: str) -> bool:
     try:
         parts = urlsplit(origin)
-        return parts.scheme in ("http", "https") and parts.hostname in LOCAL_HOSTS
+        return parts.scheme in ("http", "https") and parts.hostname is not None and _is_loopback(parts.hostname)
     except ValueError:  # a port that is not a number
         return False
 
@@ -91,10 +130,22 @@ class CrossSiteGuard:
             return await self.app(scope, receive, send)
         headers = {k.lower(): v for k, v in scope.get("headers", ())}
         raw = headers.get(b"origin")
+        host = headers.get(b"host", b"").decode("latin-1")
+        open_path = scope["path"] in OPEN_PATHS
+        if self.policy.loopback_host and host and not _is_loopback(_host_name(host)) and not open_path:
+            return await _refuse(send, "host_not_allowed", f"a request for the host {_shown(host)} was refused: this "
+                                 "server listens on a loopback address and answers requests for localhost or "
+                                 "127.0.0.1 (another name pointed at this machine is how a web page gets in); "
+                                 "listen on another address with --host to serve other names")
         if raw is None:
+            site = headers.get(b"sec-fetch-site", b"").decode("latin-1").lower()
+            if not open_path and (site == "cross-site" and not self.policy.any_origin or site == "same-site" and not (
+                    self.policy.any_origin or self.policy.local_origins)):
+                return await _refuse(send, "origin_not_allowed", f"a {site} request from a web page was refused: "
+                                     "this server answers pages from its own address and from localhost; start it "
+                                     "with --cors-origins '*' to allow any site")
             return await self.app(scope, receive, send)
         origin = raw.decode("latin-1")
-        host = headers.get(b"host", b"").decode("latin-1")
         if _same_origin(origin, host):
             return await self.app(scope, receive, send)
         allowed = self.policy.allows(origin)
@@ -111,9 +162,11 @@ class CrossSiteGuard:
                         "headers": [*cors, (b"content-length", b"0")]})
             return await send({"type": "http.response.body", "body": b""})
         if not allowed:
-            if scope["path"] in OPEN_PATHS:
+            if open_path:
                 return await self.app(scope, receive, send)
-            return await _refuse(send, origin)
+            return await _refuse(send, "origin_not_allowed", f"a request from the web page at {_shown(origin)} was "
+                                 "refused: this server answers pages from its own address and from localhost; start "
+                                 "it with --cors-origins ORIGIN (or '*') to allow that site")
         cors = [(b"access-control-allow-origin", raw), (b"vary", b"Origin"), (b"access-control-allow-credentials", b"true")]
 
         async def send_with_cors(message) -> None:
@@ -124,12 +177,13 @@ class CrossSiteGuard:
         return await self.app(scope, receive, send_with_cors)
 
 
-async def _refuse(send, origin: str) -> None:
-    shown = origin if len(origin) <= 200 else origin[:200] + "..."
-    body = json.dumps({"error": {
-        "message": f"a request from the web page at {shown} was refused: this server answers pages from its own "
-                   "address and from localhost; start it with --cors-origins ORIGIN (or '*') to allow that site",
-        "type": "invalid_request_error", "code": "origin_not_allowed", "param": None}}).encode()
+def _shown(text: str) -> str:
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+async def _refuse(send, code: str, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": code,
+                                 "param": None}}).encode()
     await send({"type": "http.response.start", "status": 403, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
     await send({"type": "http.response.body", "body": body})
