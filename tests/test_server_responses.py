@@ -499,6 +499,20 @@ def test_a_chain_with_empty_input_continues_the_answer_once_not_twice(served, cl
     assert count.input_tokens == chat["usage"]["prompt_tokens"]
 
 
+def test_input_of_assistant_text_alone_continues_the_stored_answer_once(served, client):
+    """The new input is an assistant message only: the template merges it into the stored answer
+    before it, and the whole answer repeats both; the stored conversation holds that answer once."""
+    first = client.responses.create(model="tiny", input="def add(a, b):", max_output_tokens=6, temperature=0)
+    status, second = post(served.url, "/v1/responses", {
+        "input": [{"role": "assistant", "content": "    return"}], "previous_response_id": first.id,
+        "max_output_tokens": 4, "temperature": 0})
+    assert status == 200, second
+    text = "".join(p["text"] for item in second["output"] if item["type"] == "message" for p in item["content"])
+    count = client.responses.input_tokens.count(model="tiny", input=[], previous_response_id=second["id"])
+    chat = _chat(served.url, [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": text}], 1)
+    assert count.input_tokens == chat["usage"]["prompt_tokens"]
+
+
 def test_previous_response_id_continues_the_conversation_from_the_cached_prefix(served, client):
     system = "You complete Python code."
     first = client.responses.create(model="tiny", instructions=system, input="def mul(a, b):",

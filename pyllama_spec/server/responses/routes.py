@@ -107,7 +107,9 @@ async def _create(service: Service, store: ResponseStore, request: Request) -> R
             own, continues = list(new_items), req.chat is not None and req.chat.params.is_continuation and not req.stream
             while continues and own and is_assistant_message(own[-1]):
                 own.pop()
-            turn = Turn.of(own + output, continues=continues and len(own) == len(new_items))
+            # With input items left, the continued message began in this input (its assistant items
+            # went above); with none, it is the conversation's, and the output stands for it there.
+            turn = Turn.of(own + output, continues=continues and not own)
             if not store.put(head.id, history + (turn,)):
                 log.warning("response %s is not kept for previous_response_id: its conversation is over %d bytes",
                             head.id, store.max_bytes)

@@ -21,7 +21,10 @@ class Turn:
 
     @classmethod
     def of(cls, items, *, continues: bool = False) -> "Turn":
-        return cls(json.dumps(list(items), separators=(",", ":")).encode(), continues)
+        # UTF-8 (not \\u escapes: a CJK character is 3 bytes, not 6); a lone surrogate a client sent
+        # is kept as it came
+        text = json.dumps(list(items), separators=(",", ":"), ensure_ascii=False)
+        return cls(text.encode("utf-8", "surrogatepass"), continues)
 
     @property
     def size(self) -> int:
@@ -29,7 +32,7 @@ class Turn:
 
     @property
     def items(self) -> list:
-        return json.loads(self.data)
+        return json.loads(self.data.decode("utf-8", "surrogatepass"))
 
 
 class ResponseStore:
