@@ -74,3 +74,23 @@ def test_ngram_accepts_at_least_two_tokens_per_step_on_a_copy_heavy_prompt(gemma
     print(f"gemma ngram: acceptance {s.acceptance_rate:.3f}, mean accepted length {s.mean_accepted_length:.2f}, "
           f"{s.tokens_per_second:.1f} tok/s")
     assert s.mean_accepted_length >= 2.0
+
+
+def test_a_full_slot_of_a_sliding_window_model_fits_the_slot_file_bound(gemma_path):
+    """Gemma 3 keeps its global layers' rows whole and its window's layers in a second cache: a slot
+    filled past the window (512) saves more than a windowed estimate; the bound a restored file is
+    checked against holds it (review of issue 43, item 7)."""
+    from pyllama_spec.serving import slot_file
+
+    n_ctx = 4096
+    with ps.load(gemma_path, spec_type="none", n_ctx=n_ctx, n_threads=1) as engine:
+        prompt = "The numbers are: " + ", ".join(str(i) for i in range(750))
+        engine.generate(prompt, max_tokens=8)
+        n_rows = engine.ctx.memory.pos_max(0) + 1
+        assert 3000 < n_rows < n_ctx  # well past the window
+        saved = engine.run_on_slot(0, lambda seq: seq.save_state()).result()
+        c = engine.config
+        bound = slot_file.memory_bound(gemma_path, n_ctx=n_ctx, type_k=c.cache_type_k, type_v=c.cache_type_v)
+    full = len(saved.memory) * n_ctx / n_rows  # the slot's rows all used
+    # within the KV estimate itself (the bound is twice it and the slack): a windowed estimate was not
+    assert full <= (bound - slot_file.MEMORY_SLACK) / 2, (len(saved.memory), n_rows, bound)

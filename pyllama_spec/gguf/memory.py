@@ -94,6 +94,29 @@ def _hparams(info, key: str, default=None):
     return int(v[0]) if hasattr(v, "__len__") and not isinstance(v, str) else (int(v) if v is not None else default)
 
 
+def kv_bytes_per_row(path: str | Path, *, type_k: str, type_v: str) -> int:
+    """An upper bound on the KV cache bytes one cache row of ``path`` takes: every layer counted as an
+    attention layer with the most KV heads any layer has, none windowed (a sliding-window model's
+    global layers keep every row)."""
+    for kind in (type_k, type_v):
+        _check_cache_type(kind)
+    info = read_gguf(path)
+
+    def most(key: str, default: int) -> int:
+        v = info.metadata.get(f"{info.arch}.{key}", default)
+        values = list(v) if hasattr(v, "__len__") and not isinstance(v, str) else [v]
+        return max((int(x) for x in values), default=default)
+
+    n_layer = most("block_count", 0) + most("nextn_predict_layers", 0)
+    n_embd = most("embedding_length", 0)
+    n_head = max(most("attention.head_count", 1), 1)
+    n_head_kv = max(most("attention.head_count_kv", n_head), 1)
+    head_k = most("attention.key_length", n_embd // n_head)
+    head_v = most("attention.value_length", head_k)
+    return int(n_layer * n_head_kv * (head_k * KV_CACHE_TYPE_FACTS[type_k].bytes_per_value
+                                      + head_v * KV_CACHE_TYPE_FACTS[type_v].bytes_per_value))
+
+
 def _weights(info) -> int:
     return sum(t.nbytes for t in info.tensors.values())
 

@@ -107,10 +107,11 @@ MEMORY_SLACK = 256 * 2**20
 
 def memory_bound(model: str | os.PathLike, *, n_ctx: int, type_k: str, type_v: str) -> int:
     """The most memory a slot of ``n_ctx`` rows of ``model`` can hold once serialized: twice its KV
-    cache as estimated from the file (every layer counted as attention), and ``MEMORY_SLACK``."""
-    from pyllama_spec.gguf.memory import model_part
+    cache's rows at their largest (``gguf.memory.kv_bytes_per_row``: every layer as attention with
+    the most KV heads, none windowed), and ``MEMORY_SLACK``."""
+    from pyllama_spec.gguf.memory import kv_bytes_per_row
 
-    return 2 * model_part("target", model, n_ctx=n_ctx, n_ubatch=1, type_k=type_k, type_v=type_v).kv + MEMORY_SLACK
+    return 2 * n_ctx * kv_bytes_per_row(model, type_k=type_k, type_v=type_v) + MEMORY_SLACK
 
 
 def read(path: str | os.PathLike, ident: SlotIdentity, *, n_ctx: int,
