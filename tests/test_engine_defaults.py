@@ -104,14 +104,16 @@ def test_the_draft_length_defaults_to_the_methods_measured_one(tiny_dense):
     from pyllama_spec.drafters.registry import method
 
     assert (method("draft-dflash").draft_max, method("draft-mtp").draft_max, method("draft-eagle3").draft_max,
-            method("draft-simple").draft_max, method("ngram-simple").draft_max) == (5, 3, 3, 3, 3)
+            method("draft-simple").draft_max, method("ngram-simple").draft_max) == (5, 3, 3, 3, 5)
     m = ps.embedded_models()
-    for kw, expected in [(dict(draft=m.draft), 5), (dict(spec_type="ngram-simple"), 3),
+    for kw, expected in [(dict(draft=m.draft), 5), (dict(spec_type="ngram-simple"), 5),
+                         (dict(draft=m.draft, draft_tree=8), 15),  # a tree: as deep as the draft goes
                          (dict(draft=m.draft, draft_max=9), 9), (dict(draft=m.draft, draft_max="auto"), "auto"),
                          ({}, 0)]:
         with ps.load(m.target, n_ctx=1024, n_threads=1, **kw) as engine:
             assert engine.draft_max == expected, kw
-            assert engine.config.draft_max == expected
+            if not kw.get("draft_tree"):  # a tree's depth is set as the draft's cap, which caps it to 15
+                assert engine.config.draft_max == expected
             if expected == 5:  # a call without draft_max drafts at most that many
                 r = engine.generate("def add(a, b):\n", max_tokens=24)
                 assert r.stats.drafted <= 5 * r.stats.target_steps and r.stats.drafted > 0

@@ -11,8 +11,9 @@ from pathlib import Path
 import click
 from rich.console import Console
 
-from pyllama_spec.drafters.registry import (
-    SPEC_TYPES,  # names only: loads nothing native
+from pyllama_spec.drafters.registry import (  # names and settings only: loads nothing native
+    METHODS,
+    SPEC_TYPES,
 )
 from pyllama_spec.gguf.memory import KV_CACHE_TYPE_NAMES
 from pyllama_spec.speculative.positions import DRAFT_POSITION_MODES
@@ -41,6 +42,17 @@ class _DraftMax(click.ParamType):
 
 
 DRAFT_MAX = _DraftMax()
+
+
+def _default_lengths() -> str:
+    """The registry's default draft lengths, for --draft-max's help: "5 for draft-dflash, 3 for ..."."""
+    by_length: dict[int, list[str]] = {}
+    for m in METHODS:
+        by_length.setdefault(m.draft_max, []).append(m.name)
+    return ", ".join(f"{n} for {', '.join(names)}" for n, names in by_length.items())
+
+
+_DEFAULT_LENGTHS = _default_lengths()
 
 
 class _Layers(click.ParamType):
@@ -297,7 +309,7 @@ def model_options(f):
                      help="llama-server's loading mode (sets --mmap / --mlock; dio: read without mmap)"),
         click.option("--draft-max", "--spec-draft-n-max", "draft_max", default=None,
                      type=DRAFT_MAX, help="most tokens drafted per step (default: the method's fastest measured "
-                                          "length: 5 for DFlash, 3 for the others), "
+                                          f"length: {_DEFAULT_LENGTHS}; with --draft-tree, as deep as the draft goes), "
                                           "capped by a DFlash draft's block size minus one, or 'auto': "
                                           "a length planned each step from acceptance and the measured cost "
                                           "of a row, up to that cap"),

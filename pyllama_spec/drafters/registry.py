@@ -93,7 +93,7 @@ class Method:
     sees_picture: str = ""
     #: The draft length used when none is given (draft_max=None, no --spec-draft-n-max): the fixed
     #: length measured fastest for the method, on text and after a picture, in both trained worlds
-    #: (bench/RESULTS.md "Default draft lengths"). llama-server's is 3 for every method.
+    #: (bench/RESULTS.md "Default draft lengths"). llama-server's is 3 for every method with a draft model.
     draft_max: int = 3
 
     def _impl(self):
@@ -130,8 +130,10 @@ METHODS = (
     Method("draft-simple", "pyllama_spec.drafters.draft_model", "a draft model", draft_projector=True,
            draft_max=3,
            sees_picture="its own projector, given mmproj_draft (blind without one)"),
+    # n-gram: 3, 5 and 7 within the machine's spread on text that rarely repeats; where text repeats
+    # (its use) longer drafts are kept whole, and llama-server's ngram-simple goes up to 48
     Method("ngram-simple", "pyllama_spec.drafters.ngram", "n-gram lookup", draft_file=False,
-           draft_max=3),
+           draft_max=5),
     Method("draft-mtp", "pyllama_spec.drafters.mtp", "its own MTP head", draft_file=False,
            target_features="final hidden state", loads_target_mtp=True, draft_max=3,
            sees_picture="the picture's rows in the head's own cache, each image embedding beside the target's hidden "

@@ -28,7 +28,8 @@ class EngineConfig:
     n_gpu_layers: int = 0
     draft_n_gpu_layers: int | None = None
     # the most tokens one step drafts, or "auto": every request's length adapts (draft_length.py);
-    # None: the method's measured default (registry Method.draft_max), set by checked()
+    # None: the method's measured default (registry Method.draft_max), or with a draft tree as deep as
+    # the draft goes; set by checked()
     draft_max: int | str | None = None
     draft_min: int = 0
     draft_p_min: float = 0.0
@@ -107,8 +108,8 @@ class EngineConfig:
                              f"and spec_type {takes}, got spec_type {c.spec_type!r}")
         if c.n_ubatch > c.n_batch:
             raise ValueError(f"n_ubatch ({c.n_ubatch}) cannot exceed n_batch ({c.n_batch})")
-        if c.draft_max is None:
-            c = dataclasses.replace(c, draft_max=m.draft_max if m is not None else 0)
+        if c.draft_max is None:  # the method's measured length; a tree's depth as before: the draft's cap
+            c = dataclasses.replace(c, draft_max=0 if m is None else DRAFT_TREE_DEPTH if c.draft_tree else m.draft_max)
         dm = c.draft_max
         if dm != "auto" and (isinstance(dm, bool) or not isinstance(dm, int) or dm < 0):
             raise ValueError(f'draft_max must be an integer >= 0 or "auto", got {dm!r}')
@@ -123,6 +124,8 @@ class EngineConfig:
 
 #: The most drafted tokens in a tree: each leaf takes a sequence id, and llama.cpp has 256.
 DRAFT_TREE_LIMIT = 255
+#: A tree's depth when no draft_max is given: as deep as the draft goes (a DFlash block less one).
+DRAFT_TREE_DEPTH = 16
 
 
 def _check_draft_tree(c: EngineConfig) -> None:
