@@ -168,7 +168,7 @@ def test_a_turn_that_fails_leaves_the_conversation_as_it_was(tiny_dense, big_ima
     assert result.exit_code == 0, result.output
     out = " ".join(result.output.split())  # as read, whatever the terminal's width wrapped
     assert out.count("n_ctx is 256") == 1, out  # the second turn does not fail
-    assert f"nor its image {big_image_png}: attach it again with /image" in out, out
+    assert f"the message was not kept, nor its image {big_image_png}: attach it again with /image" in out, out
     saved = json.loads((tmp_path / "c.json").read_text())
     assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
     assert saved["messages"][0]["content"] == "def f(x):"
@@ -234,7 +234,8 @@ def test_interactive_chat_in_a_pseudo_terminal(tiny_dense, big_image_png, tmp_pa
         child.expect_exact("and this one?")
         time.sleep(0.5)
         child.sendintr()
-        child.expect("reply interrupted", timeout=15)
+        child.expect("interrupted before the reply began", timeout=15)
+        child.expect("the message was not kept, nor its image")  # the next message goes without it
         child.expect("> ")
         child.sendline("/stats")
         child.expect(rf"turns {ANSI}1{ANSI} ")  # nothing was said, so no turn was added

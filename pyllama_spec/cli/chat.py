@@ -89,20 +89,24 @@ def chat(system, **o) -> None:
                     pass
             except KeyboardInterrupt:
                 progress.close()
-                console.print("\n[yellow](reply interrupted: what was said is kept)[/yellow]")
-                _say_dropped(conv)
+                if conv.last_turn_kept:
+                    console.print("\n[yellow](reply interrupted: what was said is kept)[/yellow]")
+                else:
+                    console.print("\n[yellow](interrupted before the reply began)[/yellow]")
+                    _say_not_kept(conv)
             except (PyllamaError, ValueError, OSError) as e:
                 progress.close()
                 console.print(f"\n[red]{e}[/red]")
-                _say_dropped(conv)
+                if not conv.last_turn_kept:
+                    _say_not_kept(conv)
 
 
-def _say_dropped(conv) -> None:
-    """After a turn that said nothing: the conversation is as it was before it, images included."""
-    if conv.dropped_images:
-        names = ", ".join(conv.dropped_images)
-        console.print(f"[yellow](the message was not kept, nor its image {names}: attach it again with "
-                      f"/image to retry)[/yellow]")
+def _say_not_kept(conv) -> None:
+    """After a turn that said nothing, the conversation is as it was before it: say so, and name the
+    images the turn took with it (the next message no longer carries them)."""
+    images = f", nor its image {', '.join(conv.dropped_images)}: attach it again with /image to retry" \
+        if conv.dropped_images else ""
+    console.print(f"[yellow](the message was not kept{images})[/yellow]")
 
 
 def _stream_reply(conv, line: str, progress: "_PrefillProgress"):

@@ -37,6 +37,7 @@ class Conversation:
         self.sampling = sampling
         self.pending_images: list[str] = []
         self.dropped_images: list[str] = []  # the images of the last turn, when it failed before a word
+        self.last_turn_kept = False  # the last turn is in the conversation (it said something)
         self.session = StatsTotals()  # the turns so far
         self.last_stats: GenerationStats | None = None
         self.messages: list[dict] = []
@@ -79,6 +80,7 @@ class Conversation:
         it: its message is not kept, and neither are its images (``dropped_images`` lists them).
         """
         self.dropped_images = []
+        self.last_turn_kept = False
         text = self.take_inline_images(text)
         images, self.pending_images = self.pending_images, []
         content: Any = text if not images else (
@@ -105,8 +107,10 @@ class Conversation:
                 self.last_stats = self.engine.last_stats
                 self.session.add(self.last_stats)
             self.messages.append({"role": "assistant", "content": "".join(reply)})
+            self.last_turn_kept = True
             raise
         self.messages.append({"role": "assistant", "content": "".join(reply)})
+        self.last_turn_kept = True
 
     def transcript(self) -> dict:
         session = dataclasses.asdict(self.session)
