@@ -12,7 +12,8 @@ picture of random colour blocks (bench/unfamiliar_pictures.py's) before every pr
 
 Decode tokens/s is reported as min/median/max over the repeats (same prompts and seeds each time).
 For each method the lengths and target-only run interleaved, prompt by prompt (every setting once
-per prompt per repeat), so that the machine's drift touches them alike. The summary gives, per
+per prompt per repeat), so that the machine's drift touches them alike, each on an engine loaded with
+it. The summary gives, per
 repeat, the engine's default length, "auto" and the best fixed length over target-only and over
 the best fixed length (by median). Every greedy output is checked against target-only's.
 """
@@ -20,6 +21,7 @@ the best fixed length (by median). Every greedy output is checked against target
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -80,15 +82,16 @@ def main() -> int:
     for method in methods:
         target, mmproj, kw = world_files(args.world, method)
         common = dict(mmproj=mmproj, n_ctx=4096, n_batch=64, n_ubatch=64, n_threads=1, flash_attn=False)
-        fixed = [n for n in lengths if n != "auto"]
-        # The default is measured on an engine loaded at it (a recurrent target keeps as many rollback
-        # snapshots as its load's draft_max, which also bounds each call's); the other lengths on one
-        # loaded for the longest.
-        with ps.load(target, spec_type="none", **common) as plain, ps.load(target, **common, **kw) as at_default, \
-                ps.load(target, **common, **kw, draft_max=max(fixed, default=at_default.draft_max)) as engine:
-            default = at_default.draft_max
+        # Every setting on an engine loaded with it, as a user would load it: a recurrent target keeps as
+        # many rollback snapshots as its load's draft_max (which also bounds each call's).
+        with contextlib.ExitStack() as stack:
+            engines = {"target only": stack.enter_context(ps.load(target, spec_type="none", **common)),
+                       "default": stack.enter_context(ps.load(target, **common, **kw))}
+            default = engines["default"].draft_max
             # the default length is one of the settings, under its own name
             settings = ["target only", "default", *[n for n in lengths if n != default]]
+            for n in settings[2:]:
+                engines[n] = stack.enter_context(ps.load(target, **common, **kw, draft_max=n))
             for picture in args.picture.split(","):
                 pic = {"none": None, "blocks": blocks}[picture]
                 for temp in [float(t) for t in args.temps.split(",")]:
@@ -99,8 +102,7 @@ def main() -> int:
                         for i, p in enumerate(prompts):
                             ref = None
                             for s in settings:
-                                eng = {"target only": plain, "default": at_default}.get(s, engine)
-                                call = {} if s in ("target only", "default") else dict(draft_max=s)
+                                eng, call = engines[s], {}
                                 if pic is not None:
                                     call.update(images=[pic])
                                 r = eng.generate(f"{MARKER}\n{p}" if pic is not None else p,

@@ -16,8 +16,10 @@ gradients under soft blobs); a screenshot-like page (a title bar and lines of te
   picture's rows; its draft model blind and seeing; its DFlash draft at target and at sequential
   positions; n-gram.
 
-``--draft-max default`` leaves each method at the engine's default draft length; ``short`` gives 7,
-and 3 to MTP (as bench/drafters_after_images.py does). Greedy; every output is checked against the
+``--draft-max default`` leaves each method at the engine's default draft length (the registry's
+``Method.draft_max`` since 2026-12-06: 5 for DFlash and n-gram, 3 for the others; 16 before, in the
+older tables of bench/RESULTS.md); ``short`` gives 7, and 3 to MTP (as bench/drafters_after_images.py
+does). Greedy; every output is checked against the
 target alone's on the same prompt and picture. Printed: acceptance on text, after each picture, and
 the lowest ratio of the two.
 """
