@@ -61,6 +61,8 @@ def test_chat_banner_says_the_draft_block_caps_draft_max_and_help_says_so_too():
     assert "(draft_max 4)" in " ".join(result.output.split()), result.output
     result = CliRunner().invoke(main, ["chat", "-t", "1"], input="/quit\n")  # DFlash's measured default
     assert "draft-dflash (draft_max 5)" in " ".join(result.output.split()), result.output
+    chat_help = " ".join(CliRunner().invoke(main, ["chat", "--help"]).output.split())
+    assert "/image PATH" in chat_help and "@path/to/img.png" in chat_help  # how to attach an image
     help_text = " ".join(CliRunner().invoke(main, ["generate", "--help"]).output.split())
     assert "capped by a DFlash draft's block size minus one" in help_text
     assert "chat template" in help_text and "--raw" in help_text

@@ -57,7 +57,10 @@ CHAT_HELP = """[bold]commands[/bold]
 @model_options
 @click.option("--system", default=None, help="system message")
 def chat(system, **o) -> None:
-    """Interactive multi-turn chat with images; the answer streams as it is accepted (no -m: the embedded pair)."""
+    """Interactive multi-turn chat with images; the answer streams as it is accepted (no -m: the embedded pair).
+
+    In the chat, attach an image to your next message with /image PATH or by writing @path/to/img.png in
+    it (the model needs --mmproj); /help lists the other commands (/stats, /reset, /save FILE, /quit)."""
     from pyllama_spec.errors import PyllamaError
     from pyllama_spec.serving.conversation import Conversation
 
