@@ -117,3 +117,25 @@ def test_the_draft_length_defaults_to_the_methods_measured_one(tiny_dense):
             if expected == 5:  # a call without draft_max drafts at most that many
                 r = engine.generate("def add(a, b):\n", max_tokens=24)
                 assert r.stats.drafted <= 5 * r.stats.target_steps and r.stats.drafted > 0
+
+
+def test_load_shows_every_setting_and_takes_verbose(run_python):
+    """help(load) and editors that read signatures list every EngineConfig setting with its default
+    (it took **kwargs only); verbose=True prints llama.cpp's log to stderr as llama-cpp-python does."""
+    import dataclasses
+    import inspect
+
+    params = inspect.signature(ps.load).parameters
+    fields = {f.name: f for f in dataclasses.fields(ps.EngineConfig)}
+    assert set(fields) - {"model", "mmproj", "draft", "spec_type"} <= set(params)
+    assert params["n_ctx"].default == 4096 and params["draft_max"].default is None
+    assert params["verbose"].default is False and list(params)[:4] == ["model", "mmproj", "draft", "spec_type"]
+    code = """
+        import pyllama_spec as ps
+        m = ps.embedded_models()
+        with ps.load(m.target, n_ctx=512, n_threads=1, verbose={}) as e:
+            e.generate("def f(", max_tokens=2)
+    """
+    quiet, loud = (run_python(code.format(v)) for v in (False, True))
+    assert quiet.returncode == loud.returncode == 0, loud.stderr[-2000:]
+    assert "llama_context" not in quiet.stderr and "llama_context" in loud.stderr, loud.stderr[-2000:]

@@ -159,6 +159,18 @@ def _emit(level: int, line: str) -> None:
         native_logger.log(level, line)
 
 
+def echo_log_to_stderr() -> None:
+    """Print llama.cpp's log, INFO and above, to standard error (llama-cpp-python's ``verbose=True``);
+    once, however often it is asked."""
+    if not any(getattr(h, "pyllama_verbose", False) for h in native_logger.handlers):
+        handler = logging.StreamHandler()
+        handler.pyllama_verbose = True
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        native_logger.addHandler(handler)
+    if native_logger.getEffectiveLevel() > logging.INFO:
+        native_logger.setLevel(logging.INFO)
+
+
 def take_native_problems() -> list[str]:
     """The native warnings/errors logged since the last call (and forget them)."""
     out = list(_recent_problems)

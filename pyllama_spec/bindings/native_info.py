@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pyllama_spec._native import ffi, lib
+from pyllama_spec._native import echo_log_to_stderr, ffi, lib  # noqa: F401 - echo_log_to_stderr: load(verbose=True)
 
 NATIVE_DIR = Path(__file__).resolve().parent.parent / "_native"
 LIB_DIR = NATIVE_DIR / "lib"

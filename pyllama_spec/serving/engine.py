@@ -24,6 +24,7 @@ its sampler); then run by the slot loop, step by step, as speculative/generation
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator, Sequence
@@ -70,7 +71,13 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
     n_gpu_layers_draft); LoRA adapters of the target (llama-server's --lora / --lora-scaled):
     lora ([path or (path, scale), ...]) and lora_init_without_apply (serving/lora.py).
     Without ``spec_type``, the files given choose it (drafters/registry.py ``default_spec_type``).
+    ``verbose=True`` prints llama.cpp's log to standard error, as llama-cpp-python's does.
+    ``help(load)`` and ``inspect.signature(load)`` list every keyword with its default.
     """
+    if kwargs.pop("verbose", False):
+        from pyllama_spec.bindings.native_info import echo_log_to_stderr
+
+        echo_log_to_stderr()
     if kwargs.get("mmproj_draft"):
         kwargs["mmproj_draft"] = os.fspath(kwargs["mmproj_draft"])
     if "n_gpu_layers_draft" in kwargs:  # llama.cpp's name (-ngld) for draft_n_gpu_layers
@@ -81,6 +88,22 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
     cfg = EngineConfig(model=os.fspath(model), mmproj=os.fspath(mmproj) if mmproj else None,
                        draft=os.fspath(draft) if draft else None, spec_type=spec_type, **kwargs)
     return Engine(cfg)
+
+
+def _load_signature() -> inspect.Signature:
+    """load()'s signature as help() and editors that read it show it: its four arguments, then every
+    EngineConfig setting as a keyword with its default, then ``verbose``."""
+    head = list(inspect.signature(load).parameters.values())[:4]
+    settings = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
+                                  default=f.default if f.default is not dataclasses.MISSING else f.default_factory())
+                for f in dataclasses.fields(EngineConfig) if f.name not in ("model", "mmproj", "draft", "spec_type")]
+    extra = [inspect.Parameter("n_gpu_layers_draft", inspect.Parameter.KEYWORD_ONLY, default=None,
+                               annotation="int | None"),
+             inspect.Parameter("verbose", inspect.Parameter.KEYWORD_ONLY, default=False, annotation="bool")]
+    return inspect.Signature([*head, *settings, *extra], return_annotation="Engine")
+
+
+load.__signature__ = _load_signature()
 
 
 def _chat_settings(c: EngineConfig) -> ChatSettings:
