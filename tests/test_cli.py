@@ -88,3 +88,22 @@ def test_serve_refuses_what_it_cannot_do_with_a_message(tmp_path):
     assert result.exit_code == 1 and "n_parallel" in result.output, result.output
     result = CliRunner().invoke(main, ["serve", "-m", str(tmp_path / "none.gguf"), "--port", "1"])
     assert result.exit_code == 1 and "none.gguf" in result.output
+
+
+def test_errors_name_the_setting_in_the_interfaces_words(tmp_path):
+    """Issue 44: a projector given as the model, a short flag glued to a word, a llama-server flag a
+    command lacks: each said something else (a corrupt GGUF, "'d' is not a valid integer", "no such
+    option")."""
+    import pytest
+
+    import pyllama_spec as ps
+
+    mmproj = str(ps.embedded_models().mmproj)
+    r = CliRunner().invoke(main, ["generate", "-m", mmproj, "-p", "hi", "-n", "2"])
+    assert r.exit_code != 0 and "is a projector (an mmproj file), not a model" in r.output and "--mmproj" in r.output
+    r = CliRunner().invoke(main, ["generate", "-cd", "4096", "-p", "hi"])
+    assert r.exit_code == 2 and "no such option: -cd (-c takes a number: -c 4096)" in r.output, r.output
+    r = CliRunner().invoke(main, ["chat", "--no-warmup"])
+    assert r.exit_code == 2 and "--no-warmup is a llama-server flag that `chat` does not take" in r.output, r.output
+    with pytest.raises(ps.ModelFileError, match=r"pass it as mmproj=\.\.\. \(--mmproj\)"):
+        ps.load(mmproj)

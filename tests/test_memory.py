@@ -187,7 +187,7 @@ def test_a_configuration_that_cannot_fit_is_refused_before_anything_is_allocated
 
 
 def test_the_context_is_bounded_by_the_training_length(tiny_dense):
-    with pytest.raises(ValueError, match="above the target's training length"):
+    with pytest.raises(ValueError, match=r"above the target's training length .* use n_ctx=\d+ or less \(-c \d+\)"):
         ps.load(tiny_dense.target, n_ctx=tiny.TINY_CONTEXT_LENGTH + 1, n_threads=N_THREADS)
     with ps.load(tiny_dense.target, n_ctx=0, **TINY_ENGINE) as engine:
         assert engine.ctx.n_ctx == tiny.TINY_CONTEXT_LENGTH  # -c 0: the training length

@@ -170,17 +170,43 @@ class ModelCommand(click.Command):
     command line, since llama-server numbers the adapters in that order across both flags (the
     ids GET /lora-adapters and a request's ``lora`` use)."""
 
+    #: llama-server's flags this command has no option for are translated or ignored (serve), not refused
+    takes_llama_server_flags = False
+
     def make_parser(self, ctx: click.Context):
         parser = super().make_parser(ctx)
         parse = parser.parse_args
 
         def parse_args(args):
+            if not self.takes_llama_server_flags:
+                self._refuse_llama_server_only_flags(ctx, args)
             opts, rest, order = parse(args=args)  # order: one entry per option given, in order
             ctx.meta[_LORA_ORDER] = [p.name for p in order if p.name in ("lora", "lora_scaled")]
             return opts, rest, order
 
         parser.parse_args = parse_args
         return parser
+
+    def _refuse_llama_server_only_flags(self, ctx: click.Context, args: list[str]) -> None:
+        """Name what click would misread: a llama-server flag this command lacks, and a short flag glued to
+        a word (click reads ``-cd 4096`` as ``-c d`` and says 'd' is not a valid integer)."""
+        from pyllama_spec.cli.llama_server_cli import BY_NAME
+
+        options = {name: p for p in self.get_params(ctx) if isinstance(p, click.Option)
+                   for name in (*p.opts, *p.secondary_opts)}
+        for arg in args:
+            if arg == "--" or not arg.startswith("-") or arg in options:
+                if arg == "--":
+                    break
+                continue
+            name = arg.split("=", 1)[0]
+            if name in BY_NAME and name not in options:
+                raise click.UsageError(f"{name} is a llama-server flag that `{ctx.info_name}` does not take "
+                                       "(`pyllama-spec serve` reads llama-server's command lines)", ctx)
+            glued = options.get(arg[:2]) if not arg.startswith("--") and len(arg) > 2 else None
+            if glued is not None and isinstance(glued.type, (click.types.IntParamType, click.types.FloatParamType)) \
+                    and arg[2:].isalpha():
+                raise click.UsageError(f"no such option: {arg} ({arg[:2]} takes a number: {arg[:2]} 4096)", ctx)
 
 
 def lora_adapters(o: dict) -> list[tuple[str, float]]:

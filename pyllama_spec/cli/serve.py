@@ -27,6 +27,8 @@ from pyllama_spec.cli.options import (
 class LlamaServerCommand(ModelCommand):
     """A click command that reads llama-server's command lines (see llama_server_cli)."""
 
+    takes_llama_server_flags = True
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         for param in self.params:  # llama-server's environment variables, for the options it shares

@@ -15,7 +15,7 @@ import dataclasses
 from pyllama_spec.bindings import devices
 from pyllama_spec.bindings.model import Model, check_gguf_file
 from pyllama_spec.drafters.registry import MemorySettings, Method, Pairing
-from pyllama_spec.errors import InsufficientMemoryError
+from pyllama_spec.errors import InsufficientMemoryError, ModelFileError
 from pyllama_spec.gguf import memory
 from pyllama_spec.gguf.reader import read_gguf_shared
 from pyllama_spec.serving.config import EngineConfig
@@ -36,6 +36,11 @@ def plan_load(config: EngineConfig, method: Method | None) -> LoadPlan:
         if path is not None:
             check_gguf_file(path, what)  # a clear error for a bad file comes first
     info = read_gguf_shared(c.model)
+    for path, what, setting in ((c.model, "the target model", "model (-m)"), (c.draft, "the draft", "draft (-md)")):
+        if path is not None and (info if path == c.model else read_gguf_shared(path)).arch == "clip":
+            raise ModelFileError(f"{path} is a projector (an mmproj file), not a model: it cannot be {what}; pass it "
+                                 f"as mmproj=... (--mmproj{' or --mmproj-draft' if path == c.draft else ''}) and a "
+                                 f"language model as {setting}")
     n_ctx_train = int(info.metadata.get(f"{info.arch}.context_length", 0) or 0)
     if c.n_ctx == 0 and n_ctx_train:  # llama.cpp's -c 0: the model's training length
         c = dataclasses.replace(c, n_ctx=n_ctx_train)
@@ -43,8 +48,9 @@ def plan_load(config: EngineConfig, method: Method | None) -> LoadPlan:
     if n_ctx_train and per_slot > n_ctx_train:
         slots = "" if c.n_parallel == 1 else f" per slot ({c.n_parallel} slots share n_ctx {c.n_ctx})"
         raise ValueError(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} "
-                         f"tokens, {info.arch}.context_length): positions past it were never trained; use -c "
-                         f"{n_ctx_train * c.n_parallel} or less (or -c 0 for exactly that)")
+                         f"tokens, {info.arch}.context_length): positions past it were never trained; use "
+                         f"n_ctx={n_ctx_train * c.n_parallel} or less (-c {n_ctx_train * c.n_parallel}), or n_ctx=0 "
+                         "(-c 0) for exactly that")
     placement = devices.plan(c, draft_uses_target_head=bool(method and method.uses_target_head))
     est = estimate_memory(c, method)
     budget = placement.memory_budget(c.n_gpu_layers)  # (device(s), free bytes)

@@ -50,7 +50,8 @@ class PromptParts:
         else:
             text = prompt.text
         if image_list and self.projector is None:
-            raise ImageError("images were given but the engine has no projector: load(..., mmproj=...)")
+            raise ImageError("images were given but the engine has no projector: load it with mmproj=... "
+                             "(--mmproj)")
         if image_list and text.count(MEDIA_MARKER) == 0:
             # Images given without markers go first, as llama.cpp's CLI does.
             text = MEDIA_MARKER * len(image_list) + "\n" + text
@@ -115,7 +116,7 @@ class PromptParts:
         share = (f"n_ctx is {self.ctx.n_ctx}" if self.n_parallel == 1 else
                  f"each of the {self.n_parallel} slots has {n_ctx} of n_ctx {self.ctx.n_ctx}")
         return ContextOverflowError(f"the prompt needs {what} (+1 to generate) but {share}; "
-                                    "raise n_ctx or shorten the prompt / use smaller images")
+                                    "raise n_ctx (-c) or shorten the prompt / use smaller images")
 
     def refuse_a_prompt_that_cannot_fit(self, text: str) -> None:
         """Refuse, before tokenizing it, a prompt whose text alone cannot fit the context.
