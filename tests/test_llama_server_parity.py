@@ -339,8 +339,9 @@ def fim_servers(tiny_fim):
 
     theirs = _Process(["-m", str(tiny_fim.target), "--mmproj", str(tiny_fim.mmproj), "-c", "2048", "-np", "2",
                        "-b", "512", "-n", "200", "--no-warmup", "-t", "2"])
+    # the projector's flash attention off too, as llama-server's -fa off sets both: the same embeddings
     engine = ps.load(tiny_fim.target, mmproj=tiny_fim.mmproj, draft=tiny_fim.draft, n_ctx=2048, n_parallel=2,
-                     n_batch=512)
+                     n_batch=512, mmproj_flash_attn=False)
     ours = LocalServer(engine, ServerSettings(alias="tiny", default_max_tokens=200))
     yield ours.url, theirs.url
     ours.stop()

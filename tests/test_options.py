@@ -65,3 +65,30 @@ def test_cli_takes_llama_cpp_option_names(tiny_dense, big_image_png):
     assert result.exit_code == 0, result.output
     bad = CliRunner().invoke(main, [*args, "-ctv", "q8_0", "-fa", "off"])
     assert bad.exit_code == 1 and "needs flash attention" in bad.output
+
+
+def test_the_projector_has_flash_attention_auto_unless_fa_says_otherwise(tiny_dense, big_image_png, monkeypatch):
+    """The projector's flash attention is auto by default (2.6x faster encodes here, and lossless: the
+    target and its drafts read the same embeddings) while the model's stays off; -fa sets both, as in
+    llama-server (issue 44)."""
+    from pyllama_spec.serving import engine as engine_mod
+
+    seen = []
+    real = engine_mod.Engine.__init__
+
+    def spy(self, config):
+        seen.append((config.flash_attn, config.mmproj_flash_attn))
+        real(self, config)
+
+    monkeypatch.setattr(engine_mod.Engine, "__init__", spy)
+    base = ["generate", "-m", str(tiny_dense.target), "--mmproj", str(tiny_dense.mmproj), "-md", str(tiny_dense.draft),
+            "-t", "1", "-p", "hi", "--image", str(big_image_png), "-n", "2"]
+    for extra, expected in (([], (False, None)), (["-fa", "off"], (False, False)), (["-fa", "on"], (True, True)),
+                            (["-fa", "auto"], (None, None))):
+        result = CliRunner().invoke(main, [*base, *extra])
+        assert result.exit_code == 0, result.output
+        assert seen[-1] == expected, extra
+    with ps.load(tiny_dense.target, mmproj=tiny_dense.mmproj, n_threads=1) as engine:
+        assert (engine.config.flash_attn, engine.config.mmproj_flash_attn) == (False, None)
+        with_picture = engine.generate(f"{ps.MEDIA_MARKER}\nhi", images=[str(big_image_png)], max_tokens=4)
+        assert with_picture.tokens

@@ -350,8 +350,9 @@ def model_options(f):
                           "one slot, --verify match): the same tokens, more accepted at --temp > 0"),
         click.option("--verify", type=click.Choice(["match", "rejection"]), default="match", show_default=True,
                      help="acceptance at temperature > 0: rejection sampling, or llama.cpp's exact match"),
-        click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default="off",
-                     show_default=True),
+        click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default=None,
+                     help="flash attention for the model and the projector  [default: off for the model (a CPU "
+                          "batch's numerics then match a one-token decode's), auto for the projector]"),
         click.option("-t", "--threads", "n_threads", type=int, default=None, help="CPU threads"),
         click.option("-tb", "--threads-batch", "n_threads_batch", type=int, default=None,
                      help="CPU threads for prompt batches (default: as -t)"),
@@ -416,13 +417,16 @@ def model_options(f):
 def _load_engine(o: dict):
     from pyllama_spec.serving.engine import load
 
-    flash = {"on": True, "off": False, "auto": None}[o["flash_attn"]]
+    # -fa sets both, as llama-server's does; unset, the model's is off and the projector's auto
+    given = {"on": True, "off": False, "auto": None, None: "unset"}[o["flash_attn"]]
+    flash, mmproj_flash = (False, None) if given == "unset" else (given, given)
     if o.get("load_mode"):  # llama-server's -lm: mmap and mlock in one setting
         mode = o["load_mode"]
         o = {**o, "use_mmap": mode in ("auto", "mmap", "mmap+mlock"), "use_mlock": "mlock" in mode}
     kwargs = dict(n_ctx=o["n_ctx"], n_batch=o["n_batch"], n_ubatch=min(o["n_ubatch"], o["n_batch"]),
                   n_gpu_layers=o["n_gpu_layers"], draft_max=o["draft_max"], draft_positions=o["draft_positions"],
-                  verify=o["verify"], draft_tree=o["draft_tree"], flash_attn=flash, n_threads=o["n_threads"],
+                  verify=o["verify"], draft_tree=o["draft_tree"], flash_attn=flash, mmproj_flash_attn=mmproj_flash,
+                  n_threads=o["n_threads"],
                   n_threads_batch=o["n_threads_batch"], draft_n_gpu_layers=o["n_gpu_layers_draft"],
                   cache_type_k=o["cache_type_k"], cache_type_v=o["cache_type_v"],
                   cache_type_k_draft=o["cache_type_k_draft"], cache_type_v_draft=o["cache_type_v_draft"],

@@ -219,12 +219,12 @@ class Engine:
         if c.mmproj:
             offload = c.n_gpu_layers != 0 if c.mmproj_offload is None else c.mmproj_offload
             self.projector = Projector(c.mmproj, self.model, use_gpu=offload, n_threads=c.n_threads,
-                                       flash_attn=c.flash_attn)
+                                       flash_attn=c.mmproj_flash_attn)
         if c.mmproj_draft:
             draft_layers = c.n_gpu_layers if c.draft_n_gpu_layers is None else c.draft_n_gpu_layers
             offload = draft_layers != 0 if c.mmproj_offload is None else c.mmproj_offload
             self.draft_projector = Projector(c.mmproj_draft, self.draft_model, use_gpu=offload,
-                                             n_threads=c.n_threads, flash_attn=c.flash_attn, role="draft")
+                                             n_threads=c.n_threads, flash_attn=c.mmproj_flash_attn, role="draft")
             check_draft_projector(self.projector, self.draft_projector)
         if m is not None:
             m.open_target_features(self.ctx, pairing)
