@@ -240,3 +240,25 @@ def test_a_changed_source_file_is_compiled_again(tmp_path):
     assert nb.configure_and_build(tools, project, build, [], ["thing"], 1) == {"thing": True}
     (project / "thing.c").write_text("int thing(void) { return 43; }\n")
     assert nb.configure_and_build(tools, project, build, [], ["thing"], 1) == {"thing": True}
+
+
+def test_a_build_folder_copied_elsewhere_builds_again_instead_of_failing(tmp_path, capsys):
+    """A copied cache folder failed with CMake's "CMakeCache.txt directory ... is different" (issue 44)."""
+    import shutil
+
+    tools = nb.BuildTools.find()
+    project, build = _tiny_cmake_project(tmp_path), tmp_path / "build"
+    assert nb.configure_and_build(tools, project, build, [], ["thing"], 1) == {"thing": True}
+    moved = tmp_path / "moved" / "build"
+    shutil.copytree(build, moved)
+    assert nb.configure_and_build(tools, project, moved, [], ["thing"], 1) == {"thing": True}
+    assert "was made at" in capsys.readouterr().err
+    assert nb.configure_and_build(tools, project, moved, [], ["thing"], 1) == {"thing": False}
+
+
+def test_a_first_build_says_what_it_takes():
+    from pyllama_spec.native_build.cmake import first_build_minutes
+
+    assert first_build_minutes("cpu", 2) == "about 3-16 minutes"
+    assert first_build_minutes("cpu", 16) == "about 1-2 minutes"
+    assert first_build_minutes("cuda", 2) == "about 9-48 minutes"

@@ -114,6 +114,12 @@ def _cached_generator(cache: Path) -> str | None:
     return found.group(1).strip() if found else None
 
 
+def _cache_dir(cache: Path) -> str | None:
+    """The directory a CMakeCache.txt was made in (CMAKE_CACHEFILE_DIR)."""
+    found = re.search(r"^CMAKE_CACHEFILE_DIR:INTERNAL=(.*)$", cache.read_text(errors="replace"), re.MULTILINE)
+    return found.group(1).strip() if found else None
+
+
 def configure_and_build(tools: BuildTools, project: Path, build_dir: Path, cmake_args: list[str],
                         targets: list[str], jobs: int) -> dict[str, bool]:
     """Configure ``build_dir`` for ``project`` when needed, then build ``targets`` in it.
@@ -126,6 +132,12 @@ def configure_and_build(tools: BuildTools, project: Path, build_dir: Path, cmake
     configure = [*tools.configure_args(), "-S", str(project), "-B", str(build_dir), *cmake_args]
     stamp, cache = build_dir / "configure-args.json", build_dir / "CMakeCache.txt"
     previous = json.loads(stamp.read_text()) if stamp.exists() else None
+    if cache.exists() and _cache_dir(cache) not in (None, str(build_dir), str(build_dir.resolve())):
+        # a cache folder copied or moved: CMake refuses a CMakeCache.txt made in another directory
+        _say(f"the build folder was made at {_cache_dir(cache)}, not here; configuring it again")
+        shutil.rmtree(build_dir)
+        build_dir.mkdir(parents=True)
+        previous = None
     if previous != configure or not cache.exists():
         if cache.exists() and _cached_generator(cache) != tools.generator:
             # CMake refuses to switch a folder's generator: start this folder again
@@ -164,10 +176,24 @@ def build_native(opts: BuildOptions) -> NativeBuild:
     configure += cmake_args
     targets = (["pyllama_native"] + ([RPC_SERVER] if rpc_wanted(opts) else [])
                + (["llama-server"] if opts.tools else []))
-    compiled = configure_and_build(tools, project, build_dir, configure, targets, opts.jobs or os.cpu_count() or 2)
+    jobs = opts.jobs or os.cpu_count() or 2
+    if not (build_dir / "configure-args.json").exists():  # a first build: say what it takes
+        what = f"llama.cpp {PIN_UPSTREAM_COMMIT[:12]}" if source.origin == "pinned" else f"llama.cpp from {source.path}"
+        _say(f"compiling {what} for {opts.backend}: {first_build_minutes(opts.backend, jobs)} with {jobs} jobs "
+             f"(later builds reuse it); logs in {build_dir}")
+    compiled = configure_and_build(tools, project, build_dir, configure, targets, jobs)
     _write_build_summary(build_dir, compiled=compiled)
     return NativeBuild(build_dir, build_dir / "bin", source, opts.backend, tuple(cmake_args), key,
                        rpc=rpc_wanted(opts))
+
+
+def first_build_minutes(backend: str, jobs: int) -> str:
+    """About how long a first build takes: a CPU build measured 8-16 minutes with 2 jobs on a busy
+    2-core machine and 3-4 on an idle one; GPU backends compile their kernels besides."""
+    low, high = max(1, round(6 / jobs)), max(2, round(32 / jobs))
+    if backend in ("cuda", "rocm"):
+        low, high = low * 3, high * 3
+    return f"about {low}-{high} minutes"
 
 
 def find_llama_server() -> Path | None:

@@ -12,7 +12,20 @@ from .common import BuildError
 
 
 def _say(msg: str) -> None:
-    print(f"[pyllama-spec build] {msg}", file=sys.stderr, flush=True)
+    """A build message on standard error, and on the terminal when standard error is not one: pip
+    keeps a build's output to itself (the user saw only "Building editable ... still running")."""
+    line = f"[pyllama-spec build] {msg}"
+    print(line, file=sys.stderr, flush=True)
+    if not sys.stderr.isatty():
+        _to_terminal(line)
+
+
+def _to_terminal(line: str) -> None:
+    try:
+        with open("/dev/tty", "w") as tty:  # the controlling terminal, when there is one
+            tty.write(line + "\n")
+    except OSError:
+        pass  # none (CI, a daemon): standard error is all there is
 
 
 _STEP = re.compile(r"^\[(\d+)/(\d+)\]|^\[\s*(\d+)%\]")
