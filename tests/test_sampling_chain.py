@@ -160,11 +160,29 @@ def test_bad_sampling_settings_are_refused_before_anything_runs(engine, bad, mat
     ('root ::= "{0,9999}" [{}] # x{0,9999}\n', 11),  # braces in literals, classes and comments are not repetitions
     ('root ::= ("x"{0, # a comment\n 2000})', 1 + 2000 + 3 * 2000 + 1),  # nor do comments hide one
     ('root ::= a | b\na ::= "x"+\nb ::= "y"*', 14),
+    # a repetition of a repetition copies all of it again, as llama.cpp's does (its last_sym_start stays)
+    ('root ::= "' + "a" * 1000 + '"{1}{2000}', 1 + 1000 + 1000 * 1999),  # {n}: n copies, no rules
+    ('root ::= ("ab" # a comment is a space\n{2000})', 1 + 2 + 2 * 1999 + 1),
 ])
 def test_a_grammars_written_out_size_is_estimated_from_its_text(gbnf, symbols):
     from pyllama_spec.speculative.sampling import _parsed_size
 
     assert _parsed_size(gbnf)[1] == symbols
+
+
+@pytest.mark.parametrize("gbnf", [
+    'root ::= "a"{' + "#" * 40,  # backtracking over comments in braces took days at 40
+    'root ::= "a"{' + " " * 200_000 + "x",  # and quadratic time over spaces
+    "root ::= " + "[" * 200_000, 'root ::= ' + '"' * 200_001, "root ::= " + "{" * 100_000,  # unterminated
+])
+def test_the_estimate_takes_time_linear_in_the_grammar(gbnf):
+    import time
+
+    from pyllama_spec.speculative.sampling import _check_grammar_size
+
+    t0 = time.perf_counter()
+    _check_grammar_size(gbnf)  # what it is left to llama.cpp's parser to refuse
+    assert time.perf_counter() - t0 < 2  # a few hundred ms at most on a loaded 2-core machine
 
 
 def test_the_estimate_refuses_what_costs_and_takes_what_llama_cpp_parses_at_once(engine):

@@ -233,11 +233,10 @@ MAX_GRAMMAR_ELEMENTS = 2 ** 19
 _REPETITION_THRESHOLD = 2000
 
 # GBNF's tokens, as far as the parsed grammar's size goes: literals, character classes and comments
-# (skipped whole), "::=", groups, alternatives, repetition operators (llama.cpp allows spaces, newlines
-# and comments inside braces) and names.
-_SPACE = r"(?:\s|#[^\n]*)*"
-_GBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*|::=|[()|*+?]'
-                         rf"|\{{{_SPACE}(\d*){_SPACE}(?:(,){_SPACE}(\d*){_SPACE})?\}}|[A-Za-z0-9_.-]+")
+# (skipped whole; an unterminated one runs to the end, so that no match is retried from every
+# position), "::=", groups, alternatives, repetition operators ("{" alone: its contents are read by
+# hand, llama.cpp allowing spaces, newlines and comments inside) and names.
+_GBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"?|\[(?:\\.|[^\]\\])*\]?|#[^\n]*|::=|[()|*+?{]|[A-Za-z0-9_.-]+')
 
 
 def _check_grammar_size(gbnf: str) -> None:
@@ -259,16 +258,25 @@ def _check_grammar_size(gbnf: str) -> None:
 def _parsed_size(gbnf: str) -> tuple[int, int]:
     """(deepest group nesting, symbols once llama.cpp's parser has written out every repetition).
 
-    As llama.cpp's parser does (llama-grammar.cpp, ``handle_repetitions``): a repetition copies the
-    element before it, a literal (its characters), a class, a rule name or a group (one reference to
-    the group's rule, whose contents are written once); ``x{m,n}`` is n copies of x and n - m optional
-    rules of three more symbols each; a maximum above 2,000 is read as none, and ``x{m,}`` is m + 1
-    copies and one rule; ``x*``, ``x+`` and ``x?`` are ``x{0,}``, ``x{1,}`` and ``x{0,1}``."""
+    As llama.cpp's parser does (llama-grammar.cpp, ``handle_repetitions``): a repetition copies what
+    came since the element before it began, a literal (its characters), a class, a rule name or a group
+    (one reference to the group's rule, whose contents are written once), and a repetition of that
+    repetition copies all of it again; ``x{m,n}`` is n copies of x and n - m optional rules of three more
+    symbols each; a maximum above 2,000 is read as none, and ``x{m,}`` is m + 1 copies and one rule;
+    ``x*``, ``x+`` and ``x?`` are ``x{0,}``, ``x{1,}`` and ``x{0,1}``. Comments are spaces. Linear in
+    the text's length."""
     total, depth, deepest, last = 0, 0, 0, 0
-    for m in _GBNF_TOKEN.finditer(gbnf):
+    pos, n = 0, len(gbnf)
+    while True:
+        m = _GBNF_TOKEN.search(gbnf, pos)
+        if m is None:
+            break
+        pos = m.end()
         tok = m.group(0)
         c = tok[0]
-        if c == "#" or c == "|" or tok == "::=":
+        if c == "#":
+            continue  # a comment is a space: the element before it can still be repeated
+        if c == "|" or tok == "::=":
             last = 0
             continue
         if c == "(":
@@ -278,15 +286,18 @@ def _parsed_size(gbnf: str) -> tuple[int, int]:
             continue
         if c in "*+?{":
             if c == "{":
-                low, comma, high = int(m.group(1) or 0), m.group(2), m.group(3)
-                high = low if not comma else int(high) if high else None
+                bounds, pos = _braces(gbnf, pos)
+                if bounds is None:
+                    continue  # not a repetition llama.cpp reads: it refuses the grammar
+                low, high = bounds
             else:
                 low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
             if high is not None and high > _REPETITION_THRESHOLD:
                 high = None  # llama.cpp: no maximum
             copies, rules = (low + 1, 1) if high is None else (max(high, low), high - low if high > low else 0)
             total += last * (copies - 1) + 3 * rules  # the element itself is counted already
-            last = 0  # a repetition of a repetition repeats the rule reference llama.cpp wrote
+            # what a repetition of this repetition copies: the element's m copies and the reference
+            last = last * low + (1 if rules else 0)
             continue
         if c == ")":
             depth = max(depth - 1, 0)
@@ -298,6 +309,42 @@ def _parsed_size(gbnf: str) -> tuple[int, int]:
         total += size
         last = size
     return deepest, total
+
+
+def _braces(gbnf: str, pos: int) -> tuple[tuple[int, int | None] | None, int]:
+    """The bounds of the repetition ``{m}``, ``{m,}`` or ``{m,n}`` whose "{" ends at ``pos`` (spaces,
+    newlines and comments allowed around them, as llama.cpp's parser allows), and where it ends; None
+    for what is not one. Reads each character once."""
+    n = len(gbnf)
+
+    def space(i: int) -> int:
+        while i < n and (gbnf[i] in " \t\r\n" or gbnf[i] == "#"):
+            i = (gbnf.find("\n", i) if gbnf[i] == "#" else i + 1)
+            if i == -1:
+                return n
+        return i
+
+    def number(i: int) -> tuple[int | None, int]:
+        j = i
+        while j < n and gbnf[j].isdigit() and j - i < 12:
+            j += 1
+        return (int(gbnf[i:j]) if j > i else None), j
+
+    i = space(pos)
+    low, i = number(i)
+    if low is None:
+        return None, i
+    i = space(i)
+    if i < n and gbnf[i] == "}":
+        return (low, low), i + 1
+    if i >= n or gbnf[i] != ",":
+        return None, i
+    i = space(i + 1)
+    high, i = number(i)
+    i = space(i)
+    if i < n and gbnf[i] == "}":
+        return (low, high), i + 1
+    return None, i
 
 
 def _logit_bias(given, n_vocab: int) -> tuple[tuple[int, float], ...]:
