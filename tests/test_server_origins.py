@@ -140,3 +140,24 @@ def test_a_cross_site_request_without_an_origin_is_refused():
     listed = _app(OriginPolicy.parse("https://app.example.com"))
     assert listed.get("/act", headers={"Sec-Fetch-Site": "same-site"}).status_code == 403
     assert _app(OriginPolicy.parse("*")).get("/act", headers={"Sec-Fetch-Site": "cross-site"}).status_code == 200
+
+
+def test_a_proxy_that_keeps_the_name_a_link_to_the_page_and_other_loopback_forms_are_served():
+    """Second review: a reverse proxy keeping its Host is served when --cors-origins names it; following a
+    link to the chat page from another site is a navigation, not a request from that site; a loopback
+    address written as IPv4-mapped IPv6 or with a trailing dot is loopback."""
+    policy = OriginPolicy.parse("https://chat.example.com", listen_host="127.0.0.1")
+    assert _app(policy, base_url="https://chat.example.com").post("/act").status_code == 200
+    assert _app(policy, base_url="https://other.example.com").post("/act").status_code == 403
+    for base in ("http://localhost.:8080", "http://[::ffff:127.0.0.1]:8080"):
+        assert _app(policy, base_url=base).post("/act").status_code == 200, base
+    local = _app(OriginPolicy.parse("localhost", listen_host="127.0.0.1"), base_url="http://127.0.0.1:8080")
+    navigate = {"Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "navigate", "Sec-Fetch-Dest": "document"}
+    assert local.get("/act", headers=navigate).status_code == 403  # only the page's own paths
+    assert local.get("/", headers=navigate).status_code == 404  # served (this test app has no page)
+
+
+def test_the_router_does_not_pass_the_browsers_headers_it_checked_to_its_models():
+    from pyllama_spec.server.router.proxy import _REQUEST_HEADERS_DROPPED
+
+    assert {"origin", "sec-fetch-site", "sec-fetch-mode"} <= _REQUEST_HEADERS_DROPPED

@@ -641,3 +641,16 @@ def test_get_models_has_the_shape_of_llama_servers_router_on_the_same_preset(tin
         ours.stop()
         theirs.terminate()
         theirs.wait(timeout=30)
+
+
+def test_a_page_the_router_allows_is_served_by_the_model_too(router):
+    """The router checks a browser's Origin and Sec-Fetch-Site; its model's process sees neither (it
+    would judge them against its own address and refuse a page the router allowed)."""
+    headers = {"Origin": "http://localhost:5173", "Sec-Fetch-Site": "same-site", "Sec-Fetch-Mode": "cors"}
+    r = httpx.post(router.url + "/completion", json={"model": "hybrid", "prompt": "x", "n_predict": 2},
+                   headers=headers, timeout=120)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://localhost:5173", r.text
+    refused = httpx.post(router.url + "/completion", json={"model": "hybrid", "prompt": "x", "n_predict": 2},
+                         headers={**headers, "Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"},
+                         timeout=120)
+    assert refused.status_code == 403

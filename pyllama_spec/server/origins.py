@@ -61,6 +61,14 @@ class OriginPolicy:
         return cls(any_origin="*" in items, local_origins="localhost" in items,
                    origins=frozenset(v for v in items if v not in ("*", "localhost")), loopback_host=loopback)
 
+    def allows_host(self, host: str) -> bool:
+        """A request for ``host`` (a Host header's name) is served: any on a server that does not listen on
+        loopback; there, a loopback name or address, or a name an allowed origin has (a reverse proxy that
+        keeps the Host it was asked for)."""
+        if not self.loopback_host or self.any_origin or _is_loopback(host):
+            return True
+        return any(urlsplit(o).hostname == host.rstrip(".").lower() for o in self.origins)
+
     def allows(self, origin: str) -> bool:
         origin = _normal(origin)
         if self.any_origin or origin in self.origins:
@@ -79,13 +87,15 @@ def _normal(origin: str) -> str:
 
 def _is_loopback(host: str) -> bool:
     """``host`` (a name or an address, without a port) is this machine's loopback."""
-    host = host.strip("[]").lower()
+    host = host.strip("[]").rstrip(".").lower()
     if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def _host_name(host: str) -> str:
@@ -131,16 +141,22 @@ class CrossSiteGuard:
         headers = {k.lower(): v for k, v in scope.get("headers", ())}
         raw = headers.get(b"origin")
         host = headers.get(b"host", b"").decode("latin-1")
-        open_path = scope["path"] in OPEN_PATHS
-        if self.policy.loopback_host and host and not _is_loopback(_host_name(host)) and not open_path:
+        path = scope["path"]
+        open_path = path in OPEN_PATHS
+        if host and not open_path and not self.policy.allows_host(_host_name(host)):
             return await _refuse(send, "host_not_allowed", f"a request for the host {_shown(host)} was refused: this "
                                  "server listens on a loopback address and answers requests for localhost or "
                                  "127.0.0.1 (another name pointed at this machine is how a web page gets in); "
-                                 "listen on another address with --host to serve other names")
+                                 "behind a reverse proxy that keeps the name, allow it with --cors-origins "
+                                 "http://NAME")
         if raw is None:
             site = headers.get(b"sec-fetch-site", b"").decode("latin-1").lower()
-            if not open_path and (site == "cross-site" and not self.policy.any_origin or site == "same-site" and not (
-                    self.policy.any_origin or self.policy.local_origins)):
+            # following a link to the chat page from another site is a top-level navigation: it is served
+            page = scope["method"] in ("GET", "HEAD") and (path == "/" or path.startswith("/static/")) \
+                and headers.get(b"sec-fetch-mode", b"").decode("latin-1").lower() == "navigate"
+            if not open_path and not page and (site == "cross-site" and not self.policy.any_origin or
+                                               site == "same-site" and not (self.policy.any_origin
+                                                                            or self.policy.local_origins)):
                 return await _refuse(send, "origin_not_allowed", f"a {site} request from a web page was refused: "
                                      "this server answers pages from its own address and from localhost; start it "
                                      "with --cors-origins '*' to allow any site")

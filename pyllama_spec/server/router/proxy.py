@@ -25,7 +25,9 @@ log = logging.getLogger("pyllama_spec.server.router")
 _REQUEST_HEADERS_DROPPED = {"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
                             "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding",
                             "authorization", "x-api-key",
-                            "origin"}  # checked by the router (server/origins.py); the child's address differs
+                            # checked by the router (server/origins.py): the child would judge them against
+                            # its own address
+                            "origin", "sec-fetch-site", "sec-fetch-mode", "sec-fetch-dest", "sec-fetch-user"}
 _RESPONSE_HEADERS_DROPPED = {"server", "date", "transfer-encoding", "content-length", "connection", "keep-alive"}
 
 
