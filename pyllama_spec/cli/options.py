@@ -49,7 +49,7 @@ def _default_lengths() -> str:
     by_length: dict[int, list[str]] = {}
     for m in METHODS:
         by_length.setdefault(m.draft_max, []).append(m.name)
-    return ", ".join(f"{n} for {', '.join(names)}" for n, names in by_length.items())
+    return "; ".join(f"{n} for {' and '.join(names)}" for n, names in by_length.items())
 
 
 _DEFAULT_LENGTHS = _default_lengths()
@@ -194,10 +194,17 @@ class ModelCommand(click.Command):
 
         options = {name: p for p in self.get_params(ctx) if isinstance(p, click.Option)
                    for name in (*p.opts, *p.secondary_opts)}
+        value_next = False  # the argument is an option's value (`-p -tired`: a prompt)
         for arg in args:
-            if arg == "--" or not arg.startswith("-") or arg in options:
-                if arg == "--":
-                    break
+            if value_next:
+                value_next = False
+                continue
+            if arg == "--":
+                break
+            if not arg.startswith("-"):
+                continue
+            if arg in options:
+                value_next = not options[arg].is_flag and options[arg].nargs == 1
                 continue
             name = arg.split("=", 1)[0]
             if name in BY_NAME and name not in options:

@@ -120,6 +120,15 @@ def _cache_dir(cache: Path) -> str | None:
     return found.group(1).strip() if found else None
 
 
+def _same_dir(recorded: str, build_dir: Path) -> bool:
+    """The folder a CMakeCache.txt records is ``build_dir`` (as CMake compares them: the same folder,
+    also through a symbolic link)."""
+    try:
+        return os.path.samefile(recorded, build_dir)
+    except OSError:  # the recorded folder is gone: the cache was moved
+        return False
+
+
 def configure_and_build(tools: BuildTools, project: Path, build_dir: Path, cmake_args: list[str],
                         targets: list[str], jobs: int) -> dict[str, bool]:
     """Configure ``build_dir`` for ``project`` when needed, then build ``targets`` in it.
@@ -132,9 +141,10 @@ def configure_and_build(tools: BuildTools, project: Path, build_dir: Path, cmake
     configure = [*tools.configure_args(), "-S", str(project), "-B", str(build_dir), *cmake_args]
     stamp, cache = build_dir / "configure-args.json", build_dir / "CMakeCache.txt"
     previous = json.loads(stamp.read_text()) if stamp.exists() else None
-    if cache.exists() and _cache_dir(cache) not in (None, str(build_dir), str(build_dir.resolve())):
+    made_at = _cache_dir(cache) if cache.exists() else None
+    if made_at is not None and not _same_dir(made_at, build_dir):
         # a cache folder copied or moved: CMake refuses a CMakeCache.txt made in another directory
-        _say(f"the build folder was made at {_cache_dir(cache)}, not here; configuring it again")
+        _say(f"the build folder was made at {made_at}, not here; configuring it again")
         shutil.rmtree(build_dir)
         build_dir.mkdir(parents=True)
         previous = None

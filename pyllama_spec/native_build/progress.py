@@ -22,9 +22,9 @@ def _say(msg: str) -> None:
 
 def _to_terminal(line: str) -> None:
     try:
-        with open("/dev/tty", "w") as tty:  # the controlling terminal, when there is one
+        with open("/dev/tty", "w", encoding="utf-8", errors="replace") as tty:  # the controlling terminal
             tty.write(line + "\n")
-    except OSError:
+    except (OSError, ValueError):
         pass  # none (CI, a daemon): standard error is all there is
 
 

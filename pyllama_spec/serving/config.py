@@ -42,8 +42,9 @@ class EngineConfig:
     verify: str = "match"
     flash_attn: bool | None = False
     # The projector's flash attention: None (auto, llama-server's default) where the target's stays off.
-    # Lossless either way (the target and its drafts read the same embeddings); 2.7x faster encodes on
-    # this CPU (bench/RESULTS.md). llama-server's -fa sets both; here the CLI's -fa does too.
+    # Speculative output stays target-only's whatever it is (the target and its drafts read the same
+    # embeddings), though the embeddings, and so the text, may differ slightly from a run with it off;
+    # 2.6x faster encodes on this CPU (bench/RESULTS.md). llama-server's -fa sets both; the CLI's too.
     mmproj_flash_attn: bool | None = None
     n_threads: int | None = None
     n_threads_batch: int | None = None
@@ -128,7 +129,8 @@ class EngineConfig:
 
 #: The most drafted tokens in a tree: each leaf takes a sequence id, and llama.cpp has 256.
 DRAFT_TREE_LIMIT = 255
-#: A tree's depth when no draft_max is given: as deep as the draft goes (a DFlash block less one).
+#: A tree's depth when no draft_max is given: 16, which the draft caps to what it can reach (15 for a
+#: DFlash block of 16), as the default was before the per-method lengths.
 DRAFT_TREE_DEPTH = 16
 
 
