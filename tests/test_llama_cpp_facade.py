@@ -95,6 +95,16 @@ def test_import_llama_cpp_finds_the_facade(run_python):
     assert res.stdout.split() == ["0.3.36", "pyllama_spec.llama_cpp.llama", "True"]
 
 
+def test_verbose_prints_llama_cpps_log_as_llama_cpp_python_does(run_python):
+    """Llama(verbose=True), llama-cpp-python's default, prints llama.cpp's log to stderr; False does not."""
+    code = ("from pyllama_spec.llama_cpp import Llama\n"
+            f"llm = Llama({TARGET!r}, n_ctx=256, n_threads=1, verbose={{}})\n"
+            "llm('def f(', max_tokens=2)\n")
+    quiet, loud = (run_python(code.format(v)) for v in (False, True))
+    assert quiet.returncode == loud.returncode == 0, loud.stderr[-2000:]
+    assert "llama_context" not in quiet.stderr and "llama_context" in loud.stderr
+
+
 # ----------------------------------------------------------------------------- completions
 
 def test_a_completion_is_the_engines_greedy_text_in_llama_cpp_pythons_shape(llm, greedy):

@@ -106,7 +106,8 @@ class Llama:
         settings.update(_draft_settings(draft_model))
         from pyllama_spec.serving.engine import load
 
-        self._engine = load(self.model_path, **settings)
+        # verbose (llama-cpp-python's default: True) prints llama.cpp's log to stderr, as there
+        self._engine = load(self.model_path, verbose=verbose, **settings)
         self.n_tokens = 0
 
     # ------------------------------------------------------------------ lifecycle
