@@ -276,3 +276,30 @@ def test_generate_with_a_draft_tree_gives_the_target_only_text(tmp_path):
     assert tree["stats"]["accepted"] > chain["stats"]["accepted"]
     bad = CliRunner().invoke(main, ["generate", "-t", "1", "-p", "x", "--draft-tree", "8", "--verify", "rejection"])
     assert bad.exit_code == 1 and "draft_tree" in bad.output, bad.output
+
+
+def test_an_image_chat_on_the_embedded_default_answers_with_code(tmp_path):
+    """Issue 44: on the embedded pair, a chat with a picture answered with blanks only (greedy, the tiny
+    pair repeats a space after a picture); without -m the commands give it DRY, and it writes Python,
+    through chat and generate, with the same text as target-only."""
+    import re
+
+    from pyllama_spec.embedded import draw_demo_image
+
+    card = tmp_path / "card.png"
+    draw_demo_image(448).save(card)
+    def reply(*extra: str) -> str:
+        result = CliRunner().invoke(main, ["chat", "-t", "1", "-n", "32", *extra],
+                                    input=f"@{card} def draw(picture):\n/quit\n", terminal_width=200)
+        assert result.exit_code == 0, result.output
+        return result.output.split("/help for commands\n> ", 1)[1].split(" tok/s")[0]  # the answer, its footer
+
+    assert re.search(r"[A-Za-z_]{4,}", reply()), reply()  # identifiers, not blanks
+    assert not re.search(r"[A-Za-z_]{4,}", reply("--dry-multiplier", "0").rsplit("\n", 1)[0])  # blanks without
+    outs = []
+    for spec in ("draft-dflash", "none"):
+        r = CliRunner().invoke(main, ["generate", "-t", "1", "--spec-type", spec, "--image", str(card), "-p",
+                                      "class Stack:", "-n", "32", "--json"])
+        assert r.exit_code == 0, r.output
+        outs.append(json.loads(r.output[r.output.index("{"):])["text"])
+    assert outs[0] == outs[1] and re.search(r"[A-Za-z_]{4,}", outs[0]), outs

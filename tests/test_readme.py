@@ -166,3 +166,25 @@ def test_the_two_commands_ci_runs_are_the_readmes_first_two():
     runs = [line for line in ci.splitlines() if line.startswith("python3 -m pip")]
     assert runs[0].startswith(first + " ||") and runs[1].startswith(second + " ||"), runs[:2]
     assert ci.index(first + " ||") < ci.index(second + " ||") < ci.index("build.py --tools")
+
+
+def test_an_image_chat_with_the_embedded_server_answers_with_code(served_embedded, tmp_path):
+    """Issue 44: `serve` on the embedded pair answered a chat with a picture with blanks (60 spaces to
+    the openai client); it writes Python now (DRY, given to the embedded pair)."""
+    import base64
+    import io
+    import urllib.request
+
+    from pyllama_spec.embedded import draw_demo_image
+
+    buf = io.BytesIO()
+    draw_demo_image(448).save(buf, "PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                      {"type": "text", "text": "class Stack:"}]}],
+            "max_tokens": 32, "temperature": 0}
+    req = urllib.request.Request(f"http://127.0.0.1:{served_embedded}/v1/chat/completions",
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        content = json.loads(r.read())["choices"][0]["message"]["content"]
+    assert re.search(r"[A-Za-z_]{4,}", content), repr(content)

@@ -463,9 +463,19 @@ def _load_engine(o: dict):
         embedded = embedded_models()
         model, mmproj = embedded.target, embedded.mmproj
         draft = embedded.draft if o["spec_type"] != "none" else None
+        dry = ""
+        if o.get("dry_multiplier") is None:
+            # The tiny pair, greedy, writes nothing but spaces after a picture in a chat; llama.cpp's DRY
+            # sampler (the same in target-only and speculative runs) makes it write Python there too.
+            kwargs["sampling"] = {**kwargs["sampling"], "dry_multiplier": EMBEDDED_DRY_MULTIPLIER}
+            dry = f"; DRY {EMBEDDED_DRY_MULTIPLIER}, without which it writes blanks after a picture (--dry-multiplier 0)"
         err_console.print(f"[dim]no -m: using the embedded trained pair in {embedded.target.parent} (a tiny "
-                          "target, mmproj and DFlash draft that write Python)[/dim]", soft_wrap=True)
+                          f"target, mmproj and DFlash draft that write Python{dry})[/dim]", soft_wrap=True)
     return load(model, mmproj=mmproj, draft=draft, spec_type=o["spec_type"], **kwargs)
+
+
+#: The embedded pair's default --dry-multiplier (given no -m and no --dry-multiplier).
+EMBEDDED_DRY_MULTIPLIER = 0.8
 
 
 def _chat_template(o: dict) -> str | None:
