@@ -89,9 +89,13 @@ class Estimate:
         return rows
 
 
-def _hparams(info, key: str, default=None):
+def _hparams(info, key: str, default=None, *, largest: bool = False):
+    """A hyperparameter of the model's architecture; of one given per layer, the first layer's (or, with
+    ``largest``, the largest)."""
     v = info.metadata.get(f"{info.arch}.{key}", default)
-    return int(v[0]) if hasattr(v, "__len__") and not isinstance(v, str) else (int(v) if v is not None else default)
+    if hasattr(v, "__len__") and not isinstance(v, str):
+        return max((int(x) for x in v), default=default) if largest else int(v[0])
+    return int(v) if v is not None else default
 
 
 def kv_bytes_per_row(path: str | Path, *, type_k: str, type_v: str) -> int:
@@ -103,9 +107,7 @@ def kv_bytes_per_row(path: str | Path, *, type_k: str, type_v: str) -> int:
     info = read_gguf(path)
 
     def most(key: str, default: int) -> int:
-        v = info.metadata.get(f"{info.arch}.{key}", default)
-        values = list(v) if hasattr(v, "__len__") and not isinstance(v, str) else [v]
-        return max((int(x) for x in values), default=default)
+        return _hparams(info, key, default, largest=True)
 
     n_layer = most("block_count", 0) + most("nextn_predict_layers", 0)
     n_embd = most("embedding_length", 0)
