@@ -223,7 +223,7 @@ def test_a_body_of_millions_of_tiny_arrays_is_refused_before_it_is_parsed():
     import json
 
     from pyllama_spec.server.errors import APIError
-    from pyllama_spec.server.schema import MAX_JSON_CONTAINERS, parse_json_body
+    from pyllama_spec.server.json_body import MAX_JSON_CONTAINERS, parse_json_body
 
     start = time.perf_counter()
     with pytest.raises(APIError, match="more than .* arrays and objects") as e:

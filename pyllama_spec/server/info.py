@@ -10,7 +10,7 @@ from starlette.staticfiles import StaticFiles
 
 from pyllama_spec import __version__
 from pyllama_spec.server.errors import APIError, bad_request
-from pyllama_spec.server.schema import parse_json_body
+from pyllama_spec.server.json_body import parse_json_body
 from pyllama_spec.server.service import RouteSpec, Service, read_body
 from pyllama_spec.server.llama_fields import generation_params
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import reprlib
 from typing import Any
@@ -22,15 +21,6 @@ from pyllama_spec.serving.request import Request, RequestOptions
 from pyllama_spec.speculative.positions import DRAFT_POSITION_MODES
 from pyllama_spec.speculative.verify import VERIFY_RULES
 
-#: How deeply a request body may nest arrays and objects (an OpenAI request needs a handful of
-#: levels, a tool's JSON schema a few dozen): deeper is a 400, whatever Python's stack would allow.
-MAX_JSON_DEPTH = 100
-#: Arrays and objects one request body may hold. Parsing costs about 60 bytes of memory and
-#: some 0.3 us of the GIL per container, so a 64 MiB body of "[]," would take 1.5 GB and
-#: seconds of every thread; no real request comes near this.
-MAX_JSON_CONTAINERS = 100_000
-
-
 _SHOW = reprlib.Repr()
 _SHOW.maxstring = _SHOW.maxother = 80
 _SHOW.maxlevel = 3
@@ -40,71 +30,6 @@ def _show(value: Any) -> str:
     """A request value for an error message: its repr, shortened (a value can be 60 MB long or
     nested a hundred levels deep; the message stays short)."""
     return _SHOW.repr(value)
-
-
-def _too_deep(value: Any, limit: int) -> bool:
-    """Whether ``value`` nests lists and dicts more than ``limit`` levels deep (level by level,
-    without recursion)."""
-    level, depth = [value], 0
-    while level:
-        depth += 1
-        if depth > limit:
-            return True
-        children = []
-        for v in level:
-            items = v.values() if type(v) is dict else v
-            children += [c for c in items if type(c) is list or type(c) is dict]
-        level = children
-    return False
-
-
-def _containers_at_least(raw: bytes, enough: int) -> int:
-    """A number that is at least ``enough`` exactly when ``raw`` opens at least ``enough`` arrays
-    and objects ('[' and '{' outside strings). Brackets are counted at C speed; only when there
-    are that many in all are strings skipped, one bytes.find per string (a regex over strings
-    took 22 s on one 60 MB string)."""
-    total = raw.count(b"[") + raw.count(b"{")
-    if total < enough:
-        return total
-    found, at, n = 0, 0, len(raw)
-    while at < n:
-        quote = raw.find(b'"', at)
-        end = n if quote < 0 else quote
-        found += raw.count(b"[", at, end) + raw.count(b"{", at, end)
-        if found >= enough or quote < 0:
-            return found
-        at = quote + 1
-        while True:  # the closing quote: one not escaped by an odd run of backslashes
-            close = raw.find(b'"', at)
-            if close < 0:
-                return found  # an unterminated string: json.loads will say so
-            k = close - 1
-            while k >= at and raw[k] == 0x5C:  # each backslash is looked at once, by the quote after it
-                k -= 1
-            at = close + 1
-            if (close - 1 - k) % 2 == 0:
-                break
-    return found
-
-
-def parse_json_body(raw: bytes) -> Any:
-    """A request body as a JSON value; anything json.loads refuses (or would need more stack
-    for) is a 400."""
-    too_deep = f"the request body nests too deeply (more than {MAX_JSON_DEPTH} levels of arrays and objects)"
-    if _containers_at_least(raw, MAX_JSON_CONTAINERS + 1) > MAX_JSON_CONTAINERS:
-        raise bad_request(f"the request body holds more than {MAX_JSON_CONTAINERS} arrays and objects")
-    try:
-        value = json.loads(raw)
-    except RecursionError:
-        raise bad_request(too_deep) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
-    except ValueError as e:  # an integer of more than sys.get_int_max_str_digits() digits
-        raise bad_request(f"the request body is not valid JSON: {str(e).split(';')[0]}") from None
-    # A body deep enough to nest this far has at least as many brackets: most bodies are not walked.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _too_deep(value, MAX_JSON_DEPTH):
-        raise bad_request(too_deep)
-    return value
 
 
 @dataclasses.dataclass

@@ -31,8 +31,9 @@ from pyllama_spec.server.errors import APIError, bad_request
 from pyllama_spec.server.images import ImageLimits
 from pyllama_spec.server.logprobs import LogprobFormatter
 from pyllama_spec.server.metrics import ServerMetrics
-from pyllama_spec.server.schema import GenerationRequest, RequestLimits, parse_json_body
+from pyllama_spec.server.schema import GenerationRequest, RequestLimits
 from pyllama_spec.server.chat import render_chat
+from pyllama_spec.server.json_body import parse_json_body
 from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
 from pyllama_spec.server.origins import OriginPolicy
 from pyllama_spec.server.worker import Job, QueueFullError, Worker
@@ -113,9 +114,10 @@ def engine_error(e: BaseException) -> APIError:
 async def read_json(request: Request, limit: int, timeout: float) -> tuple[Any, int]:
     """The request's JSON body and its size: at most ``limit`` bytes, all of it within ``timeout``
     seconds (a client sending its body a byte at a time holds nothing longer), parsed by
-    ``parse_json_body`` (every way it can fail is a 400)."""
+    ``parse_json_body`` (every way it can fail is a 400): a large body on a thread, where it takes
+    turns with the event loop."""
     raw = await read_body(request, limit, timeout)
-    return parse_json_body(raw), len(raw)
+    return await off_loop(len(raw) > PARSE_ON_A_THREAD_ABOVE, parse_json_body, raw), len(raw)
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:

@@ -18,7 +18,7 @@ from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
 from pyllama_spec.server.origins import CrossSiteGuard
 from pyllama_spec.server.router.pool import ModelSpec, ModelState, Router, RouterSettings
 from pyllama_spec.server.router.proxy import EventsResponse, ProxyResponse
-from pyllama_spec.server.schema import parse_json_body
+from pyllama_spec.server.json_body import parse_json_body
 from pyllama_spec.server.service import (
     ERROR_HANDLERS,
     check_api_key,

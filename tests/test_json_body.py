@@ -1,0 +1,120 @@
+"""The request body parser (server/json_body.py): json.loads's value and errors, in steps that
+never hold the GIL long, within limits that bound a body's memory and time (issue 43, item 5)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("starlette", reason="the server extra brings starlette")
+from pyllama_spec.server import json_body  # noqa: E402
+from pyllama_spec.server.errors import APIError  # noqa: E402
+from pyllama_spec.server.json_body import parse_in_steps, parse_json_body  # noqa: E402
+
+# surrogates written raw (json.dumps(ensure_ascii=False) keeps them) and as escapes, pairs included
+_TEXT = st.text(st.characters(codec=None, blacklist_categories=()), max_size=30) | st.sampled_from(
+    ["\U0001F600" * 5, "\ud83d", "\ude00x", "é\n\"\\/\t\x1f", "\\" * 7, ""])
+_SCALARS = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | _TEXT
+_VALUES = st.recursive(_SCALARS, lambda inner: st.lists(inner, max_size=8)
+                       | st.dictionaries(_TEXT, inner, max_size=8), max_leaves=60)
+
+
+@pytest.fixture
+def tiny_steps(monkeypatch):
+    """Pieces and runs of a few characters, so that every boundary case shows in small texts."""
+    def use(piece: int, run: int) -> None:
+        monkeypatch.setattr(json_body, "STRING_PIECE", piece)
+        monkeypatch.setattr(json_body, "RUN_CHARS", run)
+    return use
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=_VALUES, ascii_only=st.booleans(), indent=st.sampled_from([None, 0, 2]),
+       piece=st.integers(1, 40), run=st.integers(1, 60))
+def test_parse_in_steps_gives_what_json_loads_gives(tiny_steps, value, ascii_only, indent, piece, run):
+    tiny_steps(piece, run)
+    text = json.dumps(value, ensure_ascii=ascii_only, indent=indent)
+    assert parse_in_steps(text) == json.loads(text)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(value=_VALUES, cut=st.integers(0, 10_000), insert=st.sampled_from(
+    ["", ",", "]", "}", "[", "{", '"', "\\", ":", "x", "\x01", "\\u12", "1e", " ", "\\ud83d"]),
+       piece=st.integers(1, 40), run=st.integers(1, 60))
+@example(value=["a" * 30], cut=3, insert="", piece=7, run=5)  # an unterminated long string
+def test_parse_in_steps_refuses_what_json_loads_refuses(tiny_steps, value, cut, insert, piece, run):
+    """A valid text, cut short or with something inserted: refused by both or read alike."""
+    tiny_steps(piece, run)
+    text = json.dumps(value)
+    cut = min(cut, len(text))
+    text = text[:cut] + insert + text[cut + (1 if insert == "" else 0):]
+    try:
+        expected = json.loads(text)
+    except ValueError:
+        with pytest.raises(ValueError):
+            parse_in_steps(text)
+    else:
+        assert parse_in_steps(text) == expected
+
+
+@pytest.mark.parametrize("piece", range(1, 14))
+def test_a_long_strings_pieces_never_split_an_escape_or_a_surrogate_pair(tiny_steps, piece):
+    tiny_steps(piece, 4)
+    text = json.dumps(["ab\U0001F600\\\"\u00e9\n" * 9, "\\" * 13 + "\U0001F600", "x\ud83d", "\ude00y"])
+    assert parse_in_steps(text) == json.loads(text)
+
+
+def test_the_limits_are_400s_that_name_them():
+    def refused(raw: bytes) -> str:
+        with pytest.raises(APIError) as e:
+            parse_json_body(raw)
+        assert e.value.status == 400
+        return str(e.value)
+
+    n = json_body.MAX_JSON_VALUES
+    assert "more than 4,000,000 values" in refused(b"[" + b"1," * n + b"1]")
+    assert len(parse_json_body(b"[" + b"1," * (n - 1) + b"1]")) == n
+    members = json_body.MAX_OBJECT_MEMBERS
+    many = {f"k{i}": i for i in range(members + 1)}
+    assert f"more than {members} members" in refused(json.dumps({"logit_bias": many}).encode())
+    many.pop("k0")
+    assert len(parse_json_body(json.dumps({"logit_bias": many}).encode())["logit_bias"]) == members
+    # nesting, in one call and in steps (a body over one step's size)
+    for pad in (b"", b" " * (json_body.STRING_PIECE + 1)):
+        assert "nests too deeply" in refused(pad + b"[" * 101 + b"]" * 101)
+        assert parse_json_body(pad + b"[" * 100 + b"]" * 100) is not None
+        assert "not valid JSON" in refused(pad + b'{"a": [1, 2,]}')
+
+
+def test_a_body_of_millions_of_values_lets_other_threads_run():
+    """json.loads holds the GIL for the whole body (3 million floats: about 0.6 s here); the stepped
+    parse lets another thread in every few milliseconds. Compared as a ratio, on the same body."""
+    raw = json.dumps({"messages": [], "unused": [i * 0.001 for i in range(3_000_000)]}).encode()
+
+    def longest_wait_beside(parse) -> float:
+        stop, longest = threading.Event(), [0.0]
+
+        def probe():
+            last = time.perf_counter()
+            while not stop.is_set():
+                time.sleep(0.001)
+                now = time.perf_counter()
+                longest[0], last = max(longest[0], now - last), now
+
+        thread = threading.Thread(target=probe)
+        thread.start()
+        time.sleep(0.05)
+        value = parse(raw)
+        stop.set()
+        thread.join()
+        assert len(value["unused"]) == 3_000_000
+        return longest[0]
+
+    whole = longest_wait_beside(json.loads)
+    stepped = longest_wait_beside(parse_json_body)
+    assert stepped * 4 < whole, (stepped, whole)
