@@ -155,16 +155,33 @@ def tokenize_content(model: Vocabulary, content: Any, *, add_special: bool = Fal
     if not isinstance(content, list):
         raise bad_request(f"'content' must be a string or a list of strings and token ids, got "
                           f"{type(content).__name__}", "content")
+    # Ids, and the tokens of short strings, gather in a list that becomes int32 arrays of _STEP ids:
+    # an array per part would cost some 100 bytes a token, and concatenating millions of them
+    # holds the GIL for as long.
     parts: list[np.ndarray] = []
+    ids: list[int] = []
     for i, part in enumerate(content):
-        if isinstance(part, str):
-            parts.append(_tokens(model, part, add_special and i == 0, parse_special))
-        elif type(part) is int and part in _INT32:
-            parts.append(np.array([part], np.int32))
+        if type(part) is int and part in _INT32:
+            ids.append(part)
+        elif isinstance(part, str):
+            tokens = _tokens(model, part, add_special and i == 0, parse_special)
+            if len(tokens) < _STEP:
+                ids += tokens.tolist()
+            else:
+                parts += _int32_arrays(ids)
+                ids = []
+                parts.append(tokens)
         else:
             raise bad_request(f"'content[{i}]' must be a string or a token id (a 32-bit integer), got "
                               f"{_SHOW.repr(part)}", "content")
+    if ids:
+        parts += _int32_arrays(ids)
     return np.concatenate(parts) if parts else np.zeros(0, np.int32)
+
+
+def _int32_arrays(ids: list[int]) -> list[np.ndarray]:
+    """``ids`` as int32 arrays of ``_STEP`` ids each (one C call each, a few milliseconds of the GIL)."""
+    return [np.array(ids[at:at + _STEP], np.int32) for at in range(0, len(ids), _STEP)]
 
 
 def _tokens(model: Vocabulary, text: str, add_special: bool, parse_special: bool) -> np.ndarray:
