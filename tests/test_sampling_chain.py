@@ -163,6 +163,7 @@ def test_bad_sampling_settings_are_refused_before_anything_runs(engine, bad, mat
     # a repetition of a repetition copies all of it again, as llama.cpp's does (its last_sym_start stays)
     ('root ::= "' + "a" * 1000 + '"{1}{2000}', 1 + 1000 + 1000 * 1999),  # {n}: n copies, no rules
     ('root ::= ("ab" # a comment is a space\n{2000})', 1 + 2 + 2 * 1999 + 1),
+    ('root ::= "x"{0000000000000000002000}', 1 + 2000),  # every digit is read, leading zeros and all
 ])
 def test_a_grammars_written_out_size_is_estimated_from_its_text(gbnf, symbols):
     from pyllama_spec.speculative.sampling import _parsed_size
@@ -178,10 +179,10 @@ def test_a_grammars_written_out_size_is_estimated_from_its_text(gbnf, symbols):
 def test_the_estimate_takes_time_linear_in_the_grammar(gbnf):
     import time
 
-    from pyllama_spec.speculative.sampling import _check_grammar_size
+    from pyllama_spec.speculative.sampling import check_grammar_size
 
     t0 = time.perf_counter()
-    _check_grammar_size(gbnf)  # what it is left to llama.cpp's parser to refuse
+    check_grammar_size(gbnf)  # what it is left to llama.cpp's parser to refuse
     assert time.perf_counter() - t0 < 2  # a few hundred ms at most on a loaded 2-core machine
 
 
@@ -193,6 +194,26 @@ def test_the_estimate_refuses_what_costs_and_takes_what_llama_cpp_parses_at_once
     engine.generate(PROMPT, max_tokens=2, json_schema={"type": "string", "maxLength": 150_000})
     engine.generate(PROMPT, max_tokens=2, json_schema={"type": "array", "items": {"type": "integer"},
                                                        "maxItems": 100_000})
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"grammar": 'root ::= "x"{2,1}'},
+    {"json_schema": {"type": "array", "items": {"type": "string"}, "minItems": 5, "maxItems": 2}},
+    {"json_schema": {"type": "string", "minLength": 5, "maxLength": 2}},
+], ids=["grammar", "minItems over maxItems", "minLength over maxLength"])
+def test_a_repetition_whose_maximum_is_below_its_minimum_is_refused_before_the_parser(engine, kwargs):
+    """llama.cpp's parser computes n - m of x{m,n} unsigned: with n < m it writes rules until the memory
+    is gone (llama-server from the pin, capped at 6 GB: a 400 after 22 s). JSON schemas convert to such
+    a repetition, so do the facade's grammars."""
+    from pyllama_spec.llama_cpp.llama_grammar import LlamaGrammar
+    from pyllama_spec.serving.grammars import GrammarError
+
+    with pytest.raises(ValueError, match="the maximum is below the minimum"):
+        engine.generate(PROMPT, max_tokens=2, **kwargs)
+    if "grammar" in kwargs:
+        with pytest.raises(GrammarError, match="the maximum is below the minimum"):
+            LlamaGrammar.from_string(kwargs["grammar"])
+    assert engine.generate(PROMPT, max_tokens=2, grammar='root ::= "x"{1,1}').text == "x"
 
 
 def test_unknown_sampling_settings_are_a_type_error(engine):

@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pyllama_spec.bindings.grammar import GrammarError, check_grammar
+from pyllama_spec.bindings.grammar import GrammarError
+from pyllama_spec.bindings.grammar import check_grammar as _parse
 from pyllama_spec.bindings.grammar import json_schema_to_grammar as _convert
+from pyllama_spec.speculative.sampling import check_grammar_size
 
 #: The most conversion work a schema may ask: the sum over its objects of (optional properties) ** 3.
 MAX_SCHEMA_COST = 290 ** 3
@@ -25,6 +27,19 @@ MAX_SCHEMA_DEPTH = 128
 
 __all__ = ["GrammarError", "MAX_SCHEMA_COST", "MAX_SCHEMA_DEPTH", "check_grammar", "check_schema_cost",
            "json_schema_to_grammar"]
+
+
+def check_grammar(gbnf: str) -> None:
+    """Raise GrammarError unless ``gbnf`` parses and has a ``root`` rule (llama.cpp's parser), after the
+    size check: a grammar whose repetitions would write out too many symbols, or whose ``{m,n}`` has
+    n < m (the parser never ends on it), is refused before the parser sees it."""
+    try:
+        check_grammar_size(gbnf)
+    except GrammarError:
+        raise
+    except ValueError as e:
+        raise GrammarError(str(e)) from None
+    _parse(gbnf)
 
 
 def check_schema_cost(schema: Any, what: str = "json_schema") -> None:

@@ -184,7 +184,7 @@ def sampling_params(given: dict, *, n_ctx: int, n_vocab: int) -> SamplingParams:
     if v.get("grammar") == "":
         v["grammar"] = None  # llama-server: an empty grammar is no grammar
     if v.get("grammar") is not None:
-        _check_grammar_size(v["grammar"])
+        check_grammar_size(v["grammar"])
     return SamplingParams(**v)
 
 
@@ -239,7 +239,7 @@ _REPETITION_THRESHOLD = 2000
 _GBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"?|\[(?:\\.|[^\]\\])*\]?|#[^\n]*|::=|[()|*+?{]|[A-Za-z0-9_.-]+')
 
 
-def _check_grammar_size(gbnf: str) -> None:
+def check_grammar_size(gbnf: str) -> None:
     """Refuse (ValueError, naming the limit) a grammar too large, nested too deep, or whose repetitions
     would make llama.cpp's parser write out too many symbols; in time linear in its length."""
     if len(gbnf) > MAX_GRAMMAR_CHARS:
@@ -290,6 +290,11 @@ def _parsed_size(gbnf: str) -> tuple[int, int]:
                 if bounds is None:
                     continue  # not a repetition llama.cpp reads: it refuses the grammar
                 low, high = bounds
+                if high is not None and low <= _REPETITION_THRESHOLD and high < low:
+                    # llama.cpp counts the n - m optional rules in an unsigned integer: n < m wraps
+                    # around, and its parser writes rules until the memory is gone
+                    raise ValueError(f"the grammar repeats an element {{{low},{high}}} times: the maximum is below "
+                                     "the minimum")
             else:
                 low, high = {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
             if high is not None and high > _REPETITION_THRESHOLD:
@@ -325,10 +330,15 @@ def _braces(gbnf: str, pos: int) -> tuple[tuple[int, int | None] | None, int]:
         return i
 
     def number(i: int) -> tuple[int | None, int]:
+        # all the digits, as llama.cpp's parse_int reads them (leading zeros and all); beyond 2,000
+        # the value only matters as "above", so a long number is not converted
         j = i
-        while j < n and gbnf[j].isdigit() and j - i < 12:
+        while j < n and gbnf[j] in "0123456789":
             j += 1
-        return (int(gbnf[i:j]) if j > i else None), j
+        digits = gbnf[i:j].lstrip("0") or ("0" if j > i else "")
+        if not digits:
+            return None, j
+        return (int(digits) if len(digits) <= 9 else 10**9), j
 
     i = space(pos)
     low, i = number(i)
