@@ -18,10 +18,22 @@ with its native part built; default this one) and measures, one server per item:
 - ``costly_schema``: a JSON schema of 20,000 optional properties (issue 43, item 1), and
   ``grammar_repetitions``: 11,800 rules of ``"x"{0,2000}`` (item 3), each beside a request on the
   other slot as above, with the server's peak resident memory after;
+- ``schema_near_limit``: a JSON schema of 285 optional properties, just under the conversion limit
+  (item 2), beside a request on the other slot;
+- ``responses_store``: 380 stored Responses requests of 300 KB, mostly an unused field of an input
+  item (item 4): the server's peak resident memory after;
 - ``cross_site``: a ``text/plain`` POST to ``/lora-adapters`` with a foreign ``Origin`` (item 8): its
-  status, and whether the scales changed.
+  status, and whether the scales changed;
+- ``numeric_body``: a chat request with 3,000,000 floats (61 MB) in a field no route reads, and
+  ``tokenize_mixed``: ``/tokenize`` of 3,000,000 token ids and strings, and ``tokenize_31m``: of
+  31,000,000 ids (62 MB) (item 5), each beside a request on the other slot, with the server's peak
+  resident memory after.
 
-``--only a,b`` runs the items named.
+Every item also reports ``health_max_ms``: the longest a ``/health`` request, sent every 20 ms
+on a connection of its own while the item ran, waited for its answer (the event loop's stalls).
+
+``--only a,b`` runs the items named; ``--llama-server BIN`` runs them against llama-server (built
+from the pin: ``python build.py --tools``) on the same target, for comparison.
 
 Run it on two trees to compare (e.g. ``git worktree add /tmp/old REV`` and copy
 ``pyllama_spec/_native/`` build outputs into it).
@@ -30,8 +42,10 @@ Run it on two trees to compare (e.g. ``git worktree add /tmp/old REV`` and copy
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -82,13 +96,15 @@ def peak_rss_mib(pid: int) -> float:
 
 
 class Server:
-    def __init__(self, tree: Path, models, *extra: str) -> None:
+    def __init__(self, tree: Path, models, *extra: str, llama_server: Path | None = None) -> None:
         self.port = free_port()
         env = dict(os.environ, PYTHONPATH=str(tree))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pyllama_spec.cli", "serve", "--port", str(self.port), "-t", "1", "-c", "16384",
-             "-np", "2", "-m", str(models.target), "--mmproj", str(models.mmproj), "-md", str(models.draft), *extra],
-            env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        common = ["--port", str(self.port), "-t", "1", "-c", "16384", "-np", "2", "-m", str(models.target)]
+        command = ([str(llama_server), *common] if llama_server else
+                   [sys.executable, "-m", "pyllama_spec.cli", "serve", *common, "--mmproj", str(models.mmproj),
+                    "-md", str(models.draft)])
+        self.proc = subprocess.Popen([*command, *extra], env=env, cwd=tree, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -105,7 +121,31 @@ class Server:
             self.proc.wait()
 
 
-def beside(port: int, body: dict, path: str = "/v1/completions") -> dict:
+class HealthWatch:
+    """Asks ``/health`` every 20 ms, on a kept-alive connection of its own, until stopped: the
+    longest wait for an answer, in milliseconds."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.longest, self._stop = port, 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        while not self._stop.wait(0.02):
+            start = time.monotonic()
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+            self.longest = max(self.longest, time.monotonic() - start)
+        conn.close()
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return round(self.longest * 1000, 1)
+
+
+def beside(port: int, body: dict | bytes, path: str = "/v1/completions") -> dict:
     """``body`` on one slot; 0.5 s later a 1-token request on the other: both timed."""
     out = {}
 
@@ -125,6 +165,8 @@ def main() -> int:
     ap.add_argument("--tree", type=Path, default=ROOT)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--only", default=None, help="items to run, separated by commas (default: all)")
+    ap.add_argument("--llama-server", type=Path, default=None,
+                    help="run the items against this llama-server binary instead (the target model only)")
     args = ap.parse_args()
     only = set(args.only.split(",")) if args.only else None
     sys.path.insert(0, str(ROOT))
@@ -136,9 +178,11 @@ def main() -> int:
     def item(name, fn):
         if only is not None and name not in only:
             return
-        server = Server(args.tree, models)
+        server = Server(args.tree, models, llama_server=args.llama_server)
         try:
+            watch = HealthWatch(server.port)
             results[name] = fn(server)
+            results[name]["health_max_ms"] = watch.stop()
         finally:
             server.close()
         print(name, json.dumps(results[name]), flush=True)
@@ -190,14 +234,26 @@ def main() -> int:
 
     item("sigterm", sigterm)
 
-    def costly(body: dict):
+    def costly(body: dict | bytes, path: str = "/completion"):
         def run(s):
-            out = beside(s.port, body, "/completion")
+            out = beside(s.port, body, path)
             return {**out, "alive": s.proc.poll() is None, "peak_rss_mib": round(peak_rss_mib(s.proc.pid))}
         return run
 
     schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20000)}}
     item("costly_schema", costly({"prompt": "hi", "n_predict": 4, "json_schema": schema}))
+    near = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(285)}}
+    item("schema_near_limit", costly({"prompt": "hi", "n_predict": 4, "json_schema": near}))
+
+    def responses_store(s):
+        item_ = {"type": "message", "role": "user", "content": "hi", "unused": "u" * 300_000}
+        start, statuses = time.monotonic(), set()
+        for _ in range(380):
+            statuses.add(post(s.port, "/v1/responses", {"input": [item_], "max_output_tokens": 1, "store": True})[0])
+        return {"statuses": sorted(statuses), "seconds": round(time.monotonic() - start, 1),
+                "peak_rss_mib": round(peak_rss_mib(s.proc.pid))}
+
+    item("responses_store", responses_store)
     grammar = "root ::= r0\n" + "".join(f'r{i} ::= "x"{{0,2000}}\n' for i in range(11800))
     item("grammar_repetitions", costly({"prompt": "hi", "n_predict": 4, "grammar": grammar}))
 
@@ -217,7 +273,15 @@ def main() -> int:
         return {"status": status, "scales_unchanged": scales() == before}
 
     item("cross_site", cross_site)
-    for name in ("newlines", "long_stop", "costly_schema", "grammar_repetitions"):
+    rng = random.Random(0)
+    floats = [rng.random() for _ in range(3_000_000)]
+    item("numeric_body", costly({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                                 "cached_embeddings": floats}, "/v1/chat/completions"))
+    mixed = [rng.randrange(1000) if i % 3 else "ab" for i in range(3_000_000)]
+    item("tokenize_mixed", costly({"content": mixed}, "/tokenize"))
+    item("tokenize_31m", costly(b'{"content": [' + b"1," * 31_000_000 + b'1]}', "/tokenize"))
+    for name in ("newlines", "long_stop", "costly_schema", "grammar_repetitions", "numeric_body",
+                 "tokenize_mixed", "tokenize_31m"):
         if name in results:
             results[name] = {k: round(v, 2) if isinstance(v, float) else v for k, v in results[name].items()}
     if args.out:

@@ -638,11 +638,13 @@ def test_count_tokens_refuses_what_messages_refuses(server, body):
 
 @pytest.fixture(scope="module")
 def both(tiny_dense, server):
-    """(this server, llama-server) on the same target and projector; llama-server without the draft."""
+    """(this server, llama-server) on the same target and projector; llama-server without the draft.
+    Its -n 256 bounds the answer to a request without max_tokens (llama-server's 200), which otherwise
+    runs to the end of the context: minutes on a loaded machine."""
     from test_llama_server_parity import _Process
 
     theirs = _Process(["-m", str(tiny_dense.target), "--mmproj", str(tiny_dense.mmproj), "-c", "2048", "-np", "1",
-                       "--no-warmup", "-t", "2"])
+                       "--no-warmup", "-t", "2", "-n", "256"])
     yield server.url, theirs.url
     theirs.stop()
 
