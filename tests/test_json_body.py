@@ -77,7 +77,7 @@ def test_the_limits_are_400s_that_name_them():
         return str(e.value)
 
     n = json_body.MAX_JSON_VALUES
-    assert "more than 4,000,000 values" in refused(b"[" + b"1," * n + b"1]")
+    assert f"more than {n:,} values" in refused(b"[" + b"1," * n + b"1]")
     assert len(parse_json_body(b"[" + b"1," * (n - 1) + b"1]")) == n
     members = json_body.MAX_OBJECT_MEMBERS
     many = {f"k{i}": i for i in range(members + 1)}
@@ -89,6 +89,21 @@ def test_the_limits_are_400s_that_name_them():
         assert "nests too deeply" in refused(pad + b"[" * 101 + b"]" * 101)
         assert parse_json_body(pad + b"[" * 100 + b"]" * 100) is not None
         assert "not valid JSON" in refused(pad + b'{"a": [1, 2,]}')
+    # a number read in steps is at most MAX_NUMBER_CHARS long (one C call reads all of a float)
+    long_float = b"1." + b"0" * json_body.MAX_NUMBER_CHARS
+    assert "a number of more than" in refused(b'{"x": ' + long_float + b"}" + b" " * json_body.STRING_PIECE)
+    # UTF-16 is read in steps, its containers counted on its text: no false count on its bytes
+    text = '{"prompt": "\u2200' + "\u5b5b" * 50_001 + '"}'
+    assert parse_json_body(text.encode("utf-16-le")) == json.loads(text)
+    # where a body is not UTF-8, in the body
+    bad = b'{"prompt": "' + b"a" * (3 * json_body.STRING_PIECE) + b'\xff"}'
+    assert "position 3145740" in refused(bad)
+
+
+@pytest.mark.parametrize("raw", [b"[" + b" " * 30_000_000 + b"1]", b'{"a":' + b"\n" * 30_000_000 + b"2}"],
+                         ids=["spaces", "newlines"])
+def test_long_runs_of_space_are_read_in_steps_too(raw):
+    assert parse_json_body(raw) == json.loads(raw)
 
 
 def test_a_body_of_millions_of_values_lets_other_threads_run():

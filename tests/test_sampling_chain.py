@@ -196,6 +196,22 @@ def test_the_estimate_refuses_what_costs_and_takes_what_llama_cpp_parses_at_once
                                                        "maxItems": 100_000})
 
 
+@pytest.mark.parametrize("gbnf, limit", [
+    # llama.cpp ends a comment at "\r" too: the rest of the text is grammar (it crashed the parser's stack,
+    # or took a gigabyte, hidden from the estimate)
+    ("# c\rroot ::= " + "(" * 100_000 + '"x"' + ")" * 100_000, "nests groups"),
+    ('# c\rroot ::= "' + "x" * 30_000 + '"{2000}\r', "symbols once written out"),
+    ('root ::= ("x"{#\r1} "' + "y" * 30_000 + '"{2000})', "symbols once written out"),
+    # each group and optional rule is named after its rule: a long name costs again with every one (1 GB)
+    ('root ::= "x"\n' + "A" * 30_000 + " ::= " + ".?" * 30_000, "names"),
+], ids=["comment ended by CR", "CR after a repetition", "CR in braces", "long rule name"])
+def test_the_estimate_reads_what_llama_cpps_parser_reads(gbnf, limit):
+    from pyllama_spec.speculative.sampling import check_grammar_size
+
+    with pytest.raises(ValueError, match=limit):
+        check_grammar_size(gbnf)
+
+
 @pytest.mark.parametrize("kwargs", [
     {"grammar": 'root ::= "x"{2,1}'},
     {"json_schema": {"type": "array", "items": {"type": "string"}, "minItems": 5, "maxItems": 2}},

@@ -34,7 +34,8 @@ MAX_JSON_CONTAINERS = 100_000
 #: the GIL at a million). A logit_bias over the largest vocabulary (262,144 tokens) fits.
 MAX_OBJECT_MEMBERS = 300_000
 #: Values one body may hold in its arrays and objects. Each costs some 30 bytes, and freeing a
-#: container of millions holds the GIL for its length (4 million floats: about 35 ms).
+#: container of millions holds the GIL for its length (4 million floats: 35 ms; in 100,000 lists, with
+#: the collector, 70-106 ms). A tiny vocabulary's tokens of a 3.3 MB text (3.3 million) fit.
 MAX_JSON_VALUES = 4_000_000
 #: A body with at most this many values (counted from its commas and colons) is parsed by one
 #: ``json.loads``: some 15 ms of the GIL at worst (a float takes about 0.24 us to read).
@@ -49,6 +50,10 @@ _SCAN_VALUE = _DECODER.scan_once  # the C scanner: one JSON value from an index
 _scanstring = json.decoder.scanstring  # the C string reader: from after the opening quote
 _SPACE = re.compile(r"[ \t\n\r]*")
 _HEX = "[0-9a-fA-F]"
+#: The longest number a body may hold, in characters (json.loads refuses an integer of more than 4,300
+#: digits, but reads a float of any length in one call: 60 million digits held the GIL 240 ms).
+MAX_NUMBER_CHARS = 4400
+_LONG_NUMBER = re.compile(rf"[-+0-9.eE]{{{MAX_NUMBER_CHARS + 1}}}")
 _WS = r"[ \t\n\r]*"
 _STRING = r'"(?:[^"\\]++|\\.)*+"'
 _SCALAR = rf"(?:{_STRING}|[^\s\"\[\]{{}},:]++)"
@@ -56,6 +61,7 @@ _SCALAR = rf"(?:{_STRING}|[^\s\"\[\]{{}},:]++)"
 #: its comma (the json module then reads the run, and says what is wrong with it).
 _ELEMENTS = re.compile(rf"(?:{_WS}{_SCALAR}{_WS},)*+")
 _MEMBERS = re.compile(rf"(?:{_WS}{_STRING}{_WS}:{_WS}{_SCALAR}{_WS},)*+")
+_CONTROL = re.compile(r"[\x00-\x1f]")
 _LOW_SURROGATE_ESCAPE = re.compile(rf"\\u[dD][c-fC-F]{_HEX}{{2}}")
 _PAIR_ESCAPE = re.compile(rf"\\u[dD][89abAB]{_HEX}{{2}}\\u[dD][c-fC-F]{_HEX}{{2}}")
 
@@ -65,7 +71,7 @@ def parse_json_body(raw: bytes) -> Any:
     limits, is a 400. A small body is read by one ``json.loads``; any other in steps
     (``parse_in_steps``), so that no single C call holds the GIL for long."""
     try:
-        if len(raw) <= STRING_PIECE and raw.count(b",") + raw.count(b":") <= ONE_CALL_VALUES:
+        if not takes_steps(raw):
             if _containers_at_least(raw, MAX_JSON_CONTAINERS + 1) > MAX_JSON_CONTAINERS:
                 raise OverLimit(_TOO_MANY_CONTAINERS)
             value = json.loads(raw)
@@ -84,6 +90,14 @@ def parse_json_body(raw: bytes) -> Any:
         raise bad_request(f"the request body is not valid JSON: {str(e).split(';')[0]}") from None
 
 
+def takes_steps(raw: bytes) -> bool:
+    """Whether ``parse_json_body`` reads ``raw`` in steps, slower than one json.loads but never
+    holding the GIL long: a body over ``STRING_PIECE`` bytes, of many values, or not in UTF-8 (the
+    containers are counted on its bytes only in UTF-8). The caller runs such a body off the event loop."""
+    return (len(raw) > STRING_PIECE or raw.count(b",") + raw.count(b":") > ONE_CALL_VALUES
+            or not json.detect_encoding(raw).startswith("utf-8"))
+
+
 class OverLimit(ValueError):
     """A JSON text passes one of this module's limits (its message says which)."""
 
@@ -96,11 +110,18 @@ _TOO_MANY_MEMBERS = f"an object in the request body holds more than {MAX_OBJECT_
 
 
 def _decode(raw: bytes) -> str:
-    """``raw`` as text, in the encoding json.loads would read it in, ``STRING_PIECE`` bytes per C call."""
-    decoder = codecs.getincrementaldecoder(json.detect_encoding(raw))("surrogatepass")
-    view = memoryview(raw)
-    pieces = [decoder.decode(view[at:at + STRING_PIECE]) for at in range(0, len(raw), STRING_PIECE)]
-    pieces.append(decoder.decode(b"", final=True))
+    """``raw`` as text, in the encoding json.loads would read it in, ``STRING_PIECE`` bytes per C call
+    (ASCII in one: a copy, as quick as joining the pieces would be)."""
+    encoding = json.detect_encoding(raw)
+    if encoding == "utf-8" and raw.isascii():
+        return raw.decode("ascii")
+    decoder = codecs.getincrementaldecoder(encoding)("surrogatepass")
+    view, pieces = memoryview(raw), []
+    for at in range(0, len(raw), STRING_PIECE):
+        try:
+            pieces.append(decoder.decode(view[at:at + STRING_PIECE], final=at + STRING_PIECE >= len(raw)))
+        except UnicodeDecodeError as e:  # where in the body, not in the piece
+            raise UnicodeDecodeError(encoding, raw, at + e.start, at + e.end, e.reason) from None
     return "".join(pieces)
 
 
@@ -115,7 +136,7 @@ def parse_in_steps(text: str) -> Any:
     end, opened, values = len(text), 0, 0  # arrays and objects opened, values read
     stack: list[list | dict] = []  # the open arrays and objects, innermost last
     keys: list[str | None] = []  # each open object's key awaiting its value (None for an array)
-    at = _SPACE.match(text, 0).end()
+    at = _skip_space(text, 0)
     while True:
         # a value starts at `at`
         first = text[at:at + 1]
@@ -125,7 +146,7 @@ def parse_in_steps(text: str) -> Any:
                 raise OverLimit(_TOO_MANY_CONTAINERS)
             if len(stack) >= MAX_JSON_DEPTH:
                 raise OverLimit(_TOO_DEEP)
-            at = _SPACE.match(text, at + 1).end()
+            at = _skip_space(text, at + 1)
             if text.startswith("]" if first == "[" else "}", at):
                 value, at = [] if first == "[" else {}, at + 1
             else:
@@ -144,6 +165,8 @@ def parse_in_steps(text: str) -> Any:
         elif first == '"' and _maybe_long(text, at + 1):
             value, at = _long_string(text, at + 1)
         else:
+            if _LONG_NUMBER.match(text, at):
+                raise OverLimit(f"the request body holds a number of more than {MAX_NUMBER_CHARS} characters")
             try:
                 value, at = _SCAN_VALUE(text, at)
             except StopIteration as e:
@@ -151,7 +174,7 @@ def parse_in_steps(text: str) -> Any:
         # `value` is complete: it goes into the innermost open container, which may close in turn
         while True:
             if not stack:
-                at = _SPACE.match(text, at).end()
+                at = _skip_space(text, at)
                 if at != end:
                     raise json.JSONDecodeError("Extra data", text, at)
                 return value
@@ -165,10 +188,10 @@ def parse_in_steps(text: str) -> Any:
                 container[key] = value
                 if len(container) > MAX_OBJECT_MEMBERS:
                     raise OverLimit(_TOO_MANY_MEMBERS)
-            at = _SPACE.match(text, at).end()
+            at = _skip_space(text, at)
             sep = text[at:at + 1]
             if sep == ",":
-                at, n = _run(text, _SPACE.match(text, at + 1).end(), container)
+                at, n = _run(text, _skip_space(text, at + 1), container)
                 values += n
                 if values > MAX_JSON_VALUES:
                     raise OverLimit(_TOO_MANY_VALUES)
@@ -180,6 +203,13 @@ def parse_in_steps(text: str) -> Any:
                 keys.pop()
                 continue  # the closed container is itself a value
             raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
+
+
+def _skip_space(text: str, at: int) -> int:
+    """The index after the spaces at ``at``, matched ``STRING_PIECE`` characters per C call."""
+    while (end := _SPACE.match(text, at, at + STRING_PIECE).end()) == at + STRING_PIECE:
+        at = end
+    return end
 
 
 def _run(text: str, at: int, container: list | dict) -> tuple[int, int]:
@@ -201,7 +231,7 @@ def _run(text: str, at: int, container: list | dict) -> tuple[int, int]:
         container.update(values)
         if len(container) > MAX_OBJECT_MEMBERS:
             raise OverLimit(_TOO_MANY_MEMBERS)
-    return _SPACE.match(text, m.end()).end(), len(values)
+    return _skip_space(text, m.end()), len(values)
 
 
 def _key(text: str, at: int) -> tuple[str, int]:
@@ -212,10 +242,10 @@ def _key(text: str, at: int) -> tuple[str, int]:
         key, at = _long_string(text, at + 1)
     else:
         key, at = _scanstring(text, at + 1)
-    at = _SPACE.match(text, at).end()
+    at = _skip_space(text, at)
     if not text.startswith(":", at):
         raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
-    return key, _SPACE.match(text, at + 1).end()
+    return key, _skip_space(text, at + 1)
 
 
 def _maybe_long(text: str, start: int) -> bool:
@@ -229,6 +259,14 @@ def _long_string(text: str, start: int) -> tuple[str, int]:
     """The string whose text begins at ``start`` (after its opening quote), and the index after
     its closing quote: read ``STRING_PIECE`` characters at a time, each piece ending between two
     escapes (never between a surrogate pair's halves), so that joined they are the string json reads."""
+    quote = text.find('"', start)
+    if quote >= 0 and text.find("\\", start, quote) < 0:
+        # no escape (a prompt without newlines, an image's base64): the text is the string, once it is
+        # known to hold no control character; one copy instead of pieces copied and joined
+        for at in range(start, quote, STRING_PIECE):
+            if bad := _CONTROL.search(text, at, min(at + STRING_PIECE, quote)):
+                raise json.JSONDecodeError("Invalid control character at", text, bad.start())
+        return text[start:quote], quote + 1
     pieces, at = [], start
     while True:
         cut, closed = _piece_end(text, at, min(at + STRING_PIECE, len(text)))

@@ -33,7 +33,7 @@ from pyllama_spec.server.logprobs import LogprobFormatter
 from pyllama_spec.server.metrics import ServerMetrics
 from pyllama_spec.server.schema import GenerationRequest, RequestLimits
 from pyllama_spec.server.chat import render_chat
-from pyllama_spec.server.json_body import parse_json_body
+from pyllama_spec.server.json_body import parse_json_body, takes_steps
 from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
 from pyllama_spec.server.origins import OriginPolicy
 from pyllama_spec.server.worker import Job, QueueFullError, Worker
@@ -117,7 +117,7 @@ async def read_json(request: Request, limit: int, timeout: float) -> tuple[Any, 
     ``parse_json_body`` (every way it can fail is a 400): a large body on a thread, where it takes
     turns with the event loop."""
     raw = await read_body(request, limit, timeout)
-    return await off_loop(len(raw) > PARSE_ON_A_THREAD_ABOVE, parse_json_body, raw), len(raw)
+    return await off_loop(len(raw) > PARSE_ON_A_THREAD_ABOVE or takes_steps(raw), parse_json_body, raw), len(raw)
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:

@@ -155,27 +155,31 @@ def tokenize_content(model: Vocabulary, content: Any, *, add_special: bool = Fal
     if not isinstance(content, list):
         raise bad_request(f"'content' must be a string or a list of strings and token ids, got "
                           f"{type(content).__name__}", "content")
-    # Ids, and the tokens of short strings, gather in a list that becomes int32 arrays of _STEP ids:
-    # an array per part would cost some 100 bytes a token, and concatenating millions of them
-    # holds the GIL for as long.
-    parts: list[np.ndarray] = []
+    # Ids gather in a list that becomes int32 arrays of _STEP ids (an array per id would cost some
+    # 100 bytes); the arrays are joined _STEP // 16 at a time, so that no one concatenation of
+    # millions holds the GIL long, and what is kept is 4 bytes a token.
+    parts: list[np.ndarray] = []  # joined arrays
+    pending: list[np.ndarray] = []  # arrays not joined yet
     ids: list[int] = []
     for i, part in enumerate(content):
         if type(part) is int and part in _INT32:
             ids.append(part)
+            if len(ids) < _STEP:
+                continue
         elif isinstance(part, str):
-            tokens = _tokens(model, part, add_special and i == 0, parse_special)
-            if len(tokens) < _STEP:
-                ids += tokens.tolist()
-            else:
-                parts += _int32_arrays(ids)
-                ids = []
-                parts.append(tokens)
+            pending += _int32_arrays(ids)
+            ids = []
+            pending.append(_tokens(model, part, add_special and i == 0, parse_special))
         else:
             raise bad_request(f"'content[{i}]' must be a string or a token id (a 32-bit integer), got "
                               f"{_SHOW.repr(part)}", "content")
-    if ids:
-        parts += _int32_arrays(ids)
+        if len(ids) >= _STEP:
+            pending += _int32_arrays(ids)
+            ids = []
+        if len(pending) >= _STEP // 16:
+            parts.append(np.concatenate(pending))
+            pending = []
+    parts += [*pending, *_int32_arrays(ids)]
     return np.concatenate(parts) if parts else np.zeros(0, np.int32)
 
 

@@ -128,8 +128,7 @@ class PromptParts:
         for the BPE pre-tokenizers) once they alone pass the context. Images only add rows.
         """
         n_ctx = self.ctx.n_ctx_seq
-        segments = text.split(MEDIA_MARKER)
-        n_bytes = sum(len(seg.encode("utf-8", errors="surrogatepass")) for seg in segments)
+        n_bytes = _utf8_length(text) - text.count(MEDIA_MARKER) * len(MEDIA_MARKER.encode())
         if n_bytes < n_ctx:  # fewer bytes than rows: the exact check after tokenizing decides
             return
         at_least = self.model.tokens_at_least(n_bytes)
@@ -138,12 +137,25 @@ class PromptParts:
         if n_bytes < _COUNT_PIECES_ABOVE * n_ctx:
             return
         counted, pieces = 0, 0
-        for piece in _pieces_at_line_starts(segments, _COUNT_PIECE_CHARS):
+        for piece in _pieces_at_line_starts(text.split(MEDIA_MARKER), _COUNT_PIECE_CHARS):
             counted += len(self.model.tokenize(piece, add_special=False))
             pieces += 1
             if counted > n_ctx + _COUNT_SLACK_PER_PIECE * pieces:
                 raise self.overflow(f"more than {counted - _COUNT_SLACK_PER_PIECE * pieces} cache rows "
                                     f"(counted over the first {pieces} pieces of its {n_bytes} bytes of text)")
+
+
+#: Characters encoded per C call when a text's UTF-8 length is counted (a few milliseconds of the GIL).
+_ENCODE_STEP = 1 << 20
+
+
+def _utf8_length(text: str) -> int:
+    """The bytes of ``text`` in UTF-8 (lone surrogates as 3 each), without one C call over all of it:
+    this runs beside the event loop, and a 60 MB text took some 50 ms of the GIL split and encoded whole."""
+    if text.isascii():  # a flag Python keeps: no scan
+        return len(text)
+    return sum(len(text[at:at + _ENCODE_STEP].encode("utf-8", errors="surrogatepass"))
+               for at in range(0, len(text), _ENCODE_STEP))
 
 
 def _pieces_at_line_starts(segments: list[str], size: int) -> Iterator[str]:

@@ -231,12 +231,17 @@ MAX_GRAMMAR_NESTING = 256
 MAX_GRAMMAR_ELEMENTS = 2 ** 19
 #: llama.cpp's MAX_REPETITION_THRESHOLD: a larger maximum is read as none ({m,}), a larger minimum refused.
 _REPETITION_THRESHOLD = 2000
+#: The bytes of the names llama.cpp's parser may make for the rules it adds (a std::string each, in a
+#: map): about 32 MB, a few tenths of a second. Each name is its rule's name, "_" and a number,
+#: counted with its map node (some 48 bytes more).
+MAX_GRAMMAR_NAME_BYTES = 32 * 2**20
+_GENERATED_NAME_BYTES = 56
 
 # GBNF's tokens, as far as the parsed grammar's size goes: literals, character classes and comments
 # (skipped whole; an unterminated one runs to the end, so that no match is retried from every
 # position), "::=", groups, alternatives, repetition operators ("{" alone: its contents are read by
 # hand, llama.cpp allowing spaces, newlines and comments inside) and names.
-_GBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"?|\[(?:\\.|[^\]\\])*\]?|#[^\n]*|::=|[()|*+?{]|[A-Za-z0-9_.-]+')
+_GBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"?|\[(?:\\.|[^\]\\])*\]?|#[^\r\n]*|::=|[()|*+?{]|[A-Za-z0-9_.-]+')
 
 
 def check_grammar_size(gbnf: str) -> None:
@@ -244,19 +249,24 @@ def check_grammar_size(gbnf: str) -> None:
     would make llama.cpp's parser write out too many symbols; in time linear in its length."""
     if len(gbnf) > MAX_GRAMMAR_CHARS:
         raise ValueError(f"the grammar is {len(gbnf)} characters; at most {MAX_GRAMMAR_CHARS} are taken")
-    if gbnf.count("(") <= MAX_GRAMMAR_NESTING and "{" not in gbnf and "*" not in gbnf and "+" not in gbnf:
+    if gbnf.count("(") <= MAX_GRAMMAR_NESTING and not any(c in gbnf for c in "{*+?"):
         return  # neither deep nor repeated: its parsed size is about its length
-    depth, elements = _parsed_size(gbnf)
+    depth, elements, names = _parsed_size(gbnf)
     if depth > MAX_GRAMMAR_NESTING:
         raise ValueError(f"the grammar nests groups {depth} deep; at most {MAX_GRAMMAR_NESTING} levels are taken")
     if elements > MAX_GRAMMAR_ELEMENTS:
         raise ValueError(f"the grammar's repetitions make about {elements} symbols once written out (x{{m,n}} is "
                          f"n copies of x and n - m rules); at most {MAX_GRAMMAR_ELEMENTS} are taken: use * or + "
                          "for long runs")
+    if names > MAX_GRAMMAR_NAME_BYTES:
+        raise ValueError(f"the grammar's groups and repetitions make rules whose names (each its rule's name and a "
+                         f"number) take about {names} bytes; at most {MAX_GRAMMAR_NAME_BYTES} are taken: use shorter "
+                         "rule names")
 
 
-def _parsed_size(gbnf: str) -> tuple[int, int]:
-    """(deepest group nesting, symbols once llama.cpp's parser has written out every repetition).
+def _parsed_size(gbnf: str) -> tuple[int, int, int]:
+    """(deepest group nesting, symbols once llama.cpp's parser has written out every repetition, bytes
+    of the names it makes for the rules it adds).
 
     As llama.cpp's parser does (llama-grammar.cpp, ``handle_repetitions``): a repetition copies what
     came since the element before it began, a literal (its characters), a class, a rule name or a group
@@ -264,8 +274,11 @@ def _parsed_size(gbnf: str) -> tuple[int, int]:
     repetition copies all of it again; ``x{m,n}`` is n copies of x and n - m optional rules of three more
     symbols each; a maximum above 2,000 is read as none, and ``x{m,}`` is m + 1 copies and one rule;
     ``x*``, ``x+`` and ``x?`` are ``x{0,}``, ``x{1,}`` and ``x{0,1}``. Comments are spaces. Linear in
-    the text's length."""
+    the text's length. Each group and each optional rule of a repetition is a rule of its own, named
+    after the rule it is in (``generate_symbol_id``: the name, "_" and a number), so a long rule name
+    costs again with every one."""
     total, depth, deepest, last = 0, 0, 0, 0
+    names, rule_name, previous = 0, 0, ""
     pos, n = 0, len(gbnf)
     while True:
         m = _GBNF_TOKEN.search(gbnf, pos)
@@ -276,10 +289,14 @@ def _parsed_size(gbnf: str) -> tuple[int, int]:
         c = tok[0]
         if c == "#":
             continue  # a comment is a space: the element before it can still be repeated
+        if tok == "::=":
+            rule_name = len(previous)
+        previous = tok
         if c == "|" or tok == "::=":
             last = 0
             continue
         if c == "(":
+            names += rule_name + _GENERATED_NAME_BYTES
             depth += 1
             deepest = max(deepest, depth)
             last = 0
@@ -301,6 +318,7 @@ def _parsed_size(gbnf: str) -> tuple[int, int]:
                 high = None  # llama.cpp: no maximum
             copies, rules = (low + 1, 1) if high is None else (max(high, low), high - low if high > low else 0)
             total += last * (copies - 1) + 3 * rules  # the element itself is counted already
+            names += rules * (rule_name + _GENERATED_NAME_BYTES)
             # what a repetition of this repetition copies: the element's m copies and the reference
             last = last * low + (1 if rules else 0)
             continue
@@ -313,7 +331,7 @@ def _parsed_size(gbnf: str) -> tuple[int, int]:
             size = 1
         total += size
         last = size
-    return deepest, total
+    return deepest, total, names
 
 
 def _braces(gbnf: str, pos: int) -> tuple[tuple[int, int | None] | None, int]:
@@ -324,9 +342,14 @@ def _braces(gbnf: str, pos: int) -> tuple[tuple[int, int | None] | None, int]:
 
     def space(i: int) -> int:
         while i < n and (gbnf[i] in " \t\r\n" or gbnf[i] == "#"):
-            i = (gbnf.find("\n", i) if gbnf[i] == "#" else i + 1)
-            if i == -1:
+            if gbnf[i] != "#":
+                i += 1
+                continue
+            # a comment ends at "\r" or "\n", as llama.cpp's parse_space ends it
+            ends = [e for e in (gbnf.find("\n", i), gbnf.find("\r", i)) if e >= 0]
+            if not ends:
                 return n
+            i = min(ends)
         return i
 
     def number(i: int) -> tuple[int | None, int]:

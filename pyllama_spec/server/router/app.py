@@ -18,7 +18,7 @@ from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
 from pyllama_spec.server.origins import CrossSiteGuard
 from pyllama_spec.server.router.pool import ModelSpec, ModelState, Router, RouterSettings
 from pyllama_spec.server.router.proxy import EventsResponse, ProxyResponse
-from pyllama_spec.server.json_body import parse_json_body
+from pyllama_spec.server.json_body import parse_json_body, takes_steps
 from pyllama_spec.server.service import (
     ERROR_HANDLERS,
     check_api_key,
@@ -69,7 +69,7 @@ def create_router_app(specs: list[ModelSpec], settings: RouterSettings) -> Starl
     async def body_of(request: Request) -> tuple[bytes, Any]:
         raw = await read_body(request, settings.max_body_bytes, settings.body_timeout)
         # a large body is parsed off the event loop
-        return raw, await off_loop(len(raw) > PARSE_ON_A_THREAD_ABOVE, parse_json_body, raw)
+        return raw, await off_loop(len(raw) > PARSE_ON_A_THREAD_ABOVE or takes_steps(raw), parse_json_body, raw)
 
     def model_of(body: Any) -> str:
         name = body.get("model") if isinstance(body, dict) else None
