@@ -585,6 +585,14 @@ def grammar_requests(draw):
     f'r{i} ::= "x"{{0,2000}}\n' for i in range(11800))}).encode()))
 @example(req=("/completion", json.dumps({"prompt": "x", "n_predict": 2, "json_schema": {
     "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20000)}}}).encode()))
+@example(req=("/v1/chat/completions", json.dumps({  # the chat template's grammar: x{1330,110}, never parsed to an end
+    "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "array", "items": {"type": "string"}, "minItems": 1331, "maxItems": 111}}}}).encode()))
+@example(req=("/v1/chat/completions", json.dumps({
+    "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "tool_choice": "required", "tools": [{
+        "type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": ["a"],
+                                                                     "properties": {"a": {"type": "string", "minLength": 9, "maxLength": 3}}}}}]}).encode()))
 def test_fuzz_grammars_and_json_schemas(fuzzed, req):
     """Issue 43: no grammar or schema, however costly to convert or expand, gets a 5xx, kills the
     server or keeps /health waiting (each request is followed by /health, answered within

@@ -32,6 +32,7 @@ from pyllama_spec.bindings.model import Model
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER
 from pyllama_spec.errors import ChatTemplateError
 from pyllama_spec.serving.grammars import check_schema_cost
+from pyllama_spec.speculative.sampling import check_grammar_size
 
 #: Template variables the renderer sets itself, which chat_template_kwargs may not set.
 RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token",
@@ -272,9 +273,14 @@ class ChatRenderer:
 
     def _apply(self, inputs: dict) -> dict:
         try:
-            return self.templates.apply(inputs)
+            out = self.templates.apply(inputs)
         except ChatError as e:
             raise ValueError(str(e).removeprefix("the chat template: ")) from None
+        if out.get("grammar"):
+            # the grammar llama.cpp made of a response format or tools' schemas (minItems over maxItems
+            # makes x{m,n} with n < m, on which its grammar parser never ends): estimated before it is parsed
+            check_grammar_size(out["grammar"])
+        return out
 
 
 def _continues(value: Any) -> bool:
