@@ -30,7 +30,8 @@ with its native part built; default this one) and measures, one server per item:
   resident memory after.
 
 Every item also reports ``health_max_ms``: the longest a ``/health`` request, sent every 20 ms
-on a connection of its own while the item ran, waited for its answer (the event loop's stalls).
+on a connection of its own (from a process of its own) while the item ran, waited for its answer
+(the event loop's stalls).
 
 ``--only a,b`` runs the items named; ``--llama-server BIN`` runs them against llama-server (built
 from the pin: ``python build.py --tools``) on the same target, for comparison.
@@ -121,28 +122,37 @@ class Server:
             self.proc.wait()
 
 
+#: The /health poller, in a process of its own: in this one, building and sending a 60 MB body holds
+#: this interpreter's GIL, and a poll waiting on it would be counted as the server's stall.
+_WATCH = r"""
+import http.client, sys, threading, time
+port, longest, done = int(sys.argv[1]), 0.0, threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+while not done.wait(0.02):
+    start = time.monotonic()
+    try:
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+    except OSError:  # the server closed the kept-alive connection: the next poll opens another
+        conn.close()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    longest = max(longest, time.monotonic() - start)
+print(round(longest * 1000, 1))
+"""
+
+
 class HealthWatch:
-    """Asks ``/health`` every 20 ms, on a kept-alive connection of its own, until stopped: the
-    longest wait for an answer, in milliseconds."""
+    """Asks ``/health`` every 20 ms, on a kept-alive connection, from a process of its own, until
+    stopped: the longest wait for an answer, in milliseconds."""
 
     def __init__(self, port: int) -> None:
-        self.port, self.longest, self._stop = port, 0.0, threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
-
-    def _watch(self) -> None:
-        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        while not self._stop.wait(0.02):
-            start = time.monotonic()
-            conn.request("GET", "/health")
-            conn.getresponse().read()
-            self.longest = max(self.longest, time.monotonic() - start)
-        conn.close()
+        self._proc = subprocess.Popen([sys.executable, "-c", _WATCH, str(port)], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
 
     def stop(self) -> float:
-        self._stop.set()
-        self._thread.join()
-        return round(self.longest * 1000, 1)
+        out, _ = self._proc.communicate("")
+        return float(out.strip())
 
 
 def beside(port: int, body: dict | bytes, path: str = "/v1/completions") -> dict:
