@@ -174,6 +174,7 @@ def test_a_grammars_written_out_size_is_estimated_from_its_text(gbnf, symbols):
 @pytest.mark.parametrize("gbnf", [
     'root ::= "a"{' + "#" * 40,  # backtracking over comments in braces took days at 40
     'root ::= "a"{' + " " * 200_000 + "x",  # and quadratic time over spaces
+    'root ::= "a"{' + "#\n" * 100_000 + "1}",  # each comment's end is found once, not searched to the end
     "root ::= " + "[" * 200_000, 'root ::= ' + '"' * 200_001, "root ::= " + "{" * 100_000,  # unterminated
 ])
 def test_the_estimate_takes_time_linear_in_the_grammar(gbnf):
@@ -204,7 +205,8 @@ def test_the_estimate_refuses_what_costs_and_takes_what_llama_cpp_parses_at_once
     ('root ::= ("x"{#\r1} "' + "y" * 30_000 + '"{2000})', "symbols once written out"),
     # each group and optional rule is named after its rule: a long name costs again with every one (1 GB)
     ('root ::= "x"\n' + "A" * 30_000 + " ::= " + ".?" * 30_000, "names"),
-], ids=["comment ended by CR", "CR after a repetition", "CR in braces", "long rule name"])
+    ('root ::= "x"\n' + "A" * 200_000 + " ::= " + '("x")' * 200, "names"),  # groups alone (40 MB of names)
+], ids=["comment ended by CR", "CR after a repetition", "CR in braces", "long rule name", "long name, groups"])
 def test_the_estimate_reads_what_llama_cpps_parser_reads(gbnf, limit):
     from pyllama_spec.speculative.sampling import check_grammar_size
 

@@ -241,6 +241,7 @@ _GENERATED_NAME_BYTES = 56
 # (skipped whole; an unterminated one runs to the end, so that no match is retried from every
 # position), "::=", groups, alternatives, repetition operators ("{" alone: its contents are read by
 # hand, llama.cpp allowing spaces, newlines and comments inside) and names.
+_COMMENT_END = re.compile(r"[\r\n]")
 _GBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"?|\[(?:\\.|[^\]\\])*\]?|#[^\r\n]*|::=|[()|*+?{]|[A-Za-z0-9_.-]+')
 
 
@@ -249,8 +250,8 @@ def check_grammar_size(gbnf: str) -> None:
     would make llama.cpp's parser write out too many symbols; in time linear in its length."""
     if len(gbnf) > MAX_GRAMMAR_CHARS:
         raise ValueError(f"the grammar is {len(gbnf)} characters; at most {MAX_GRAMMAR_CHARS} are taken")
-    if gbnf.count("(") <= MAX_GRAMMAR_NESTING and not any(c in gbnf for c in "{*+?"):
-        return  # neither deep nor repeated: its parsed size is about its length
+    if not any(c in gbnf for c in "({*+?"):
+        return  # no group and no repetition: its parsed size is about its length, and it adds no rule
     depth, elements, names = _parsed_size(gbnf)
     if depth > MAX_GRAMMAR_NESTING:
         raise ValueError(f"the grammar nests groups {depth} deep; at most {MAX_GRAMMAR_NESTING} levels are taken")
@@ -345,11 +346,10 @@ def _braces(gbnf: str, pos: int) -> tuple[tuple[int, int | None] | None, int]:
             if gbnf[i] != "#":
                 i += 1
                 continue
-            # a comment ends at "\r" or "\n", as llama.cpp's parse_space ends it
-            ends = [e for e in (gbnf.find("\n", i), gbnf.find("\r", i)) if e >= 0]
-            if not ends:
+            end = _COMMENT_END.search(gbnf, i)  # "\r" or "\n", as llama.cpp's parse_space ends it
+            if end is None:
                 return n
-            i = min(ends)
+            i = end.start()
         return i
 
     def number(i: int) -> tuple[int | None, int]:
