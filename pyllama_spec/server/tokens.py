@@ -164,8 +164,6 @@ def tokenize_content(model: Vocabulary, content: Any, *, add_special: bool = Fal
     for i, part in enumerate(content):
         if type(part) is int and part in _INT32:
             ids.append(part)
-            if len(ids) < _STEP:
-                continue
         elif isinstance(part, str):
             pending += _int32_arrays(ids)
             ids = []
