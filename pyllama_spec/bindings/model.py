@@ -191,7 +191,14 @@ class Model(NativeHandle):
 
     @property
     def is_recurrent(self) -> bool:
+        """The model keeps a recurrent state (a recurrent or a hybrid model): its memory cannot be cut
+        back to any position."""
         return bool(lib.llama_model_is_recurrent(self.ptr) or lib.llama_model_is_hybrid(self.ptr))
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Attention and recurrent layers both (Qwen3.5, Falcon-H1, ...)."""
+        return bool(lib.llama_model_is_hybrid(self.ptr))
 
     @property
     def chat_template(self) -> str | None:
@@ -225,6 +232,11 @@ class Model(NativeHandle):
     @property
     def eos(self) -> int:
         return lib.llama_vocab_eos(self._vocab_ptr())
+
+    @property
+    def nl(self) -> int:
+        """The newline token."""
+        return lib.llama_vocab_nl(self._vocab_ptr())
 
     @property
     def mask_token(self) -> int:

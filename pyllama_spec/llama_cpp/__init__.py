@@ -8,7 +8,8 @@ or, for code that imports ``llama_cpp`` itself::
     import sys, pyllama_spec.llama_cpp
     sys.modules["llama_cpp"] = pyllama_spec.llama_cpp
 
-What it has: ``Llama`` (``llama``), ``LlamaGrammar`` (``llama_grammar``), the draft models of
+What it has: ``Llama`` (``llama``) with its token-level calls and its state, the prompt caches
+(``llama_cache``), the tokenizers (``llama_tokenizer``), ``LlamaGrammar`` (``llama_grammar``), the draft models of
 ``llama_speculative`` (llama-cpp-python's prompt lookup, and DFlash, EAGLE3, MTP and draft-model drafts,
 pictures included), the multimodal chat handlers of ``llama_chat_format`` and the types of
 ``llama_types``. Not here: the raw ctypes bindings (``llama_cpp.llama_cpp``) and its server
@@ -22,13 +23,38 @@ import importlib.abc
 import importlib.util
 import sys
 
-from pyllama_spec.llama_cpp import llama_chat_format, llama_grammar, llama_speculative, llama_types
-from pyllama_spec.llama_cpp.llama import LLAMA_DEFAULT_SEED, Llama, LogitsProcessorList, StoppingCriteriaList
+from pyllama_spec.llama_cpp import (
+    llama_cache,
+    llama_chat_format,
+    llama_grammar,
+    llama_speculative,
+    llama_tokenizer,
+    llama_types,
+)
+from pyllama_spec.llama_cpp.llama import (
+    LLAMA_DEFAULT_SEED,
+    Llama,
+    LlamaState,
+    LogitsProcessorList,
+    MinTokensLogitsProcessor,
+    StoppingCriteriaList,
+)
+from pyllama_spec.llama_cpp.llama_cache import BaseLlamaCache, LlamaCache, LlamaDiskCache, LlamaRAMCache
+from pyllama_spec.llama_cpp.llama_tokenizer import BaseLlamaTokenizer, LlamaHFTokenizer, LlamaTokenizer
 from pyllama_spec.llama_cpp.llama_grammar import LlamaGrammar
 from pyllama_spec.llama_cpp.llama_types import *  # noqa: F403 (llama_cpp re-exports its types)
 
 #: The llama-cpp-python API this facade follows.
 __version__ = "0.3.36"
+
+
+def __getattr__(name: str):
+    # llama-cpp-python's package also re-exports its raw ctypes bindings (llama_cpp.llama_cpp): say so
+    if name.lower().startswith(("llama_", "ggml_", "gguf_", "mtmd_")):
+        raise AttributeError(f"llama_cpp.{name}: a name of llama-cpp-python's raw ctypes bindings "
+                             "(llama_cpp.llama_cpp), which pyllama_spec.llama_cpp does not carry; its high-level "
+                             "API (Llama, ...) is here (docs/llama_cpp.md)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class _SubmoduleAliases(importlib.abc.MetaPathFinder, importlib.abc.Loader):

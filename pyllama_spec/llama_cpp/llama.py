@@ -7,11 +7,14 @@ typed request, the slot loop), so a ``draft_model`` may be any of this project's
 llama-cpp-python's dicts, field for field, plus one field of this project's: ``"speculative"``, the
 generation's drafting statistics (drafted, accepted, acceptance, ...).
 
-Where llama-cpp-python runs Python per token (``logits_processor``, ``stopping_criteria``, a draft model
-of your own), or reaches into llama.cpp (``vocab_only``, ``embedding``, ``save_state``, ``eval``), this
-facade does not follow yet: such a call raises ``NotImplementedError`` that says so, and a constructor
-option that cannot apply warns once. Chats keep a model's reasoning in ``content`` (``<think>...``), as
-llama-cpp-python's chat handlers do.
+The token-level calls (``eval``, ``sample``, ``generate``, ``save_state`` / ``load_state``, ``set_cache``)
+act on the engine's one slot (serving/token_steps.py): the same cache the completions use, so an ``eval``
+followed by a completion of the same tokens decodes nothing again. A completion given
+``logits_processor`` or ``stopping_criteria`` (Python per token) runs through ``generate``, token by token
+and without drafting, as llama-cpp-python runs every completion. What cannot apply (``vocab_only``,
+``embedding``, a Python draft model of your own) raises ``NotImplementedError`` that says so, and a
+constructor option that cannot apply warns once. Chats keep a model's reasoning in ``content``
+(``<think>...``), as llama-cpp-python's chat handlers do.
 """
 
 from __future__ import annotations
@@ -21,16 +24,31 @@ import random
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
 from pyllama_spec.llama_cpp import llama_types as T
 from pyllama_spec.llama_cpp.llama_chat_format import MTMDChatHandler, load_image
+from pyllama_spec.llama_cpp.llama_cache import (  # noqa: F401 (llama_cpp.llama re-exports them, as there)
+    BaseLlamaCache,
+    LlamaCache,
+    LlamaDiskCache,
+    LlamaRAMCache,
+    longest_token_prefix,
+)
 from pyllama_spec.llama_cpp.llama_grammar import LlamaGrammar
-from pyllama_spec.llama_cpp.llama_hooks import LogitsProcessorList, StoppingCriteriaList
+from pyllama_spec.llama_cpp.llama_hooks import (  # noqa: F401 (llama_cpp.llama has them, as there)
+    LogitsProcessor,
+    LogitsProcessorList,
+    MinTokensLogitsProcessor,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 from pyllama_spec.llama_cpp.llama_speculative import EngineDraft, LlamaDraftModel
+from pyllama_spec.llama_cpp.llama_tokenizer import BaseLlamaTokenizer, LlamaTokenizer  # noqa: F401 (as there)
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 #: ggml type ids (llama-cpp-python's ``type_k`` / ``type_v``) -> the engine's cache type names.
@@ -40,9 +58,38 @@ GGML_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8:
 _IGNORED = {"kv_overrides": None, "rope_scaling_type": -1, "pooling_type": -1, "attention_type": -1,
             "rope_freq_base": 0.0, "rope_freq_scale": 0.0, "yarn_ext_factor": -1.0, "yarn_attn_factor": 1.0,
             "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0, "offload_kqv": True,
-            "op_offload": None, "no_perf": False, "last_n_tokens_size": 64, "lora_base": None, "numa": False,
-            "tokenizer": None, "spm_infill": False, "logits_all": False}
+            "op_offload": None, "no_perf": False, "lora_base": None, "numa": False,
+            "tokenizer": None, "spm_infill": False}
 _SPLIT_MODES = {0: "none", 1: "layer", 2: "row"}
+
+
+class LlamaState:
+    """A ``Llama``'s saved state (``save_state``), with llama-cpp-python's fields: ``input_ids``,
+    ``scores``, ``n_tokens``, ``llama_state`` (the memory image, bytes), ``llama_state_size`` and
+    ``seed``; and ``saved``, the engine's own record of what the slot held (pictures included)."""
+
+    def __init__(self, input_ids: np.ndarray, scores: np.ndarray, n_tokens: int, llama_state: bytes,
+                 llama_state_size: int, seed: int, saved: Any = None) -> None:
+        self.input_ids, self.scores, self.n_tokens = input_ids, scores, n_tokens
+        self.llama_state, self.llama_state_size, self.seed = llama_state, llama_state_size, seed
+        self.saved = saved
+
+
+class _ContextView:
+    """``Llama._ctx``: what llama-cpp-python's own tests read of its context wrapper (``_ctx.ctx``, the
+    context is there; ``n_ctx()``). The native context itself stays in the binding layer."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+
+    @property
+    def ctx(self) -> Any:
+        """The engine's target context (None once the Llama is closed)."""
+        ctx = self._engine.ctx
+        return None if ctx is None or ctx.closed else ctx
+
+    def n_ctx(self) -> int:
+        return int(self._engine.ctx.n_ctx)
 
 
 class Llama:
@@ -55,11 +102,8 @@ class Llama:
                  embedding: bool = False, flash_attn: bool = False, swa_full: bool | None = None,
                  lora_scale: float = 1.0, lora_path: str | None = None, chat_format: str | None = None,
                  chat_handler: MTMDChatHandler | None = None, draft_model: LlamaDraftModel | None = None,
-                 type_k: int | None = None, type_v: int | None = None, verbose: bool = True,
-                 **kwargs: Any) -> None:
-        if vocab_only:
-            raise NotImplementedError("vocab_only: this facade loads the whole model (pyllama_spec.llama_cpp "
-                                      "has no vocabulary-only load yet)")
+                 type_k: int | None = None, type_v: int | None = None, logits_all: bool = False,
+                 last_n_tokens_size: int = 64, verbose: bool = True, **kwargs: Any) -> None:
         if embedding:
             raise NotImplementedError("embedding=True: embeddings are not served by pyllama_spec.llama_cpp yet")
         for name, value in kwargs.items():
@@ -105,10 +149,29 @@ class Llama:
         settings["reasoning_format"] = "none"  # llama-cpp-python leaves <think>...</think> in the content
         settings.update(_draft_settings(draft_model))
         from pyllama_spec.serving.engine import load
+        from pyllama_spec.serving.token_steps import TokenSteps
+        from pyllama_spec.serving.vocabulary import Vocabulary
 
-        # verbose (llama-cpp-python's default: True) prints llama.cpp's log to stderr, as there
-        self._engine = load(self.model_path, verbose=verbose, **settings)
+        self._vocab_only = vocab_only
+        if vocab_only:  # the vocabulary alone: tokenize and detokenize
+            self._engine = Vocabulary(self.model_path, n_ctx=n_ctx or 512)
+        else:
+            # verbose (llama-cpp-python's default: True) prints llama.cpp's log to stderr, as there
+            self._engine = load(self.model_path, verbose=verbose, **settings)
+        model = self._engine.model
+        self._steps = TokenSteps(self._engine)
+        self._ctx = _ContextView(self._engine)
+        self._is_hybrid = model.is_hybrid  # (llama-cpp-python's: the engine counts both as recurrent)
+        self._is_recurrent = model.is_recurrent and not self._is_hybrid
+        self._n_vocab, self._n_ctx, self.n_batch = int(model.n_vocab), self.n_ctx(), n_batch
+        self._logits_all = logits_all
+        self.last_n_tokens_size = last_n_tokens_size
+        self.cache: BaseLlamaCache | None = None
+        # what llama-cpp-python keeps of the context: the tokens decoded, and (logits_all) their logits
         self.n_tokens = 0
+        self.input_ids: np.ndarray = np.ndarray((self._n_ctx,), dtype=np.intc)
+        self.scores: np.ndarray = np.zeros((self._n_ctx if logits_all else n_batch, self._n_vocab), dtype=np.single)
+        self._requires_eval = True  # the context's last logits are not those of input_ids[n_tokens - 1]
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
@@ -131,7 +194,13 @@ class Llama:
     @property
     def engine(self):
         """The pyllama_spec ``Engine`` behind this facade (its full API)."""
+        self._check_can_generate()
         return self._engine
+
+    def _check_can_generate(self) -> None:
+        if self._vocab_only:
+            raise ValueError("this Llama was loaded with vocab_only=True: it tokenizes and detokenizes, and has no "
+                             "weights to decode with (load it without vocab_only)")
 
     # ------------------------------------------------------------------ the vocabulary
     def tokenize(self, text: bytes, add_bos: bool = True, special: bool = False) -> list[int]:
@@ -167,11 +236,6 @@ class Llama:
     def set_seed(self, seed: int) -> None:
         self._seed = seed or LLAMA_DEFAULT_SEED  # llama-cpp-python's: 0 and None mean the default
 
-    def reset(self) -> None:
-        """Forget the cached prompt: the next call decodes all of its prompt again."""
-        self._engine.reset_cache()
-        self.n_tokens = 0
-
     @property
     def metadata(self) -> dict[str, str]:
         """The GGUF's metadata, values as strings (llama-cpp-python's ``Llama.metadata``)."""
@@ -179,25 +243,288 @@ class Llama:
 
         return {k: str(v) for k, v in read_gguf(self.model_path, "model").metadata.items()}
 
-    # what llama-cpp-python has and this facade does not do yet: each says so
-    def save_state(self, *args: Any, **kwargs: Any):
-        raise _not_yet("save_state / load_state (the engine keeps prompts in its slots: cache_prompt)")
+    def token_nl(self) -> int:
+        return int(self._engine.model.nl)
 
-    load_state = save_state
+    def tokenizer(self) -> LlamaTokenizer:
+        return LlamaTokenizer(self)
 
-    def set_cache(self, *args: Any, **kwargs: Any):
-        raise _not_yet("set_cache (LlamaRAMCache / LlamaDiskCache): the engine reuses a slot's cached prompt itself")
+    # ------------------------------------------------------------------ token by token (llama-cpp-python's low level)
+    @property
+    def _input_ids(self) -> np.ndarray:
+        return self.input_ids[: self.n_tokens]
+
+    @property
+    def _scores(self) -> np.ndarray:
+        return self.scores[: self.n_tokens, :]
+
+    @property
+    def eval_tokens(self) -> deque[int]:
+        return deque(self.input_ids[: self.n_tokens].tolist(), maxlen=self._n_ctx)
+
+    @property
+    def eval_logits(self) -> deque[list[float]]:
+        return deque(self.scores[: self.n_tokens, :].tolist(), maxlen=self._n_ctx if self._logits_all else 1)
+
+    def reset(self) -> None:
+        """Forget the decoded tokens: the next ``eval`` or completion decodes its prompt from the start."""
+        self.n_tokens = 0
+        self._requires_eval = True
+        if not self._vocab_only:
+            self._steps.forget()
+
+    def eval(self, tokens: Sequence[int]) -> None:
+        """Decode ``tokens`` after the ``n_tokens`` already decoded (what the context held past them is
+        dropped); ``sample`` then picks from the last one's logits (every one's, with ``logits_all``)."""
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            return
+        self._check_can_generate()
+        n_past = self.n_tokens
+        if n_past + len(tokens) > self._n_ctx:
+            raise ValueError(f"eval: {n_past} + {len(tokens)} tokens do not fit the context of {self._n_ctx} "
+                             "(Llama(n_ctx=...))")
+        rows = self._steps.eval(self.input_ids[:n_past], tokens, all_logits=self._logits_all)
+        self.input_ids[n_past:n_past + len(tokens)] = tokens
+        if self._logits_all:  # (rows the cache already held are not decoded again: their logits stay)
+            self.scores[n_past + len(tokens) - len(rows):n_past + len(tokens)] = rows
+        self.n_tokens = n_past + len(tokens)
+        self._requires_eval = False
+
+    def sample(self, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05, typical_p: float = 1.0,
+               temp: float = 0.80, repeat_penalty: float = 1.0, frequency_penalty: float = 0.0,
+               presence_penalty: float = 0.0, tfs_z: float = 1.0, mirostat_mode: int = 0, mirostat_eta: float = 0.1,
+               mirostat_tau: float = 5.0, penalize_nl: bool = True,
+               logits_processor: LogitsProcessorList | None = None, grammar: LlamaGrammar | None = None,
+               idx: int | None = None) -> int:
+        """A token sampled from the logits of token ``idx`` of the last ``eval`` (default: its last),
+        with a sampler chain made for this call."""
+        if self.n_tokens <= 0:
+            raise ValueError("sample: nothing was decoded yet (call eval first)")
+        with self._sampler_of(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
+                              repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                              presence_penalty=presence_penalty, mirostat_mode=mirostat_mode,
+                              mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, grammar=grammar) as sampler:
+            return sampler.sample(idx - self.n_tokens if idx is not None else -1, hooks=logits_processor or (),
+                                  history=self._input_ids)
+
+    def generate(self, tokens: Sequence[int], top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                 typical_p: float = 1.0, temp: float = 0.80, repeat_penalty: float = 1.0, reset: bool = True,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, tfs_z: float = 1.0,
+                 mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                 penalize_nl: bool = True, logits_processor: LogitsProcessorList | None = None,
+                 stopping_criteria: StoppingCriteriaList | None = None, grammar: LlamaGrammar | None = None
+                 ) -> Generator[int, Sequence[int] | None, None]:
+        """Tokens after ``tokens``, one at a time, for as long as they are read (llama-cpp-python's
+        generator: what the context holds of ``tokens`` is kept, and a token sent in is decoded too).
+        The target decodes one token a step here: drafting runs in the completions."""
+        tokens = [int(t) for t in tokens]
+        sampler = self._sampler_of(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
+                                   repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                                   presence_penalty=presence_penalty, mirostat_mode=mirostat_mode,
+                                   mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, grammar=grammar)
+        with sampler:
+            if reset and self.n_tokens > 0:  # llama-cpp-python's prefix match
+                longest = self.longest_token_prefix(self._input_ids.tolist(), tokens)
+                consumed = longest == len(tokens)
+                if consumed and self.n_tokens == len(tokens) and not self._requires_eval:
+                    reset, tokens = False, []  # the last logits are this prompt's: sample at once
+                else:
+                    keep = longest - 1 if consumed else longest  # something is decoded, for fresh logits
+                    if keep > 0:
+                        reset, tokens = False, tokens[keep:]
+                        self.n_tokens, self._requires_eval = keep, True
+            if reset:
+                self.reset()
+            sample_idx = self.n_tokens + len(tokens) - 1
+            while True:
+                self.eval(tokens)
+                while sample_idx < self.n_tokens:
+                    token = sampler.sample(sample_idx - self.n_tokens, hooks=logits_processor or (),
+                                           history=self._input_ids)
+                    sample_idx += 1
+                    if stopping_criteria is not None and stopping_criteria(
+                            self._input_ids[:sample_idx], self._scores[sample_idx - self.n_tokens, :]):
+                        return
+                    sent = yield token
+                    tokens = [token, *(int(t) for t in sent or ())]
+                    if sample_idx < self.n_tokens and token != self._input_ids[sample_idx]:
+                        self.n_tokens, self._requires_eval = sample_idx, True  # a sent token was not the pick
+                        break
+
+    def _sampler_of(self, *, top_k, top_p, min_p, typical_p, temp, repeat_penalty, frequency_penalty,
+                    presence_penalty, mirostat_mode, mirostat_tau, mirostat_eta, grammar):
+        """llama-cpp-python's sampler chain: penalties over the last ``last_n_tokens_size`` tokens, the
+        grammar, then greedy (temp 0), the distribution alone (temp < 0), mirostat, or top-k, typical,
+        top-p, min-p, temperature and the distribution; seeded with the Llama's seed."""
+        settings = dict(repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                        presence_penalty=presence_penalty, penalty_last_n=self.last_n_tokens_size)
+        if temp < 0.0:  # llama-cpp-python: the distribution, nothing before it
+            settings.update(temperature=1.0, samplers=("penalties",))
+        else:
+            settings.update(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+                            mirostat=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
+                            min_keep=1)
+        return self._steps.sampler(seed=self._seed & 0xFFFFFFFF, grammar=grammar._grammar if grammar else None,
+                                   **settings)
+
+    longest_token_prefix = staticmethod(longest_token_prefix)
+
+    # ------------------------------------------------------------------ the state
+    def save_state(self) -> LlamaState:
+        """What the context holds (its memory, the tokens decoded, their logits) and the seed."""
+        self._check_can_generate()
+        saved = self._steps.save()
+        return LlamaState(input_ids=self.input_ids.copy(), scores=self._scores.copy(), n_tokens=self.n_tokens,
+                          llama_state=saved.memory, llama_state_size=len(saved.memory), seed=self._seed,
+                          saved=saved)
+
+    def load_state(self, state: LlamaState) -> None:
+        """Put back a ``save_state``'s state (of this model, with the same cache types): the next
+        ``generate`` or completion decodes again from where it ends (for fresh logits, at least the last
+        token). ``KVMemoryError`` when the context refuses it; the context is then empty."""
+        saved = getattr(state, "saved", None)
+        if saved is None:  # a LlamaState made by hand: its tokens and memory image
+            saved = self._steps.saved_of_tokens(state.input_ids[:state.n_tokens], bytes(state.llama_state))
+        try:
+            self._steps.restore(saved)
+        except BaseException:
+            self.n_tokens, self._requires_eval = 0, True
+            raise
+        self.scores[: state.n_tokens, :] = state.scores
+        self.input_ids = state.input_ids.copy()
+        self.n_tokens = state.n_tokens
+        self._requires_eval = True
+        self._seed = state.seed
+
+    def set_cache(self, cache: BaseLlamaCache | None) -> None:
+        """Keep each completion's state in ``cache`` (LlamaRAMCache, LlamaDiskCache), keyed by its tokens;
+        a completion whose prompt starts with more of a kept state's tokens than the context holds starts
+        from that state (``load_state``)."""
+        self.cache = cache
+
+    @contextlib.contextmanager
+    def _engine_run(self):
+        """Around a generation the engine runs on the slot: afterwards ``input_ids`` / ``n_tokens`` say
+        what the slot holds, and with a cache set its state is kept there (llama-cpp-python keeps each
+        completion's). A generation that did not end (an error, a stream left early) leaves nothing
+        to reuse on this side: the next ``generate`` decodes its prompt again."""
+        self._steps.drop_outputs()
+        self._requires_eval = True
+        ended = False
+        try:
+            yield
+            ended = True
+        finally:
+            self.n_tokens = 0
+            if ended:
+                self._read_back_the_slot()
+
+    def _read_back_the_slot(self) -> None:
+        held = self._steps.held()
+        if held is None or len(held) > self._n_ctx:  # a picture's rows are not tokens: nothing to match
+            return
+        self.input_ids[: len(held)] = held
+        self.n_tokens = len(held)
+        if self.cache is not None and self.n_tokens:
+            self.cache[self._input_ids.tolist()] = self.save_state()
+
+    def _prompt_tokens(self, prompt: str | Sequence[int]) -> list[int]:
+        """The prompt's tokens as llama-cpp-python makes them (special tokens parsed, BOS added)."""
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        return self.tokenize(prompt.encode("utf-8"), special=True) if prompt else [self.token_bos()]
+
+    def _start_from_cache(self, prompt_tokens: list[int]) -> None:
+        """llama-cpp-python's cache lookup: the kept state that shares the longest prefix with the
+        prompt, loaded when that prefix is longer than what the context holds of it."""
+        try:
+            item = self.cache[prompt_tokens]
+        except KeyError:
+            return
+        cached = self.longest_token_prefix(item.input_ids[: item.n_tokens].tolist(), prompt_tokens)
+        if cached > self.longest_token_prefix(self._input_ids.tolist(), prompt_tokens):
+            self.load_state(item)
+
+    def _token_completion(self, prompt_tokens: list[int], head: dict, *, max_tokens, stop, stream, seed, echo,
+                          logprobs, logit_bias, stopping_criteria, sampling: dict):
+        """A completion through ``generate``, token by token (a ``logits_processor`` or
+        ``stopping_criteria`` runs Python at each token): llama-cpp-python's loop, with its stop
+        strings, its end-of-generation tokens, its finish reasons and its chunks."""
+        if logprobs is not None:
+            raise NotImplementedError("logprobs with logits_processor or stopping_criteria: pyllama_spec.llama_cpp "
+                                      "gives logprobs from the engine's completions (without those hooks)")
+        room = self._n_ctx - len(prompt_tokens)
+        if room <= 0:
+            raise ValueError(f"Requested tokens ({len(prompt_tokens)}) exceed context window of {self._n_ctx}")
+        max_tokens = room if max_tokens is None or max_tokens <= 0 else min(max_tokens, room)
+        if logit_bias:  # llama-cpp-python applies it as a logits processor too
+            bias = {int(t): float(b) for t, b in logit_bias.items()}
+
+            def add_bias(_ids, logits):
+                for t, b in bias.items():
+                    logits[t] += b
+                return logits
+
+            sampling = dict(sampling, logits_processor=LogitsProcessorList([add_bias, *sampling["logits_processor"]]))
+        stops = [x.encode("utf-8") for x in ([stop] if isinstance(stop, str) else stop or ())]
+        eog = set(self._engine.model.eog_tokens)
+        prompt_text = self.detokenize(prompt_tokens).decode("utf-8", errors="ignore")
+
+        def pieces():  # (text that may be shown now, finish reason at the end)
+            if self.cache is not None:
+                self._start_from_cache(prompt_tokens)
+            self.set_seed(seed if seed is not None else random.Random(self._seed).randint(0, 2**32))
+            out: list[int] = []
+            data, shown, finish = b"", "", "length"
+            tokens = self.generate(prompt_tokens, stopping_criteria=stopping_criteria, **sampling)
+            with contextlib.closing(tokens):
+                for token in tokens:
+                    if token in eog:
+                        finish = "stop"
+                        break
+                    out.append(token)
+                    data += self.detokenize([token], prev_tokens=prompt_tokens + out[:-1])
+                    cut = min((i for i in (data.find(x) for x in stops) if i >= 0), default=-1)
+                    if cut >= 0:
+                        data, finish = data[:cut], "stop"
+                        break
+                    # hold back what could still become a stop string, and a character not complete yet
+                    held = max((n for x in stops for n in range(1, len(x)) if data.endswith(x[:n])), default=0)
+                    text = data[:len(data) - held].decode("utf-8", errors="ignore")
+                    if len(text) > len(shown):
+                        yield text[len(shown):], None
+                        shown = text
+                    if len(out) >= max_tokens:
+                        break
+                else:
+                    finish = "stop"  # generate ended: the stopping criteria said so
+            text = data.decode("utf-8", errors="ignore")
+            yield text[len(shown):], (finish, len(out))
+            if self.cache is not None:
+                self.cache[prompt_tokens + out] = self.save_state()
+
+        def usage(n: int) -> T.CompletionUsage:
+            return dict(prompt_tokens=len(prompt_tokens), completion_tokens=n, total_tokens=len(prompt_tokens) + n)
+
+        if stream:
+            def chunks():
+                for text, end in pieces():
+                    if text:
+                        yield dict(head, choices=[dict(text=text, index=0, logprobs=None, finish_reason=None)])
+                    if end is not None:
+                        yield dict(head, choices=[dict(text="", index=0, logprobs=None, finish_reason=end[0])])
+            return chunks()
+        texts, end = [prompt_text] if echo else [], None
+        for text, end in pieces():
+            texts.append(text)
+        return dict(head, choices=[dict(text="".join(texts), index=0, logprobs=None, finish_reason=end[0])],
+                    usage=usage(end[1]))
 
     def create_embedding(self, *args: Any, **kwargs: Any):
         raise _not_yet("create_embedding / embed")
 
     embed = create_embedding
-
-    def eval(self, *args: Any, **kwargs: Any):
-        raise _not_yet("eval / sample / generate (token-level decoding): use create_completion, or the engine's "
-                       "own API (Llama.engine.stream)")
-
-    sample = generate = eval
 
     @classmethod
     def from_pretrained(cls, repo_id: str, filename: str | None = None, *args: Any, **kwargs: Any) -> "Llama":
@@ -217,10 +544,23 @@ class Llama:
                           ) -> T.CreateCompletionResponse | Iterator[T.CreateCompletionStreamResponse]:
         """Complete ``prompt`` (text, or token ids). Streamed: llama-cpp-python's chunks, the last with
         its ``finish_reason``."""
-        _refuse_python_hooks(stopping_criteria, logits_processor)
+        self._check_can_generate()
         if suffix is not None:
             raise NotImplementedError("suffix (fill-in-the-middle): use pyllama_spec's /infill route or "
                                       "Engine.stream with the model's FIM tokens")
+        head = dict(id=f"cmpl-{uuid.uuid4()}", object="text_completion", created=int(time.time()),
+                    model=model or self.model_path)
+        if stopping_criteria or logits_processor:  # Python per token: llama-cpp-python's own loop
+            return self._token_completion(
+                self._prompt_tokens(prompt), head, max_tokens=max_tokens, stop=stop, stream=stream, seed=seed,
+                echo=echo, logprobs=logprobs, logit_bias=logit_bias, stopping_criteria=stopping_criteria,
+                sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temperature,
+                              repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                              presence_penalty=presence_penalty, mirostat_mode=mirostat_mode,
+                              mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, grammar=grammar,
+                              logits_processor=logits_processor))
+        if self.cache is not None:
+            self._start_from_cache(self._prompt_tokens(prompt))
         if isinstance(prompt, str):
             text_prompt = prompt
         else:
@@ -231,8 +571,6 @@ class Llama:
                                 seed=seed, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
                                 mirostat_eta=mirostat_eta, grammar=grammar, logit_bias=logit_bias,
                                 logprobs=logprobs)
-        head = dict(id=f"cmpl-{uuid.uuid4()}", object="text_completion", created=int(time.time()),
-                    model=model or self.model_path)
         prompt_text = prompt if isinstance(prompt, str) else self.detokenize(prompt).decode("utf-8", errors="replace")
         pieces = self._engine.stream(text_prompt, **options)
         if stream:  # llama-cpp-python streams no echo
@@ -244,7 +582,7 @@ class Llama:
     def _completion(self, pieces, head: dict, echoed: str, prompt_chars: int,
                     logprobs: int | None) -> T.CreateCompletionResponse:
         text, entries, last = [echoed], [], None
-        with contextlib.closing(pieces):
+        with self._engine_run(), contextlib.closing(pieces):
             for piece in pieces:
                 text.append(piece.text)
                 if logprobs is not None:
@@ -263,7 +601,7 @@ class Llama:
         (and, this project's, the drafting statistics)."""
         pending: list = []  # logprobs of tokens whose text the engine holds back (a partial character, a
         # possible stop string): they go with the next chunk that has text
-        with contextlib.closing(pieces):  # a consumer that stops early ends the generation
+        with self._engine_run(), contextlib.closing(pieces):  # a consumer that stops early ends the generation
             for piece in pieces:
                 if logprobs is not None:
                     pending.extend(_token_entries(self, piece))
@@ -297,7 +635,11 @@ class Llama:
         parses them), ``response_format`` (``json_object``, with or without a ``schema``)."""
         from pyllama_spec.serving.chat_template import ChatOptions
 
-        _refuse_python_hooks(None, logits_processor)
+        self._check_can_generate()
+        if logits_processor:
+            raise NotImplementedError("logits_processor in a chat: pyllama_spec.llama_cpp runs chats through the "
+                                      "engine's sampler; create_completion takes one (token by token), and a chat "
+                                      "takes grammar=, logit_bias= and the sampler options")
         if functions is not None or function_call is not None:
             tools = [{"type": "function", "function": f} for f in functions or []] or tools
             if isinstance(function_call, dict):
@@ -347,7 +689,7 @@ class Llama:
     def _chat(self, pieces, chat, head: dict, logprobs: bool) -> T.CreateChatCompletionResponse:
         answer = _Answer(chat, stream=False)
         text, entries, last = [], [], None
-        with contextlib.closing(pieces):
+        with self._engine_run(), contextlib.closing(pieces):
             for piece in pieces:
                 text.append(piece.text)
                 if logprobs:
@@ -369,7 +711,7 @@ class Llama:
                         choices=[dict(index=0, delta=delta, finish_reason=finish, logprobs=lp)])
 
         pending: list = []  # logprobs of tokens no delta has carried yet (text the parser holds back)
-        with contextlib.closing(pieces):
+        with self._engine_run(), contextlib.closing(pieces):
             yield chunk({"role": "assistant"})
             for piece in pieces:
                 done = piece.stats is not None
@@ -408,6 +750,9 @@ class Llama:
         return out
 
 
+LlamaTokenizer._vocabulary_of = staticmethod(lambda path: Llama(model_path=path, vocab_only=True, verbose=False))
+
+
 # ---------------------------------------------------------------------- helpers
 
 def _trained_context(model_path: str) -> int:
@@ -427,15 +772,6 @@ def _draft_settings(draft_model: LlamaDraftModel | None) -> dict[str, Any]:
             "not run by pyllama_spec's engine; use llama_speculative.LlamaPromptLookupDecoding, DFlashDraft, "
             "Eagle3Draft, MTPDraft or DraftModel")
     return draft_model.engine_settings()
-
-
-def _refuse_python_hooks(stopping_criteria, logits_processor) -> None:
-    if stopping_criteria:
-        raise NotImplementedError("stopping_criteria (Python per token) is not run by pyllama_spec's engine; "
-                                  "use stop= strings or max_tokens")
-    if logits_processor:
-        raise NotImplementedError("logits_processor (Python per token) is not run by pyllama_spec's engine; "
-                                  "use grammar=, logit_bias= or the sampler options")
 
 
 def _usage(stats) -> T.CompletionUsage:
