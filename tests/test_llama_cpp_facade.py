@@ -331,8 +331,30 @@ def test_logits_processors_and_stopping_criteria_run_per_token(llm, greedy):
     chunks = list(llm(PROMPT, max_tokens=24, temperature=0.0, stop=[stop], logits_processor=identity, stream=True))
     assert "".join(c["choices"][0]["text"] for c in chunks) == greedy[: greedy.index(stop)]
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
-    assert llm(PROMPT, max_tokens=4, temperature=0.0, echo=True, logits_processor=identity)[
-        "choices"][0]["text"] == PROMPT + greedy[:4]
+    special = "<|im_start|>user\n" + PROMPT  # echo gives the prompt as written, special tokens too
+    echoed = llm(special, max_tokens=4, temperature=0.0, echo=True, logits_processor=identity)["choices"][0]["text"]
+    assert echoed.startswith(special) and len(echoed) > len(special)
+
+
+def test_sample_reads_the_model_logits_after_a_hook_a_state_or_a_completion(llm):
+    """A logits processor's edit is for its own pick only; after load_state or a completion, sample
+    reads the last token's logits again (llama-cpp-python restores them, or left them there)."""
+    tokens = _tokens(llm)
+    llm.reset()
+    llm.eval(tokens)
+    first = llm.sample(temp=0.0)
+
+    def ban_first(ids, logits):
+        logits[first] = -np.inf
+        return logits
+
+    assert llm.sample(temp=0.0, logits_processor=[ban_first]) != first
+    assert llm.sample(temp=0.0) == first  # the ban did not stay in the context's logits
+    state = llm.save_state()
+    llm(PROMPT + "pass", max_tokens=3, temperature=0.0)
+    assert llm.sample(temp=0.0) is not None  # after a completion: its last token's logits
+    llm.load_state(state)
+    assert llm.sample(temp=0.0) == first
 
 
 @pytest.mark.parametrize("path", [TARGET, QWEN35], ids=["transformer", "hybrid"])
@@ -400,9 +422,14 @@ def test_a_drafting_llama_decodes_token_by_token_and_completes_as_before(greedy)
     and the completion after it gives the same greedy text as without a draft."""
     with llama_cpp.Llama(TARGET, draft_model=spec.DFlashDraft(str(MODELS_DIR / "trained-draft.gguf")), **KW) as llm:
         tokens = _tokens(llm)
-        assert llm.detokenize(_first(llm, tokens, 6)).decode() == greedy[: len(llm.detokenize(_first(llm, tokens, 6)))]
+        text = llm.detokenize(_first(llm, tokens, 6)).decode()
+        assert text == greedy[: len(text)]
+        llm.reset()
+        llm.eval(tokens)
         out = llm(PROMPT, max_tokens=24, temperature=0.0)
         assert out["choices"][0]["text"] == greedy and out["speculative"]["drafted"] > 0
+        # the completion found what eval decoded in the slot: all of the prompt but its last token
+        assert out["speculative"]["prompt_reused"] == len(tokens) - 1
 
 
 def test_vocab_only_tokenizes_and_refuses_to_generate():

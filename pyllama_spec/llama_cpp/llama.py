@@ -19,6 +19,7 @@ constructor option that cannot apply warns once. Chats keep a model's reasoning 
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import random
 import time
@@ -301,6 +302,8 @@ class Llama:
         with a sampler chain made for this call."""
         if self.n_tokens <= 0:
             raise ValueError("sample: nothing was decoded yet (call eval first)")
+        if not self._steps.has_outputs:  # a load_state or a completion since: the last token's logits again
+            self._refresh_last_logits()
         with self._sampler_of(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temp,
                               repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                               presence_penalty=presence_penalty, mirostat_mode=mirostat_mode,
@@ -351,6 +354,15 @@ class Llama:
                     if sample_idx < self.n_tokens and token != self._input_ids[sample_idx]:
                         self.n_tokens, self._requires_eval = sample_idx, True  # a sent token was not the pick
                         break
+
+    def _refresh_last_logits(self) -> None:
+        """Decode the last of ``input_ids[:n_tokens]`` again (what the slot holds before it is kept), so
+        that ``sample`` reads its logits, as llama-cpp-python's restored or left-over logits."""
+        n = self.n_tokens
+        rows = self._steps.eval(self.input_ids[:n - 1], self.input_ids[n - 1:n], all_logits=False)
+        if self._logits_all:
+            self.scores[n - 1] = rows[-1]
+        self._requires_eval = False
 
     def _sampler_of(self, *, top_k, top_p, min_p, typical_p, temp, repeat_penalty, frequency_penalty,
                     presence_penalty, mirostat_mode, mirostat_tau, mirostat_eta, grammar):
@@ -421,6 +433,8 @@ class Llama:
                 self._read_back_the_slot()
 
     def _read_back_the_slot(self) -> None:
+        # (the engine keeps no logits of the rows it decoded: with logits_all, ``scores`` is filled by
+        # eval and generate only)
         held = self._steps.held()
         if held is None or len(held) > self._n_ctx:  # a picture's rows are not tokens: nothing to match
             return
@@ -446,7 +460,7 @@ class Llama:
         if cached > self.longest_token_prefix(self._input_ids.tolist(), prompt_tokens):
             self.load_state(item)
 
-    def _token_completion(self, prompt_tokens: list[int], head: dict, *, max_tokens, stop, stream, seed, echo,
+    def _token_completion(self, prompt: str | Sequence[int], prompt_tokens: list[int], head: dict, *, max_tokens, stop, stream, seed, echo,
                           logprobs, logit_bias, stopping_criteria, sampling: dict):
         """A completion through ``generate``, token by token (a ``logits_processor`` or
         ``stopping_criteria`` runs Python at each token): llama-cpp-python's loop, with its stop
@@ -469,14 +483,17 @@ class Llama:
             sampling = dict(sampling, logits_processor=LogitsProcessorList([add_bias, *sampling["logits_processor"]]))
         stops = [x.encode("utf-8") for x in ([stop] if isinstance(stop, str) else stop or ())]
         eog = set(self._engine.model.eog_tokens)
-        prompt_text = self.detokenize(prompt_tokens).decode("utf-8", errors="ignore")
+        prompt_text = prompt if isinstance(prompt, str) else self.detokenize(prompt_tokens).decode("utf-8", "ignore")
 
         def pieces():  # (text that may be shown now, finish reason at the end)
             if self.cache is not None:
                 self._start_from_cache(prompt_tokens)
             self.set_seed(seed if seed is not None else random.Random(self._seed).randint(0, 2**32))
             out: list[int] = []
-            data, shown, finish = b"", "", "length"
+            data, finish = bytearray(), "length"
+            decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
+            shown = 0  # bytes of data given to the decoder (the text shown)
+            longest = max(map(len, stops), default=0)
             tokens = self.generate(prompt_tokens, stopping_criteria=stopping_criteria, **sampling)
             with contextlib.closing(tokens):
                 for token in tokens:
@@ -484,23 +501,26 @@ class Llama:
                         finish = "stop"
                         break
                     out.append(token)
-                    data += self.detokenize([token], prev_tokens=prompt_tokens + out[:-1])
-                    cut = min((i for i in (data.find(x) for x in stops) if i >= 0), default=-1)
+                    start = max(0, len(data) - longest + 1)  # a stop string can only end in the new bytes
+                    data += self.detokenize([token])
+                    cut = min((i for i in (data.find(x, start) for x in stops) if i >= 0), default=-1)
                     if cut >= 0:
-                        data, finish = data[:cut], "stop"
+                        del data[cut:]
+                        finish = "stop"
                         break
-                    # hold back what could still become a stop string, and a character not complete yet
-                    held = max((n for x in stops for n in range(1, len(x)) if data.endswith(x[:n])), default=0)
-                    text = data[:len(data) - held].decode("utf-8", errors="ignore")
-                    if len(text) > len(shown):
-                        yield text[len(shown):], None
-                        shown = text
+                    # hold back what could still become a stop string (the decoder holds a partial character)
+                    tail = bytes(data[max(shown, len(data) - longest + 1):])
+                    held = max((n for x in stops for n in range(1, min(len(x), len(tail) + 1))
+                                if tail.endswith(x[:n])), default=0)
+                    text = decoder.decode(bytes(data[shown:len(data) - held]))
+                    shown = len(data) - held
+                    if text:
+                        yield text, None
                     if len(out) >= max_tokens:
                         break
                 else:
                     finish = "stop"  # generate ended: the stopping criteria said so
-            text = data.decode("utf-8", errors="ignore")
-            yield text[len(shown):], (finish, len(out))
+            yield decoder.decode(bytes(data[shown:]), final=True), (finish, len(out))
             if self.cache is not None:
                 self.cache[prompt_tokens + out] = self.save_state()
 
@@ -552,7 +572,7 @@ class Llama:
                     model=model or self.model_path)
         if stopping_criteria or logits_processor:  # Python per token: llama-cpp-python's own loop
             return self._token_completion(
-                self._prompt_tokens(prompt), head, max_tokens=max_tokens, stop=stop, stream=stream, seed=seed,
+                prompt, self._prompt_tokens(prompt), head, max_tokens=max_tokens, stop=stop, stream=stream, seed=seed,
                 echo=echo, logprobs=logprobs, logit_bias=logit_bias, stopping_criteria=stopping_criteria,
                 sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temperature,
                               repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,

@@ -55,6 +55,11 @@ class TokenSteps:
         self._outputs = 0
         self._on_slot(lambda seq: seq.reset())
 
+    @property
+    def has_outputs(self) -> bool:
+        """Whether the context still holds the output rows of this object's last eval."""
+        return self._outputs > 0
+
     def drop_outputs(self) -> None:
         """The context decoded something else since this object's last eval (a generation): its
         output rows are no longer there to sample from."""
@@ -142,16 +147,23 @@ class TokenSampler:
             raise IndexError(f"sample: row {row} is not among the last eval's {n_out} output rows")
 
         def pick(seq: Sequence) -> int:
-            if hooks:
-                logits = seq.ctx.output_logits(n_out)[row]  # a view: the chain reads what the hooks wrote
-                for hook in hooks:
-                    out = np.asarray(hook(history if history is not None else np.zeros(0, np.int32), logits.copy()),
-                                     dtype=np.float32)
-                    if out.shape != logits.shape:
-                        raise ValueError(f"a logits processor returned shape {out.shape}, not {logits.shape}")
-                    logits[:] = out
             # (llama.cpp counts a negative row from the last output; a row >= 0 would be a batch index)
-            return self._sampler.sample(seq.ctx, row - n_out if row >= 0 else row)
+            at = row - n_out if row >= 0 else row
+            if not hooks:
+                return self._sampler.sample(seq.ctx, at)
+            logits = seq.ctx.output_logits(n_out)[row]  # a view: the chain reads what the hooks write there
+            original = logits.copy()
+            try:
+                changed = original.copy()
+                for hook in hooks:
+                    changed = np.asarray(hook(history if history is not None else np.zeros(0, np.int32), changed),
+                                         dtype=np.float32)
+                    if changed.shape != original.shape:
+                        raise ValueError(f"a logits processor returned shape {changed.shape}, not {original.shape}")
+                logits[:] = changed
+                return self._sampler.sample(seq.ctx, at)
+            finally:
+                logits[:] = original  # the row is the model's again: a later sample sees no hook's edit
 
         return self._steps._on_slot(pick)
 
