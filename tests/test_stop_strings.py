@@ -1,6 +1,6 @@
 """Stop strings: the streaming matcher that holds back a possible stop string and cuts the output.
 
-``_TextAssembler`` (generation.py) turns token bytes into text. It holds back a partial UTF-8
+``TextAssembler`` (generation.py) turns token bytes into text. It holds back a partial UTF-8
 character and the longest tail that may start a stop string, and cuts the output right before the
 first stop string to complete. Each stop string is followed by a Knuth-Morris-Pratt matcher whose
 failure function is built lazily, so a stop string of millions of characters costs nothing up front
@@ -19,7 +19,7 @@ import tracemalloc
 
 import pytest
 
-from pyllama_spec.speculative.generation import _TextAssembler
+from pyllama_spec.speculative.generation import TextAssembler
 
 try:
     from hypothesis import HealthCheck, given, settings
@@ -69,7 +69,7 @@ def held_reference(text: str, stops: list[str]) -> int:
 
 def check_against_reference(tokens: list[int], stops: list[str], cuts: list[int], use_each: list[bool]) -> None:
     """Push ``tokens`` in the chunks ``cuts`` gives and check every push against the reference."""
-    out = _TextAssembler(FakeModel(PIECES), stops)
+    out = TextAssembler(FakeModel(PIECES), stops)
     live = [s for s in stops if s]
     final, stopped_ref = reference(text_of(tokens), live)
     released, stopped = "", False
@@ -133,7 +133,7 @@ if given is not None:
 
 def push_text(stops: list[str], chunks: list[str]) -> tuple[list[str], bool, str]:
     model = FakeModel([c.encode() for c in chunks])
-    out = _TextAssembler(model, stops)
+    out = TextAssembler(model, stops)
     got = [out.push([i])[0] for i in range(len(chunks))]
     return got, out.stopped, out.flush()
 
@@ -157,7 +157,7 @@ def test_a_possible_stop_string_is_held_back_and_released_when_it_can_no_longer_
 
 
 def test_the_held_tail_is_the_longest_over_all_stop_strings():
-    out = _TextAssembler(FakeModel([b"xaab", b"z"]), ["aab!", "b?", "ab."])
+    out = TextAssembler(FakeModel([b"xaab", b"z"]), ["aab!", "b?", "ab."])
     assert out.push([0]) == ("x", False) and out.held == "aab"
     assert out.push([1]) == ("aabz", False) and out.held == ""
 
@@ -169,15 +169,15 @@ def test_empty_stop_strings_are_ignored():
 
 def test_partial_utf8_is_held_back_by_the_decoder_and_a_stop_string_can_span_tokens():
     e = "é".encode()
-    out = _TextAssembler(FakeModel([b"a" + e[:1], e[1:] + b"b", e[:1]]), ["éb"])
+    out = TextAssembler(FakeModel([b"a" + e[:1], e[1:] + b"b", e[:1]]), ["éb"])
     assert out.push([0]) == ("a", False)
     assert out.push([1]) == ("", True) and out.push([2]) == ("", True) and out.flush() == ""
-    out = _TextAssembler(FakeModel([b"a" + e[:1], e[1:] + b"b", e[:1]]), ["zz"])
+    out = TextAssembler(FakeModel([b"a" + e[:1], e[1:] + b"b", e[:1]]), ["zz"])
     assert out.push_each([0, 1, 2]) == (("a", "éb", ""), False) and out.flush() == "\ufffd"
 
 
 def test_push_each_gives_each_tokens_text_and_nothing_after_the_stop():
-    out = _TextAssembler(FakeModel([b"one ", b"two ", b"STOP", b"three"]), ["STOP"])
+    out = TextAssembler(FakeModel([b"one ", b"two ", b"STOP", b"three"]), ["STOP"])
     assert out.push_each([0, 1, 2, 3]) == (("one ", "two ", "", ""), True)
     assert out.push([0]) == ("", True) and out.flush() == ""
 
@@ -191,7 +191,7 @@ def _costs(stop: str, chunks: list[str]) -> tuple[float, int, str, bool]:
     tracemalloc.start()
     try:
         t = time.thread_time()
-        out = _TextAssembler(model, [stop, "never", stop])
+        out = TextAssembler(model, [stop, "never", stop])
         text = "".join(out.push([i])[0] for i in range(len(chunks))) + out.flush()
         seconds = time.thread_time() - t
         peak = tracemalloc.get_traced_memory()[1]
@@ -226,7 +226,7 @@ def test_a_16_million_character_stop_string_costs_nothing_up_front_nor_per_token
 def test_a_long_stop_string_is_found_when_it_completes_across_many_tokens():
     """A 1,000,000-character stop string spread over 5000 tokens, after "x": cut right before it."""
     model = FakeModel([b"x", b"ab" * 100, b"tail"])
-    out = _TextAssembler(model, ["ab" * 500_000, "abx"])
+    out = TextAssembler(model, ["ab" * 500_000, "abx"])
     t = time.perf_counter()
     got = out.push([0, 1])[0]
     got += "".join(out.push_each([1] * 4998)[0])

@@ -11,15 +11,14 @@ The token-level calls (``eval``, ``sample``, ``generate``, ``save_state`` / ``lo
 act on the engine's one slot (serving/token_steps.py): the same cache the completions use, so an ``eval``
 followed by a completion of the same tokens decodes nothing again. A completion given
 ``logits_processor`` or ``stopping_criteria`` (Python per token) runs through ``generate``, token by token
-and without drafting, as llama-cpp-python runs every completion. What cannot apply (``vocab_only``,
-``embedding``, a Python draft model of your own) raises ``NotImplementedError`` that says so, and a
-constructor option that cannot apply warns once. Chats keep a model's reasoning in ``content``
+and without drafting, as llama-cpp-python runs every completion. ``vocab_only=True`` loads the vocabulary
+alone (tokenize, detokenize). What cannot apply (``embedding``, a Python draft model of your own) raises
+``NotImplementedError`` that says so, and a constructor option that cannot apply warns once. Chats keep a model's reasoning in ``content``
 (``<think>...``), as llama-cpp-python's chat handlers do.
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import random
 import time
@@ -50,6 +49,7 @@ from pyllama_spec.llama_cpp.llama_hooks import (  # noqa: F401 (llama_cpp.llama 
 )
 from pyllama_spec.llama_cpp.llama_speculative import EngineDraft, LlamaDraftModel
 from pyllama_spec.llama_cpp.llama_tokenizer import BaseLlamaTokenizer, LlamaTokenizer  # noqa: F401 (as there)
+from pyllama_spec.speculative.generation import TextAssembler
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 #: ggml type ids (llama-cpp-python's ``type_k`` / ``type_v``) -> the engine's cache type names.
@@ -436,7 +436,7 @@ class Llama:
         # (the engine keeps no logits of the rows it decoded: with logits_all, ``scores`` is filled by
         # eval and generate only)
         held = self._steps.held()
-        if held is None or len(held) > self._n_ctx:  # a picture's rows are not tokens: nothing to match
+        if held is None:  # a picture's rows are not tokens: nothing to match
             return
         self.input_ids[: len(held)] = held
         self.n_tokens = len(held)
@@ -481,19 +481,18 @@ class Llama:
                 return logits
 
             sampling = dict(sampling, logits_processor=LogitsProcessorList([add_bias, *sampling["logits_processor"]]))
-        stops = [x.encode("utf-8") for x in ([stop] if isinstance(stop, str) else stop or ())]
+        stops = [stop] if isinstance(stop, str) else list(stop or ())
         eog = set(self._engine.model.eog_tokens)
         prompt_text = prompt if isinstance(prompt, str) else self.detokenize(prompt_tokens).decode("utf-8", "ignore")
 
-        def pieces():  # (text that may be shown now, finish reason at the end)
+        def pieces():  # (text that may be shown now, (finish reason, tokens) at the end)
             if self.cache is not None:
                 self._start_from_cache(prompt_tokens)
             self.set_seed(seed if seed is not None else random.Random(self._seed).randint(0, 2**32))
+            # the engine's own text assembly: partial characters and possible stop strings held back
+            text = TextAssembler(self._engine.model, stops)
             out: list[int] = []
-            data, finish = bytearray(), "length"
-            decoder = codecs.getincrementaldecoder("utf-8")(errors="ignore")
-            shown = 0  # bytes of data given to the decoder (the text shown)
-            longest = max(map(len, stops), default=0)
+            finish = "length"
             tokens = self.generate(prompt_tokens, stopping_criteria=stopping_criteria, **sampling)
             with contextlib.closing(tokens):
                 for token in tokens:
@@ -501,31 +500,19 @@ class Llama:
                         finish = "stop"
                         break
                     out.append(token)
-                    start = max(0, len(data) - longest + 1)  # a stop string can only end in the new bytes
-                    data += self.detokenize([token])
-                    cut = min((i for i in (data.find(x, start) for x in stops) if i >= 0), default=-1)
-                    if cut >= 0:
-                        del data[cut:]
+                    shown, stopped = text.push([token])
+                    if shown:
+                        yield shown, None
+                    if stopped:
                         finish = "stop"
                         break
-                    # hold back what could still become a stop string (the decoder holds a partial character)
-                    tail = bytes(data[max(shown, len(data) - longest + 1):])
-                    held = max((n for x in stops for n in range(1, min(len(x), len(tail) + 1))
-                                if tail.endswith(x[:n])), default=0)
-                    text = decoder.decode(bytes(data[shown:len(data) - held]))
-                    shown = len(data) - held
-                    if text:
-                        yield text, None
                     if len(out) >= max_tokens:
                         break
                 else:
                     finish = "stop"  # generate ended: the stopping criteria said so
-            yield decoder.decode(bytes(data[shown:]), final=True), (finish, len(out))
+            yield text.flush(), (finish, len(out))
             if self.cache is not None:
                 self.cache[prompt_tokens + out] = self.save_state()
-
-        def usage(n: int) -> T.CompletionUsage:
-            return dict(prompt_tokens=len(prompt_tokens), completion_tokens=n, total_tokens=len(prompt_tokens) + n)
 
         if stream:
             def chunks():
@@ -539,7 +526,7 @@ class Llama:
         for text, end in pieces():
             texts.append(text)
         return dict(head, choices=[dict(text="".join(texts), index=0, logprobs=None, finish_reason=end[0])],
-                    usage=usage(end[1]))
+                    usage=_usage_of(len(prompt_tokens), end[1]))
 
     def create_embedding(self, *args: Any, **kwargs: Any):
         raise _not_yet("create_embedding / embed")
@@ -795,8 +782,12 @@ def _draft_settings(draft_model: LlamaDraftModel | None) -> dict[str, Any]:
 
 
 def _usage(stats) -> T.CompletionUsage:
-    return dict(prompt_tokens=stats.prompt_tokens, completion_tokens=stats.generated_tokens,
-                total_tokens=stats.prompt_tokens + stats.generated_tokens)
+    return _usage_of(stats.prompt_tokens, stats.generated_tokens)
+
+
+def _usage_of(prompt_tokens: int, completion_tokens: int) -> T.CompletionUsage:
+    return dict(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens)
 
 
 def _token_entries(llama: Llama, piece) -> list[tuple[str, float, dict[str, float]]]:

@@ -121,7 +121,7 @@ class Generation:
         self.draft_min = draft_min
         self.cache_prompt = cache_prompt
         self.progress = progress
-        self.out = _TextAssembler(model, stop, special_tokens)
+        self.out = TextAssembler(model, stop, special_tokens)
         self.lines = LineRules(n_indent, t_max_predict_ms)  # llama-server's n_indent / t_max_predict_ms
         self.generated = 0
         self.id_last: int | None = None
@@ -491,7 +491,7 @@ class _StopMatcher:
         return -1
 
 
-class _TextAssembler:
+class TextAssembler:
     """Token bytes -> text, holding back partial UTF-8 and any tail that may start a stop string.
 
     Text is released as soon as it cannot be the start of any stop string. When several stop strings
