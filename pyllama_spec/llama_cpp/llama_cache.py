@@ -28,7 +28,9 @@ def longest_token_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class BaseLlamaCache(ABC):
-    """A cache of ``LlamaState``s keyed by token tuples; a lookup finds the key sharing the longest prefix."""
+    """A cache of ``LlamaState``s keyed by token tuples; a lookup finds the key sharing the longest
+    prefix, and a store beyond ``capacity_bytes`` drops the oldest entries. A kind of cache says where
+    the states live (``_keys``, ``_take``, ``_put``, ``_drop_oldest``, ``__len__``, ``cache_size``)."""
 
     def __init__(self, capacity_bytes: int = (2 << 30)) -> None:
         self.capacity_bytes = capacity_bytes
@@ -36,6 +38,21 @@ class BaseLlamaCache(ABC):
     @property
     @abstractmethod
     def cache_size(self) -> int: ...
+
+    @abstractmethod
+    def _keys(self): ...
+
+    @abstractmethod
+    def _take(self, key: tuple[int, ...]) -> LlamaState: ...
+
+    @abstractmethod
+    def _put(self, key: tuple[int, ...], value: LlamaState) -> None: ...
+
+    @abstractmethod
+    def _drop_oldest(self) -> None: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
 
     def _find_longest_prefix_key(self, key: tuple[int, ...]) -> tuple[int, ...] | None:
         best, best_key = 0, None
@@ -45,17 +62,19 @@ class BaseLlamaCache(ABC):
                 best, best_key = n, k
         return best_key
 
-    @abstractmethod
-    def _keys(self): ...
-
-    @abstractmethod
-    def __getitem__(self, key: Sequence[int]) -> LlamaState: ...
+    def __getitem__(self, key: Sequence[int]) -> LlamaState:
+        found = self._find_longest_prefix_key(tuple(key))
+        if found is None:
+            raise KeyError("Key not found")
+        return self._take(found)
 
     def __contains__(self, key: Sequence[int]) -> bool:
         return self._find_longest_prefix_key(tuple(key)) is not None
 
-    @abstractmethod
-    def __setitem__(self, key: Sequence[int], value: LlamaState) -> None: ...
+    def __setitem__(self, key: Sequence[int], value: LlamaState) -> None:
+        self._put(tuple(int(t) for t in key), value)
+        while self.cache_size > self.capacity_bytes and len(self):
+            self._drop_oldest()
 
 
 class LlamaRAMCache(BaseLlamaCache):
@@ -73,19 +92,19 @@ class LlamaRAMCache(BaseLlamaCache):
     def _keys(self):
         return self.cache_state.keys()
 
-    def __getitem__(self, key: Sequence[int]) -> LlamaState:
-        found = self._find_longest_prefix_key(tuple(key))
-        if found is None:
-            raise KeyError("Key not found")
-        self.cache_state.move_to_end(found)
-        return self.cache_state[found]
+    def _take(self, key: tuple[int, ...]) -> LlamaState:
+        self.cache_state.move_to_end(key)
+        return self.cache_state[key]
 
-    def __setitem__(self, key: Sequence[int], value: LlamaState) -> None:
-        key = tuple(int(t) for t in key)
+    def _put(self, key: tuple[int, ...], value: LlamaState) -> None:
         self.cache_state.pop(key, None)
         self.cache_state[key] = value
-        while self.cache_size > self.capacity_bytes and self.cache_state:
-            self.cache_state.popitem(last=False)
+
+    def _drop_oldest(self) -> None:
+        self.cache_state.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self.cache_state)
 
 
 LlamaCache = LlamaRAMCache  # llama-cpp-python's older name
@@ -111,16 +130,15 @@ class LlamaDiskCache(BaseLlamaCache):
     def _keys(self):
         return self.cache.iterkeys()
 
-    def __getitem__(self, key: Sequence[int]) -> LlamaState:
-        found = self._find_longest_prefix_key(tuple(key))
-        if found is None:
-            raise KeyError("Key not found")
-        return self.cache.pop(found)
+    def _take(self, key: tuple[int, ...]) -> LlamaState:
+        return self.cache.pop(key)
 
-    def __setitem__(self, key: Sequence[int], value: LlamaState) -> None:
-        key = tuple(int(t) for t in key)
-        if key in self.cache:
-            del self.cache[key]
+    def _put(self, key: tuple[int, ...], value: LlamaState) -> None:
+        self.cache.pop(key, None)
         self.cache[key] = value
-        while self.cache_size > self.capacity_bytes and len(self.cache) > 0:
-            del self.cache[next(iter(self.cache))]
+
+    def _drop_oldest(self) -> None:
+        del self.cache[next(iter(self.cache))]
+
+    def __len__(self) -> int:
+        return len(self.cache)
