@@ -385,6 +385,24 @@ def test_save_state_and_load_state_replay_a_seeded_draw(path):
         assert _first(other, tokens) == expected
 
 
+def test_a_state_made_by_hand_loads_by_the_slots_own_draft_positions(greedy):
+    """A LlamaState built from llama-cpp-python's fields alone (no ``saved``: tokens and a memory image)
+    loads into a Llama whose DFlash draft lays out pictures by sequential positions, and keeps that mode."""
+    draft = spec.DFlashDraft(str(MODELS_DIR / "trained-draft.gguf"), draft_positions="sequential")
+    with llama_cpp.Llama(TARGET, draft_model=draft, **KW) as llm:
+        tokens = _tokens(llm)
+        llm.eval(tokens)
+        full = llm.save_state()
+        expected = _first(llm, tokens)
+        by_hand = llama_cpp.LlamaState(input_ids=full.input_ids, scores=full.scores, n_tokens=full.n_tokens,
+                                       llama_state=full.llama_state, llama_state_size=full.llama_state_size,
+                                       seed=full.seed)
+        llm.reset()
+        llm.load_state(by_hand)
+        assert llm.engine.sequences[0].positions.draft_positions == "sequential"
+        assert llm.n_tokens == len(tokens) and _first(llm, tokens) == expected
+
+
 def test_a_state_from_another_model_is_refused_and_leaves_the_llama_usable(llm, greedy):
     with llama_cpp.Llama(QWEN35, **KW) as other:
         other.eval(_tokens(other))

@@ -396,10 +396,11 @@ class Llama:
         ``generate`` or completion decodes again from where it ends (for fresh logits, at least the last
         token). ``KVMemoryError`` when the context refuses it; the context is then empty."""
         saved = getattr(state, "saved", None)
-        if saved is None:  # a LlamaState made by hand: its tokens and memory image
-            saved = self._steps.saved_of_tokens(state.input_ids[:state.n_tokens], bytes(state.llama_state))
         try:
-            self._steps.restore(saved)
+            if saved is None:  # a LlamaState made by hand: its tokens and memory image
+                self._steps.restore_tokens(state.input_ids[:state.n_tokens], bytes(state.llama_state))
+            else:
+                self._steps.restore(saved)
         except BaseException:
             self.n_tokens, self._requires_eval = 0, True
             raise

@@ -123,10 +123,12 @@ class TokenSteps:
         self._outputs = 0
         self._on_slot(lambda seq: seq.restore_state(saved))
 
-    def saved_of_tokens(self, tokens: Seq[int], memory: bytes) -> SavedSequence:
-        """A SavedSequence of text ``tokens`` and a memory image taken elsewhere (llama-cpp-python's
-        LlamaState holds only these)."""
-        return SavedSequence((np.asarray(tokens, dtype=np.int32),), "target", memory)
+    def restore_tokens(self, tokens: Seq[int], memory: bytes) -> None:
+        """``restore`` of text ``tokens`` and a memory image taken elsewhere (llama-cpp-python's LlamaState
+        holds only these), laid out by the slot's own draft position mode."""
+        parts = (np.asarray(tokens, dtype=np.int32),)
+        self._outputs = 0
+        self._on_slot(lambda seq: seq.restore_state(SavedSequence(parts, seq.positions.draft_positions, memory)))
 
 
 class TokenSampler:
