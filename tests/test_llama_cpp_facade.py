@@ -288,6 +288,8 @@ def test_eval_sample_and_generate_are_the_completions_greedy_tokens(llm, greedy)
         assert [gen.send(guess[1:])] + [next(gen)] == out[1:3]
         assert every_row.n_tokens == len(tokens) + 3  # both guesses held: nothing cut
         gen.close()
+        kept = every_row.save_state().scores  # with logits_all a state keeps every decoded row's logits
+        assert kept.shape == (every_row.n_tokens, every_row.n_vocab()) and np.isfinite(kept[-1]).all()
         with pytest.raises(IndexError, match="output rows"):
             llm.eval(tokens)
             g = llm.generate(tokens, temp=0.0)
@@ -366,6 +368,7 @@ def test_save_state_and_load_state_replay_a_seeded_draw(path):
         assert llm._is_hybrid is (path == QWEN35) and llm._is_recurrent is False
         llm.set_seed(1337)
         state = llm.save_state()
+        assert state.scores.shape == (0, llm.n_vocab())  # without logits_all there are none to keep
 
         def draw():
             return llm("Pick a number:", max_tokens=2, temperature=1.0, grammar=grammar)["choices"][0]["text"]

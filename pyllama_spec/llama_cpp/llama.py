@@ -387,7 +387,10 @@ class Llama:
         """What the context holds (its memory, the tokens decoded, their logits) and the seed."""
         self._check_can_generate()
         saved = self._steps.save()
-        return LlamaState(input_ids=self.input_ids.copy(), scores=self._scores.copy(), n_tokens=self.n_tokens,
+        # without logits_all no row of scores is ever written: a copy of those zeros would cost n_tokens x
+        # n_vocab floats a state (300 MB at 512 tokens of a 150k vocabulary), so a state keeps none
+        scores = self._scores.copy() if self._logits_all else self.scores[:0].copy()
+        return LlamaState(input_ids=self.input_ids.copy(), scores=scores, n_tokens=self.n_tokens,
                           llama_state=saved.memory, llama_state_size=len(saved.memory), seed=self._seed,
                           saved=saved)
 
@@ -404,7 +407,7 @@ class Llama:
         except BaseException:
             self.n_tokens, self._requires_eval = 0, True
             raise
-        self.scores[: state.n_tokens, :] = state.scores
+        self.scores[: len(state.scores), :] = state.scores
         self.input_ids = state.input_ids.copy()
         self.n_tokens = state.n_tokens
         self._requires_eval = True
