@@ -282,9 +282,6 @@ class Llama:
             return
         self._check_can_generate()
         n_past = self.n_tokens
-        if n_past + len(tokens) > self._n_ctx:
-            raise ValueError(f"eval: {n_past} + {len(tokens)} tokens do not fit the context of {self._n_ctx} "
-                             "(Llama(n_ctx=...))")
         rows = self._steps.eval(self.input_ids[:n_past], tokens, all_logits=self._logits_all)
         self.input_ids[n_past:n_past + len(tokens)] = tokens
         if self._logits_all:  # (rows the cache already held are not decoded again: their logits stay)
