@@ -9,12 +9,12 @@ generation's drafting statistics (drafted, accepted, acceptance, ...).
 
 The token-level calls (``eval``, ``sample``, ``generate``, ``save_state`` / ``load_state``, ``set_cache``)
 act on the engine's one slot (serving/token_steps.py): the same cache the completions use, so an ``eval``
-followed by a completion of the same tokens decodes nothing again. A completion given
+followed by a completion of the same tokens decodes only the last token again. A completion given
 ``logits_processor`` or ``stopping_criteria`` (Python per token) runs through ``generate``, token by token
 and without drafting, as llama-cpp-python runs every completion. ``vocab_only=True`` loads the vocabulary
 alone (tokenize, detokenize). What cannot apply (``embedding``, a Python draft model of your own) raises
-``NotImplementedError`` that says so, and a constructor option that cannot apply warns once. Chats keep a model's reasoning in ``content``
-(``<think>...``), as llama-cpp-python's chat handlers do.
+``NotImplementedError`` that says so, and a constructor option that cannot apply warns once. Chats keep a
+model's reasoning in ``content`` (``<think>...``), as llama-cpp-python's chat handlers do.
 """
 
 from __future__ import annotations
@@ -461,8 +461,8 @@ class Llama:
         if cached > self.longest_token_prefix(self._input_ids.tolist(), prompt_tokens):
             self.load_state(item)
 
-    def _token_completion(self, prompt: str | Sequence[int], prompt_tokens: list[int], head: dict, *, max_tokens, stop, stream, seed, echo,
-                          logprobs, logit_bias, stopping_criteria, sampling: dict):
+    def _token_completion(self, prompt: str | Sequence[int], prompt_tokens: list[int], head: dict, *, max_tokens,
+                          stop, stream, seed, echo, logprobs, logit_bias, stopping_criteria, sampling: dict):
         """A completion through ``generate``, token by token (a ``logits_processor`` or
         ``stopping_criteria`` runs Python at each token): llama-cpp-python's loop, with its stop
         strings, its end-of-generation tokens, its finish reasons and its chunks."""

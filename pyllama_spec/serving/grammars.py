@@ -31,8 +31,9 @@ __all__ = ["GrammarError", "MAX_SCHEMA_COST", "MAX_SCHEMA_DEPTH", "check_grammar
 
 def check_grammar(gbnf: str) -> None:
     """Raise GrammarError unless ``gbnf`` parses and has a ``root`` rule (llama.cpp's parser: the
-    bindings' ``check_grammar``, which the layers above call through this one), after the size check: a grammar whose repetitions would write out too many symbols, or whose ``{m,n}`` has
-    n < m (the parser never ends on it), is refused before the parser sees it."""
+    bindings' ``check_grammar``, which the layers above call through this one), after the size check:
+    a grammar whose repetitions would write out too many symbols, or whose ``{m,n}`` has n < m (the
+    parser never ends on it), is refused before the parser sees it."""
     try:
         check_grammar_size(gbnf)
     except ValueError as e:  # the estimate's refusal, as the grammar tools' error
