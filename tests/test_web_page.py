@@ -271,16 +271,17 @@ def _write_docs_screenshot(page, answer) -> None:
 def test_stop_and_escape_end_a_long_answer_and_the_server_serves_the_next(tab, server):
     page = tab.page
     page.click("#settings summary")
-    page.fill("#max-tokens", "3500")  # about 10 s of generating on this pair: far longer than a stop takes
+    # 3500 tokens are 4.6 s of generating on this pair (near its 4096-token training length):
+    # longer than a stop takes, but not by so much that anything slow (a full-page screenshot on
+    # a loaded machine) may sit between seeing the answer stream and stopping it.
+    page.fill("#max-tokens", "3500")
+    streaming = "#log > li.assistant:last-child[data-state=streaming] .text .tok"
     for how in ("button", "Escape"):
         before = _metric(server, "generated_tokens_total")
         tab.send("class Stack:", key="click" if how == "button" else "Enter")
-        # text appears while the answer is still streaming
-        page.wait_for_selector("#log > li.assistant:last-child[data-state=streaming] .text .tok", state="attached",
-                               timeout=30_000)
+        page.wait_for_selector(streaming, state="attached", timeout=30_000)  # text appears while it streams
         assert page.locator("#stop").is_enabled() and page.locator("#send").is_disabled()
         if how == "button":
-            tab.shot("3-streaming")
             page.click("#stop")
         else:
             page.keyboard.press("Escape")
@@ -293,9 +294,11 @@ def test_stop_and_escape_end_a_long_answer_and_the_server_serves_the_next(tab, s
         assert page.evaluate("document.activeElement.id") == "prompt"  # focus back where the user types
     tab.shot("4-stopped")
 
-    page.fill("#max-tokens", "16")
-    tab.send("def main():")  # the stopped answers stay in the conversation; the next one runs
-    tab.wait_for_answer("done")
+    page.fill("#max-tokens", "1000")
+    tab.send("def main():")  # the stopped answers stay in the conversation; the next one runs to its end
+    page.wait_for_selector(streaming, state="attached", timeout=30_000)
+    tab.shot("3-streaming")  # here an answer that ends before the shot is done harms nothing
+    tab.wait_for_answer("done", timeout=60_000)
     assert page.locator("#log > li").count() == 6
     assert tab.last_answer().locator(".text .tok").count() > 0
     page.click("#clear")
