@@ -155,6 +155,22 @@ def tiny_hybrid(tiny_dir) -> tiny.TinyModels:
 
 
 @pytest.fixture(scope="session")
+def tiny_bert(tiny_dir) -> Path:
+    """A tiny BERT embedding model with bge-small's vocabulary (devtools/tiny_bert.py; CLS pooling)."""
+    from pyllama_spec.devtools.tiny_bert import make_bert
+
+    return make_bert(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_reranker(tiny_dir) -> Path:
+    """tiny_bert with a classifier head and RANK pooling."""
+    from pyllama_spec.devtools.tiny_bert import make_bert
+
+    return make_bert(tiny_dir, rerank=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_server(tiny_dense):
     """``tiny_dense``'s trio served for the whole session (n_ctx 2048, N_THREADS threads, flash
     attention off, ``ServerSettings(alias="tiny")``): a ``serving.LocalServer``, its engine at

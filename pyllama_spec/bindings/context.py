@@ -38,6 +38,13 @@ KV_CACHE_TYPES = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16, "bf16": li
                   "iq4_nl": lib.GGML_TYPE_IQ4_NL, "q5_0": lib.GGML_TYPE_Q5_0, "q5_1": lib.GGML_TYPE_Q5_1}
 assert tuple(KV_CACHE_TYPES) == KV_CACHE_TYPE_NAMES, "KV_CACHE_TYPES must map exactly gguf.memory's names"
 
+#: How an embeddings context pools a sequence's rows into one vector, by llama-server's --pooling
+#: names ("unspecified": what the model's GGUF declares).
+POOLING_TYPES = {"unspecified": lib.LLAMA_POOLING_TYPE_UNSPECIFIED, "none": lib.LLAMA_POOLING_TYPE_NONE,
+                 "mean": lib.LLAMA_POOLING_TYPE_MEAN, "cls": lib.LLAMA_POOLING_TYPE_CLS,
+                 "last": lib.LLAMA_POOLING_TYPE_LAST, "rank": lib.LLAMA_POOLING_TYPE_RANK}
+_POOLING_OF = {v: k for k, v in POOLING_TYPES.items()}
+
 
 class Context(NativeHandle):
     """An inference context (KV cache, compute buffers) on a Model.
@@ -55,7 +62,7 @@ class Context(NativeHandle):
                  n_threads_batch: int | None = None, type_k: str = "f16", type_v: str = "f16",
                  flash_attn: bool | None = False, swa_full: bool = False, embeddings: bool = False,
                  kv_unified: bool = False, ctx_other: "Context | None" = None, role: str = "target",
-                 mtp: bool = False) -> None:
+                 mtp: bool = False, pooling: str = "unspecified") -> None:
         self.model = model
         self.role = role
         self._other = ctx_other  # keeps the borrowed context alive as long as this one
@@ -97,6 +104,9 @@ class Context(NativeHandle):
         params.swa_full = swa_full
         params.kv_unified = kv_unified  # one cache for all sequences (draft trees share its cells)
         params.embeddings = embeddings
+        if pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling {pooling!r} is not a pooling type; use one of {', '.join(POOLING_TYPES)}")
+        params.pooling_type = POOLING_TYPES[pooling]
         params.no_perf = True
         if ctx_other is not None:
             params.ctx_other = ctx_other.ptr
@@ -156,6 +166,56 @@ class Context(NativeHandle):
 
     def set_causal_attn(self, causal: bool) -> None:
         lib.llama_set_causal_attn(self.ptr, causal)
+
+    @property
+    def has_memory(self) -> bool:
+        """Whether the context keeps a memory (a KV cache or recurrent state): an encoder-only
+        model (BERT) has none, and must take each sequence whole, in one ubatch."""
+        return lib.llama_get_memory(self.ptr) != ffi.NULL
+
+    # --- embeddings (llama-server's --embeddings)
+    @property
+    def pooling(self) -> str:
+        """How the context pools a sequence's output rows ("none", "mean", "cls", "last", "rank";
+        made with ``pooling=``, or what the model declares)."""
+        return _POOLING_OF.get(lib.llama_pooling_type(self.ptr), "unknown")
+
+    def set_embeddings(self, on: bool) -> None:
+        """Decodes from now on give output embeddings (pooled by sequence unless pooling is "none")
+        rather than logits."""
+        lib.llama_set_embeddings(self.ptr, on)
+        self.last_decode_rows = 0
+
+    def output_embeddings(self, n_outputs: int) -> np.ndarray:
+        """The output embeddings of the first n_outputs output rows of the last decode (pooling
+        "none"), float32 [n_outputs, n_embd_out], a copy."""
+        self._check_rows(n_outputs)
+        ptr = lib.llama_get_embeddings(self.ptr)
+        raise_carried()
+        if ptr == ffi.NULL:
+            raise NativeCallError("llama_get_embeddings", None, f"{self.role} context has no output embeddings")
+        n = self.model.n_embd_out
+        return np.frombuffer(ffi.buffer(ptr, n_outputs * n * 4), dtype=np.float32).reshape(n_outputs, n).copy()
+
+    def embeddings_of_row(self, i: int) -> np.ndarray:
+        """The output embedding of output row ``i`` of the last decode (pooling "none"), float32
+        [n_embd_out], a copy."""
+        ptr = lib.llama_get_embeddings_ith(self.ptr, i)
+        raise_carried()
+        if ptr == ffi.NULL:
+            raise NativeCallError("llama_get_embeddings_ith", None, f"{self.role} context has no embedding for row {i}")
+        return np.frombuffer(ffi.buffer(ptr, self.model.n_embd_out * 4), dtype=np.float32).copy()
+
+    def embeddings_of_sequence(self, seq_id: int) -> np.ndarray:
+        """The pooled embedding of sequence ``seq_id`` in the last decode, float32 [n_embd_out]
+        (pooling "rank": [n_cls_out], the classifier's scores), a copy."""
+        ptr = lib.llama_get_embeddings_seq(self.ptr, seq_id)
+        raise_carried()
+        if ptr == ffi.NULL:
+            raise NativeCallError("llama_get_embeddings_seq", None,
+                                  f"{self.role} context has no pooled embedding for sequence {seq_id}")
+        n = max(1, self.model.n_cls_out) if self.pooling == "rank" else self.model.n_embd_out
+        return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).copy()
 
     # --- LoRA adapters
     def set_lora(self, adapters: Sequence["LoraAdapter"], scales: Sequence[float]) -> None:

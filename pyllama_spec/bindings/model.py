@@ -142,6 +142,20 @@ class Model(NativeHandle):
         return lib.llama_model_n_embd(self.ptr)
 
     @property
+    def n_embd_out(self) -> int:
+        """Width of an output embedding (llama-server's /embeddings vectors)."""
+        return lib.llama_model_n_embd_out(self.ptr)
+
+    @property
+    def n_cls_out(self) -> int:
+        """Outputs of a classifier head (a reranker's scores); 0 without one."""
+        return lib.llama_model_n_cls_out(self.ptr)
+
+    @property
+    def has_encoder(self) -> bool:
+        return lib.llama_model_has_encoder(self.ptr)
+
+    @property
     def n_embd_inp(self) -> int:
         return lib.llama_model_n_embd_inp(self.ptr)
 

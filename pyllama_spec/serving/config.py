@@ -93,6 +93,13 @@ class EngineConfig:
     # starts every global scale at 0 until set_scales (POST /lora-adapters). See serving/lora.py.
     lora: Sequence[str | tuple[str, float]] = ()
     lora_init_without_apply: bool = False
+    # Embeddings (llama-server's --embeddings, --pooling, --embd-normalize; serving/embeddings.py):
+    # whether Engine.embed may run; how a prompt's rows are pooled into one vector ("unspecified":
+    # as the GGUF declares, "none": a vector per row); the default normalisation of pooled vectors
+    # (-1 none, 0 max-abs to int16, 1 taxicab, 2 euclidean, >2 p-norm).
+    embeddings: bool = False
+    pooling: str = "unspecified"
+    embd_normalize: int = 2
 
     def __post_init__(self) -> None:
         if self.spec_type is None:
@@ -113,6 +120,7 @@ class EngineConfig:
                              f"and spec_type {takes}, got spec_type {c.spec_type!r}")
         if c.n_ubatch > c.n_batch:
             raise ValueError(f"n_ubatch ({c.n_ubatch}) cannot exceed n_batch ({c.n_batch})")
+        check_pooling(c.pooling, c.embd_normalize)
         if c.draft_max is None:  # the method's measured length; a tree's depth as before: the draft's cap
             c = dataclasses.replace(c, draft_max=0 if m is None else DRAFT_TREE_DEPTH if c.draft_tree else m.draft_max)
         dm = c.draft_max
@@ -125,6 +133,18 @@ class EngineConfig:
                              "slot's verify rows go in one target batch")
         _check_draft_tree(c)
         return c
+
+
+#: llama-server's --pooling names (bindings/context.py's POOLING_TYPES, which must hold the same).
+POOLING_NAMES = ("unspecified", "none", "mean", "cls", "last", "rank")
+
+
+def check_pooling(pooling: str, embd_normalize: int) -> None:
+    if pooling not in POOLING_NAMES:
+        raise ValueError(f"pooling must be one of {', '.join(POOLING_NAMES)}, got {pooling!r}")
+    if isinstance(embd_normalize, bool) or not isinstance(embd_normalize, int) or embd_normalize < -1:
+        raise ValueError(f"embd_normalize must be an integer >= -1 (-1 none, 0 max-abs, 1 taxicab, 2 euclidean, "
+                         f">2 p-norm), got {embd_normalize!r}")
 
 
 #: The most drafted tokens in a tree: each leaf takes a sequence id, and llama.cpp has 256.

@@ -35,6 +35,7 @@ from pyllama_spec.bindings.mtmd import Projector
 from pyllama_spec.drafters import Drafter
 from pyllama_spec.drafters.registry import DrafterSetup, Pairing, method
 from pyllama_spec.serving.config import EngineConfig
+from pyllama_spec.serving.embeddings import Embedding, EmbeddingInput, EmbeddingJob
 from pyllama_spec.serving.grammars import json_schema_to_grammar
 from pyllama_spec.serving.load_plan import plan_drafts, plan_load
 from pyllama_spec.serving.lora import EngineAdapters, lora_specs
@@ -215,7 +216,7 @@ class Engine:
         self.ctx = Context(self.model, n_ctx=c.n_ctx, n_batch=c.n_batch, n_ubatch=c.n_ubatch, n_rs_seq=n_rs_seq,
                            n_seq_max=n_seq + c.draft_tree, kv_unified=c.draft_tree > 0,
                            n_threads=c.n_threads, n_threads_batch=c.n_threads_batch, type_k=c.cache_type_k,
-                           type_v=c.cache_type_v, flash_attn=c.flash_attn, role="target")
+                           type_v=c.cache_type_v, flash_attn=c.flash_attn, pooling=c.pooling, role="target")
         if c.mmproj:
             offload = c.n_gpu_layers != 0 if c.mmproj_offload is None else c.mmproj_offload
             self.projector = Projector(c.mmproj, self.model, use_gpu=offload, n_threads=c.n_threads,
@@ -381,6 +382,26 @@ class Engine:
         It runs in the slot loop once the slot is free; with one slot and no loop thread, on this
         thread (after a generation running on another thread ends), and the Future is done."""
         return self._loop.run_on_slot(slot, fn)
+
+    def embed(self, prompts: "str | EmbeddingInput | Sequence[str | EmbeddingInput]", *,
+              normalize: int | None = None) -> list[Embedding]:
+        """The embedding of each prompt (serving/embeddings.py): a string, or an ``EmbeddingInput``
+        (text with images, or token ids), or a list of them; pooled as the engine was loaded
+        (``pooling=``) and normalised by ``normalize`` (None: the engine's ``embd_normalize``,
+        euclidean by default). Needs an engine loaded with ``embeddings=True``. Runs on an idle
+        slot (its cached prompt is forgotten), between other slots' generations.
+
+        >>> engine = load("bge-small.gguf", embeddings=True)  # doctest: +SKIP
+        >>> engine.embed("hello")[0].vectors[0]                # doctest: +SKIP
+        """
+        items = [prompts] if isinstance(prompts, (str, EmbeddingInput)) else list(prompts)
+        inputs = [p if isinstance(p, EmbeddingInput) else EmbeddingInput(p) for p in items]
+        with EmbeddingJob(self, inputs, normalize=normalize) as job:
+            return self.run_on_slot(self.idle_slot(), job).result()
+
+    def idle_slot(self) -> int:
+        """A slot running no generation now (the first), else slot 0: where slot work waits least."""
+        return next((i for i in range(len(self.sequences)) if self._loop.running(i) is None), 0)
 
     def reset_cache(self) -> None:
         """Forget the cached prompt(s) of the idle slots: the next generation decodes everything again."""

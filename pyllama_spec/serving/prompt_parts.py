@@ -58,14 +58,15 @@ class PromptParts:
         return text, image_list, chat
 
     # ------------------------------------------------------------------ parts
-    def tokenize(self, text: str | tuple, bitmaps: list[Bitmap]) -> list:
+    def tokenize(self, text: str | tuple, bitmaps: list[Bitmap], *, to_generate: bool = True) -> list:
         """The prompt as parts: int32 token arrays (text) and Chunk objects (media); checked against
         a sequence's share of the context. ``text`` may be a mixed prompt (a tuple of strings and
-        token arrays, resolved by serving/resolver.py)."""
+        token arrays, resolved by serving/resolver.py). ``to_generate=False`` (an embedding's prompt):
+        it may end with an image, and needs no row to generate into."""
         if isinstance(text, tuple):
             parts: list = [self._mixed_tokens(text)]
         else:
-            self.refuse_a_prompt_that_cannot_fit(text)
+            self.refuse_a_prompt_that_cannot_fit(text, to_generate=to_generate)
             if self.projector is not None:
                 chunks = self.projector.tokenize(text, bitmaps)
                 parts = [c.tokens if c.is_text else c for c in chunks]  # media chunks keep `chunks` alive
@@ -78,11 +79,11 @@ class PromptParts:
         parts = [p for p in parts if not (isinstance(p, np.ndarray) and len(p) == 0)]
         if not parts:
             raise ValueError("the prompt is empty")
-        if not isinstance(parts[-1], np.ndarray):
+        if to_generate and not isinstance(parts[-1], np.ndarray):
             raise ValueError("the prompt must end with text after the last image")
         rows = sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
-        if rows + 1 > self.ctx.n_ctx_seq:
-            raise self.overflow(f"{rows} cache rows")
+        if rows + to_generate > self.ctx.n_ctx_seq:
+            raise self.overflow(f"{rows} cache rows", to_generate=to_generate)
         return parts
 
     def count(self, text: str, images: list) -> int:
@@ -111,14 +112,14 @@ class PromptParts:
         return np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
 
     # ------------------------------------------------------------------ the fit check
-    def overflow(self, what: str) -> ContextOverflowError:
+    def overflow(self, what: str, *, to_generate: bool = True) -> ContextOverflowError:
         n_ctx = self.ctx.n_ctx_seq
         share = (f"n_ctx is {self.ctx.n_ctx}" if self.n_parallel == 1 else
                  f"each of the {self.n_parallel} slots has {n_ctx} of n_ctx {self.ctx.n_ctx}")
-        return ContextOverflowError(f"the prompt needs {what} (+1 to generate) but {share}; "
+        return ContextOverflowError(f"the prompt needs {what}{' (+1 to generate)' if to_generate else ''} but {share}; "
                                     "raise n_ctx (-c) or shorten the prompt / use smaller images")
 
-    def refuse_a_prompt_that_cannot_fit(self, text: str) -> None:
+    def refuse_a_prompt_that_cannot_fit(self, text: str, *, to_generate: bool = True) -> None:
         """Refuse, before tokenizing it, a prompt whose text alone cannot fit the context.
 
         Tokenizing costs many times the text in memory (llama.cpp's tokenizer: about 90 bytes a
@@ -132,8 +133,8 @@ class PromptParts:
         if n_bytes < n_ctx:  # fewer bytes than rows: the exact check after tokenizing decides
             return
         at_least = self.model.tokens_at_least(n_bytes)
-        if at_least + 1 > n_ctx:
-            raise self.overflow(f"at least {at_least} cache rows ({n_bytes} bytes of text)")
+        if at_least + to_generate > n_ctx:
+            raise self.overflow(f"at least {at_least} cache rows ({n_bytes} bytes of text)", to_generate=to_generate)
         if n_bytes < _COUNT_PIECES_ABOVE * n_ctx:
             return
         counted, pieces = 0, 0
@@ -142,7 +143,8 @@ class PromptParts:
             pieces += 1
             if counted > n_ctx + _COUNT_SLACK_PER_PIECE * pieces:
                 raise self.overflow(f"more than {counted - _COUNT_SLACK_PER_PIECE * pieces} cache rows "
-                                    f"(counted over the first {pieces} pieces of its {n_bytes} bytes of text)")
+                                    f"(counted over the first {pieces} pieces of its {n_bytes} bytes of text)",
+                                    to_generate=to_generate)
 
 
 #: Characters encoded per C call when a text's UTF-8 length is counted (a few milliseconds of the GIL).

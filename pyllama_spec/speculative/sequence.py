@@ -126,11 +126,12 @@ class Sequence:
             self._remember_text(np.asarray(tokens[:n_kept], dtype=np.int32))
 
     def decode_media(self, projector, chunk, stats: GenerationStats, *, n_batch: int,
-                     embd: EncodedMedia | None = None) -> Iterator[int]:
+                     embd: EncodedMedia | None = None, outputs: bool = False) -> Iterator[int]:
         """Encode a media chunk (unless its embeddings ``embd`` are given: encoded elsewhere), then
         decode its rows in slices of n_batch, yielding after each slice (the rows of the chunk
         decoded so far), so that a scheduler can run other sequences' steps in between.
-        Positions advance when the last slice is in.
+        Positions advance when the last slice is in. ``outputs``: every row is an output (an
+        embedding's rows; a generation reads none of a picture's).
 
         A vision draft model's twin of the chunk (``chunk.draft``: the same item through the
         draft's projector) is encoded with it (speculative/media.py) and handed to the drafter with the
@@ -150,7 +151,7 @@ class Sequence:
             for s in range(0, chunk.n_tokens, n_batch):
                 e = min(s + n_batch, chunk.n_tokens)
                 batch.clear()
-                batch.add_embeddings(embd[s:e], positions[s:e], seq_id=self.seq_id)
+                batch.add_embeddings(embd[s:e], positions[s:e], seq_id=self.seq_id, outputs=outputs)
                 with Stopwatch(stats, "target_seconds"):
                     if non_causal:
                         self.ctx.set_causal_attn(False)

@@ -19,6 +19,10 @@ enum llama_flash_attn_type {
 };
 enum llama_process_type { LLAMA_PROCESS_TYPE_ENCODE, LLAMA_PROCESS_TYPE_DECODE, ... };
 enum llama_context_type { LLAMA_CONTEXT_TYPE_DEFAULT, LLAMA_CONTEXT_TYPE_MTP, ... };
+enum llama_pooling_type {
+    LLAMA_POOLING_TYPE_UNSPECIFIED, LLAMA_POOLING_TYPE_NONE, LLAMA_POOLING_TYPE_MEAN, LLAMA_POOLING_TYPE_CLS,
+    LLAMA_POOLING_TYPE_LAST, LLAMA_POOLING_TYPE_RANK, ...
+};
 
 typedef struct llama_token_data {
     llama_token id;
@@ -88,6 +92,7 @@ struct llama_context_params {
     enum llama_flash_attn_type flash_attn_type;
     enum ggml_type type_k;
     enum ggml_type type_v;
+    enum llama_pooling_type pooling_type;
     bool embeddings;
     bool offload_kqv;
     bool no_perf;
@@ -153,6 +158,9 @@ uint64_t llama_model_n_params(const struct llama_model * model);
 const char * llama_model_chat_template(const struct llama_model * model, const char * name);
 bool llama_model_is_recurrent(const struct llama_model * model);
 bool llama_model_is_hybrid(const struct llama_model * model);
+bool llama_model_has_encoder(const struct llama_model * model);
+int32_t llama_model_n_embd_out(const struct llama_model * model);
+uint32_t llama_model_n_cls_out(const struct llama_model * model);
 
 /* context facts */
 uint32_t llama_n_ctx(const struct llama_context * ctx);
@@ -166,6 +174,7 @@ llama_memory_t llama_get_memory(const struct llama_context * ctx);
 void llama_set_n_threads(struct llama_context * ctx, int32_t n_threads, int32_t n_threads_batch);
 void llama_set_abort_callback(struct llama_context * ctx, ggml_abort_callback abort_callback, void * abort_callback_data);
 void llama_set_embeddings(struct llama_context * ctx, bool embeddings);
+enum llama_pooling_type llama_pooling_type(const struct llama_context * ctx);
 void llama_set_causal_attn(struct llama_context * ctx, bool causal_attn);
 bool llama_get_causal_attn(const struct llama_context * ctx);
 void llama_synchronize(struct llama_context * ctx);
@@ -220,6 +229,7 @@ float * llama_get_logits(struct llama_context * ctx);
 float * llama_get_logits_ith(struct llama_context * ctx, int32_t i);
 float * llama_get_embeddings(struct llama_context * ctx);
 float * llama_get_embeddings_ith(struct llama_context * ctx, int32_t i);
+float * llama_get_embeddings_seq(struct llama_context * ctx, llama_seq_id seq_id);
 
 /* memory (KV cache / recurrent state) */
 void llama_memory_clear(llama_memory_t mem, bool data);
