@@ -35,6 +35,7 @@ _LAZY = {
     "Result": "speculative.generation", "Piece": "speculative.generation",
     "Conversation": "serving.conversation", "Submission": "serving.slot_loop",
     "Request": "serving.request", "RequestOptions": "serving.request",
+    "Embedding": "serving.embeddings", "EmbeddingInput": "serving.embeddings",
     "Model": "bindings.model", "Context": "bindings.context", "Memory": "bindings.context", "Sampler": "bindings.sampler",
     "Batch": "bindings.batch",
     "MEDIA_MARKER": "bindings.mtmd",  # mtmd's default media marker, as libmtmd says it

@@ -11,7 +11,8 @@ import pytest
 
 import pyllama_spec as ps
 from conftest import N_THREADS, load_tiny
-from pyllama_spec.serving.embeddings import EmbeddingInput, normalize
+from pyllama_spec.serving.embeddings import normalize
+from pyllama_spec import EmbeddingInput
 
 BERT = dict(n_ctx=512, n_batch=128, n_ubatch=128, n_threads=N_THREADS, embeddings=True)
 

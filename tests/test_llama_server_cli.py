@@ -106,7 +106,7 @@ def test_every_llama_server_flag_is_accepted_honoured_or_dropped_with_a_reason()
               "--spec-draft-p-min": "0.5", "--top-p": "0.9", "--min-p": "0.1", "--typical": "1.0",
               "--xtc-probability": "0.1", "--xtc-threshold": "0.2", "--mirostat": "0", "-lm": "auto",
               "--slot-save-path": ".", "--lora-scaled": "a.gguf:0.5", "--chat-template-kwargs": '{"a": 1}',
-              "--reasoning-format": "deepseek", "-rea": "on"}
+              "--reasoning-format": "deepseek", "-rea": "on", "--pooling": "mean"}
     argv, dropped = [], []
     for f in L.FLAGS:
         if f.preset_only or f.names[0] in ("-h", "--models-preset"):

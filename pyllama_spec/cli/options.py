@@ -449,7 +449,9 @@ def _load_engine(o: dict):
                   reasoning_effort=None if o.get("reasoning_effort") in (None, "default") else o["reasoning_effort"],
                   reasoning_preserve=o.get("reasoning_preserve"), skip_chat_parsing=o.get("skip_chat_parsing", False),
                   prefill_assistant=o.get("prefill_assistant", True),
-                  lora=lora_adapters(o), lora_init_without_apply=o.get("lora_init_without_apply", False))
+                  lora=lora_adapters(o), lora_init_without_apply=o.get("lora_init_without_apply", False),
+                  embeddings=o.get("embeddings", False), pooling=o.get("pooling") or "unspecified",
+                  embd_normalize=o.get("embd_normalize", 2))
     model, mmproj, draft = o["model"], o["mmproj"], o["draft"]
     if o.get("mmproj_draft"):
         kwargs["mmproj_draft"] = o["mmproj_draft"]

@@ -163,6 +163,13 @@ def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
                    "(http://example.com:3000); a browser's request from any other site gets 403")
 @click.option("--lora-init-without-apply", "lora_init_without_apply", is_flag=True, default=False,
               help="load the --lora adapters at scale 0 (set their scales with POST /lora-adapters)")
+@click.option("--embedding", "--embeddings", "embeddings", is_flag=True, default=False,
+              help="serve /embedding, /embeddings and /v1/embeddings (generation routes are served too)")
+@click.option("--pooling", type=click.Choice(["none", "mean", "cls", "last", "rank"]), default=None,
+              help="how /embeddings pools a prompt's rows into one vector  [default: what the model declares]")
+@click.option("--embd-normalize", "embd_normalize", type=click.IntRange(min=-1), default=2, show_default=True,
+              help="normalisation of pooled embeddings: -1 none, 0 max-abs to int16, 1 taxicab, 2 euclidean, "
+                   ">2 p-norm (a request's embd_normalize overrides it)")
 def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed_image_dir, max_images,
           max_image_pixels, max_request_pixels, max_body_mib, body_timeout, models_max, models_autoload, endpoint_slots, slot_save_path,
           endpoint_props, cors_origins, **o):

@@ -3,8 +3,9 @@
 /health, /props, /metrics, the chat page), ``tokens`` (llama-server's /tokenize, /detokenize,
 /apply-template, chat input_tokens), ``slots`` (llama-server's /slots and slot
 save/restore/erase), ``infill`` (/infill), ``anthropic/`` (Anthropic's /v1/messages and its
-count_tokens), ``responses/`` (OpenAI's /v1/responses and its input_tokens) and ``not_served``
-(the embedding and reranking routes, answered as llama-server without --embeddings answers
+count_tokens), ``responses/`` (OpenAI's /v1/responses and its input_tokens), ``embeddings``
+(/embedding, /embeddings, /v1/embeddings with --embeddings; llama-server's 501 without) and
+``not_served`` (the reranking routes, answered as llama-server without --reranking answers
 them), each behind the API-key check, with OpenAI-style errors for everything that goes wrong
 (Anthropic-style on Anthropic's routes). A request a browser sends from a site that
 ``--cors-origins`` does not allow is refused before any route sees it (``origins``).
@@ -25,7 +26,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
-from pyllama_spec.server import chat_completions, completions, infill, info, lora, not_served, slots, tokens
+from pyllama_spec.server import (chat_completions, completions, embeddings, infill, info, lora, not_served, slots,
+                                 tokens)
 from pyllama_spec.server.anthropic import routes as anthropic
 from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.offload import off_loop
@@ -44,7 +46,7 @@ __all__ = ["ServerSettings", "create_app"]
 
 #: The modules whose ``routes(service)`` the app serves.
 _ROUTE_MODULES = (chat_completions, completions, info, tokens, slots, lora, infill, anthropic, responses,
-                  not_served)
+                  embeddings, not_served)
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starlette:

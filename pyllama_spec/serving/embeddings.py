@@ -113,6 +113,8 @@ class EmbeddingJob:
             raise ValueError("a prompt of token ids takes no images (give text with a media marker for each)")
         if images and MEDIA_MARKER not in text:  # images without markers go first, as in a generation
             text = MEDIA_MARKER * len(images) + "\n" + text
+        if not images and isinstance(text, str):
+            text = (text,)  # text alone is text, a media marker in it too (as llama-server tokenizes it)
         bitmaps = [Bitmap.load(im) for im in images]
         self._bitmaps.extend(bitmaps)
         ctx = e.ctx
