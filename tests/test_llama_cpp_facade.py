@@ -51,8 +51,9 @@ def test_llama_cpp_pythons_own_tests_pass_as_on_the_real_package(tmp_path):
     """Its whole tests/ folder, unchanged, on local stand-ins for the Hub models
     (devtools/llama_cpp_python_suite.py): every test the real llama-cpp-python 0.3.36 passed on the same
     stand-ins (bench/llama_cpp_python_real_0.3.36.json, recorded with the command in bench/RESULTS.md)
-    passes against the facade. Those both fail assert a downloaded model's exact words, drive the raw
-    ctypes bindings, or need a model kind with no stand-in here (recurrent-only, BERT embeddings)."""
+    passes against the facade (its embedding test on the tiny BERT of devtools/tiny_bert.py). Those both
+    fail assert a downloaded model's exact words, drive the raw ctypes bindings, or need a recurrent-only
+    model, which has no stand-in here."""
     pytest.importorskip("jinja2", reason="its chat-format tests render with Jinja2 (the llama-cpp extra)")
     pytest.importorskip("scipy", reason="its test_llama.py imports scipy (the test extra)")
     from pyllama_spec.devtools import llama_cpp_python_suite as suite
@@ -64,7 +65,7 @@ def test_llama_cpp_pythons_own_tests_pass_as_on_the_real_package(tmp_path):
     assert set(ours) == set(real), sorted(set(ours) ^ set(real))
     lost = sorted(t for t, outcome in real.items() if outcome == "passed" and ours[t] != "passed")
     assert not lost, lost
-    assert sum(o == "passed" for o in ours.values()) >= 17
+    assert sum(o == "passed" for o in ours.values()) >= 18
 
 
 def test_import_llama_cpp_finds_the_facade(run_python):
@@ -505,14 +506,47 @@ def test_what_the_facade_cannot_do_is_refused_with_the_reason(llm, tmp_path):
         llama_cpp.Llama(TARGET, type_k=99, **KW)
     with pytest.raises(ValueError, match="Clip model path does not exist"):
         MTMDChatHandler(clip_model_path=str(tmp_path / "missing.gguf"))
-    with pytest.raises(NotImplementedError, match="not in pyllama_spec.llama_cpp yet"):
+    with pytest.raises(RuntimeError, match="embedding=True"):
         llm.create_embedding("hi")
+    with pytest.raises(ValueError, match="pooling_type=7"):
+        llama_cpp.Llama(TARGET, pooling_type=7, **KW)
     with pytest.raises(NotImplementedError, match="download the GGUF"):
         llama_cpp.Llama.from_pretrained("Qwen/Qwen3.5-0.8B-GGUF", "*q8_0.gguf")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         llama_cpp.Llama(TARGET, rope_freq_base=5000.0, **KW).close()
     assert any("rope_freq_base" in str(w.message) for w in caught)
+
+
+def test_embeddings_as_llama_cpp_python_gives_them(tiny_bert):
+    """``embed`` and ``create_embedding`` on the tiny BERT: llama-cpp-python's shapes, its defaults (not
+    normalised, truncated to n_batch), a list per token with pooling none; and a decoder's too."""
+    small = dict(KW, n_ctx=64, n_batch=32, n_ubatch=32)
+    with llama_cpp.Llama(str(tiny_bert), embedding=True, **small) as bert:
+        one = bert.embed("Hello World")
+        assert isinstance(one, list) and len(one) == bert.n_embd() and isinstance(one[0], float)
+        assert bert.pooling_type() == 2  # cls, as the file declares
+        both, count = bert.embed(["Hello World", "A different prompt"], return_count=True)
+        np.testing.assert_allclose(both[0], one, atol=1e-6)
+        assert count == len(bert.tokenize(b"Hello World")) + len(bert.tokenize(b"A different prompt"))
+        assert abs(np.linalg.norm(bert.embed("Hello World", normalize=True)) - 1) < 1e-5
+        assert abs(np.linalg.norm(one) - 1) > 1e-3  # not normalised by default
+        assert len(bert.embed("hello " * 100)) == bert.n_embd()  # truncated to n_batch
+        with pytest.raises(ValueError, match="exceed batch size of 32"):
+            bert.embed("hello " * 100, truncate=False)
+        response = bert.create_embedding(["a", "b"], model="m")
+        assert response["object"] == "list" and response["model"] == "m"
+        assert [d["index"] for d in response["data"]] == [0, 1] and response["data"][0]["object"] == "embedding"
+        assert response["usage"]["prompt_tokens"] == response["usage"]["total_tokens"] == 6  # [CLS] x [SEP], twice
+    with llama_cpp.Llama(str(tiny_bert), embedding=True, pooling_type=0, **small) as rows:
+        per_token = rows.embed("hello hello hello")
+        assert len(per_token) == 5 and len(per_token[0]) == rows.n_embd()
+    with llama_cpp.Llama(TARGET, embedding=True, pooling_type=1, **KW) as decoder:
+        vector = decoder.embed(PROMPT)
+        assert len(vector) == decoder.n_embd()
+        text = decoder(PROMPT, max_tokens=8, temperature=0.0)["choices"][0]["text"]  # it still generates
+    with llama_cpp.Llama(TARGET, **KW) as plain:
+        assert plain(PROMPT, max_tokens=8, temperature=0.0)["choices"][0]["text"] == text
 
 
 def test_the_facade_is_documented():

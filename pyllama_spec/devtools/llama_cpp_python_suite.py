@@ -33,8 +33,9 @@ STAND_INS: dict[tuple[str, str], str | None] = {
     ("tiiuae/Falcon-H1-Tiny-90M-Instruct-GGUF", "Falcon-H1-Tiny-90M-Instruct-Q2_K.gguf"):
         str(MODELS_DIR / "trained-qwen35-mtp.gguf"),  # a hybrid (attention and recurrent layers) too
     ("QuantFactory/mamba-130m-hf-GGUF", "mamba-130m-hf.Q2_K.gguf"): None,  # no recurrent-only model here
-    ("CompendiumLabs/bge-small-en-v1.5-gguf", "bge-small-en-v1.5-q4_k_m.gguf"): None,  # no embedding model here
 }
+#: bge-small's stand-in: the tiny BERT with its vocabulary (devtools/tiny_bert.py), written by ``prepare``.
+BGE_SMALL = ("CompendiumLabs/bge-small-en-v1.5-gguf", "bge-small-en-v1.5-q4_k_m.gguf")
 
 _CONFTEST = '''\
 import sys, types
@@ -73,7 +74,10 @@ def prepare(folder: Path, *, facade: bool) -> Path:
         members = [m for m in tar.getmembers() if "/tests/" in m.name and m.name.endswith(".py")]
         tar.extractall(folder, members=members, filter="data")
     root = next(folder.glob("*/tests")).parent
-    (root / "tests" / "conftest.py").write_text(_CONFTEST.format(stand_ins=STAND_INS, facade=_FACADE if facade else ""))
+    from pyllama_spec.devtools.tiny_bert import make_bert
+
+    stand_ins = {**STAND_INS, BGE_SMALL: str(make_bert(folder / "models"))}
+    (root / "tests" / "conftest.py").write_text(_CONFTEST.format(stand_ins=stand_ins, facade=_FACADE if facade else ""))
     models = root / "vendor" / "llama.cpp" / "models"
     models.parent.mkdir(parents=True, exist_ok=True)
     if not models.exists():

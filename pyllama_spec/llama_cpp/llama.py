@@ -12,7 +12,8 @@ act on the engine's one slot (serving/token_steps.py): the same cache the comple
 followed by a completion of the same tokens decodes only the last token again. A completion given
 ``logits_processor`` or ``stopping_criteria`` (Python per token) runs through ``generate``, token by token
 and without drafting, as llama-cpp-python runs every completion. ``vocab_only=True`` loads the vocabulary
-alone (tokenize, detokenize). What cannot apply (``embedding``, a Python draft model of your own) raises
+alone (tokenize, detokenize); ``embedding=True`` serves ``embed`` and ``create_embedding`` (the engine's
+``embed``, pictures aside). What cannot apply (a Python draft model of your own) raises
 ``NotImplementedError`` that says so, and a constructor option that cannot apply warns once. Chats keep a
 model's reasoning in ``content`` (``<think>...``), as llama-cpp-python's chat handlers do.
 """
@@ -56,12 +57,14 @@ LLAMA_DEFAULT_SEED = 0xFFFFFFFF
 GGML_TYPES = {0: "f32", 1: "f16", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 8: "q8_0", 20: "iq4_nl", 30: "bf16"}
 
 # constructor options with nothing to apply them to here, and their llama-cpp-python defaults
-_IGNORED = {"kv_overrides": None, "rope_scaling_type": -1, "pooling_type": -1, "attention_type": -1,
+_IGNORED = {"kv_overrides": None, "rope_scaling_type": -1, "attention_type": -1,
             "rope_freq_base": 0.0, "rope_freq_scale": 0.0, "yarn_ext_factor": -1.0, "yarn_attn_factor": 1.0,
             "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0, "offload_kqv": True,
             "op_offload": None, "no_perf": False, "lora_base": None, "numa": False,
             "tokenizer": None, "spm_infill": False}
 _SPLIT_MODES = {0: "none", 1: "layer", 2: "row"}
+#: llama.cpp's pooling type ids (llama-cpp-python's ``pooling_type``) -> the engine's names.
+POOLING_TYPES = {-1: "unspecified", 0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 
 class LlamaState:
@@ -104,9 +107,10 @@ class Llama:
                  lora_scale: float = 1.0, lora_path: str | None = None, chat_format: str | None = None,
                  chat_handler: MTMDChatHandler | None = None, draft_model: LlamaDraftModel | None = None,
                  type_k: int | None = None, type_v: int | None = None, logits_all: bool = False,
-                 last_n_tokens_size: int = 64, verbose: bool = True, **kwargs: Any) -> None:
-        if embedding:
-            raise NotImplementedError("embedding=True: embeddings are not served by pyllama_spec.llama_cpp yet")
+                 last_n_tokens_size: int = 64, verbose: bool = True, pooling_type: int = -1,
+                 **kwargs: Any) -> None:
+        if pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type={pooling_type!r}: llama.cpp's pooling types are {POOLING_TYPES}")
         for name, value in kwargs.items():
             if name not in _IGNORED:
                 raise TypeError(f"Llama() got an unexpected keyword argument {name!r}")
@@ -148,6 +152,9 @@ class Llama:
             if not chat_handler.use_gpu:
                 settings["mmproj_offload"] = False
         settings["reasoning_format"] = "none"  # llama-cpp-python leaves <think>...</think> in the content
+        self._embedding = embedding
+        if embedding:
+            settings.update(embeddings=True, pooling=POOLING_TYPES[pooling_type])
         settings.update(_draft_settings(draft_model))
         from pyllama_spec.serving.engine import load
         from pyllama_spec.serving.token_steps import TokenSteps
@@ -529,10 +536,46 @@ class Llama:
         return dict(head, choices=[dict(text="".join(texts), index=0, logprobs=None, finish_reason=end[0])],
                     usage=_usage_of(len(prompt_tokens), end[1]))
 
-    def create_embedding(self, *args: Any, **kwargs: Any):
-        raise _not_yet("create_embedding / embed")
+    # ------------------------------------------------------------------ embeddings
+    def pooling_type(self) -> int:
+        """How embeddings pool a prompt's rows (llama.cpp's ids: 0 none, 1 mean, 2 cls, 3 last, 4 rank)."""
+        self._check_can_generate()
+        return next(k for k, v in POOLING_TYPES.items() if v == self._engine.ctx.pooling)
 
-    embed = create_embedding
+    def create_embedding(self, input: str | list[str], model: str | None = None) -> T.CreateEmbeddingResponse:
+        """OpenAI's embedding response of ``input`` (not normalised, as llama-cpp-python's)."""
+        inputs = input if isinstance(input, list) else [input]
+        embeds, total_tokens = self.embed(inputs, return_count=True)
+        return {"object": "list", "data": [{"object": "embedding", "embedding": e, "index": i}
+                                          for i, e in enumerate(embeds)],
+                "model": model if model is not None else self.model_path,
+                "usage": {"prompt_tokens": total_tokens, "total_tokens": total_tokens}}
+
+    def embed(self, input: str | list[str], normalize: bool = False, truncate: bool = True,
+              return_count: bool = False):
+        """The embedding of a string (a list of floats; a list per token with pooling none), or of each
+        string of a list; ``normalize``: to unit length; ``truncate``: a text's tokens past n_batch are
+        dropped (else ValueError); ``return_count``: (embeddings, tokens embedded). Each text runs on the
+        engine's slot (what it held is forgotten, as ``reset()``)."""
+        self._check_can_generate()
+        if not self._embedding:
+            raise RuntimeError("Llama model must be created with embedding=True to call this method")
+        from pyllama_spec.serving.embeddings import EmbeddingInput
+
+        texts = [input] if isinstance(input, str) else list(input)
+        prompts = []
+        for text in texts:
+            tokens = self.tokenize(text.encode("utf-8"))
+            if truncate:
+                tokens = tokens[:self.n_batch]
+            if len(tokens) > self.n_batch:
+                raise ValueError(f"Requested tokens ({len(tokens)}) exceed batch size of {self.n_batch}")
+            prompts.append(EmbeddingInput((np.asarray(tokens, dtype=np.int32),)))
+        self.reset()  # the slot's tokens go (each embedding decodes its own from position 0)
+        results = self._engine.embed(prompts, normalize=2 if normalize else -1)
+        data = [e.vectors.tolist() if not e.pooled else e.vectors[0].tolist() for e in results]
+        output = data[0] if isinstance(input, str) else data
+        return (output, sum(e.n_tokens for e in results)) if return_count else output
 
     @classmethod
     def from_pretrained(cls, repo_id: str, filename: str | None = None, *args: Any, **kwargs: Any) -> "Llama":
