@@ -85,11 +85,22 @@ def test_refusals(tiny_bert, bert):
         bert.embed(EmbeddingInput("hello", (b"\x89PNG",)))
 
 
-def test_a_reranker_gives_one_score_per_prompt(tiny_reranker):
+def test_a_reranker_gives_one_score_per_prompt(tiny_reranker, bert):
+    from pyllama_spec.serving.embeddings import rerank_tokens
+
     with ps.load(tiny_reranker, **BERT) as engine:
         a, b = engine.embed(["what is panda?</s><s>a bear", "what is panda?</s><s>hi"])
-    assert a.pooling == "rank" and a.vectors.shape == (1, 1)
-    assert a.vectors[0, 0] != b.vectors[0, 0]
+        assert a.pooling == "rank" and a.vectors.shape == (1, 1)
+        assert a.vectors[0, 0] != b.vectors[0, 0]
+        ranks = engine.rerank("Machine learning is", ["A machine", "Learning is"])
+        # llama-server's layout without a rerank template: [CLS] query [SEP] document (BERT adds no EOS)
+        pair = rerank_tokens(engine.model, "Machine learning is", "A machine")
+        assert list(pair) == [101, *engine.model.tokenize("Machine learning is"), 102,
+                              *engine.model.tokenize("A machine")]
+        assert ranks[0].n_tokens == len(pair) and ranks[0].score != ranks[1].score
+        assert ranks[0].score == pytest.approx(engine.embed(ps.EmbeddingInput((pair,)))[0].vectors[0, 0], abs=1e-6)
+    with pytest.raises(ValueError, match="pooling='rank'"):
+        bert.rerank("q", ["d"])
 
 
 @pytest.mark.parametrize("pooling", ["mean", "cls", "last", "none"])

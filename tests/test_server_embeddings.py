@@ -256,3 +256,73 @@ def test_the_same_vectors_as_llama_server(tiny_bert, pooling):
             assert "too large" in a["error"]["message"] and "too large" in b["error"]["message"]
     finally:
         theirs.stop()
+
+
+# --- reranking (llama-server's test_rerank.py cases, on the tiny reranker)
+
+DOCUMENTS = ["A machine is a physical system that uses power to apply forces.",
+             "Learning is the process of acquiring new understanding.",
+             "Machine learning is a field of study in artificial intelligence.",
+             "Paris, capitale de la France, est une grande ville européenne."]
+
+
+@pytest.fixture(scope="module")
+def reranker(tiny_reranker):
+    engine = ps.load(tiny_reranker, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=N_THREADS, embeddings=True,
+                     pooling="rank")
+    server = LocalServer(engine, ServerSettings(alias="jina-reranker"))
+    yield server.url
+    server.stop()
+    engine.close()
+
+
+def test_rerank_jina_and_tei_shapes_best_first(reranker):
+    status, body = post(reranker, "/rerank", {"query": "Machine learning is", "documents": DOCUMENTS})
+    assert status == 200 and body["object"] == "list" and body["model"] == "jina-reranker"
+    scores = [r["relevance_score"] for r in body["results"]]
+    assert sorted(r["index"] for r in body["results"]) == [0, 1, 2, 3] and scores == sorted(scores, reverse=True)
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] > 4 * 5
+    for path in ("/reranking", "/v1/rerank", "/v1/reranking"):
+        assert post(reranker, path, {"query": "Machine learning is", "documents": DOCUMENTS})[1] == body
+    status, tei = post(reranker, "/rerank", {"query": "Machine learning is", "texts": DOCUMENTS, "return_text": True})
+    assert status == 200 and [r["index"] for r in tei] == [r["index"] for r in body["results"]]
+    assert all(r["text"] == DOCUMENTS[r["index"]] and r["score"] == s for r, s in zip(tei, scores))
+
+
+@pytest.mark.parametrize("top_n,n", [(None, 4), (2, 2), (4, 4), (99, 4), (0, 0)])
+def test_rerank_top_n(reranker, top_n, n):
+    body = {"query": "Machine learning is", "documents": DOCUMENTS, **({} if top_n is None else {"top_n": top_n})}
+    status, answer = post(reranker, "/rerank", body)
+    assert status == 200 and len(answer["results"]) == n
+
+
+@pytest.mark.parametrize("body", [
+    {"query": "q", "documents": []}, {"query": "q", "documents": None}, {"query": "q", "documents": 123},
+    {"query": "q", "documents": [1, 2, 3]}, {"documents": ["a"]}, {"query": 5, "documents": ["a"]},
+    {"query": "q", "documents": ["a"], "top_n": -1}])
+def test_invalid_rerank_requests_are_400s(reranker, body):
+    status, answer = post(reranker, "/rerank", body)
+    assert status == 400 and "error" in answer
+
+
+def test_rerank_needs_reranking(url):
+    status, body = post(url, "/rerank", {"query": "q", "documents": ["a"]})  # an embeddings server, pooling last
+    assert status == 501 and "Start it with `--reranking`" in body["error"]["message"]
+
+
+@pytest.mark.skipif(LLAMA_SERVER is None, reason=NO_LLAMA_SERVER)
+def test_the_same_ranking_as_llama_server(tiny_reranker, reranker):
+    from test_llama_server_parity import _Process
+
+    theirs = _Process(["-m", str(tiny_reranker), "-c", "512", "-b", "512", "-ub", "512", "--reranking",
+                       "--no-warmup", "-t", str(N_THREADS)])
+    try:
+        for query, docs in (("Machine learning is", DOCUMENTS), ("Which city?", ["Machine learning is ", "Paris"])):
+            (s1, a), (s2, b) = (post(u, "/rerank", {"query": query, "documents": docs}) for u in (reranker, theirs.url))
+            assert s1 == s2 == 200
+            assert [r["index"] for r in a["results"]] == [r["index"] for r in b["results"]]
+            np.testing.assert_allclose([r["relevance_score"] for r in a["results"]],
+                                       [r["relevance_score"] for r in b["results"]], atol=1e-4)
+            assert a["usage"] == b["usage"]  # the pairs' tokens laid out alike
+    finally:
+        theirs.stop()

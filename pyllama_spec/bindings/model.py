@@ -216,7 +216,12 @@ class Model(NativeHandle):
 
     @property
     def chat_template(self) -> str | None:
-        t = lib.llama_model_chat_template(self.ptr, ffi.NULL)
+        return self.named_template(None)
+
+    def named_template(self, name: str | None) -> str | None:
+        """The GGUF's template of that name (``tokenizer.chat_template.NAME``; None: the chat template),
+        or None when it has none: a reranker's "rerank" prompt, for one."""
+        t = lib.llama_model_chat_template(self.ptr, ffi.NULL if name is None else name.encode())
         return None if t == ffi.NULL else ffi.string(t).decode("utf-8", errors="replace")
 
     # --- DFlash facts (what a draft records about its target)
@@ -270,6 +275,19 @@ class Model(NativeHandle):
     @property
     def add_bos(self) -> bool:
         return bool(lib.llama_vocab_get_add_bos(self._vocab_ptr()))
+
+    @property
+    def add_eos(self) -> bool:
+        return bool(lib.llama_vocab_get_add_eos(self._vocab_ptr()))
+
+    @property
+    def add_sep(self) -> bool:
+        return bool(lib.llama_vocab_get_add_sep(self._vocab_ptr()))
+
+    @property
+    def sep(self) -> int:
+        """The sentence separator token (BERT's [SEP]), or -1."""
+        return lib.llama_vocab_sep(self._vocab_ptr())
 
     @functools.cached_property
     def eog_tokens(self) -> tuple[int, ...]:

@@ -85,7 +85,6 @@ _REASONS = (
      "only --cors-origins is read here (a preflight allows llama-server's default methods and the headers asked)"),
     (("--ssl-",), "TLS is not terminated here: put a proxy in front"),
     (("--reuse-port", "--sse-ping-interval", "--sleep-idle-seconds"), "not configurable here"),
-    (("--rerank", "--reranking"), "reranking is not served here (embeddings are: --embeddings, --pooling)"),
     (("--spec-draft-p-split", "--spec-synth-", "--spec-ngram-", "--spec-draft-backend-sampling", "-bs",
       "--backend-sampling", "--adaptive-", "-lcs", "-lcd", "--lookup-cache"),
      "that speculative or sampling option is not implemented here"),

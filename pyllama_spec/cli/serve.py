@@ -165,6 +165,8 @@ def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
               help="load the --lora adapters at scale 0 (set their scales with POST /lora-adapters)")
 @click.option("--embedding", "--embeddings", "embeddings", is_flag=True, default=False,
               help="serve /embedding, /embeddings and /v1/embeddings (generation routes are served too)")
+@click.option("--rerank", "--reranking", "reranking", is_flag=True, default=False,
+              help="serve /rerank, /reranking, /v1/rerank (a reranker model; sets --embeddings and --pooling rank)")
 @click.option("--pooling", type=click.Choice(["none", "mean", "cls", "last", "rank"]), default=None,
               help="how /embeddings pools a prompt's rows into one vector  [default: what the model declares]")
 @click.option("--embd-normalize", "embd_normalize", type=click.IntRange(min=-1), default=2, show_default=True,
@@ -201,6 +203,8 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
         from pyllama_spec.server.router.pool import follow_router
 
         follow_router()
+    if o.pop("reranking"):  # as llama-server's --reranking: embeddings on, pooling rank
+        o.update(embeddings=True, pooling="rank")
     engine = _load_engine_or_exit({**o, "n_parallel": parallel})
     settings = ServerSettings(alias=alias or Path(engine.model.path).stem, api_key=",".join(keys) or None,
                               max_queue=max_queue, default_max_tokens=_max_tokens(o["max_tokens"]),

@@ -3,10 +3,9 @@
 /health, /props, /metrics, the chat page), ``tokens`` (llama-server's /tokenize, /detokenize,
 /apply-template, chat input_tokens), ``slots`` (llama-server's /slots and slot
 save/restore/erase), ``infill`` (/infill), ``anthropic/`` (Anthropic's /v1/messages and its
-count_tokens), ``responses/`` (OpenAI's /v1/responses and its input_tokens), ``embeddings``
-(/embedding, /embeddings, /v1/embeddings with --embeddings; llama-server's 501 without) and
-``not_served`` (the reranking routes, answered as llama-server without --reranking answers
-them), each behind the API-key check, with OpenAI-style errors for everything that goes wrong
+count_tokens), ``responses/`` (OpenAI's /v1/responses and its input_tokens) and ``embeddings``
+(/embedding, /embeddings, /v1/embeddings with --embeddings, /rerank and its aliases with
+--reranking; llama-server's 501 without them), each behind the API-key check, with OpenAI-style errors for everything that goes wrong
 (Anthropic-style on Anthropic's routes). A request a browser sends from a site that
 ``--cors-origins`` does not allow is refused before any route sees it (``origins``).
 
@@ -26,8 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
-from pyllama_spec.server import (chat_completions, completions, embeddings, infill, info, lora, not_served, slots,
-                                 tokens)
+from pyllama_spec.server import chat_completions, completions, embeddings, infill, info, lora, slots, tokens
 from pyllama_spec.server.anthropic import routes as anthropic
 from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.offload import off_loop
@@ -46,7 +44,7 @@ __all__ = ["ServerSettings", "create_app"]
 
 #: The modules whose ``routes(service)`` the app serves.
 _ROUTE_MODULES = (chat_completions, completions, info, tokens, slots, lora, infill, anthropic, responses,
-                  embeddings, not_served)
+                  embeddings)
 
 
 def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starlette:

@@ -1,6 +1,8 @@
 """llama-server's embedding routes: ``POST /embedding`` and ``/embeddings`` (its own answer, a list
 of ``{"index", "embedding": [[...]]}``) and ``/v1/embeddings`` (OpenAI's), served when the server
-was started with ``--embeddings``; without it each answers llama-server's 501.
+was started with ``--embeddings``; and its reranking routes, ``POST /rerank``, ``/reranking``,
+``/v1/rerank``, ``/v1/reranking``, served when it was started with ``--reranking`` (a reranker:
+pooling "rank"). Without them each answers llama-server's 501, before reading the body.
 
 The request is read as llama-server's ``handle_embeddings_impl`` reads it
 (tools/server/server-context.cpp): ``input`` (or ``content``, which makes the answer llama-server's
@@ -10,6 +12,11 @@ own shape) holds one prompt or a list of them, each a string, token ids, ids mix
 ``encoding_format`` "float" or "base64" (little-endian float32, as llama-server and OpenAI send it);
 ``embd_normalize`` overrides ``--embd-normalize``. ``/v1/embeddings`` refuses a server whose pooling
 is "none" (a vector per token is not OpenAI's shape), as llama-server does.
+
+A rerank request holds a ``query`` and its ``documents`` (Jina's shape: ``{"results": [{"index",
+"relevance_score"}]}`` with ``usage``) or ``texts`` (TEI's: a bare list of ``{"index", "score"}``,
+with ``"text"`` given ``return_text``), best first, ``top_n`` of them; each (query, document) pair is
+laid out as llama-server lays it out (serving/embeddings.py ``rerank_tokens``).
 
 Every prompt is tokenized, and its images decoded, on a thread; the prompts then run one after the
 other on an idle slot (serving/embeddings.py), between the other slots' generations. A request
@@ -39,24 +46,36 @@ from pyllama_spec.server.prompts import parse_prompt
 from pyllama_spec.server.schema import RequestLimits
 from pyllama_spec.server.service import RouteSpec, Service, read_json
 from pyllama_spec.serving.chat_template import MEDIA_MARKER
-from pyllama_spec.serving.embeddings import Embedding, EmbeddingInput, EmbeddingJob
+from pyllama_spec.serving.embeddings import Embedding, EmbeddingInput, EmbeddingJob, rerank_tokens
 
 EMBEDDING_PATHS = ("/embedding", "/embeddings", "/v1/embeddings")
+RERANK_PATHS = ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")
 
 
 def routes(service: Service) -> list[RouteSpec]:
-    if not service.engine.config.embeddings:
-        async def refuse(request: Request) -> Response:  # llama-server's answer, before the body is read
-            raise APIError(501, "This server does not support embeddings. Start it with `--embeddings`",
-                           type="not_supported_error", code="not_supported")
-
-        return [(p, ["POST"], refuse) for p in EMBEDDING_PATHS]
+    config = service.engine.config
     run = ThreadRunner()
     waiting = _Queue(service.settings.max_queue)
     pooling = service.engine.ctx.pooling  # read once: the event loop makes no native call while slots run
-    return [(p, ["POST"], lambda request, oai=p.startswith("/v1/"): _route(service, request, run, waiting, oai,
-                                                                          pooling))
-            for p in EMBEDDING_PATHS]
+    if config.embeddings:
+        embed = [(p, ["POST"], lambda request, oai=p.startswith("/v1/"): _route(service, request, run, waiting, oai,
+                                                                               pooling))
+                 for p in EMBEDDING_PATHS]
+    else:
+        embed = [(p, ["POST"], _refuse("embeddings", "--embeddings")) for p in EMBEDDING_PATHS]
+    if config.embeddings and pooling == "rank":
+        rerank = [(p, ["POST"], lambda request: _rerank_route(service, request, run, waiting)) for p in RERANK_PATHS]
+    else:
+        rerank = [(p, ["POST"], _refuse("reranking", "--reranking")) for p in RERANK_PATHS]
+    return [*embed, *rerank]
+
+
+def _refuse(what: str, flag: str):
+    async def refuse(request: Request) -> Response:  # llama-server's answer, before the body is read
+        raise APIError(501, f"This server does not support {what}. Start it with `{flag}`",
+                       type="not_supported_error", code="not_supported")
+
+    return refuse
 
 
 class _Queue:
@@ -92,21 +111,67 @@ async def _route(service: Service, request: Request, run: ThreadRunner, waiting:
     base64_out = _encoding_format(body)
     normalize = _normalize(body)
     with waiting:
-        job = await run(size, _prepare, engine, value, service.limits, normalize)
-        done = None
-        try:
-            done = service.worker.on_slot(engine.idle_slot(), job)
-            # shielded: a client that goes away leaves the slot's work to end (it reads the job's images)
-            results = await asyncio.shield(done)
-        except BaseException:
-            if done is not None and not done.done():
-                done.add_done_callback(lambda _: job.close())
-            else:
-                job.close()
-            raise
-        job.close()
-    model = body.get("model") if isinstance(body.get("model"), str) else service.settings.alias
-    return await run(size, _answer, results, oai, base64_out, model)
+        job = await run(size, _prepare, engine, parse_inputs, value, service.limits, normalize)
+        results = await _on_a_slot(service, job)
+    return await run(size, _answer, results, oai, base64_out, _model(body, service))
+
+
+def _model(body: dict, service: Service) -> str:
+    return body["model"] if isinstance(body.get("model"), str) else service.settings.alias
+
+
+async def _on_a_slot(service: Service, job: EmbeddingJob) -> list[Embedding]:
+    """The job run on an idle slot; the job closed once the slot's work ended."""
+    done = None
+    try:
+        done = service.worker.on_slot(service.engine.idle_slot(), job)
+        # shielded: a client that goes away leaves the slot's work to end (it reads the job's images)
+        return await asyncio.shield(done)
+    finally:
+        if done is None or done.done():
+            job.close()
+        else:  # the client went away while the slot works: the job is closed when that work ends
+            done.add_done_callback(lambda _: job.close())
+
+
+async def _rerank_route(service: Service, request: Request, run: ThreadRunner, waiting: _Queue) -> Response:
+    body, size = await read_json(request, service.settings.max_body_bytes, service.settings.body_timeout)
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    query = body.get("query")
+    if "query" not in body:
+        raise bad_request('"query" must be provided', "query")
+    if not isinstance(query, str):
+        raise bad_request('"query" must be a string', "query")
+    tei = "texts" in body  # TEI's shape; else Jina's
+    documents = body.get("documents", body.get("texts"))
+    if not isinstance(documents, list) or not documents or not all(isinstance(d, str) for d in documents):
+        raise bad_request('"documents" must be a non-empty string array', "documents")
+    top_n = body.get("top_n", len(documents))
+    if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 0:
+        raise bad_request("'top_n' must be an integer >= 0", "top_n")
+    return_text = tei and body.get("return_text") is True
+    with waiting:
+        job = await run(size, _prepare, service.engine, _pairs, (query, documents), service.limits, None)
+        results = await _on_a_slot(service, job)
+    ranked = sorted(range(len(results)), key=lambda i: -float(results[i].vectors[0, 0]))[:top_n]
+    label = "score" if tei else "relevance_score"
+    out = []
+    for i in ranked:
+        item = {"index": i, label: float(results[i].vectors[0, 0])}
+        if return_text:
+            item["text"] = documents[i]
+        out.append(item)
+    if tei:
+        return JSONResponse(out)
+    n_tokens = sum(e.n_tokens for e in results)
+    return JSONResponse({"model": _model(body, service), "object": "list",
+                         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}, "results": out})
+
+
+def _pairs(value: tuple[str, list[str]], limits: RequestLimits, model: Any) -> list[EmbeddingInput]:
+    query, documents = value
+    return [EmbeddingInput((rerank_tokens(model, query, doc),)) for doc in documents]
 
 
 def _encoding_format(body: dict) -> bool:
@@ -126,9 +191,10 @@ def _normalize(body: dict) -> int | None:
     return n
 
 
-def _prepare(engine: Any, value: Any, limits: RequestLimits, normalize: int | None) -> EmbeddingJob:
-    """On a thread: the prompts parsed, tokenized, their images decoded and loaded."""
-    inputs = parse_inputs(value, limits)
+def _prepare(engine: Any, parse, value: Any, limits: RequestLimits, normalize: int | None) -> EmbeddingJob:
+    """On a thread: the prompts parsed (``parse(value, limits, model)``), tokenized, their images decoded
+    and loaded."""
+    inputs = parse(value, limits, engine.model)
     try:
         return EmbeddingJob(engine, inputs, normalize=normalize)
     except ContextOverflowError as e:
@@ -139,7 +205,7 @@ def _prepare(engine: Any, value: Any, limits: RequestLimits, normalize: int | No
         raise bad_request(str(e), "input") from None
 
 
-def parse_inputs(value: Any, limits: RequestLimits) -> list[EmbeddingInput]:
+def parse_inputs(value: Any, limits: RequestLimits, model: Any = None) -> list[EmbeddingInput]:
     """The prompts of ``input`` (see the module); a 400 for one of no known shape."""
     budget = ImageBudget(limits.images)  # over all the request's prompts
     # a list holding no token id at its top level is a list of prompts (llama-server's rule)

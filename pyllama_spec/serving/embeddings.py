@@ -22,6 +22,9 @@ slice; here it is the prompt's.
         (embedding,) = engine.run_on_slot(0, job).result()
     finally:
         job.close()
+
+A reranker (pooling "rank": a classifier head over the pair) scores documents for a query: each pair's
+tokens are ``rerank_tokens``, and its embedding is the classifier's output.
 """
 
 from __future__ import annotations
@@ -60,6 +63,36 @@ class Embedding:
     @property
     def pooled(self) -> bool:
         return self.pooling != "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    """A reranker's score of one document for a query (its classifier's first output, as llama-server
+    reports it), and the rows the pair took."""
+
+    score: float
+    n_tokens: int
+
+
+def rerank_tokens(model: Any, query: str, document: str) -> np.ndarray:
+    """The tokens a reranker reads for (query, document), as llama-server's ``format_prompt_rerank``
+    makes them: the GGUF's "rerank" template with {query} and {document} filled in, else BOS, the
+    query, EOS (or SEP), SEP, the document, EOS, each special token as the vocabulary adds them."""
+    template = model.named_template("rerank")
+    if template is not None:
+        prompt = template.replace("{query}", query).replace("{document}", document)
+        return model.tokenize(prompt, add_special=False, parse_special=True)
+    eos = model.eos if model.eos != -1 else model.sep
+    pieces = [[model.bos]] if model.add_bos else []
+    pieces.append(model.tokenize(query, add_special=False, parse_special=False))
+    if model.add_eos:
+        pieces.append([eos])
+    if model.add_sep:
+        pieces.append([model.sep])
+    pieces.append(model.tokenize(document, add_special=False, parse_special=False))
+    if model.add_eos:
+        pieces.append([eos])
+    return np.concatenate([np.asarray(p, dtype=np.int32) for p in pieces])
 
 
 def normalize(vector: np.ndarray, kind: int) -> np.ndarray:

@@ -35,7 +35,7 @@ from pyllama_spec.bindings.mtmd import Projector
 from pyllama_spec.drafters import Drafter
 from pyllama_spec.drafters.registry import DrafterSetup, Pairing, method
 from pyllama_spec.serving.config import EngineConfig
-from pyllama_spec.serving.embeddings import Embedding, EmbeddingInput, EmbeddingJob
+from pyllama_spec.serving.embeddings import Embedding, EmbeddingInput, EmbeddingJob, Rank, rerank_tokens
 from pyllama_spec.serving.grammars import json_schema_to_grammar
 from pyllama_spec.serving.load_plan import plan_drafts, plan_load
 from pyllama_spec.serving.lora import EngineAdapters, lora_specs
@@ -398,6 +398,17 @@ class Engine:
         inputs = [p if isinstance(p, EmbeddingInput) else EmbeddingInput(p) for p in items]
         with EmbeddingJob(self, inputs, normalize=normalize) as job:
             return self.run_on_slot(self.idle_slot(), job).result()
+
+    def rerank(self, query: str, documents: Sequence[str]) -> list[Rank]:
+        """Each document's relevance to ``query`` by a reranker loaded with ``embeddings=True`` and
+        pooling "rank" (``pooling="rank"``, llama-server's --reranking, or as the GGUF declares), in
+        the documents' order; the pair's tokens
+        as llama-server lays them out (serving/embeddings.py ``rerank_tokens``)."""
+        if not self.config.embeddings or self.ctx.pooling != "rank":
+            raise ValueError("reranking needs an engine loaded with embeddings=True and pooling='rank' "
+                             "(llama-server's --reranking) and a reranker model")
+        inputs = [EmbeddingInput((rerank_tokens(self.model, query, doc),)) for doc in documents]
+        return [Rank(float(e.vectors[0, 0]), e.n_tokens) for e in self.embed(inputs)]
 
     def idle_slot(self) -> int:
         """A slot running no generation now (the first), else slot 0: where slot work waits least."""

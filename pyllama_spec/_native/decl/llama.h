@@ -189,6 +189,7 @@ llama_token llama_vocab_eos(const struct llama_vocab * vocab);
 llama_token llama_vocab_eot(const struct llama_vocab * vocab);
 llama_token llama_vocab_nl(const struct llama_vocab * vocab);
 llama_token llama_vocab_pad(const struct llama_vocab * vocab);
+llama_token llama_vocab_sep(const struct llama_vocab * vocab);
 llama_token llama_vocab_mask(const struct llama_vocab * vocab);
 llama_token llama_vocab_fim_pre(const struct llama_vocab * vocab);
 llama_token llama_vocab_fim_suf(const struct llama_vocab * vocab);
@@ -198,6 +199,7 @@ llama_token llama_vocab_fim_rep(const struct llama_vocab * vocab);
 llama_token llama_vocab_fim_sep(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_bos(const struct llama_vocab * vocab);
 bool llama_vocab_get_add_eos(const struct llama_vocab * vocab);
+bool llama_vocab_get_add_sep(const struct llama_vocab * vocab);
 int32_t llama_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len,
                        llama_token * tokens, int32_t n_tokens_max, bool add_special, bool parse_special);
 int32_t llama_token_to_piece(const struct llama_vocab * vocab, llama_token token, char * buf,
