@@ -83,6 +83,9 @@ def test_refusals(tiny_bert, bert):
         bert.embed("hello", normalize=-2)
     with pytest.raises(ps.ImageError, match="no projector"):
         bert.embed(EmbeddingInput("hello", (b"\x89PNG",)))
+    with pytest.raises(ValueError, match="cannot generate text"):  # an encoder: nothing to generate from
+        bert.generate("hello", max_tokens=4)
+    assert bert.embed("hello")[0].n_tokens == 3
 
 
 def test_a_reranker_gives_one_score_per_prompt(tiny_reranker, bert):

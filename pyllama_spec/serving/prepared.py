@@ -42,6 +42,9 @@ class PreparedGeneration:
 
     def __enter__(self) -> Generation:
         e, r = self.engine, self.request
+        if not e.prompts.ctx.has_memory:  # llama-server refuses it too ("does not support logits computation")
+            raise ValueError(f"{e.model.path.name} cannot generate text: it keeps no memory of a prompt (an "
+                             "encoder such as BERT; load it with embeddings=True for Engine.embed)")
         try:
             text, image_list, chat = e.prompts.text_and_images(r.prompt)
             self._bitmaps = [Bitmap.load(im) for im in image_list]
