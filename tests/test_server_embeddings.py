@@ -158,11 +158,23 @@ def test_the_openai_client_single_multiple_and_base64(url):
 
 def test_a_prompt_too_long_is_refused_with_llama_servers_words_and_the_server_goes_on(url):
     status, body = post(url, "/v1/embeddings", {"input": "This is a test " * 512})
-    assert status != 200 and "too large" in body["error"]["message"]
+    assert status == 400 and "too large" in body["error"]["message"]  # (a 500 in llama-server, same words)
     status, body = post(url, "/v1/embeddings", {"input": ["I believe the meaning of life is"] * 5})
     assert status == 200
     first = body["data"][0]["embedding"]
     assert all(np.allclose(d["embedding"], first, atol=EPSILON) for d in body["data"])
+
+
+def test_a_request_holds_at_most_2048_inputs(url, reranker):
+    status, body = post(url, "/v1/embeddings", {"input": ["a"] * 2049})
+    assert status == 400 and "at most 2048" in body["error"]["message"]
+    status, body = post(reranker, "/rerank", {"query": "q", "documents": ["a"] * 2049})
+    assert status == 400 and "at most 2048" in body["error"]["message"]
+
+
+def test_a_huge_rerank_query_is_refused_before_it_is_tokenized_once_per_document(reranker):
+    status, body = post(reranker, "/rerank", {"query": "word " * 200_000, "documents": ["a"] * 2048})
+    assert status == 400 and "too large" in body["error"]["message"]
 
 
 def test_without_embeddings_the_routes_answer_501(tiny_bert):

@@ -168,6 +168,11 @@ class Context(NativeHandle):
         lib.llama_set_causal_attn(self.ptr, causal)
 
     @property
+    def causal_attn(self) -> bool:
+        """Whether a row attends to the rows before it only (a decoder), not to every row (an encoder)."""
+        return bool(lib.llama_get_causal_attn(self.ptr))
+
+    @property
     def has_memory(self) -> bool:
         """Whether the context keeps a memory (a KV cache or recurrent state): an encoder-only
         model (BERT) has none, and must take each sequence whole, in one ubatch."""

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import io
 import os
+import threading
 from pathlib import Path
 from typing import Callable, Sequence, Union
 
@@ -295,6 +296,9 @@ class Projector(NativeHandle):
         # Ctrl-C stops an encode between graph nodes (patches/0002; a no-op on an unpatched tree).
         lib.pyllama_mtmd_set_abort_callback(ptr)
         self.n_encode_calls = 0  # counted so that callers (and tests) can see cache reuse
+        # One encode at a time: mtmd's context has one output buffer, and two encodes at once on it
+        # (a slot loop's encoder thread and an embedding on the loop's thread) abort in clip.cpp.
+        self._encoding = threading.Lock()
 
     def _free(self, ptr) -> None:
         lib.mtmd_free(ptr)
@@ -344,15 +348,16 @@ class Projector(NativeHandle):
         """Run the vision encoder on a media chunk: float32 [n_tokens, n_embd] (a copy)."""
         if chunk.is_text:
             raise ValueError("only media chunks are encoded")
-        arm_interrupts()
-        rc = lib.mtmd_encode_chunk(self.ptr, chunk._ptr)
-        self.n_encode_calls += 1
-        raise_carried()
-        ctrl_c = rc != 0 and interrupted_during_call()
-        check_encode(rc, chunk_type=chunk.type, n_rows=chunk.n_tokens, interrupted=ctrl_c)
-        ptr = lib.mtmd_get_output_embd(self.ptr)
-        n = chunk.n_tokens * self.model.n_embd_inp
-        return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).reshape(chunk.n_tokens, -1).copy()
+        with self._encoding:
+            arm_interrupts()
+            rc = lib.mtmd_encode_chunk(self.ptr, chunk._ptr)
+            self.n_encode_calls += 1
+            raise_carried()
+            ctrl_c = rc != 0 and interrupted_during_call()
+            check_encode(rc, chunk_type=chunk.type, n_rows=chunk.n_tokens, interrupted=ctrl_c)
+            ptr = lib.mtmd_get_output_embd(self.ptr)
+            n = chunk.n_tokens * self.model.n_embd_inp
+            return np.frombuffer(ffi.buffer(ptr, n * 4), dtype=np.float32).reshape(chunk.n_tokens, -1).copy()
 
     def media_positions(self, chunk: Chunk, pos0: int) -> np.ndarray:
         """Decoder positions of a media chunk's rows when it starts at pos0, as mtmd's decode helper

@@ -540,7 +540,7 @@ class Llama:
     def pooling_type(self) -> int:
         """How embeddings pool a prompt's rows (llama.cpp's ids: 0 none, 1 mean, 2 cls, 3 last, 4 rank)."""
         self._check_can_generate()
-        return next(k for k, v in POOLING_TYPES.items() if v == self._engine.ctx.pooling)
+        return next((k for k, v in POOLING_TYPES.items() if v == self._engine.pooling), -1)
 
     def create_embedding(self, input: str | list[str], model: str | None = None) -> T.CreateEmbeddingResponse:
         """OpenAI's embedding response of ``input`` (not normalised, as llama-cpp-python's)."""
@@ -573,7 +573,12 @@ class Llama:
             prompts.append(EmbeddingInput((np.asarray(tokens, dtype=np.int32),)))
         self.reset()  # the slot's tokens go (each embedding decodes its own from position 0)
         results = self._engine.embed(prompts, normalize=2 if normalize else -1)
-        data = [e.vectors.tolist() if not e.pooled else e.vectors[0].tolist() for e in results]
+        if normalize:  # llama-cpp-python normalises each row's vector too, with pooling none
+            unit = [e.vectors / np.maximum(np.linalg.norm(e.vectors, axis=1, keepdims=True), 1e-30)
+                    if not e.pooled else e.vectors for e in results]
+        else:
+            unit = [e.vectors for e in results]
+        data = [v.tolist() if not e.pooled else v[0].tolist() for e, v in zip(results, unit)]
         output = data[0] if isinstance(input, str) else data
         return (output, sum(e.n_tokens for e in results)) if return_count else output
 

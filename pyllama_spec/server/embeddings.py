@@ -19,9 +19,10 @@ with ``"text"`` given ``return_text``), best first, ``top_n`` of them; each (que
 laid out as llama-server lays it out (serving/embeddings.py ``rerank_tokens``).
 
 Every prompt is tokenized, and its images decoded, on a thread; the prompts then run one after the
-other on an idle slot (serving/embeddings.py), between the other slots' generations. A request
-whose client goes away still ends its slot's work (a native decode cannot be stopped), and its
-images are freed after that.
+other, each on an idle slot (serving/embeddings.py), with the other slots' generations going on
+between two. A request holds at most ``MAX_INPUTS`` prompts or documents. A request whose client
+goes away stops before its next prompt; the prompt running ends (a native decode cannot be
+stopped), and its images are freed after that.
 
 Where this differs from llama-server: a prompt over what the model can take is a 400 here (a 500
 there), with llama-server's words; a mean over a picture pools every row of the prompt (llama-server
@@ -46,9 +47,11 @@ from pyllama_spec.server.prompts import parse_prompt
 from pyllama_spec.server.schema import RequestLimits
 from pyllama_spec.server.service import RouteSpec, Service, read_json
 from pyllama_spec.serving.chat_template import MEDIA_MARKER
-from pyllama_spec.serving.embeddings import Embedding, EmbeddingInput, EmbeddingJob, rerank_tokens
+from pyllama_spec.serving.embeddings import Embedding, EmbeddingInput, EmbeddingJob
 
 EMBEDDING_PATHS = ("/embedding", "/embeddings", "/v1/embeddings")
+#: The most prompts (or documents) one request may hold: OpenAI's limit of embedding inputs.
+MAX_INPUTS = 2048
 RERANK_PATHS = ("/rerank", "/reranking", "/v1/rerank", "/v1/reranking")
 
 
@@ -56,7 +59,7 @@ def routes(service: Service) -> list[RouteSpec]:
     config = service.engine.config
     run = ThreadRunner()
     waiting = _Queue(service.settings.max_queue)
-    pooling = service.engine.ctx.pooling  # read once: the event loop makes no native call while slots run
+    pooling = service.engine.pooling  # read once: the event loop makes no native call while slots run
     if config.embeddings:
         embed = [(p, ["POST"], lambda request, oai=p.startswith("/v1/"): _route(service, request, run, waiting, oai,
                                                                                pooling))
@@ -111,27 +114,34 @@ async def _route(service: Service, request: Request, run: ThreadRunner, waiting:
     base64_out = _encoding_format(body)
     normalize = _normalize(body)
     with waiting:
-        job = await run(size, _prepare, engine, parse_inputs, value, service.limits, normalize)
-        results = await _on_a_slot(service, job)
-    return await run(size, _answer, results, oai, base64_out, _model(body, service))
+        job = await run(size, _prepare, lambda: EmbeddingJob(engine, parse_inputs(value, service.limits),
+                                                             normalize=normalize))
+        results = await _on_slots(service, request, job)
+        return await run(size, _answer, results, oai, base64_out, _model(body, service))
 
 
 def _model(body: dict, service: Service) -> str:
     return body["model"] if isinstance(body.get("model"), str) else service.settings.alias
 
 
-async def _on_a_slot(service: Service, job: EmbeddingJob) -> list[Embedding]:
-    """The job run on an idle slot; the job closed once the slot's work ended."""
-    done = None
+async def _on_slots(service: Service, request: Request, job: EmbeddingJob) -> list[Embedding]:
+    """Each of the job's prompts run on an idle slot, one slot operation a prompt (the other slots'
+    generations go on between two); stops between two when the client has gone. The job is closed
+    once the slot's work on it ended."""
+    results, done = [], None
     try:
-        done = service.worker.on_slot(service.engine.idle_slot(), job)
-        # shielded: a client that goes away leaves the slot's work to end (it reads the job's images)
-        return await asyncio.shield(done)
+        for i in range(len(job.prompts)):
+            if i and await request.is_disconnected():
+                raise APIError(499, "the client went away", code="client_closed_request")
+            done = service.worker.on_slot(service.engine.idle_slot(), job.prompt(i))
+            # shielded: a client that goes away leaves the slot's work to end (it reads the job's images)
+            results.append(await asyncio.shield(done))
+        return results
     finally:
         if done is None or done.done():
             job.close()
         else:  # the client went away while the slot works: the job is closed when that work ends
-            done.add_done_callback(lambda _: job.close())
+            done.add_done_callback(lambda f: (job.close(), f.cancelled() or f.exception()))
 
 
 async def _rerank_route(service: Service, request: Request, run: ThreadRunner, waiting: _Queue) -> Response:
@@ -151,9 +161,10 @@ async def _rerank_route(service: Service, request: Request, run: ThreadRunner, w
     if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 0:
         raise bad_request("'top_n' must be an integer >= 0", "top_n")
     return_text = tei and body.get("return_text") is True
+    _check_count(len(documents), "documents")
     with waiting:
-        job = await run(size, _prepare, service.engine, _pairs, (query, documents), service.limits, None)
-        results = await _on_a_slot(service, job)
+        job = await run(size, _prepare, lambda: EmbeddingJob.rerank(service.engine, query, documents))
+        results = await _on_slots(service, request, job)
     ranked = sorted(range(len(results)), key=lambda i: -float(results[i].vectors[0, 0]))[:top_n]
     label = "score" if tei else "relevance_score"
     out = []
@@ -169,9 +180,9 @@ async def _rerank_route(service: Service, request: Request, run: ThreadRunner, w
                          "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}, "results": out})
 
 
-def _pairs(value: tuple[str, list[str]], limits: RequestLimits, model: Any) -> list[EmbeddingInput]:
-    query, documents = value
-    return [EmbeddingInput((rerank_tokens(model, query, doc),)) for doc in documents]
+def _check_count(n: int, field: str) -> None:
+    if n > MAX_INPUTS:
+        raise bad_request(f"'{field}' holds {n} entries; at most {MAX_INPUTS} per request", field)
 
 
 def _encoding_format(body: dict) -> bool:
@@ -191,12 +202,11 @@ def _normalize(body: dict) -> int | None:
     return n
 
 
-def _prepare(engine: Any, parse, value: Any, limits: RequestLimits, normalize: int | None) -> EmbeddingJob:
-    """On a thread: the prompts parsed (``parse(value, limits, model)``), tokenized, their images decoded
-    and loaded."""
-    inputs = parse(value, limits, engine.model)
+def _prepare(make_job) -> EmbeddingJob:
+    """On a thread: the job made (its prompts parsed, tokenized, their images decoded and loaded);
+    what it refuses is a 400."""
     try:
-        return EmbeddingJob(engine, inputs, normalize=normalize)
+        return make_job()
     except ContextOverflowError as e:
         raise bad_request(str(e), "input", code="context_length_exceeded") from None
     except (ImageError, ProjectorError) as e:
@@ -205,13 +215,14 @@ def _prepare(engine: Any, parse, value: Any, limits: RequestLimits, normalize: i
         raise bad_request(str(e), "input") from None
 
 
-def parse_inputs(value: Any, limits: RequestLimits, model: Any = None) -> list[EmbeddingInput]:
+def parse_inputs(value: Any, limits: RequestLimits) -> list[EmbeddingInput]:
     """The prompts of ``input`` (see the module); a 400 for one of no known shape."""
     budget = ImageBudget(limits.images)  # over all the request's prompts
     # a list holding no token id at its top level is a list of prompts (llama-server's rule)
     if isinstance(value, list) and not any(isinstance(v, int) and not isinstance(v, bool) for v in value):
         if not value:
             raise bad_request('"input" must not be empty', "input")
+        _check_count(len(value), "input")
         return [_entry(p, f"input[{i}]", limits, budget) for i, p in enumerate(value)]
     return [_entry(value, "input", limits, budget)]
 

@@ -17,25 +17,24 @@ with llama-server's words ("input (N tokens) is too large to process. increase t
 size"). llama-server pools each decode alone, so its "mean" over a picture is the mean of the last
 slice; here it is the prompt's.
 
-    job = EmbeddingJob(engine, [EmbeddingInput("hello")])
-    try:
-        (embedding,) = engine.run_on_slot(0, job).result()
-    finally:
-        job.close()
+    with EmbeddingJob(engine, [EmbeddingInput("hello")]) as job:
+        embedding = engine.run_on_slot(0, job.prompt(0)).result()
 
-A reranker (pooling "rank": a classifier head over the pair) scores documents for a query: each pair's
-tokens are ``rerank_tokens``, and its embedding is the classifier's output.
+A reranker (pooling "rank": a classifier head over the pair) scores documents for a query
+(``EmbeddingJob.rerank``): each pair's tokens are ``RerankPairs``', and its embedding is the
+classifier's output.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence as Seq
+from typing import Any, Iterable, Sequence as Seq
 
 import numpy as np
 
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap
 from pyllama_spec.errors import ContextOverflowError, ImageError
+from pyllama_spec.serving.prompt_parts import EMPTY_PROMPT
 from pyllama_spec.speculative.sequence import Sequence
 from pyllama_spec.speculative.stats import GenerationStats
 
@@ -74,25 +73,39 @@ class Rank:
     n_tokens: int
 
 
-def rerank_tokens(model: Any, query: str, document: str) -> np.ndarray:
+class RerankPairs:
     """The tokens a reranker reads for (query, document), as llama-server's ``format_prompt_rerank``
     makes them: the GGUF's "rerank" template with {query} and {document} filled in, else BOS, the
-    query, EOS (or SEP), SEP, the document, EOS, each special token as the vocabulary adds them."""
-    template = model.named_template("rerank")
-    if template is not None:
-        prompt = template.replace("{query}", query).replace("{document}", document)
-        return model.tokenize(prompt, add_special=False, parse_special=True)
-    eos = model.eos if model.eos != -1 else model.sep
-    pieces = [[model.bos]] if model.add_bos else []
-    pieces.append(model.tokenize(query, add_special=False, parse_special=False))
-    if model.add_eos:
-        pieces.append([eos])
-    if model.add_sep:
-        pieces.append([model.sep])
-    pieces.append(model.tokenize(document, add_special=False, parse_special=False))
-    if model.add_eos:
-        pieces.append([eos])
-    return np.concatenate([np.asarray(p, dtype=np.int32) for p in pieces])
+    query, EOS (or SEP), SEP, the document, EOS, each special token as the vocabulary adds them. The
+    query is tokenized once, for every document."""
+
+    def __init__(self, model: Any, query: str) -> None:
+        self.model, self.query = model, query
+        self.template = model.named_template("rerank")
+        query_tokens = model.tokenize(query, add_special=False, parse_special=False)
+        self.query_rows = len(query_tokens)  # what the query alone takes of a pair
+        if self.template is None:
+            eos = model.eos if model.eos != -1 else model.sep
+            head = [[model.bos]] if model.add_bos else []
+            head.append(query_tokens)
+            if model.add_eos:
+                head.append([eos])
+            if model.add_sep:
+                head.append([model.sep])
+            self._head = np.concatenate([np.asarray(p, dtype=np.int32) for p in head])
+            self._tail = np.asarray([eos] if model.add_eos else [], dtype=np.int32)
+
+    def tokens(self, document: str) -> np.ndarray:
+        if self.template is not None:
+            prompt = self.template.replace("{query}", self.query).replace("{document}", document)
+            return self.model.tokenize(prompt, add_special=False, parse_special=True)
+        doc = self.model.tokenize(document, add_special=False, parse_special=False)
+        return np.concatenate([self._head, np.asarray(doc, dtype=np.int32), self._tail])
+
+
+def rerank_tokens(model: Any, query: str, document: str) -> np.ndarray:
+    """The tokens of one (query, document) pair (``RerankPairs``)."""
+    return RerankPairs(model, query).tokens(document)
 
 
 def normalize(vector: np.ndarray, kind: int) -> np.ndarray:
@@ -119,7 +132,7 @@ class EmbeddingJob:
     decoded whole where it must be (see the module); ContextOverflowError when a prompt does not
     fit a slot's share of the context."""
 
-    def __init__(self, engine: Any, inputs: Seq[EmbeddingInput], *, normalize: int | None = None) -> None:
+    def __init__(self, engine: Any, inputs: Iterable[EmbeddingInput], *, normalize: int | None = None) -> None:
         config = engine.config
         if not config.embeddings:
             raise ValueError("this engine was not loaded for embeddings: load it with embeddings=True "
@@ -128,6 +141,10 @@ class EmbeddingJob:
         self.normalize = config.embd_normalize if normalize is None else normalize
         if isinstance(self.normalize, bool) or not isinstance(self.normalize, int) or self.normalize < -1:
             raise ValueError(f"embd_normalize must be an integer >= -1, got {self.normalize!r}")
+        ctx = engine.ctx
+        # Whether a prompt may be decoded in slices (see the module): a causal model that keeps its
+        # memory between decodes. Any other sees a prompt within one decode (llama-server's can_split).
+        self.sliceable = ctx.has_memory and ctx.causal_attn
         self._bitmaps: list[Bitmap] = []
         self.prompts: list[list] = []  # each prompt's parts: int32 token arrays and media chunks
         try:
@@ -137,43 +154,73 @@ class EmbeddingJob:
             self.close()
             raise
 
+    @classmethod
+    def rerank(cls, engine: Any, query: str, documents: Seq[str]) -> "EmbeddingJob":
+        """The (query, document) pairs of a reranker (``rerank_tokens``), each refused before it is
+        tokenized when its text alone cannot fit what one prompt may hold: the query is tokenized
+        once, so the work is linear in the query and the documents."""
+        if not engine.config.embeddings or engine.ctx.pooling != "rank":
+            raise ValueError("reranking needs an engine loaded with embeddings=True and pooling 'rank' "
+                             "(llama-server's --reranking) and a reranker model")
+        model, limit = engine.model, _prompt_limit(engine.ctx)
+        for text in (query, *documents):
+            at_least = model.tokens_at_least(len(text.encode("utf-8", errors="surrogatepass")))
+            if at_least > limit:
+                raise _too_large(f"at least {at_least}", limit)
+        pairs = RerankPairs(model, query)
+        if pairs.query_rows > limit:  # (a WordPiece vocabulary gives no bound before tokenizing)
+            raise _too_large(f"more than {pairs.query_rows}", limit)
+        # pair by pair, each checked as it is made: the first that does not fit ends it
+        return cls(engine, (EmbeddingInput((pairs.tokens(doc),)) for doc in documents), normalize=-1)
+
     def _parts(self, item: EmbeddingInput) -> list:
         e = self.engine
         text, images = item.text, list(item.images)
+        if not isinstance(text, (str, tuple)):
+            raise TypeError(f"an embedding's text is a string or a tuple of strings and token arrays, "
+                            f"got {type(text).__name__}")
         if images and e.projector is None:
             raise ImageError("images were given but the engine has no projector: load it with mmproj=... (--mmproj)")
         if images and not isinstance(text, str):
             raise ValueError("a prompt of token ids takes no images (give text with a media marker for each)")
+        if images and not self.sliceable:
+            raise ValueError("this model sees a prompt within one decode, and a picture is a decode of its own: "
+                             "it embeds text only")
         if images and MEDIA_MARKER not in text:  # images without markers go first, as in a generation
             text = MEDIA_MARKER * len(images) + "\n" + text
         if not images and isinstance(text, str):
             text = (text,)  # text alone is text, a media marker in it too (as llama-server tokenizes it)
-        bitmaps = [Bitmap.load(im) for im in images]
-        self._bitmaps.extend(bitmaps)
+        bitmaps = []
+        for image in images:
+            bitmaps.append(Bitmap.load(image))
+            self._bitmaps.append(bitmaps[-1])  # freed by close(), whatever fails next
         ctx = e.ctx
         try:
             parts = e.prompts.tokenize(text, bitmaps, to_generate=False)
         except ContextOverflowError:
-            if ctx.has_memory:
-                raise
-            raise _too_large(f"more than {ctx.n_ctx_seq}", ctx.n_ubatch) from None  # what a ubatch holds matters here
+            if self.sliceable or ctx.n_ctx_seq <= ctx.n_ubatch:
+                raise  # the context is what it does not fit
+            raise _too_large(f"more than {ctx.n_ctx_seq}", ctx.n_ubatch) from None
         except ValueError as err:
-            if "empty" in str(err):
+            if str(err) == EMPTY_PROMPT:
                 raise ValueError("Input content cannot be empty") from None
             raise
         n_rows = _rows(parts)
-        if not ctx.has_memory and n_rows > ctx.n_ubatch:
+        if not self.sliceable and n_rows > ctx.n_ubatch:
             raise _too_large(str(n_rows), ctx.n_ubatch)
         return parts
 
-    def __call__(self, seq: Sequence) -> list[Embedding]:
-        return [self._embed(seq, parts) for parts in self.prompts]
+    def prompt(self, i: int):
+        """What embeds prompt ``i`` on a slot: a function of the slot's ``Sequence`` (run it with
+        ``Engine.run_on_slot``; one prompt a time, so that other slots' generations go on between)."""
+        return lambda seq: self._embed(seq, self.prompts[i])
 
     def _embed(self, seq: Sequence, parts: list) -> Embedding:
-        ctx = seq.ctx
+        e, ctx = self.engine, seq.ctx
         pooling = ctx.pooling
         n_ubatch = ctx.n_ubatch
         seq.reset()  # the slot's cached prompt goes: this prompt starts at position 0
+        e.lora.apply(ctx, e.lora.scales_for(None))  # the global LoRA scales, not the last generation's
         # A sequence of its own over the same seq_id, without the drafter: the drafter sees nothing of it.
         own = Sequence(ctx, None, seq.seq_id, n_seq=ctx.n_seq_max)
         stats = GenerationStats()
@@ -192,7 +239,7 @@ class EmbeddingJob:
                         read(len(chunk))
                 else:
                     done = 0
-                    for rows in own.decode_media(self.engine.projector, part, stats, n_batch=n_ubatch, outputs=True):
+                    for rows in own.decode_media(e.projector, part, stats, n_batch=n_ubatch, outputs=True):
                         read(rows - done)
                         done = rows
         finally:
@@ -225,6 +272,11 @@ class EmbeddingJob:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _prompt_limit(ctx: Any) -> int:
+    """The most rows one embedding prompt may take: an encoder's ubatch, else a slot's context."""
+    return ctx.n_ctx_seq if ctx.has_memory and ctx.causal_attn else min(ctx.n_ubatch, ctx.n_ctx_seq)
 
 
 def _too_large(n_tokens: str, n_ubatch: int) -> ValueError:

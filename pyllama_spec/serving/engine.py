@@ -35,7 +35,7 @@ from pyllama_spec.bindings.mtmd import Projector
 from pyllama_spec.drafters import Drafter
 from pyllama_spec.drafters.registry import DrafterSetup, Pairing, method
 from pyllama_spec.serving.config import EngineConfig
-from pyllama_spec.serving.embeddings import Embedding, EmbeddingInput, EmbeddingJob, Rank, rerank_tokens
+from pyllama_spec.serving.embeddings import Embedding, EmbeddingInput, EmbeddingJob, Rank
 from pyllama_spec.serving.grammars import json_schema_to_grammar
 from pyllama_spec.serving.load_plan import plan_drafts, plan_load
 from pyllama_spec.serving.lora import EngineAdapters, lora_specs
@@ -388,8 +388,8 @@ class Engine:
         """The embedding of each prompt (serving/embeddings.py): a string, or an ``EmbeddingInput``
         (text with images, or token ids), or a list of them; pooled as the engine was loaded
         (``pooling=``) and normalised by ``normalize`` (None: the engine's ``embd_normalize``,
-        euclidean by default). Needs an engine loaded with ``embeddings=True``. Runs on an idle
-        slot (its cached prompt is forgotten), between other slots' generations.
+        euclidean by default). Needs an engine loaded with ``embeddings=True``. Each prompt runs on
+        an idle slot (its cached prompt is forgotten), between other slots' generations.
 
         >>> engine = load("bge-small.gguf", embeddings=True)  # doctest: +SKIP
         >>> engine.embed("hello")[0].vectors[0]                # doctest: +SKIP
@@ -397,22 +397,29 @@ class Engine:
         items = [prompts] if isinstance(prompts, (str, EmbeddingInput)) else list(prompts)
         inputs = [p if isinstance(p, EmbeddingInput) else EmbeddingInput(p) for p in items]
         with EmbeddingJob(self, inputs, normalize=normalize) as job:
-            return self.run_on_slot(self.idle_slot(), job).result()
+            return self._run_embeddings(job)
 
     def rerank(self, query: str, documents: Sequence[str]) -> list[Rank]:
         """Each document's relevance to ``query`` by a reranker loaded with ``embeddings=True`` and
         pooling "rank" (``pooling="rank"``, llama-server's --reranking, or as the GGUF declares), in
-        the documents' order; the pair's tokens
-        as llama-server lays them out (serving/embeddings.py ``rerank_tokens``)."""
-        if not self.config.embeddings or self.ctx.pooling != "rank":
-            raise ValueError("reranking needs an engine loaded with embeddings=True and pooling='rank' "
-                             "(llama-server's --reranking) and a reranker model")
-        inputs = [EmbeddingInput((rerank_tokens(self.model, query, doc),)) for doc in documents]
-        return [Rank(float(e.vectors[0, 0]), e.n_tokens) for e in self.embed(inputs)]
+        the documents' order; each pair's tokens as llama-server lays them out
+        (serving/embeddings.py ``RerankPairs``)."""
+        with EmbeddingJob.rerank(self, query, documents) as job:
+            return [Rank(float(e.vectors[0, 0]), e.n_tokens) for e in self._run_embeddings(job)]
+
+    def _run_embeddings(self, job: EmbeddingJob) -> list[Embedding]:
+        return [self.run_on_slot(self.idle_slot(), job.prompt(i)).result() for i in range(len(job.prompts))]
+
+    @property
+    def pooling(self) -> str:
+        """How embeddings pool a prompt's rows here: "none", "mean", "cls", "last" or "rank"."""
+        return self.ctx.pooling
 
     def idle_slot(self) -> int:
-        """A slot running no generation now (the first), else slot 0: where slot work waits least."""
-        return next((i for i in range(len(self.sequences)) if self._loop.running(i) is None), 0)
+        """Where slot work (an embedding) waits least and costs least: an idle slot, the one whose
+        cached prompt is shortest (an empty one first); slot 0 when every slot runs a generation."""
+        idle = [i for i in range(len(self.sequences)) if self._loop.running(i) is None]
+        return min(idle, key=lambda i: self.sequences[i].n_cached_rows, default=0)
 
     def reset_cache(self) -> None:
         """Forget the cached prompt(s) of the idle slots: the next generation decodes everything again."""

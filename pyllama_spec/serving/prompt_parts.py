@@ -24,6 +24,8 @@ from pyllama_spec.speculative.media import pair_with_draft
 _COUNT_PIECES_ABOVE = 8
 _COUNT_PIECE_CHARS = 64 * 1024
 _COUNT_SLACK_PER_PIECE = 16
+#: What ``PromptParts.tokenize`` says of a prompt with no token and no image.
+EMPTY_PROMPT = "the prompt is empty"
 
 
 class PromptParts:
@@ -64,13 +66,13 @@ class PromptParts:
         token arrays, resolved by serving/resolver.py). ``to_generate=False`` (an embedding's prompt):
         it may end with an image, and needs no row to generate into."""
         if isinstance(text, tuple):
-            parts: list = [self._mixed_tokens(text)]
+            parts: list = [self._mixed_tokens(text, to_generate=to_generate)]
         else:
             self.refuse_a_prompt_that_cannot_fit(text, to_generate=to_generate)
             if self.projector is not None:
                 chunks = self.projector.tokenize(text, bitmaps)
                 parts = [c.tokens if c.is_text else c for c in chunks]  # media chunks keep `chunks` alive
-                if self.draft_projector is not None and bitmaps:  # a vision draft model cuts them with its own
+                if to_generate and self.draft_projector is not None and bitmaps:  # a vision draft model's own cut
                     pair_with_draft(parts, self.draft_projector.tokenize(text, bitmaps))
             else:
                 if MEDIA_MARKER in text:
@@ -78,7 +80,7 @@ class PromptParts:
                 parts = [self.model.tokenize(text, add_special=True)]
         parts = [p for p in parts if not (isinstance(p, np.ndarray) and len(p) == 0)]
         if not parts:
-            raise ValueError("the prompt is empty")
+            raise ValueError(EMPTY_PROMPT)
         if to_generate and not isinstance(parts[-1], np.ndarray):
             raise ValueError("the prompt must end with text after the last image")
         rows = sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
@@ -104,10 +106,10 @@ class PromptParts:
             for b in bitmaps:
                 b.close()
 
-    def _mixed_tokens(self, items: tuple) -> np.ndarray:
+    def _mixed_tokens(self, items: tuple, *, to_generate: bool = True) -> np.ndarray:
         """A mixed prompt's tokens as llama-server's tokenize_mixed makes them: each string tokenized
         (special tokens parsed), the first with the model's BOS when the prompt starts with it."""
-        self.refuse_a_prompt_that_cannot_fit("".join(x for x in items if isinstance(x, str)))
+        self.refuse_a_prompt_that_cannot_fit("".join(x for x in items if isinstance(x, str)), to_generate=to_generate)
         pieces = [self.model.tokenize(x, add_special=i == 0) if isinstance(x, str) else x for i, x in enumerate(items)]
         return np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
 

@@ -91,6 +91,11 @@ class Sequence:
         #: The cache rows this sequence may use: its share of the context (n_ctx / n_seq).
         self.n_ctx = ctx.n_ctx_seq
 
+    @property
+    def n_cached_rows(self) -> int:
+        """The cache rows of what the sequence holds (a snapshot: safe to read from another thread)."""
+        return sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in list(self.cached))
+
     # ------------------------------------------------------------------ rows
     def text_rows(self, tokens: np.ndarray, row_offset: int = 0) -> TargetRows:
         """The TargetRows of text rows decoded at pos_next.. (the first at ``row_offset`` in the decode)."""
