@@ -186,13 +186,17 @@ def test_a_configuration_that_cannot_fit_is_refused_before_anything_is_allocated
     assert isinstance(info.value, MemoryError) and "KV" in str(info.value)
 
 
-def test_the_context_is_bounded_by_the_training_length(tiny_dense):
-    with pytest.raises(ValueError, match=r"above the target's training length .* use n_ctx=\d+ or less \(-c \d+\)"):
-        ps.load(tiny_dense.target, n_ctx=tiny.TINY_CONTEXT_LENGTH + 1, n_threads=N_THREADS)
+def test_a_context_over_the_training_length_warns_and_loads_as_in_llama_server(tiny_dense):
+    from pyllama_spec.serving.load_plan import TrainingLengthWarning
+
     with ps.load(tiny_dense.target, n_ctx=0, **TINY_ENGINE) as engine:
         assert engine.ctx.n_ctx == tiny.TINY_CONTEXT_LENGTH  # -c 0: the training length
-    with pytest.raises(ValueError, match="4096 tokens"):
-        ps.load(ps.embedded_models().target, n_ctx=8192, n_threads=N_THREADS)
+    with pytest.warns(TrainingLengthWarning, match=r"above the target's training length \(4096 tokens.* "
+                                                   r"n_ctx=4096 \(-c 4096\)"):
+        engine = ps.load(ps.embedded_models().target, n_ctx=8192, n_threads=N_THREADS)
+    with engine:
+        assert engine.ctx.n_ctx == 8192
+        assert engine.generate("def f(x):", max_tokens=4, temperature=0).stats.generated_tokens == 4
 
 
 def test_doctor_prints_the_estimate_for_a_configuration(tiny_dense):

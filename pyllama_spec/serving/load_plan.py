@@ -11,6 +11,7 @@ loaded and paired: how far one draft may go, and the rollback snapshots a recurr
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 from pyllama_spec.bindings import devices
 from pyllama_spec.bindings.model import Model, check_gguf_file
@@ -26,6 +27,10 @@ class LoadPlan:
     config: EngineConfig  # as given, with n_ctx=0 resolved to the training length
     placement: devices.EnginePlacement  # where the target's and the draft's layers go
     memory_estimate: memory.Estimate  # what the configuration needs, as checked against the devices
+
+
+class TrainingLengthWarning(UserWarning):
+    """A context longer than the target was trained for (llama.cpp's "training context overflow")."""
 
 
 def plan_load(config: EngineConfig, method: Method | None) -> LoadPlan:
@@ -46,11 +51,13 @@ def plan_load(config: EngineConfig, method: Method | None) -> LoadPlan:
         c = dataclasses.replace(c, n_ctx=n_ctx_train)
     per_slot = c.n_ctx // c.n_parallel  # each slot's positions start at 0
     if n_ctx_train and per_slot > n_ctx_train:
+        # llama.cpp warns and goes on ("possible training context overflow"), and so does llama-server:
+        # a context longer than training is the user's call, which the warning makes an informed one
         slots = "" if c.n_parallel == 1 else f" per slot ({c.n_parallel} slots share n_ctx {c.n_ctx})"
-        raise ValueError(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} "
-                         f"tokens, {info.arch}.context_length): positions past it were never trained; use "
-                         f"n_ctx={n_ctx_train * c.n_parallel} or less (-c {n_ctx_train * c.n_parallel}), or n_ctx=0 "
-                         "(-c 0) for exactly that")
+        warnings.warn(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} tokens, "
+                      f"{info.arch}.context_length): positions past it were never trained, and text there may "
+                      f"degrade; n_ctx={n_ctx_train * c.n_parallel} (-c {n_ctx_train * c.n_parallel}) or n_ctx=0 "
+                      "(-c 0) keeps within it", TrainingLengthWarning, stacklevel=4)
     placement = devices.plan(c, draft_uses_target_head=bool(method and method.uses_target_head))
     est = estimate_memory(c, method)
     budget = placement.memory_budget(c.n_gpu_layers)  # (device(s), free bytes)
