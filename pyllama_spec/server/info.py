@@ -135,4 +135,5 @@ async def _metrics(service: Service) -> Response:
     return PlainTextResponse(service.metrics.prometheus(queue_depth=w.queue_depth if w else 0,
                                                         running=w.running if w else 0,
                                                         slots=service.engine.config.n_parallel),
-                             media_type="text/plain; version=0.0.4")
+                             media_type="text/plain; version=0.0.4",
+                             headers={"Process-Start-Time-Unix": str(service.started)})  # llama-server's
