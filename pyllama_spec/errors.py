@@ -37,7 +37,12 @@ class ChatTemplateError(PyllamaError, ValueError):
 
 
 class ContextOverflowError(PyllamaError, ValueError):
-    """The prompt (or prompt + generation) does not fit in the context."""
+    """The prompt (or prompt + generation) does not fit in the context: ``n_prompt_tokens`` rows (at
+    least; None when not counted) where a slot holds ``n_ctx`` (llama-server's error fields)."""
+
+    def __init__(self, message: str, *, n_prompt_tokens: int | None = None, n_ctx: int | None = None) -> None:
+        super().__init__(message)
+        self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
 
 
 class ClosedError(PyllamaError, ValueError):

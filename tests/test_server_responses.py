@@ -759,12 +759,13 @@ def test_bad_requests_are_refused_as_llama_server_refuses_them(served, theirs, b
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_prompt_longer_than_the_context_is_a_400_there_too(served, theirs, stream):
-    """The same status, before any event; the error's type differs as on the chat route (llama-server's
-    exceed_context_size_error, OpenAI's invalid_request_error with code context_length_exceeded here)."""
+    """The same status, before any event, and llama-server's error type and fields (with OpenAI's code
+    context_length_exceeded here too)."""
     body = {"input": "hello " * 5000, "max_output_tokens": 2, "stream": stream}
     (s1, a), (s2, b) = post(served.url, "/v1/responses", body), post(theirs, "/v1/responses", body)
     assert s1 == s2 == 400, (a, b)
-    assert (a["error"]["type"], b["error"]["type"]) == ("invalid_request_error", "exceed_context_size_error")
+    assert a["error"]["type"] == b["error"]["type"] == "exceed_context_size_error"
+    assert a["error"]["n_ctx"] == b["error"]["n_ctx"] and a["error"]["n_prompt_tokens"] > 0
 
 
 @pytest.mark.parametrize("body,ours,llama", DIFFERENT_STATUS, ids=[json.dumps(b)[:60] for b, _, _ in DIFFERENT_STATUS])

@@ -40,7 +40,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from pyllama_spec.errors import ContextOverflowError, ImageError, ProjectorError
-from pyllama_spec.server.errors import APIError, bad_request
+from pyllama_spec.server.errors import APIError, bad_request, context_overflow
 from pyllama_spec.server.images import ImageBudget, decode_image_url
 from pyllama_spec.server.offload import ThreadRunner
 from pyllama_spec.server.prompts import parse_prompt
@@ -208,7 +208,7 @@ def _prepare(make_job) -> EmbeddingJob:
     try:
         return make_job()
     except ContextOverflowError as e:
-        raise bad_request(str(e), "input", code="context_length_exceeded") from None
+        raise context_overflow(e, "input") from None
     except (ImageError, ProjectorError) as e:
         raise bad_request(str(e), "input", code="invalid_image") from None
     except ValueError as e:

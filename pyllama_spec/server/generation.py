@@ -189,10 +189,11 @@ async def first_translated(objects: AsyncIterator[dict], request: Request, trans
 def error_of_chunk(chunk: dict) -> APIError:
     """The APIError behind an error chunk of ``stream_objects`` (made by ``engine_error``: a 400
     for the request's fault, 503 when cancelled, else 500)."""
-    e = chunk["error"]
-    status = 400 if e.get("type") == "invalid_request_error" else 503 if e.get("code") == "cancelled" else 500
-    return APIError(status, e.get("message", ""), type=e.get("type", "server_error"), code=e.get("code"),
-                    param=e.get("param"))
+    e = dict(chunk["error"])
+    fault = e.get("type") in ("invalid_request_error", "exceed_context_size_error")
+    status = 400 if fault else 503 if e.get("code") == "cancelled" else 500
+    return APIError(status, e.pop("message", ""), type=e.pop("type", "server_error"), code=e.pop("code", None),
+                    param=e.pop("param", None), extra=e)
 
 
 @dataclasses.dataclass

@@ -27,7 +27,7 @@ from pyllama_spec.errors import (
     NativeCallError,
     ProjectorError,
 )
-from pyllama_spec.server.errors import APIError, bad_request
+from pyllama_spec.server.errors import APIError, bad_request, context_overflow
 from pyllama_spec.server.images import ImageLimits
 from pyllama_spec.server.logprobs import LogprobFormatter
 from pyllama_spec.server.metrics import ServerMetrics
@@ -98,7 +98,7 @@ def engine_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, ContextOverflowError):
-        return bad_request(str(e), "messages", code="context_length_exceeded")
+        return context_overflow(e, "messages")
     if isinstance(e, (ImageError, ProjectorError)):
         return bad_request(str(e), "messages", code="invalid_image")
     if isinstance(e, GenerationCancelledError):

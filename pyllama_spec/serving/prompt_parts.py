@@ -85,7 +85,7 @@ class PromptParts:
             raise ValueError("the prompt must end with text after the last image")
         rows = sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
         if rows + to_generate > self.ctx.n_ctx_seq:
-            raise self.overflow(f"{rows} cache rows", to_generate=to_generate)
+            raise self.overflow(f"{rows} cache rows", rows, to_generate=to_generate)
         return parts
 
     def count(self, text: str, images: list) -> int:
@@ -114,12 +114,14 @@ class PromptParts:
         return np.concatenate(pieces).astype(np.int32) if pieces else np.zeros(0, np.int32)
 
     # ------------------------------------------------------------------ the fit check
-    def overflow(self, what: str, *, to_generate: bool = True) -> ContextOverflowError:
+    def overflow(self, what: str, n_rows: int, *, to_generate: bool = True) -> ContextOverflowError:
+        """The error for a prompt of ``n_rows`` (at least) that does not fit a slot."""
         n_ctx = self.ctx.n_ctx_seq
         share = (f"n_ctx is {self.ctx.n_ctx}" if self.n_parallel == 1 else
                  f"each of the {self.n_parallel} slots has {n_ctx} of n_ctx {self.ctx.n_ctx}")
         return ContextOverflowError(f"the prompt needs {what}{' (+1 to generate)' if to_generate else ''} but {share}; "
-                                    "raise n_ctx (-c) or shorten the prompt / use smaller images")
+                                    "raise n_ctx (-c) or shorten the prompt / use smaller images",
+                                    n_prompt_tokens=n_rows, n_ctx=n_ctx)
 
     def refuse_a_prompt_that_cannot_fit(self, text: str, *, to_generate: bool = True) -> None:
         """Refuse, before tokenizing it, a prompt whose text alone cannot fit the context.
@@ -136,7 +138,8 @@ class PromptParts:
             return
         at_least = self.model.tokens_at_least(n_bytes)
         if at_least + to_generate > n_ctx:
-            raise self.overflow(f"at least {at_least} cache rows ({n_bytes} bytes of text)", to_generate=to_generate)
+            raise self.overflow(f"at least {at_least} cache rows ({n_bytes} bytes of text)", at_least,
+                                to_generate=to_generate)
         if n_bytes < _COUNT_PIECES_ABOVE * n_ctx:
             return
         counted, pieces = 0, 0
@@ -144,9 +147,9 @@ class PromptParts:
             counted += len(self.model.tokenize(piece, add_special=False))
             pieces += 1
             if counted > n_ctx + _COUNT_SLACK_PER_PIECE * pieces:
-                raise self.overflow(f"more than {counted - _COUNT_SLACK_PER_PIECE * pieces} cache rows "
-                                    f"(counted over the first {pieces} pieces of its {n_bytes} bytes of text)",
-                                    to_generate=to_generate)
+                more = counted - _COUNT_SLACK_PER_PIECE * pieces
+                raise self.overflow(f"more than {more} cache rows (counted over the first {pieces} pieces of its "
+                                    f"{n_bytes} bytes of text)", more + 1, to_generate=to_generate)
 
 
 #: Characters encoded per C call when a text's UTF-8 length is counted (a few milliseconds of the GIL).

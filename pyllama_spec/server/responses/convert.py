@@ -173,7 +173,7 @@ def relocate(e: APIError, body: dict, items: list[dict], n_earlier: int) -> APIE
 
     message = re.sub(r"messages\[(\d+)\]", label, e.message).replace("'messages'", "'input'")
     param = "instructions" if re.sub(r"messages\[(\d+)\]", label, e.param).startswith("instructions") else "input"
-    return APIError(e.status, message, type=e.type, code=e.code, param=param, headers=e.headers)
+    return APIError(e.status, message, type=e.type, code=e.code, param=param, headers=e.headers, extra=e.extra)
 
 
 def _as_parts(content: Any) -> list:
