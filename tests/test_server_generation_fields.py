@@ -378,3 +378,18 @@ def test_the_tiny_fim_set_names_its_fim_tokens(tiny_fim):
     with ps.load(tiny_fim.target, n_ctx=256, n_threads=N_THREADS) as engine:
         assert engine.model.fim_tokens == tiny.FIM_TOKEN_ID
         assert [engine.model.token_text(t) for t in tiny.FIM_TOKEN_ID.values()] == list(tiny.FIM_TOKENS.values())
+
+
+def test_logit_bias_by_text_biases_each_of_its_tokens_as_llama_server(plain, tiny_dense):
+    """llama-server's logit_bias takes a text where a token id goes ([[" the ", -100]], {" the ": -100}):
+    each token of the text gets the bias (llama.cpp's tokenizer, no special tokens)."""
+    base = post(plain, "/completion", greedy(prompt=PROMPT, n_predict=6))[1]
+    first_token = post(plain, "/tokenize", {"content": base["content"]})[1]["tokens"][:1]
+    text = post(plain, "/detokenize", {"tokens": first_token})[1]["content"]  # the answer's first token, as text
+    ids = post(plain, "/tokenize", {"content": text})[1]["tokens"]
+    by_id = post(plain, "/completion", greedy(prompt=PROMPT, n_predict=6, logit_bias=[[t, False] for t in ids]))[1]
+    for bias in ([[text, False]], {text: -1e9}):
+        status, by_text = post(plain, "/completion", greedy(prompt=PROMPT, n_predict=6, logit_bias=bias))
+        assert status == 200 and by_text["content"] == by_id["content"] != base["content"], by_text
+    status, answer = post(plain, "/completion", greedy(prompt=PROMPT, logit_bias=[["x" * 5000, -1]]))
+    assert status == 400 and "at most 4096 tokens" in answer["error"]["message"]

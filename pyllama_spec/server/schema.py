@@ -11,7 +11,7 @@ import dataclasses
 import itertools
 import math
 import reprlib
-from typing import Any
+from typing import Any, Callable
 
 from pyllama_spec.server.chat_schema import chat_options, message_extras
 from pyllama_spec.server.errors import bad_request
@@ -144,7 +144,9 @@ MAX_LOGIT_BIAS = 4096
 
 def _logit_bias(body: dict):
     """OpenAI's {"token id": bias} or llama-server's [[token, bias], ...] (a bias of false forbids
-    the token); the ids are checked against the vocabulary by the engine."""
+    the token); the ids are checked against the vocabulary by the engine. A token given as text
+    (not an id) stands for each token of that text, as in llama-server: kept as the text here, and
+    tokenized by ``Service.prepare`` (``text_bias``)."""
     lb = body.get("logit_bias")
     if lb is None:
         return None
@@ -156,11 +158,13 @@ def _logit_bias(body: dict):
         if not (isinstance(item, (list, tuple)) and len(item) == 2):
             raise bad_request(f"'logit_bias' entries must be [token, bias] pairs, got {_show(item)}", "logit_bias")
         token, bias = item
-        if isinstance(token, str):
-            if not token.isdigit():
-                raise bad_request(f"'logit_bias' names tokens by id; {_show(token)} is not one (tokenize it first)",
-                                  "logit_bias")
+        if isinstance(token, str) and token.isascii() and token.isdigit():
             token = int(token)
+        elif isinstance(token, str):  # a text: each of its tokens (Service.prepare tokenizes it), as llama-server
+            if bias is not False and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
+                raise bad_request(f"'logit_bias' bias must be a number or false, got {_show(bias)}", "logit_bias")
+            out.append((token, bias))
+            continue
         if isinstance(token, bool) or not isinstance(token, int):
             raise bad_request(f"'logit_bias' token must be an integer id, got {_show(token)}", "logit_bias")
         if bias is not False and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
@@ -169,6 +173,20 @@ def _logit_bias(body: dict):
         if len(out) > MAX_LOGIT_BIAS:
             raise bad_request(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
     return out
+
+
+def text_bias(options: RequestOptions, tokenize: Callable[[str], Any]) -> RequestOptions:
+    """``options`` with each logit_bias entry given as text replaced by one per token of the text
+    (``tokenize``: the model's, without special tokens)."""
+    lb = options.sampling.get("logit_bias")
+    if not lb or not any(isinstance(token, str) for token, _ in lb):
+        return options
+    out = []
+    for token, bias in lb:
+        out.extend([(int(t), bias) for t in tokenize(token)] if isinstance(token, str) else [(token, bias)])
+        if len(out) > MAX_LOGIT_BIAS:
+            raise bad_request(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
+    return options.replace(sampling={**options.sampling, "logit_bias": out})
 
 
 def _constraint(body: dict) -> dict:

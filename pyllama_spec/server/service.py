@@ -31,7 +31,7 @@ from pyllama_spec.server.errors import APIError, bad_request, context_overflow
 from pyllama_spec.server.images import ImageLimits
 from pyllama_spec.server.logprobs import LogprobFormatter
 from pyllama_spec.server.metrics import ServerMetrics
-from pyllama_spec.server.schema import GenerationRequest, RequestLimits
+from pyllama_spec.server.schema import GenerationRequest, RequestLimits, text_bias
 from pyllama_spec.server.chat import render_chat
 from pyllama_spec.server.json_body import parse_json_body, takes_steps
 from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
@@ -211,7 +211,9 @@ class Service:
             raise bad_request("this server has no projector (--mmproj): it cannot read images", "messages",
                               code="invalid_image")
         try:
-            req.requests = [self.engine.resolve(o) for o in req.job_options(self.engine.config.sampling.get("seed", 0))]
+            tokenize = lambda text: self.engine.model.tokenize(text, add_special=False, parse_special=False)  # noqa: E731
+            req.requests = [self.engine.resolve(text_bias(o, tokenize))
+                            for o in req.job_options(self.engine.config.sampling.get("seed", 0))]
         except (ValueError, TypeError) as e:
             raise engine_error(e) if isinstance(e, ValueError) else bad_request(str(e)) from None
 
