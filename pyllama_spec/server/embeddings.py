@@ -136,6 +136,7 @@ async def _on_slots(service: Service, request: Request, job: EmbeddingJob) -> li
             done = service.worker.on_slot(service.engine.idle_slot(), job.prompt(i))
             # shielded: a client that goes away leaves the slot's work to end (it reads the job's images)
             results.append(await asyncio.shield(done))
+            service.metrics.add_embeddings(results[-1].n_tokens, results[-1].n_decodes)
         return results
     finally:
         if done is None or done.done():

@@ -64,6 +64,7 @@ def timings(stats) -> dict:
     """llama-server's ``timings`` object, plus what it lacks (acceptance by draft position)."""
     prompt_n = stats.prompt_decoded
     prompt_ms, predicted_ms = stats.prefill_seconds * 1000, stats.decode_seconds * 1000
+    steps = max(stats.generated_tokens - 1, 0)
     out = {
         "cache_n": stats.prompt_reused,
         "prompt_n": prompt_n,
@@ -72,8 +73,9 @@ def timings(stats) -> dict:
         "prompt_per_second": prompt_n / stats.prefill_seconds if stats.prefill_seconds > 0 else 0.0,
         "predicted_n": stats.generated_tokens,
         "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": predicted_ms / stats.generated_tokens if stats.generated_tokens else 0.0,
-        "predicted_per_second": stats.tokens_per_second,
+        # over the tokens after the first, as llama-server: the first comes from the prompt's last logits
+        "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
+        "predicted_per_second": 1e3 / predicted_ms * steps if predicted_ms > 0 and steps else 0.0,
         "draft_n": stats.drafted,
         "draft_n_accepted": stats.accepted,
         "acceptance_rate": stats.acceptance_rate,

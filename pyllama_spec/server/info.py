@@ -132,8 +132,11 @@ async def _set_props(service: Service, request) -> Response:
 
 async def _metrics(service: Service) -> Response:
     w = service.worker
+    loop = service.engine.slot_loop  # (counters the loop's thread adds to: a snapshot is enough)
+    steps, busy = loop.steps, sum(k * n for k, n in list(loop.slots_per_step.items()))
     return PlainTextResponse(service.metrics.prometheus(queue_depth=w.queue_depth if w else 0,
                                                         running=w.running if w else 0,
-                                                        slots=service.engine.config.n_parallel),
+                                                        slots=service.engine.config.n_parallel,
+                                                        busy_per_decode=busy / steps if steps else 0.0),
                              media_type="text/plain; version=0.0.4",
                              headers={"Process-Start-Time-Unix": str(service.started)})  # llama-server's

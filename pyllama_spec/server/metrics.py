@@ -14,6 +14,9 @@ class ServerMetrics:
     requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # (route, status)
     generations: StatsTotals = dataclasses.field(default_factory=StatsTotals)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+    # embeddings (server/embeddings.py): prompt rows decoded and the decodes they took; no token sampled
+    embedding_rows: int = 0
+    embedding_decodes: int = 0
 
     def count_request(self, route: str, status: int) -> None:
         with self._lock:
@@ -23,7 +26,12 @@ class ServerMetrics:
         with self._lock:
             self.generations.add(stats)
 
-    def prometheus(self, *, queue_depth: int, running: int, slots: int) -> str:
+    def add_embeddings(self, rows: int, decodes: int) -> None:
+        with self._lock:
+            self.embedding_rows += rows
+            self.embedding_decodes += decodes
+
+    def prometheus(self, *, queue_depth: int, running: int, slots: int, busy_per_decode: float = 0.0) -> str:
         with self._lock:
             lines, g = [], self.generations
 
@@ -48,22 +56,25 @@ class ServerMetrics:
             metric("queue_depth", "gauge", "requests waiting for a slot", [("", queue_depth)])
             metric("busy", "gauge", "generations running (at most the slots)", [("", running)])
             metric("slots", "gauge", "sequence slots (-np)", [("", slots)])
-            lines.extend(self._llama_server_series(queue_depth=queue_depth, running=running))
+            lines.extend(self._llama_server_series(queue_depth=queue_depth, running=running,
+                                                   busy_per_decode=busy_per_decode))
             return "\n".join(lines) + "\n"
 
-    def _llama_server_series(self, *, queue_depth: int, running: int) -> list[str]:
+    def _llama_server_series(self, *, queue_depth: int, running: int, busy_per_decode: float) -> list[str]:
         """llama-server's own series (tools/server/server-task.cpp, to_metrics), under its names, so
         that a dashboard made for llama-server reads this server too. Its throughput gauges are
-        averages over its last interval; here they are over the server's life."""
+        averages over its last interval; here they are over the server's life. An embedding's prompt
+        counts as processed prompt tokens and its decodes as decodes, as there."""
         g = self.generations
         counters = [
             ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
-             g.prompt_rows_decoded),
+             g.prompt_rows_decoded + self.embedding_rows),
             ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", g.prompt_rows_reused),
             ("prompt_seconds_total", "Total time spent processing prompts", g.prefill_seconds),
             ("tokens_predicted_total", "Number of generation tokens processed", g.generated_tokens),
             ("tokens_predicted_seconds_total", "Total time spent generating tokens", g.decode_seconds),
-            ("n_decode_total", "Total number of target decode steps while generating", g.target_steps),
+            ("n_decode_total", "Total number of target decode steps while generating",
+             g.target_steps + self.embedding_decodes),
             ("n_tokens_max", "Largest observed sequence length (prompt + generation)", g.longest_sequence),
             ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", g.drafted),
             ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model",
@@ -77,6 +88,7 @@ class ServerMetrics:
             ("predicted_tokens_seconds", "Average generation throughput in tokens/s", g.tokens_per_second),
             ("requests_processing", "Number of requests processing", running),
             ("requests_deferred", "Number of requests deferred", queue_depth),
+            ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call", busy_per_decode),
         ]
         out = []
         for kind, items in (("counter", counters), ("gauge", gauges)):

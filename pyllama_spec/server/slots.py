@@ -82,8 +82,11 @@ def slot_json(service: Service, i: int, processing: bool, job, stats) -> dict:
             n_prompt_tokens_processed=stats.prompt_decoded if stats is not None else 0,
             n_prompt_tokens_cache=stats.prompt_reused if stats is not None else 0,
             params=generation_params(service, r, job.stream),
+            # an idle slot's budget is reset, as llama-server's (-1 left, 0 decoded): a finished task's
+            # counts do not leak into it
             next_token=[{"has_next_token": processing, "has_new_line": job.has_new_line,
-                         "n_remain": max(0, r.output.max_tokens - job.n_decoded), "n_decoded": job.n_decoded}])
+                         "n_remain": max(0, r.output.max_tokens - job.n_decoded) if processing else -1,
+                         "n_decoded": job.n_decoded if processing else 0}])
     p, d, cfg = seq.positions, engine.drafter, engine.config
     out["pyllama_spec"] = {
         "cache": {"n_rows": p.n_rows, "pos_next": p.pos_next, "draft_pos_next": p.draft_pos_next,

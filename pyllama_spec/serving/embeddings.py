@@ -58,6 +58,7 @@ class Embedding:
     vectors: np.ndarray
     n_tokens: int
     pooling: str
+    n_decodes: int = 1  # the decodes its rows took (a picture is one of its own; a long text, a slice each)
 
     @property
     def pooled(self) -> bool:
@@ -246,7 +247,7 @@ class EmbeddingJob:
             ctx.set_embeddings(False)
             own.close()
             seq.reset()  # its memory held this prompt's rows; the slot starts empty
-        return Embedding(self._pool(pooling, slices), _rows(parts), pooling)
+        return Embedding(self._pool(pooling, slices), _rows(parts), pooling, len(slices))
 
     def _pool(self, pooling: str, slices: list[tuple[int, np.ndarray]]) -> np.ndarray:
         if pooling == "none":  # a vector per row, not normalised (as llama-server)

@@ -14,6 +14,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from pyllama_spec.server.errors import APIError, bad_request
+from pyllama_spec.server.header_names import CanonicalHeaderNames
 from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
 from pyllama_spec.server.origins import CrossSiteGuard
 from pyllama_spec.server.router.pool import ModelSpec, ModelState, Router, RouterSettings
@@ -159,7 +160,8 @@ def create_router_app(specs: list[ModelSpec], settings: RouterSettings) -> Starl
             await router.close()
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS,
-                    middleware=[Middleware(CrossSiteGuard, policy=settings.cors_origins)])
+                    middleware=[Middleware(CanonicalHeaderNames),
+                                Middleware(CrossSiteGuard, policy=settings.cors_origins)])
     app.state.router = router
     app.state.service = router  # run.py's server calls its cancel_all() on SIGTERM / Ctrl-C
     return app
