@@ -155,7 +155,7 @@ def test_streamed_chat_chunks_report_each_tokens_text_and_origin(served, referen
     assert 0 < sum(s["accepted"] for s in steps) <= timings["draft_n_accepted"]
     assert sum(s["drafted"] for s in steps) == timings["draft_n"]  # every step is reported
     # the usage chunk and the role chunk carry no extension: they are no step
-    assert "pyllama_spec" not in chunks[0] and chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "pyllama_spec" not in chunks[0] and chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
 
 
 def test_the_extension_reports_no_draft_tokens_when_drafting_is_off(served):

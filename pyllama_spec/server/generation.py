@@ -344,7 +344,7 @@ async def stream_objects(service: Service, req: GenerationRequest, jobs: list[Jo
         lp = {"content": _probabilities(service, req, piece.logprobs)} if asked and piece is not None else None
         if req.kind == "chat":
             if delta is None:
-                delta = {"role": "assistant", "content": ""} if role else ({} if delta_text is None else
+                delta = {"role": "assistant", "content": None} if role else ({} if delta_text is None else
                                                                           {"content": delta_text})
             c = {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
