@@ -80,8 +80,11 @@ def generation_settings(service, request: Request, *, stream: bool, options: Res
     fields /slots shows as its ``params`` (``generation_params``, the same task_params::to_json),
     and those only the final body has."""
     sp = request.sampling
+    pairs = list(sp.logit_bias)
+    if request.ignore_eos:  # the end-of-generation tokens forbidden, listed after the request's own (llama-server)
+        pairs += [(t, float("-inf")) for t in service.engine.model.eog_tokens]
     # -inf (a forbidden token) is written as null, as llama-server's JSON writer does
-    bias = [{"bias": None if b == float("-inf") else float(b), "token": int(t)} for t, b in sp.logit_bias]
+    bias = [{"bias": None if b == float("-inf") else float(b), "token": int(t)} for t, b in pairs]
     out = generation_params(service, request, stream)
     out.update({
         "dry_sequence_breakers": list(sp.dry_sequence_breakers),

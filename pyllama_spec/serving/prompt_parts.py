@@ -119,7 +119,9 @@ class PromptParts:
         n_ctx = self.ctx.n_ctx_seq
         share = (f"n_ctx is {self.ctx.n_ctx}" if self.n_parallel == 1 else
                  f"each of the {self.n_parallel} slots has {n_ctx} of n_ctx {self.ctx.n_ctx}")
-        return ContextOverflowError(f"the prompt needs {what}{' (+1 to generate)' if to_generate else ''} but {share}; "
+        # (llama-server's words first: "exceeds the available context size", which its clients look for)
+        return ContextOverflowError(f"the request exceeds the available context size: the prompt needs {what}"
+                                    f"{' (+1 to generate)' if to_generate else ''} but {share}; "
                                     "raise n_ctx (-c) or shorten the prompt / use smaller images",
                                     n_prompt_tokens=n_rows, n_ctx=n_ctx)
 
