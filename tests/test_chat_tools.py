@@ -598,7 +598,7 @@ def test_the_anthropic_client_gets_a_forced_tool_use_block_and_goes_on_after_its
     uses = [b for b in message.content if b.type == "tool_use"]
     assert [u.name for u in uses] == ["get_time"] and uses[0].id and isinstance(uses[0].input, dict)
     if not stream:  # streamed, the timings come on message_delta, which the client's message drops
-        assert message.model_extra["timings"]["draft_n"] > 0
+        assert message.model_extra["pyllama_spec"]["timings"]["draft_n"] > 0
     # the tool's result goes back as a tool_result block; the model answers in text
     follow = client.messages.create(model="tiny", max_tokens=8, extra_body={"temperature": 0}, tools=ANTHROPIC_TOOLS,
                                     messages=[*ASK_TIME, {"role": "assistant", "content": [

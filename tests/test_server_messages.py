@@ -277,7 +277,7 @@ def test_a_chat_answer_with_reasoning_and_tool_calls_becomes_thinking_text_and_t
                     {"type": "tool_use", "id": "call_2", "name": "broken", "input": {}}],  # unparsable: {}
         "stop_reason": "tool_use", "stop_sequence": None,
         "usage": {"cache_read_input_tokens": 20, "input_tokens": 10, "output_tokens": 7},
-        "timings": {"draft_n": 9, "draft_n_accepted": 4}}
+        "pyllama_spec": {"timings": {"draft_n": 9, "draft_n_accepted": 4}}}
 
 
 @pytest.mark.parametrize("finish,stop_sequence,tool_calls,reason", [
@@ -347,7 +347,7 @@ def test_streamed_reasoning_text_and_tool_call_deltas_become_anthropics_events()
     assert events[2][1]["pyllama_spec"] == {"accepted": 1}  # a step's speculation rides on its last event
     end = events[-2][1]
     assert end["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
-    assert end["usage"] == {"output_tokens": 9} and end["timings"] == _TIMINGS
+    assert end["usage"] == {"output_tokens": 9} and end["pyllama_spec"]["timings"] == _TIMINGS
 
 
 def test_a_stream_ended_by_a_stop_sequence_says_which():
@@ -422,7 +422,7 @@ def test_a_message_answers_the_chat_routes_greedy_text(server, client):
     assert m.id.startswith("msg_")
     assert m.usage.output_tokens == chat["usage"]["completion_tokens"] == 12
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == chat["usage"]["prompt_tokens"]
-    timings = m.model_extra["timings"]  # the chat route's timings, speculative counts included
+    timings = m.model_extra["pyllama_spec"]["timings"]  # the chat route's timings, speculative counts included
     assert timings["draft_n"] > 0 and 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
     assert timings["predicted_n"] == 12
 
@@ -533,7 +533,7 @@ def test_the_raw_stream_is_anthropics_event_sequence_with_the_speculation_of_eac
     steps = [d["pyllama_spec"] for d in deltas]
     assert sum(len(s["tokens"]) for s in steps) <= 16 and any(s["accepted"] for s in steps)
     assert all("".join(t["text"] for t in s["tokens"]) == d["delta"]["text"] for s, d in zip(steps, deltas))
-    assert events[-2][1]["timings"]["predicted_n"] == events[-2][1]["usage"]["output_tokens"] == 16
+    assert events[-2][1]["pyllama_spec"]["timings"]["predicted_n"] == events[-2][1]["usage"]["output_tokens"] == 16
 
 
 def _stop_word(text: str) -> str:
@@ -650,7 +650,7 @@ def both(tiny_dense, server):
 
 
 def _same_message(a: dict, b: dict) -> None:
-    assert set(a) - set(b) == {"timings"} and set(b) <= set(a)  # timings: this server's extension
+    assert set(a) - set(b) == {"pyllama_spec"} and set(b) <= set(a)  # timings: this server's extension
     assert [(c["type"], c.get("text")) for c in a["content"]] == [(c["type"], c.get("text")) for c in b["content"]]
     assert (a["type"], a["role"], a["stop_reason"], a["stop_sequence"]) == \
         (b["type"], b["role"], b["stop_reason"], b["stop_sequence"])
@@ -691,7 +691,7 @@ def test_a_stream_matches_llama_servers_events(both):
     for k in (1, -3, -1):  # the block's start and stop, and message_stop
         assert ours[k] == theirs[k]
     end = dict(ours[-2][1])
-    assert (end.pop("timings")["predicted_n"], end) == (12, theirs[-2][1])  # timings: the extension
+    assert (end.pop("pyllama_spec")["timings"]["predicted_n"], end) == (12, theirs[-2][1])  # the extension
 
 
 @needs_llama_server

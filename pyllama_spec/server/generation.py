@@ -425,8 +425,10 @@ async def stream_objects(service: Service, req: GenerationRequest, jobs: list[Jo
                     final["timings"] = timings(piece.stats)
                     yield final
         if req.kind != "llama" and req.include_usage and len(final_stats) == len(jobs):
+            # the usage chunk carries the timings too, as llama-server's (the first choice's)
             yield {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                   "usage": usage([final_stats[i] for i in sorted(final_stats)], req.n)}
+                   "usage": usage([final_stats[i] for i in sorted(final_stats)], req.n),
+                   "timings": timings(final_stats[min(final_stats)])}
     finally:
         for job in jobs:
             job.cancel()  # the client went away (or the stream ended): stop generating within one step

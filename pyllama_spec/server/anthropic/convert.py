@@ -23,8 +23,9 @@ Where this differs from the pinned llama-server, on purpose:
 - A streamed ``tool_use`` block starts with ``"input": {}``, as Anthropic's does (llama-server
   leaves ``input`` out); block indices follow the order blocks first appear (llama-server
   computes them from the kinds seen so far, which repeats an index if reasoning comes after text).
-- Extensions, which clients ignore: ``timings`` (the chat route's, speculative counts included)
-  on the message and on the stream's ``message_delta``; each step's ``pyllama_spec`` object
+- Extensions, which clients ignore: ``pyllama_spec.timings`` (the chat route's timings, speculative
+  counts included) on the message and on the stream's ``message_delta`` (not a top-level ``timings``:
+  llama-server leaves it out of Anthropic's shapes, and its tests check that); each step's ``pyllama_spec`` object
   (its tokens, which were accepted drafts) on the last event that step produced. A step whose
   text is held back (half a character, a possible stop sequence) produces no event, so its
   ``pyllama_spec`` is not sent (the chat route sends an empty chunk for it).
@@ -395,7 +396,7 @@ def anthropic_message(completion: dict, *, msg_id: str, stop_sequence: str | Non
     """Anthropic's message object for OpenAI chat.completion ``completion`` (its first choice):
     a thinking block (reasoning_content), a text block, a tool_use block per tool call, in that
     order; ``stop_sequence`` is the stop string that ended it, if one did. The chat answer's
-    ``timings`` come along (an extension)."""
+    ``timings`` come along, as ``pyllama_spec.timings`` (an extension)."""
     choice = completion["choices"][0]
     chat = choice["message"]
     content: list[dict] = []
@@ -414,7 +415,7 @@ def anthropic_message(completion: dict, *, msg_id: str, stop_sequence: str | Non
            "stop_reason": stop_reason(choice["finish_reason"], tool_calls=bool(calls), stop_sequence=stop_sequence),
            "stop_sequence": stop_sequence or None, "usage": usage(completion["usage"])}
     if "timings" in completion:
-        out["timings"] = completion["timings"]
+        out["pyllama_spec"] = {"timings": completion["timings"]}
     return out
 
 
@@ -509,7 +510,7 @@ class MessageStream:
                          "stop_sequence": stop_sequence or None},
                "usage": {"output_tokens": timings.get("predicted_n", 0)}}
         if timings:
-            end["timings"] = timings
+            end["pyllama_spec"] = {"timings": timings}
         return out + [("message_delta", end), ("message_stop", {"type": "message_stop"})]
 
 
