@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import io
 import json
+import socket
 import re
 import time
 
@@ -372,6 +373,19 @@ def test_api_key_guards_every_route_but_health(tiny_dense):
         engine.close()
 
 
+@contextlib.contextmanager
+def _sent_raw(url: str, path: str, body: dict):
+    """A POST of ``body`` on a socket of its own, left (closed) on the way out. For a streamed request
+    that waits in the queue: its answer, headers included, starts when it runs (as llama-server's,
+    so that an error before the stream is answered with its status), so no HTTP client returns."""
+    data = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+        yield sock
+
+
 def test_a_full_queue_answers_503_with_retry_after_and_a_disconnected_stream_frees_the_engine(tiny_dense):
     engine = _engine(tiny_dense)
     server = Server(engine, ServerSettings(max_queue=1))
@@ -381,7 +395,7 @@ def test_a_full_queue_answers_503_with_retry_after_and_a_disconnected_stream_fre
             with c1.stream("POST", server.url + "/v1/chat/completions", json=long) as first:
                 it = first.iter_lines()
                 next(ln for ln in it if '"content"' in ln and "assistant" not in ln)  # generating now
-                with c2.stream("POST", server.url + "/v1/chat/completions", json=long):  # waits in the queue
+                with _sent_raw(server.url, "/v1/chat/completions", long):  # waits in the queue
                     deadline = time.monotonic() + 10
                     while httpx.get(server.url + "/metrics").text.count("pyllama_spec_queue_depth 1") == 0:
                         assert time.monotonic() < deadline
@@ -554,9 +568,10 @@ def test_slots_a_full_queue_answers_503_while_the_slots_keep_serving(tiny_dense)
     url = server.url + "/v1/chat/completions"
     try:
         with contextlib.ExitStack() as stack:
-            for _ in range(3):  # two in the slots, one waiting
+            for _ in range(2):  # two in the slots (their headers come with their first tokens)
                 c = stack.enter_context(httpx.Client(timeout=60))
-                stack.enter_context(c.stream("POST", url, json=long))  # headers read; generating or queued
+                stack.enter_context(c.stream("POST", url, json=long))
+            stack.enter_context(_sent_raw(server.url, "/v1/chat/completions", long))  # one waiting
             deadline = time.monotonic() + 20
             while "pyllama_spec_queue_depth 1" not in (m := httpx.get(server.url + "/metrics").text):
                 assert time.monotonic() < deadline, m

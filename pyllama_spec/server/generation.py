@@ -56,8 +56,29 @@ async def answer(service: Service, request: Request, req: GenerationRequest) -> 
     await service.prepare(req)
     jobs = service.submit(req)
     if req.stream:
-        return EventSourceResponse(_stream_events(service, req, jobs), ping=15)
+        objects = stream_objects(service, req, jobs)
+        try:
+            # held until the first chunk with something in it: an error before that (a prompt longer than
+            # the context) is answered with its status, as llama-server answers one before its stream
+            opening = await _opening(objects, request)
+        except BaseException:
+            await objects.aclose()  # cancels the jobs
+            raise
+        return EventSourceResponse(_stream_events(req, opening, objects), ping=15)
     return JSONResponse(await complete_body(service, req, jobs, request))
+
+
+async def _opening(objects: AsyncIterator[dict], request: Request) -> list[dict]:
+    """The first chunks of a stream, up to the first that is more than a chat's role chunk."""
+    held: list[dict] = []
+
+    def keep(obj: dict) -> list[dict] | None:
+        held.append(obj)
+        choices = obj.get("choices") or [{}]
+        role_only = choices[0].get("delta") == {"role": "assistant", "content": None} and len(obj) == 5
+        return None if role_only else held
+
+    return await first_translated(objects, request, keep) or held
 
 
 def timings(stats) -> dict:
@@ -312,11 +333,15 @@ def event_data(obj: Any) -> str:
     return text
 
 
-async def _stream_events(service: Service, req: GenerationRequest, jobs: list[Job]) -> AsyncIterator[dict]:
-    """Server-sent events: ``stream_objects``' chunks, each a ``data:`` event, then ``[DONE]`` on
-    OpenAI's routes (unless the stream ended with an error)."""
+async def _stream_events(req: GenerationRequest, opening: list[dict], objects: AsyncIterator[dict]
+                         ) -> AsyncIterator[dict]:
+    """Server-sent events: ``stream_objects``' chunks (``opening``, taken from it already, first), each
+    a ``data:`` event, then ``[DONE]`` on OpenAI's routes (unless the stream ended with an error)."""
     failed = False
-    async with contextlib.aclosing(stream_objects(service, req, jobs)) as objects:
+    async with contextlib.aclosing(objects):
+        for obj in opening:
+            failed = "error" in obj
+            yield {"data": event_data(obj)}
         async for obj in objects:
             failed = "error" in obj
             yield {"data": event_data(obj)}
