@@ -24,6 +24,7 @@ from pyllama_spec.errors import (
     ProjectorError,
     PyllamaError,
     RemoteDeviceError,
+    TrainingLengthWarning,
 )
 from pyllama_spec.speculative.stats import GenerationStats
 
@@ -56,7 +57,7 @@ __all__ = [
     "ClosedError", "ContextOverflowError", "DecodeError", "EngineBusyError",
     "GenerationCancelledError", "GenerationStats", "ChatTemplateError", "ImageError", "IncompatibleModelsError", "InsufficientMemoryError",
     "KVMemoryError", "ModelFileError", "NativeCallError", "NativeLibraryError", "ProjectorError",
-    "PyllamaError", "RemoteDeviceError", "embedded_models", *_LAZY,
+    "PyllamaError", "RemoteDeviceError", "TrainingLengthWarning", "embedded_models", *_LAZY,
 ]
 
 

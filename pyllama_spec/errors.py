@@ -45,6 +45,11 @@ class ContextOverflowError(PyllamaError, ValueError):
         self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
 
 
+class TrainingLengthWarning(UserWarning):
+    """A context longer than the target was trained for (llama.cpp's "possible training context
+    overflow"): its positions past the training length were never trained, and text there may degrade."""
+
+
 class ClosedError(PyllamaError, ValueError):
     """An object was used after close()."""
 

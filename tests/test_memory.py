@@ -187,7 +187,7 @@ def test_a_configuration_that_cannot_fit_is_refused_before_anything_is_allocated
 
 
 def test_a_context_over_the_training_length_warns_and_loads_as_in_llama_server(tiny_dense):
-    from pyllama_spec.serving.load_plan import TrainingLengthWarning
+    from pyllama_spec import TrainingLengthWarning
 
     with ps.load(tiny_dense.target, n_ctx=0, **TINY_ENGINE) as engine:
         assert engine.ctx.n_ctx == tiny.TINY_CONTEXT_LENGTH  # -c 0: the training length
@@ -197,6 +197,12 @@ def test_a_context_over_the_training_length_warns_and_loads_as_in_llama_server(t
     with engine:
         assert engine.ctx.n_ctx == 8192
         assert engine.generate("def f(x):", max_tokens=4, temperature=0).stats.generated_tokens == 4
+
+
+def test_a_context_over_a_learned_position_table_is_refused(tiny_bert):
+    """BERT's positions are a table of its training length: a row past it would abort in ggml."""
+    with pytest.raises(ValueError, match=r"learned table of that many rows; use n_ctx=512 or less"):
+        ps.load(tiny_bert, n_ctx=1024, n_threads=N_THREADS, embeddings=True)
 
 
 def test_doctor_prints_the_estimate_for_a_configuration(tiny_dense):

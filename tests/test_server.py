@@ -386,6 +386,43 @@ def _sent_raw(url: str, path: str, body: dict):
         yield sock
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 5000}]}),
+    ("/v1/completions", {"prompt": "word " * 5000}),
+    ("/completion", {"prompt": "word " * 5000}),
+], ids=["chat", "completions", "completion"])
+def test_a_stream_whose_prompt_does_not_fit_is_a_400_before_it_starts(served, path, body):
+    """As llama-server answers an error that comes before its stream: with its status and fields."""
+    r = httpx.post(served.url + path, json={**body, "stream": True, "max_tokens": 4}, timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "exceed_context_size_error" and err["n_ctx"] == 4096 and err["n_prompt_tokens"] > 4096
+
+
+def test_a_queued_stream_gets_its_headers_while_it_waits(tiny_dense, monkeypatch):
+    """A stream waits for its first token at most OPENING_WAIT seconds before its answer starts: one
+    that waits in the queue longer gets its 200 (and the pings that keep a proxy from timing out).
+    The wait is made short here (the server runs in this process), far shorter than the generation
+    ahead of it."""
+    from pyllama_spec.server import generation
+
+    monkeypatch.setattr(generation, "OPENING_WAIT", 0.05)
+    engine = _engine(tiny_dense)
+    server = Server(engine, ServerSettings(max_queue=2))
+    long = {"messages": OK_MESSAGES, "max_tokens": 3000, "stream": True}
+    try:
+        with httpx.Client(timeout=60) as c1, httpx.Client(timeout=60) as c2:
+            with c1.stream("POST", server.url + "/v1/chat/completions", json=long):  # generating now
+                t0 = time.monotonic()
+                with c2.stream("POST", server.url + "/v1/chat/completions", json=long) as queued:
+                    assert time.monotonic() - t0 >= 0.05 * 0.9  # held for its first token that long
+                    assert queued.status_code == 200
+                    assert "pyllama_spec_queue_depth 1" in httpx.get(server.url + "/metrics").text  # still queued
+    finally:
+        server.stop()
+        engine.close()
+
+
 def test_a_full_queue_answers_503_with_retry_after_and_a_disconnected_stream_frees_the_engine(tiny_dense):
     engine = _engine(tiny_dense)
     server = Server(engine, ServerSettings(max_queue=1))

@@ -393,3 +393,15 @@ def test_logit_bias_by_text_biases_each_of_its_tokens_as_llama_server(plain, tin
         assert status == 200 and by_text["content"] == by_id["content"] != base["content"], by_text
     status, answer = post(plain, "/completion", greedy(prompt=PROMPT, logit_bias=[["x" * 5000, -1]]))
     assert status == 400 and "at most 4096 tokens" in answer["error"]["message"]
+    # bounded before anything is tokenized: texts of 64 KiB in all, 4096 entries (empty texts count too)
+    status, answer = post(plain, "/completion", greedy(prompt=PROMPT, logit_bias=[["x" * 70_000, -1]]))
+    assert status == 400 and "at most 65536 bytes" in answer["error"]["message"]
+    assert post(plain, "/completion", greedy(prompt=PROMPT, logit_bias=[["", 0]] * 4000))[0] == 200  # biases nothing
+    status, answer = post(plain, "/completion", greedy(prompt=PROMPT, logit_bias=[["", 0]] * 5000))
+    assert status == 400 and "at most 4096" in answer["error"]["message"]
+    # strtol's reading of an object's key: " 7" and "+7" are ids; in the list form any string is a text
+    ids = post(plain, "/completion", greedy(prompt=PROMPT, n_predict=2, logit_bias={" 7": -1, "+8": -1}))[1]
+    assert ids["generation_settings"]["logit_bias"] == [{"bias": -1.0, "token": 7}, {"bias": -1.0, "token": 8}]
+    as_text = post(plain, "/completion", greedy(prompt=PROMPT, n_predict=2, logit_bias=[["7", -1]]))[1]
+    seven = post(plain, "/tokenize", {"content": "7"})[1]["tokens"]
+    assert [e["token"] for e in as_text["generation_settings"]["logit_bias"]] == seven

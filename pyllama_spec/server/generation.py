@@ -58,27 +58,59 @@ async def answer(service: Service, request: Request, req: GenerationRequest) -> 
     if req.stream:
         objects = stream_objects(service, req, jobs)
         try:
-            # held until the first chunk with something in it: an error before that (a prompt longer than
-            # the context) is answered with its status, as llama-server answers one before its stream
-            opening = await _opening(objects, request)
+            opening, pending = await _opening(objects, request)
         except BaseException:
             await objects.aclose()  # cancels the jobs
             raise
-        return EventSourceResponse(_stream_events(req, opening, objects), ping=15)
+        return EventSourceResponse(_stream_events(req, opening, pending, objects), ping=15)
     return JSONResponse(await complete_body(service, req, jobs, request))
 
 
-async def _opening(objects: AsyncIterator[dict], request: Request) -> list[dict]:
-    """The first chunks of a stream, up to the first that is more than a chat's role chunk."""
+#: Seconds a stream is held back for its first token (see ``_opening``).
+OPENING_WAIT = 5.0
+_ROLE_DELTA = {"role": "assistant", "content": None}
+
+
+def _is_role_chunk(obj: dict) -> bool:
+    """A chat stream's opening chunk: the assistant's role and nothing else."""
+    choices = obj.get("choices")
+    return bool(choices) and len(choices) == 1 and choices[0].get("delta") == _ROLE_DELTA \
+        and choices[0].get("finish_reason") is None and not obj.keys() & {"timings", "usage", "pyllama_spec"}
+
+
+async def _opening(objects: AsyncIterator[dict], request: Request) -> tuple[list[dict], asyncio.Future | None]:
+    """The first chunks of a stream, up to the first that is more than a chat's role chunk: an error
+    there (a prompt longer than the context) is raised, to be answered with its status, as
+    llama-server answers an error that comes before its stream. Held at most OPENING_WAIT seconds:
+    then the stream starts with what is held (a request waiting in the queue gets its headers, and
+    the pings that keep a proxy from timing out), the chunk being waited for (a Future) handed on
+    with it. A 499 when the client leaves meanwhile."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + OPENING_WAIT
     held: list[dict] = []
-
-    def keep(obj: dict) -> list[dict] | None:
-        held.append(obj)
-        choices = obj.get("choices") or [{}]
-        role_only = choices[0].get("delta") == {"role": "assistant", "content": None} and len(obj) == 5
-        return None if role_only else held
-
-    return await first_translated(objects, request, keep) or held
+    gone = asyncio.ensure_future(until_disconnected(request))
+    try:
+        while True:
+            step = asyncio.ensure_future(anext(objects, None))
+            await asyncio.wait({step, gone}, timeout=max(0.0, deadline - loop.time()),
+                               return_when=asyncio.FIRST_COMPLETED)
+            if step.done():
+                obj = step.result()
+                if obj is None:
+                    return held, None
+                if "error" in obj:
+                    raise error_of_chunk(obj)
+                held.append(obj)
+                if not _is_role_chunk(obj):
+                    return held, None
+            elif gone.done():
+                step.cancel()  # the generator ends (its jobs cancelled) before the error goes up
+                await asyncio.wait({step})
+                raise APIError(499, "the client disconnected")
+            else:
+                return held, step  # still waiting for its first token: the stream starts now
+    finally:
+        gone.cancel()
 
 
 def timings(stats) -> dict:
@@ -185,7 +217,7 @@ def _ids(req: GenerationRequest) -> tuple[str, str]:
 async def first_translated(objects: AsyncIterator[dict], request: Request, translate) -> list:
     """What ``translate`` makes of the first chunks of ``stream_objects`` up to the first one it has
     something to say about ([] when the stream ends first). For the APIs that translate the chat
-    stream (Messages, Responses): an error before their stream starts is raised, so that it is
+    stream (Messages, Responses; the chat and completion routes hold theirs with ``_opening``): an error before their stream starts is raised, so that it is
     answered with its status, as llama-server answers one that comes before its stream (a prompt
     longer than the context); a 499 when the client leaves meanwhile."""
     gone = asyncio.ensure_future(until_disconnected(request))
@@ -333,15 +365,26 @@ def event_data(obj: Any) -> str:
     return text
 
 
-async def _stream_events(req: GenerationRequest, opening: list[dict], objects: AsyncIterator[dict]
-                         ) -> AsyncIterator[dict]:
-    """Server-sent events: ``stream_objects``' chunks (``opening``, taken from it already, first), each
-    a ``data:`` event, then ``[DONE]`` on OpenAI's routes (unless the stream ended with an error)."""
+async def _stream_events(req: GenerationRequest, opening: list[dict], pending: asyncio.Future | None,
+                         objects: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """Server-sent events: ``stream_objects``' chunks (``opening`` and the ``pending`` next one, taken
+    from it already, first), each a ``data:`` event, then ``[DONE]`` on OpenAI's routes (unless the
+    stream ended with an error)."""
     failed = False
     async with contextlib.aclosing(objects):
-        for obj in opening:
-            failed = "error" in obj
-            yield {"data": event_data(obj)}
+        try:
+            for obj in opening:
+                failed = "error" in obj
+                yield {"data": event_data(obj)}
+            obj = None if pending is None else await pending
+            pending = None
+            if obj is not None:
+                failed = "error" in obj
+                yield {"data": event_data(obj)}
+        finally:
+            if pending is not None:  # the client left while it waited
+                pending.cancel()
+                await asyncio.wait({pending})
         async for obj in objects:
             failed = "error" in obj
             yield {"data": event_data(obj)}

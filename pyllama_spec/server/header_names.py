@@ -28,7 +28,8 @@ class CanonicalHeaderNames:
 
         async def send_canonical(message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [(canonical(bytes(k)), v) for k, v in message.get("headers", ())]}
+                message = {**message, "headers": [(canonical(k if isinstance(k, bytes) else k.encode("latin-1")), v)
+                                                   for k, v in message.get("headers", ())]}
             await send(message)
 
         await self.app(scope, receive, send_canonical)

@@ -73,7 +73,7 @@ class ServerMetrics:
             ("prompt_seconds_total", "Total time spent processing prompts", g.prefill_seconds),
             ("tokens_predicted_total", "Number of generation tokens processed", g.generated_tokens),
             ("tokens_predicted_seconds_total", "Total time spent generating tokens", g.decode_seconds),
-            ("n_decode_total", "Total number of target decode steps while generating",
+            ("n_decode_total", "Total number of target decode steps (generating, and embeddings' decodes)",
              g.target_steps + self.embedding_decodes),
             ("n_tokens_max", "Largest observed sequence length (prompt + generation)", g.longest_sequence),
             ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", g.drafted),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import re
 import reprlib
 from typing import Any, Callable
 
@@ -138,51 +139,64 @@ _SAMPLING_FIELDS = (
     ("mirostat_eta", "mirostat_eta", 0.0, 100.0, False),
     ("min_keep", "min_keep", 0, 1_000_000, True),
 )
-#: The most tokens a request's logit_bias may name (each costs a little at every sampled token).
+#: The most tokens a request's logit_bias may name (each costs a little at every sampled token), and
+#: the most bytes of text it may give instead of ids (each text is tokenized).
 MAX_LOGIT_BIAS = 4096
+MAX_LOGIT_BIAS_TEXT = 64 * 1024
 
 
 def _logit_bias(body: dict):
     """OpenAI's {"token id": bias} or llama-server's [[token, bias], ...] (a bias of false forbids
     the token); the ids are checked against the vocabulary by the engine. A token given as text
-    (not an id) stands for each token of that text, as in llama-server: kept as the text here, and
-    tokenized by ``Service.prepare`` (``text_bias``)."""
+    stands for each token of that text, as in llama-server: in the list form any string, in the
+    object form a key that is not a whole number (as strtol reads it); kept as the text here, and
+    tokenized by ``Service.prepare`` (``text_bias``). At most MAX_LOGIT_BIAS entries and
+    MAX_LOGIT_BIAS_TEXT bytes of text: the tokenizing is bounded before it starts."""
     lb = body.get("logit_bias")
     if lb is None:
         return None
     items = lb.items() if isinstance(lb, dict) else lb if isinstance(lb, list) else None
     if items is None:
         raise bad_request("'logit_bias' must be an object {token id: bias} or a list of [token, bias]", "logit_bias")
-    out = []
-    for item in items:
+    out, text_bytes = [], 0
+    for n, item in enumerate(items):
+        if n >= MAX_LOGIT_BIAS:  # every entry counts, an empty text too: the loop is bounded
+            raise bad_request(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
         if not (isinstance(item, (list, tuple)) and len(item) == 2):
             raise bad_request(f"'logit_bias' entries must be [token, bias] pairs, got {_show(item)}", "logit_bias")
         token, bias = item
-        if isinstance(token, str) and token.isascii() and token.isdigit():
-            token = int(token)
-        elif isinstance(token, str):  # a text: each of its tokens (Service.prepare tokenizes it), as llama-server
-            if bias is not False and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
-                raise bad_request(f"'logit_bias' bias must be a number or false, got {_show(bias)}", "logit_bias")
-            out.append((token, bias))
-            continue
-        if isinstance(token, bool) or not isinstance(token, int):
-            raise bad_request(f"'logit_bias' token must be an integer id, got {_show(token)}", "logit_bias")
         if bias is not False and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
             raise bad_request(f"'logit_bias' bias must be a number or false, got {_show(bias)}", "logit_bias")
+        if isinstance(lb, dict) and _WHOLE_NUMBER.fullmatch(token):
+            token = int(token)
+        elif isinstance(token, str):  # a text: each of its tokens (Service.prepare tokenizes it)
+            text_bytes += len(token.encode("utf-8", errors="surrogatepass"))
+            if text_bytes > MAX_LOGIT_BIAS_TEXT:
+                raise bad_request(f"'logit_bias' texts may hold at most {MAX_LOGIT_BIAS_TEXT} bytes in all", "logit_bias")
+            if not token:
+                continue  # no token to bias
+        elif isinstance(token, bool) or not isinstance(token, int):
+            raise bad_request(f"'logit_bias' token must be an integer id or a text, got {_show(token)}", "logit_bias")
         out.append((token, bias))
-        if len(out) > MAX_LOGIT_BIAS:
-            raise bad_request(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens", "logit_bias")
     return out
+
+
+#: An object key read as a token id: a whole number, as strtol reads one (leading blanks, a sign).
+_WHOLE_NUMBER = re.compile(r"[ \t\n\v\f\r]*[+-]?[0-9]+")
+
+
+def has_text_bias(options: RequestOptions) -> bool:
+    """Whether a logit_bias entry of ``options`` is a text (to tokenize: ``text_bias``)."""
+    return any(isinstance(token, str) for token, _ in options.sampling.get("logit_bias") or ())
 
 
 def text_bias(options: RequestOptions, tokenize: Callable[[str], Any]) -> RequestOptions:
     """``options`` with each logit_bias entry given as text replaced by one per token of the text
-    (``tokenize``: the model's, without special tokens)."""
-    lb = options.sampling.get("logit_bias")
-    if not lb or not any(isinstance(token, str) for token, _ in lb):
+    (``tokenize``: the model's, without special tokens; memoise it over a request's jobs)."""
+    if not has_text_bias(options):
         return options
     out = []
-    for token, bias in lb:
+    for token, bias in options.sampling["logit_bias"]:
         out.extend([(int(t), bias) for t in tokenize(token)] if isinstance(token, str) else [(token, bias)])
         if len(out) > MAX_LOGIT_BIAS:
             raise bad_request(f"'logit_bias' may name at most {MAX_LOGIT_BIAS} tokens", "logit_bias")

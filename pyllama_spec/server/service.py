@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import itertools
 import logging
@@ -31,7 +32,7 @@ from pyllama_spec.server.errors import APIError, bad_request, context_overflow
 from pyllama_spec.server.images import ImageLimits
 from pyllama_spec.server.logprobs import LogprobFormatter
 from pyllama_spec.server.metrics import ServerMetrics
-from pyllama_spec.server.schema import GenerationRequest, RequestLimits, text_bias
+from pyllama_spec.server.schema import GenerationRequest, RequestLimits, has_text_bias, text_bias
 from pyllama_spec.server.chat import render_chat
 from pyllama_spec.server.json_body import parse_json_body, takes_steps
 from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
@@ -202,7 +203,7 @@ class Service:
         p = req.params
         big = (req.kind == "chat" and req.chat is None and p.messages is not None) or any(
             o.sampling.get("json_schema") is not None or o.sampling.get("grammar")
-            or _prompt_size(o.prompt) > PARSE_ON_A_THREAD_ABOVE for o in (req.prompts or [p]))
+            or _prompt_size(o.prompt) > PARSE_ON_A_THREAD_ABOVE or has_text_bias(o) for o in (req.prompts or [p]))
         await off_loop(big, self._prepare, req)
 
     def _prepare(self, req: GenerationRequest) -> None:
@@ -211,7 +212,10 @@ class Service:
             raise bad_request("this server has no projector (--mmproj): it cannot read images", "messages",
                               code="invalid_image")
         try:
-            tokenize = lambda text: self.engine.model.tokenize(text, add_special=False, parse_special=False)  # noqa: E731
+            @functools.lru_cache(maxsize=None)  # each text once per request, whatever its jobs
+            def tokenize(text: str) -> tuple[int, ...]:
+                return tuple(self.engine.model.tokenize(text, add_special=False, parse_special=False))
+
             req.requests = [self.engine.resolve(text_bias(o, tokenize))
                             for o in req.job_options(self.engine.config.sampling.get("seed", 0))]
         except (ValueError, TypeError) as e:

@@ -82,8 +82,8 @@ def slot_json(service: Service, i: int, processing: bool, job, stats) -> dict:
             n_prompt_tokens_processed=stats.prompt_decoded if stats is not None else 0,
             n_prompt_tokens_cache=stats.prompt_reused if stats is not None else 0,
             params=generation_params(service, r, job.stream),
-            # an idle slot's budget is reset, as llama-server's (-1 left, 0 decoded): a finished task's
-            # counts do not leak into it
+            # an idle slot's next-token budget reads as llama-server's (-1 left, 0 decoded): a finished
+            # task's counts do not leak into it (its prompt counts above stay, for what the slot holds)
             next_token=[{"has_next_token": processing, "has_new_line": job.has_new_line,
                          "n_remain": max(0, r.output.max_tokens - job.n_decoded) if processing else -1,
                          "n_decoded": job.n_decoded if processing else 0}])

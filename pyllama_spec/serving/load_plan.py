@@ -16,7 +16,7 @@ import warnings
 from pyllama_spec.bindings import devices
 from pyllama_spec.bindings.model import Model, check_gguf_file
 from pyllama_spec.drafters.registry import MemorySettings, Method, Pairing
-from pyllama_spec.errors import InsufficientMemoryError, ModelFileError
+from pyllama_spec.errors import InsufficientMemoryError, ModelFileError, TrainingLengthWarning
 from pyllama_spec.gguf import memory
 from pyllama_spec.gguf.reader import read_gguf_shared
 from pyllama_spec.serving.config import EngineConfig
@@ -27,10 +27,6 @@ class LoadPlan:
     config: EngineConfig  # as given, with n_ctx=0 resolved to the training length
     placement: devices.EnginePlacement  # where the target's and the draft's layers go
     memory_estimate: memory.Estimate  # what the configuration needs, as checked against the devices
-
-
-class TrainingLengthWarning(UserWarning):
-    """A context longer than the target was trained for (llama.cpp's "training context overflow")."""
 
 
 def plan_load(config: EngineConfig, method: Method | None) -> LoadPlan:
@@ -51,9 +47,15 @@ def plan_load(config: EngineConfig, method: Method | None) -> LoadPlan:
         c = dataclasses.replace(c, n_ctx=n_ctx_train)
     per_slot = c.n_ctx // c.n_parallel  # each slot's positions start at 0
     if n_ctx_train and per_slot > n_ctx_train:
-        # llama.cpp warns and goes on ("possible training context overflow"), and so does llama-server:
-        # a context longer than training is the user's call, which the warning makes an informed one
         slots = "" if c.n_parallel == 1 else f" per slot ({c.n_parallel} slots share n_ctx {c.n_ctx})"
+        if "position_embd.weight" in info.tensors:
+            # learned absolute positions (BERT, GPT-2, ...): a row past the table aborts in ggml's get_rows
+            raise ValueError(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} "
+                             f"tokens, {info.arch}.context_length), and its positions are a learned table of that "
+                             f"many rows; use n_ctx={n_ctx_train * c.n_parallel} or less "
+                             f"(-c {n_ctx_train * c.n_parallel}), or n_ctx=0 (-c 0) for exactly that")
+        # RoPE: llama.cpp warns and goes on ("possible training context overflow"), and so does
+        # llama-server: a context longer than training is the user's call, which the warning informs
         warnings.warn(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} tokens, "
                       f"{info.arch}.context_length): positions past it were never trained, and text there may "
                       f"degrade; n_ctx={n_ctx_train * c.n_parallel} (-c {n_ctx_train * c.n_parallel}) or n_ctx=0 "
