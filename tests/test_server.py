@@ -428,7 +428,7 @@ def test_a_full_queue_answers_503_with_retry_after_and_a_disconnected_stream_fre
     server = Server(engine, ServerSettings(max_queue=1))
     long = {"messages": OK_MESSAGES, "max_tokens": 3000, "stream": True}
     try:
-        with httpx.Client(timeout=60) as c1, httpx.Client(timeout=60) as c2:
+        with httpx.Client(timeout=60) as c1:
             with c1.stream("POST", server.url + "/v1/chat/completions", json=long) as first:
                 it = first.iter_lines()
                 next(ln for ln in it if '"content"' in ln and "assistant" not in ln)  # generating now
