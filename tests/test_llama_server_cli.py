@@ -107,9 +107,12 @@ def test_every_llama_server_flag_is_accepted_honoured_or_dropped_with_a_reason()
               "--xtc-probability": "0.1", "--xtc-threshold": "0.2", "--mirostat": "0", "-lm": "auto",
               "--slot-save-path": ".", "--lora-scaled": "a.gguf:0.5", "--chat-template-kwargs": '{"a": 1}',
               "--reasoning-format": "deepseek", "-rea": "on", "--pooling": "mean"}
+    from pyllama_spec.cli.serve import DOWNLOAD_FLAGS
+
     argv, dropped = [], []
     for f in L.FLAGS:
-        if f.preset_only or f.names[0] in ("-h", "--models-preset"):
+        # (--version and --list-devices answer and exit; a download flag needs -m: tested below)
+        if f.preset_only or f.names[0] in ("-h", "--models-preset", "--version", "--list-devices"):
             continue
         name = f.names[0]
         argv.append(name)
@@ -323,3 +326,19 @@ def test_serve_starts_on_a_llama_server_command_line_and_answers_the_openai_clie
         _, err = proc.communicate(timeout=60)
     assert "ignored --fit-target 2000" in err and "ignored --threads-http 5" in err
     assert "ignored --mmproj-device CUDA1" in err
+
+
+def test_flags_that_answer_and_exit_and_a_model_to_download_without_m(run_python):
+    """--version and --list-devices answer and exit 0, as llama-server's; -hf and the other download
+    flags without -m stop with an error saying to give the local file (never the embedded pair in its
+    place); with -m they are dropped with a warning."""
+    for flag, out in (("--version", "llama-cpp-python 0.3.36"), ("--list-devices", "Available devices:")):
+        res = run_python("import sys; from pyllama_spec.cli import main; sys.argv = ['pyllama-spec', 'serve', "
+                         f"{flag!r}]; main()")
+        assert res.returncode == 0 and out in res.stdout, res.stderr
+    for args in (["-hf", "ggml-org/gemma-3-4b-it-GGUF"], ["--hf-repo=a/b"], ["-mu", "https://x/m.gguf"]):
+        res = run_python(f"import sys; from pyllama_spec.cli import main; sys.argv = ['pyllama-spec', 'serve', "
+                         f"*{args!r}]; main()")
+        assert res.returncode == 2 and "nothing is downloaded here" in res.stderr and "-m FILE" in res.stderr
+    params, warnings = _parse(["-m", "t.gguf", "-hf", "a/b"])
+    assert params["model"] == "t.gguf" and "ignored -hf a/b" in warnings

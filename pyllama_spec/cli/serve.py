@@ -24,6 +24,43 @@ from pyllama_spec.cli.options import (
 )
 
 
+#: llama-server's flags that name a model to download: without a local -m, serve stops (nothing is
+#: downloaded here, and serving another model than the one asked for would be wrong).
+DOWNLOAD_FLAGS = frozenset({"-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-mu", "--model-url", "-dr",
+                            "--docker-repo"})
+
+
+def _flags_that_stop(ctx: click.Context, args: list[str]) -> None:
+    """llama-server's flags that answer and exit (--version, --list-devices), and a model named only by
+    a download flag: a clear error, never the embedded pair served in its place."""
+    names = {a.split("=", 1)[0] for a in args if a.startswith("-")}
+    if "--version" in names:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from pyllama_spec.native_build.source import PIN_VERSION
+
+        try:
+            ours = version("pyllama-spec")
+        except PackageNotFoundError:
+            ours = "(not installed)"
+        click.echo(f"pyllama-spec {ours} serve, on llama.cpp as vendored by llama-cpp-python {PIN_VERSION}")
+        ctx.exit(0)
+    if "--list-devices" in names:
+        from pyllama_spec.bindings.devices import local_devices
+
+        click.echo("Available devices:")  # llama-server's listing: the devices besides the CPU
+        listed = [d.info() for d in local_devices() if d.kind != "cpu"]
+        for d in listed:
+            click.echo(f"  {d.name}: {d.description} ({d.total // 2**20} MiB, {d.free // 2**20} MiB free)")
+        if not listed:
+            click.echo("  (none)")
+        ctx.exit(0)
+    asked = sorted(names & DOWNLOAD_FLAGS)
+    if asked and not names & {"-m", "--model", "--models-preset"}:
+        raise click.UsageError(f"{asked[0]} names a model to download, and nothing is downloaded here: download "
+                               "its GGUF yourself and give it with -m FILE (and its projector with --mmproj FILE)")
+
+
 class LlamaServerCommand(ModelCommand):
     """A click command that reads llama-server's command lines (see llama_server_cli)."""
 
@@ -49,6 +86,7 @@ class LlamaServerCommand(ModelCommand):
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         accepted = self.accepted(ctx)
+        _flags_that_stop(ctx, [llama_server_cli.normalised(a) for a in args])
         args, presets, preset_warnings = _preset_mode([llama_server_cli.normalised(a) for a in args])
         args, warnings = llama_server_cli.translate(args, accepted)
         for w in [*preset_warnings, *warnings, *llama_server_cli.ignored_environment(accepted)]:
