@@ -473,7 +473,27 @@ def _load_engine(o: dict):
             dry = f"; DRY {EMBEDDED_DRY_MULTIPLIER}, without which it writes blanks after a picture (--dry-multiplier 0)"
         err_console.print(f"[dim]no -m: using the embedded trained pair in {embedded.target.parent} (a tiny "
                           f"target, mmproj and DFlash draft that write Python{dry})[/dim]", soft_wrap=True)
+    _warn_gpu_flags_without_a_gpu(kwargs)
     return load(model, mmproj=mmproj, draft=draft, spec_type=o["spec_type"], **kwargs)
+
+
+def _warn_gpu_flags_without_a_gpu(kwargs: dict) -> None:
+    """One warning when GPU flags (-ngl, -sm row, -ts, -mg) are given where there is no device but the
+    CPU (a CPU-only build, no RPC server): they change nothing, and a user should know."""
+    given = [name for name, flag, unset in (("n_gpu_layers", "-ngl", 0), ("split_mode", "-sm", "layer"),
+                                            ("tensor_split", "-ts", ()), ("main_gpu", "-mg", 0))
+             if kwargs.get(name, unset) not in (unset, None)]
+    if not given or kwargs.get("rpc_servers"):
+        return
+    from pyllama_spec.bindings.devices import local_devices
+
+    if any(d.kind != "cpu" for d in local_devices()):
+        return
+    flags = ", ".join(f for name, f, _ in (("n_gpu_layers", "-ngl", 0), ("split_mode", "-sm", 0),
+                                           ("tensor_split", "-ts", 0), ("main_gpu", "-mg", 0)) if name in given)
+    err_console.print(f"[yellow]warning: {flags}: this build has no GPU device here (the CPU backend only): "
+                      "everything runs on the CPU (python build.py --cuda or --rocm builds one)[/yellow]",
+                      soft_wrap=True)
 
 
 #: The embedded pair's default --dry-multiplier (given no -m and no --dry-multiplier).
