@@ -342,6 +342,11 @@ def test_flags_that_answer_and_exit_and_a_model_to_download_without_m(run_python
         assert res.returncode == 2 and "nothing is downloaded here" in res.stderr and "-m FILE" in res.stderr
     params, warnings = _parse(["-m", "t.gguf", "-hf", "a/b"])
     assert params["model"] == "t.gguf" and "ignored -hf a/b" in warnings
+    # llama-server's LLAMA_ARG_* variables name them too (a Docker image's way)
+    with pytest.raises(click.UsageError, match="nothing is downloaded here"):
+        _parse([], {"LLAMA_ARG_HF_REPO": "a/b"})
+    params, _ = _parse(["-hf", "a/b"], {"LLAMA_ARG_MODEL": "t.gguf"})
+    assert params["model"] == "t.gguf"
 
 
 def test_gpu_flags_on_a_build_without_a_gpu_warn_once(capsys):
@@ -354,5 +359,6 @@ def test_gpu_flags_on_a_build_without_a_gpu_warn_once(capsys):
     err = capsys.readouterr().err
     assert err.count("warning:") == 1 and "-ngl, -sm: this build has no GPU device here" in err
     _warn_gpu_flags_without_a_gpu({"n_gpu_layers": 0, "split_mode": "layer", "tensor_split": (), "main_gpu": 0})
+    _warn_gpu_flags_without_a_gpu({"n_gpu_layers": 0, "split_mode": "none", "tensor_split": (), "main_gpu": 0})
     _warn_gpu_flags_without_a_gpu({"n_gpu_layers": 99, "rpc_servers": ("127.0.0.1:50052",)})  # a remote device
     assert capsys.readouterr().err == ""

@@ -199,10 +199,13 @@ def test_a_context_over_the_training_length_warns_and_loads_as_in_llama_server(t
         assert engine.generate("def f(x):", max_tokens=4, temperature=0).stats.generated_tokens == 4
 
 
-def test_a_context_over_a_learned_position_table_is_refused(tiny_bert):
-    """BERT's positions are a table of its training length: a row past it would abort in ggml."""
-    with pytest.raises(ValueError, match=r"learned table of that many rows; use n_ctx=512 or less"):
-        ps.load(tiny_bert, n_ctx=1024, n_threads=N_THREADS, embeddings=True)
+def test_a_context_over_a_learned_position_table_is_cut_to_it(tiny_bert):
+    """BERT's positions are a table of its training length (a row past it would abort in ggml): the
+    context is cut to the table, with a warning (serve's default -c 4096 on a 512-row BERT loads)."""
+    with pytest.warns(ps.TrainingLengthWarning, match=r"learned table of that many rows: n_ctx is 512"):
+        engine = ps.load(tiny_bert, n_ctx=4096, n_threads=N_THREADS, embeddings=True)
+    with engine:
+        assert engine.ctx.n_ctx == 512 and engine.embed("hello")[0].n_tokens == 3
 
 
 def test_doctor_prints_the_estimate_for_a_configuration(tiny_dense):

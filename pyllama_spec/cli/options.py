@@ -480,9 +480,9 @@ def _load_engine(o: dict):
 def _warn_gpu_flags_without_a_gpu(kwargs: dict) -> None:
     """One warning when GPU flags (-ngl, -sm row, -ts, -mg) are given where there is no device but the
     CPU (a CPU-only build, no RPC server): they change nothing, and a user should know."""
-    given = [name for name, flag, unset in (("n_gpu_layers", "-ngl", 0), ("split_mode", "-sm", "layer"),
-                                            ("tensor_split", "-ts", ()), ("main_gpu", "-mg", 0))
-             if kwargs.get(name, unset) not in (unset, None)]
+    given = [name for name, flag, unset in (("n_gpu_layers", "-ngl", (0,)), ("split_mode", "-sm", ("layer", "none")),
+                                            ("tensor_split", "-ts", ((),)), ("main_gpu", "-mg", (0,)))
+             if kwargs.get(name, unset[0]) not in (*unset, None)]
     if not given or kwargs.get("rpc_servers"):
         return
     from pyllama_spec.bindings.devices import local_devices

@@ -34,6 +34,8 @@ def _flags_that_stop(ctx: click.Context, args: list[str]) -> None:
     """llama-server's flags that answer and exit (--version, --list-devices), and a model named only by
     a download flag: a clear error, never the embedded pair served in its place."""
     names = {a.split("=", 1)[0] for a in args if a.startswith("-")}
+    # llama-server's LLAMA_ARG_* variables set flags too (a Docker image's usual way)
+    names |= {n for f in llama_server_cli.FLAGS if f.env and f.env in os.environ for n in f.names}
     if "--version" in names:
         from importlib.metadata import PackageNotFoundError, version
 

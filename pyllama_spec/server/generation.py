@@ -75,7 +75,8 @@ def _is_role_chunk(obj: dict) -> bool:
     """A chat stream's opening chunk: the assistant's role and nothing else."""
     choices = obj.get("choices")
     return bool(choices) and len(choices) == 1 and choices[0].get("delta") == _ROLE_DELTA \
-        and choices[0].get("finish_reason") is None and not obj.keys() & {"timings", "usage", "pyllama_spec"}
+        and choices[0].get("finish_reason") is None \
+        and not obj.keys() & {"timings", "usage", "pyllama_spec", "prompt_progress"}
 
 
 async def _opening(objects: AsyncIterator[dict], request: Request) -> tuple[list[dict], asyncio.Future | None]:
@@ -89,6 +90,7 @@ async def _opening(objects: AsyncIterator[dict], request: Request) -> tuple[list
     deadline = loop.time() + OPENING_WAIT
     held: list[dict] = []
     gone = asyncio.ensure_future(until_disconnected(request))
+    step = None
     try:
         while True:
             step = asyncio.ensure_future(anext(objects, None))
@@ -109,6 +111,11 @@ async def _opening(objects: AsyncIterator[dict], request: Request) -> tuple[list
                 raise APIError(499, "the client disconnected")
             else:
                 return held, step  # still waiting for its first token: the stream starts now
+    except BaseException:
+        if step is not None and not step.done():  # (cancelled meanwhile: the generator must be free to close)
+            step.cancel()
+            await asyncio.wait({step})
+        raise
     finally:
         gone.cancel()
 

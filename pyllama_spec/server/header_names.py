@@ -28,7 +28,7 @@ class CanonicalHeaderNames:
 
         async def send_canonical(message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": [(canonical(k if isinstance(k, bytes) else k.encode("latin-1")), v)
+                message = {**message, "headers": [(canonical(k.encode("latin-1") if isinstance(k, str) else bytes(k)), v)
                                                    for k, v in message.get("headers", ())]}
             await send(message)
 

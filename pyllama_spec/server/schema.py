@@ -167,7 +167,7 @@ def _logit_bias(body: dict):
         token, bias = item
         if bias is not False and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
             raise bad_request(f"'logit_bias' bias must be a number or false, got {_show(bias)}", "logit_bias")
-        if isinstance(lb, dict) and _WHOLE_NUMBER.fullmatch(token):
+        if isinstance(lb, dict) and isinstance(token, str) and _WHOLE_NUMBER.fullmatch(token):
             token = int(token)
         elif isinstance(token, str):  # a text: each of its tokens (Service.prepare tokenizes it)
             text_bytes += len(token.encode("utf-8", errors="surrogatepass"))

@@ -49,17 +49,20 @@ def plan_load(config: EngineConfig, method: Method | None) -> LoadPlan:
     if n_ctx_train and per_slot > n_ctx_train:
         slots = "" if c.n_parallel == 1 else f" per slot ({c.n_parallel} slots share n_ctx {c.n_ctx})"
         if "position_embd.weight" in info.tensors:
-            # learned absolute positions (BERT, GPT-2, ...): a row past the table aborts in ggml's get_rows
-            raise ValueError(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} "
-                             f"tokens, {info.arch}.context_length), and its positions are a learned table of that "
-                             f"many rows; use n_ctx={n_ctx_train * c.n_parallel} or less "
-                             f"(-c {n_ctx_train * c.n_parallel}), or n_ctx=0 (-c 0) for exactly that")
-        # RoPE: llama.cpp warns and goes on ("possible training context overflow"), and so does
-        # llama-server: a context longer than training is the user's call, which the warning informs
-        warnings.warn(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} tokens, "
-                      f"{info.arch}.context_length): positions past it were never trained, and text there may "
-                      f"degrade; n_ctx={n_ctx_train * c.n_parallel} (-c {n_ctx_train * c.n_parallel}) or n_ctx=0 "
-                      "(-c 0) keeps within it", TrainingLengthWarning, stacklevel=4)
+            # learned absolute positions (BERT, GPT-2, ...): a row past the table would abort in ggml's
+            # get_rows, so the context is cut to the table (the default -c 4096 on a 512-row BERT too)
+            warnings.warn(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} tokens, "
+                          f"{info.arch}.context_length), and its positions are a learned table of that many rows: "
+                          f"n_ctx is {n_ctx_train * c.n_parallel} (-c {n_ctx_train * c.n_parallel})",
+                          TrainingLengthWarning, stacklevel=4)
+            c = dataclasses.replace(c, n_ctx=n_ctx_train * c.n_parallel)
+        else:
+            # RoPE: llama.cpp warns and goes on ("possible training context overflow"), and so does
+            # llama-server: a context longer than training is the user's call, which the warning informs
+            warnings.warn(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} tokens, "
+                          f"{info.arch}.context_length): positions past it were never trained, and text there may "
+                          f"degrade; n_ctx={n_ctx_train * c.n_parallel} (-c {n_ctx_train * c.n_parallel}) or "
+                          "n_ctx=0 (-c 0) keeps within it", TrainingLengthWarning, stacklevel=4)
     placement = devices.plan(c, draft_uses_target_head=bool(method and method.uses_target_head))
     est = estimate_memory(c, method)
     budget = placement.memory_budget(c.n_gpu_layers)  # (device(s), free bytes)
