@@ -227,7 +227,11 @@ int32_t pyllama_grammar_check(const char * gbnf) {
                 }
             }
         }
-        if (parser.symbol_ids.find("root") == parser.symbol_ids.end()) {
+        // "root" named but never defined (only repeated zero times: `r ::= root{0}`) has a symbol id and
+        // no rule: llama_grammar_init_impl would read past the rules and crash
+        const auto root = parser.symbol_ids.find("root");
+        if (root == parser.symbol_ids.end() || root->second >= parser.rules.size() ||
+                parser.rules[root->second].empty()) {
             return failed("the grammar has no 'root' rule");
         }
         return 0;

@@ -130,6 +130,9 @@ def test_rejection_refuses_samplers_it_cannot_apply(engine):
 @pytest.mark.parametrize("bad, match", [
     (dict(grammar="root ::= foo"), "undefined rule identifier 'foo'"),
     (dict(grammar='x ::= "a"'), "no 'root' rule"),
+    # root named only in a zero repetition: a symbol and no rule (llama.cpp read past its rules: a crash
+    # the HTTP fuzz test found)
+    (dict(grammar="r1 ::= root{0} | root{0}"), "no 'root' rule"),
     (dict(grammar="root ::= " + "(" * 300 + '"a"' + ")" * 300), "nests groups 300 deep"),
     (dict(grammar='root ::= "' + "a" * 300_000 + '"'), "at most"),
     # the grammar, smaller: its repetitions write out 2.4 million symbols (half a second here)
