@@ -86,31 +86,29 @@ def write_bert(path: str | Path, *, seed: int = 0, n_embd: int = 32, n_layer: in
         else:
             w.add_uint32(key, int(value))
 
+    def linear(name: str, n_out: int, n_in: int, std: float = 0.2) -> None:  # a weight and its bias
+        w.add_tensor(f"{name}.weight", mat(n_out, n_in, std))
+        w.add_tensor(f"{name}.bias", vec(n_out))
+
+    def norm(name: str, n: int) -> None:  # a layer norm: unit scale, a small bias
+        w.add_tensor(f"{name}.weight", np.ones(n, np.float32))
+        w.add_tensor(f"{name}.bias", vec(n))
+
     w.add_tensor("token_embd.weight", mat(n_vocab, n_embd, 0.5))
     w.add_tensor("token_types.weight", mat(2, n_embd, 0.1))
     w.add_tensor("position_embd.weight", mat(context_length, n_embd, 0.1))
-    w.add_tensor("token_embd_norm.weight", np.ones(n_embd, np.float32))
-    w.add_tensor("token_embd_norm.bias", vec(n_embd))
+    norm("token_embd_norm", n_embd)
     for i in range(n_layer):
         p = f"blk.{i}"
-        for name in ("attn_q", "attn_k", "attn_v"):
-            w.add_tensor(f"{p}.{name}.weight", mat(n_embd, n_embd, 0.2))
-            w.add_tensor(f"{p}.{name}.bias", vec(n_embd))
-        w.add_tensor(f"{p}.attn_output.weight", mat(n_embd, n_embd, 0.2))
-        w.add_tensor(f"{p}.attn_output.bias", vec(n_embd))
-        w.add_tensor(f"{p}.attn_output_norm.weight", np.ones(n_embd, np.float32))
-        w.add_tensor(f"{p}.attn_output_norm.bias", vec(n_embd))
-        w.add_tensor(f"{p}.ffn_up.weight", mat(n_ff, n_embd, 0.2))
-        w.add_tensor(f"{p}.ffn_up.bias", vec(n_ff))
-        w.add_tensor(f"{p}.ffn_down.weight", mat(n_embd, n_ff, 0.2))
-        w.add_tensor(f"{p}.ffn_down.bias", vec(n_embd))
-        w.add_tensor(f"{p}.layer_output_norm.weight", np.ones(n_embd, np.float32))
-        w.add_tensor(f"{p}.layer_output_norm.bias", vec(n_embd))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            linear(f"{p}.{name}", n_embd, n_embd)
+        norm(f"{p}.attn_output_norm", n_embd)
+        linear(f"{p}.ffn_up", n_ff, n_embd)
+        linear(f"{p}.ffn_down", n_embd, n_ff)
+        norm(f"{p}.layer_output_norm", n_embd)
     if rerank:
-        w.add_tensor("cls.weight", mat(n_embd, n_embd, 0.2))
-        w.add_tensor("cls.bias", vec(n_embd))
-        w.add_tensor("cls.output.weight", mat(1, n_embd, 0.5))
-        w.add_tensor("cls.output.bias", vec(1))
+        linear("cls", n_embd, n_embd)
+        linear("cls.output", 1, n_embd, 0.5)
     path = Path(path)
     w.write(path)
     return path
