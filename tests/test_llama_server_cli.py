@@ -160,16 +160,26 @@ def test_the_chat_flags_are_honoured():
             _parse(bad)
 
 
-def test_spec_types_llama_server_knows_but_this_server_lacks_are_refused_with_the_list():
+def test_spec_types_llama_server_knows_and_comma_lists_in_its_priority_order():
     with pytest.raises(click.BadParameter, match="not implemented here; the types served here are draft-dflash"):
-        _parse(["--spec-type", "ngram-mod"])
-    assert _parse(["--spec-type", "draft-mtp"])[0]["spec_type"] == "draft-mtp"
-    assert _parse(["--spec-type", "draft-eagle3"])[0]["spec_type"] == "draft-eagle3"
+        _parse(["--spec-type", "draft-dspark"])
+    for one in ("draft-mtp", "draft-eagle3", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache"):
+        assert _parse(["--spec-type", one])[0]["spec_type"] == one
     with pytest.raises(click.BadParameter, match="not a speculative type llama-server knows"):
         _parse(["--spec-type", "draft-foo"])
-    with pytest.raises(click.BadParameter, match="one method at a time"):
-        _parse(["--spec-type", "ngram-simple,draft-dflash"])
+    # common_speculative_init's order: the n-gram types first, whatever order they are given in
+    assert _parse(["--spec-type", "draft-dflash,ngram-mod,ngram-simple"])[0]["spec_type"] == \
+        "ngram-simple,ngram-mod,draft-dflash"
+    assert _parse(["--spec-type", "ngram-mod,none"])[0]["spec_type"] == "none"
+    with pytest.raises(click.BadParameter, match="one method with a draft or head at a time"):
+        _parse(["--spec-type", "draft-mtp,draft-dflash"])
     assert _parse(["--spec-type", "draft-dflash,draft-dflash"])[0]["spec_type"] == "draft-dflash"
+    params, warnings = _parse(["--spec-type", "ngram-map-k4v", "--spec-ngram-map-k4v-size-n", "8",
+                               "--spec-ngram-mod-n-max", "32", "-lcs", "static.bin"])
+    assert (params["ngram_map_k4v_size_n"], params["ngram_mod_n_max"]) == (8, 32)
+    assert params["lookup_cache_static"] == "static.bin" and "ignored" not in warnings
+    params, warnings = _parse(["--spec-ngram-simple-size-n", "8"])
+    assert "ignored --spec-ngram-simple-size-n" in warnings and "keys of 2 to 4 tokens" in warnings
 
 
 def test_an_unknown_flag_is_still_refused():

@@ -85,8 +85,11 @@ _REASONS = (
      "only --cors-origins is read here (a preflight allows llama-server's default methods and the headers asked)"),
     (("--ssl-",), "TLS is not terminated here: put a proxy in front"),
     (("--reuse-port", "--sse-ping-interval", "--sleep-idle-seconds"), "not configurable here"),
-    (("--spec-draft-p-split", "--spec-synth-", "--spec-ngram-", "--spec-draft-backend-sampling", "-bs",
-      "--backend-sampling", "--adaptive-", "-lcs", "-lcd", "--lookup-cache"),
+    (("--spec-ngram-simple-",),
+     "ngram-simple here is prompt lookup with keys of 2 to 4 tokens that copies a repetition past the history's "
+     "end; the n-gram map types (ngram-map-k, ngram-map-k4v) take llama-server's sizes"),
+    (("--spec-draft-p-split", "--spec-synth-", "--spec-draft-backend-sampling", "-bs",
+      "--backend-sampling", "--adaptive-"),
      "that speculative or sampling option is not implemented here"),
     (("--cache-prompt",), "prompt caching is chosen per request here (cache_prompt, on by default)"),
     (("-h", "--version", "--completion-bash"), "serve has its own --help"),

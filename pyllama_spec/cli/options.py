@@ -13,7 +13,10 @@ from rich.console import Console
 
 from pyllama_spec.drafters.registry import (  # names and settings only: loads nothing native
     METHODS,
+    NGRAM_DRAFT_LIMIT,
     SPEC_TYPES,
+    NgramSettings,
+    canonical_spec_type,
 )
 from pyllama_spec.gguf.memory import KV_CACHE_TYPE_NAMES
 from pyllama_spec.speculative.positions import DRAFT_POSITION_MODES
@@ -46,10 +49,11 @@ DRAFT_MAX = _DraftMax()
 
 def _default_lengths() -> str:
     """The registry's default draft lengths, for --draft-max's help: "5 for draft-dflash, 3 for ..."."""
-    by_length: dict[int, list[str]] = {}
+    by_length: dict[int | None, list[str]] = {}
     for m in METHODS:
         by_length.setdefault(m.draft_max, []).append(m.name)
-    return "; ".join(f"{n} for {' and '.join(names)}" for n, names in by_length.items())
+    return "; ".join(f"{'its own --spec-ngram-* length' if n is None else n} for {' and '.join(names)}"
+                     for n, names in by_length.items())
 
 
 _DEFAULT_LENGTHS = _default_lengths()
@@ -74,7 +78,7 @@ class _Layers(click.ParamType):
 
 
 class _SpecType(click.ParamType):
-    """--spec-type: llama-server's names, comma-separated there; one method at a time here."""
+    """--spec-type: llama-server's names, or a comma list of them (tried in llama.cpp's priority order)."""
 
     name = "TYPE"
     LLAMA_SERVER_TYPES = ("none", "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark",
@@ -89,9 +93,10 @@ class _SpecType(click.ParamType):
                           param, ctx)
             if n not in ours:
                 self.fail(f"{n!r} is not implemented here; the types served here are {', '.join(ours)}", param, ctx)
-        if len(set(names)) != 1:
-            self.fail(f"give one type ({', '.join(ours)}); this server runs one method at a time", param, ctx)
-        return names[0]
+        try:
+            return canonical_spec_type(",".join(names))
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
 
 
 class _LogitBias(click.ParamType):
@@ -348,6 +353,29 @@ def model_options(f):
                                           "of a row, up to that cap"),
         click.option("--spec-draft-n-min", "draft_min", type=click.IntRange(min=0), default=0, show_default=True,
                      help="fewest tokens a step drafts; a shorter draft is not verified"),
+        click.option("--spec-ngram-map-k-size-n", "ngram_map_k_size_n", type=click.IntRange(1, 1024), default=12,
+                     show_default=True, help="ngram-map-k: the key's length (tokens looked up)"),
+        click.option("--spec-ngram-map-k-size-m", "ngram_map_k_size_m", type=click.IntRange(1, NGRAM_DRAFT_LIMIT),
+                     default=48, show_default=True, help="ngram-map-k: the most tokens a draft copies"),
+        click.option("--spec-ngram-map-k-min-hits", "ngram_map_k_min_hits", type=click.IntRange(0, 16380), default=1,
+                     show_default=True, help="ngram-map-k: read by llama.cpp's map only in its k4v mode"),
+        click.option("--spec-ngram-map-k4v-size-n", "ngram_map_k4v_size_n", type=click.IntRange(1, 1024), default=12,
+                     show_default=True, help="ngram-map-k4v: the key's length"),
+        click.option("--spec-ngram-map-k4v-size-m", "ngram_map_k4v_size_m",
+                     type=click.IntRange(1, NGRAM_DRAFT_LIMIT), default=48, show_default=True,
+                     help="ngram-map-k4v: the most tokens a draft copies"),
+        click.option("--spec-ngram-map-k4v-min-hits", "ngram_map_k4v_min_hits", type=click.IntRange(0, 16380),
+                     default=1, show_default=True, help="ngram-map-k4v: sightings of a key before it drafts"),
+        click.option("--spec-ngram-mod-n-match", "ngram_mod_n_match", type=click.IntRange(1, 1024), default=24,
+                     show_default=True, help="ngram-mod: the n-gram length hashed"),
+        click.option("--spec-ngram-mod-n-min", "ngram_mod_n_min", type=click.IntRange(0, NGRAM_DRAFT_LIMIT),
+                     default=48, show_default=True, help="ngram-mod: a shorter walk drafts nothing"),
+        click.option("--spec-ngram-mod-n-max", "ngram_mod_n_max", type=click.IntRange(1, NGRAM_DRAFT_LIMIT),
+                     default=64, show_default=True, help="ngram-mod: the most tokens a draft walks"),
+        click.option("-lcs", "--lookup-cache-static", "lookup_cache_static", type=click.Path(), default=None,
+                     help="ngram-cache: a static n-gram cache file (llama.cpp's llama-lookup-create)"),
+        click.option("-lcd", "--lookup-cache-dynamic", "lookup_cache_dynamic", type=click.Path(), default=None,
+                     help="ngram-cache: a dynamic n-gram cache file (read here, not written back)"),
         click.option("--spec-draft-p-min", "--draft-p-min", "draft_p_min", type=click.FloatRange(0, 1), default=0.0,
                      show_default=True, help="a draft-simple draft stops at a token below this probability"),
         click.option("--draft-positions", type=click.Choice(DRAFT_POSITION_MODES), default="target",
@@ -451,7 +479,7 @@ def _load_engine(o: dict):
                   prefill_assistant=o.get("prefill_assistant", True),
                   lora=lora_adapters(o), lora_init_without_apply=o.get("lora_init_without_apply", False),
                   embeddings=o.get("embeddings", False), pooling=o.get("pooling") or "unspecified",
-                  embd_normalize=o.get("embd_normalize", 2))
+                  embd_normalize=o.get("embd_normalize", 2), ngram=_ngram_settings(o))
     model, mmproj, draft = o["model"], o["mmproj"], o["draft"]
     if o.get("mmproj_draft"):
         kwargs["mmproj_draft"] = o["mmproj_draft"]
@@ -475,6 +503,15 @@ def _load_engine(o: dict):
                           f"target, mmproj and DFlash draft that write Python{dry})[/dim]", soft_wrap=True)
     _warn_gpu_flags_without_a_gpu(kwargs)
     return load(model, mmproj=mmproj, draft=draft, spec_type=o["spec_type"], **kwargs)
+
+
+def _ngram_settings(o: dict) -> NgramSettings:
+    """The n-gram types' flags (llama-server's --spec-ngram-*, -lcs, -lcd)."""
+    return NgramSettings(
+        map_k=(o["ngram_map_k_size_n"], o["ngram_map_k_size_m"], o["ngram_map_k_min_hits"]),
+        map_k4v=(o["ngram_map_k4v_size_n"], o["ngram_map_k4v_size_m"], o["ngram_map_k4v_min_hits"]),
+        mod_n_match=o["ngram_mod_n_match"], mod_n_min=o["ngram_mod_n_min"], mod_n_max=o["ngram_mod_n_max"],
+        lookup_cache_static=o["lookup_cache_static"], lookup_cache_dynamic=o["lookup_cache_dynamic"])
 
 
 def _warn_gpu_flags_without_a_gpu(kwargs: dict) -> None:

@@ -14,6 +14,11 @@ A drafter serves ``n_seq`` sequences (one per slot; see sequence.py), named by `
   ``id_last``, which sits at the request's position (none when fewer than n_min are
   found), with the draft's logits when the method has a distribution (rejection
   sampling verifies against it);
+* ``begin(seq_id)``: the sequence's prompt is decoded and its generation starts (llama.cpp's
+  ``begin``: the n-gram maps index the prompt here);
+* ``accept(seq_id, n_accepted)``: the target kept ``n_accepted`` tokens of the sequence's last
+  non-empty draft (llama.cpp's ``accept``: ngram-map-k remembers it per key, ngram-mod resets
+  after a run of poor drafts); the model drafters have nothing to do here;
 * ``forget(seq_id, pos, draft_pos)``: forget everything the sequence holds from that
   point on: target position ``pos``, draft position ``draft_pos`` (each method uses the
   one its cache is laid out by). This is how rejected drafts, a shorter cached prompt
@@ -179,6 +184,10 @@ class Drafter(Protocol):
     def process(self, decode: TargetDecode) -> None: ...
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]: ...
+
+    def begin(self, seq_id: int) -> None: ...
+
+    def accept(self, seq_id: int, n_accepted: int) -> None: ...
 
     def forget(self, seq_id: int, pos: int, draft_pos: int) -> None: ...
 

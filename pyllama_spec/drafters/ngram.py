@@ -18,9 +18,8 @@ from typing import Sequence
 import numpy as np
 
 from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, TargetDecode, token_limit_reason
-
-_SEPARATOR = -1  # stands for a media chunk in the history
-_EMPTY = np.zeros(0, dtype=np.int32)
+from pyllama_spec.drafters.token_history import SEPARATOR as _SEPARATOR
+from pyllama_spec.drafters.token_history import TokenHistory
 
 
 def memory_parts(settings) -> list:
@@ -59,42 +58,33 @@ class NgramDrafter:
         self.n_min = min(n_min, self.n_max)
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.copy_past_end = copy_past_end
-        # seq_id -> (tokens, the target position of each history entry)
-        self._history: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-    def _get(self, seq_id: int) -> tuple[np.ndarray, np.ndarray]:
-        return self._history.get(seq_id, (_EMPTY, _EMPTY))
+        self._history = TokenHistory()
 
     # --- protocol
     @property
     def limit_reason(self) -> str:
         return token_limit_reason(self.n_max_limit)
+
     def process(self, decode: TargetDecode) -> None:
-        for r in decode.rows:
-            tokens, pos = self._get(r.seq_id)
-            if r.tokens is None:  # media: one separator for the chunk, at its first position
-                if len(tokens) and tokens[-1] == _SEPARATOR and pos[-1] == r.section0[0]:
-                    continue  # a later slice of the same chunk
-                add_tok = np.array([_SEPARATOR], dtype=np.int32)
-                add_pos = r.section0[:1].astype(np.int32)
-            else:
-                add_tok = np.asarray(r.tokens, dtype=np.int32)
-                add_pos = r.section0.astype(np.int32)
-            self._history[r.seq_id] = (np.concatenate([tokens, add_tok]), np.concatenate([pos, add_pos]))
+        self._history.add(decode)
+
+    def begin(self, seq_id: int) -> None:
+        pass
+
+    def accept(self, seq_id: int, n_accepted: int) -> None:
+        pass
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         out = []
         for rq in requests:
             n = min(rq.n_max, self.n_max_limit)
-            ctx = np.append(self._get(rq.seq_id)[0], np.int32(rq.id_last))
+            ctx = np.append(self._history.tokens(rq.seq_id), np.int32(rq.id_last))
             found = self._lookup(ctx, n)
             out.append(Proposal(found if len(found) >= max(rq.n_min, 1) else []))
         return out
 
     def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
-        tokens, at = self._get(seq_id)
-        keep = int(np.searchsorted(at, pos, side="left"))
-        self._history[seq_id] = (tokens[:keep], at[:keep])
+        self._history.forget(seq_id, pos)
 
     def close(self) -> None:
         self._history.clear()

@@ -36,6 +36,41 @@ class Pairing:
     target_layers: tuple[int, ...] = ()  # "layer inputs": the target layers whose inputs it reads
 
 
+#: The most tokens an n-gram method's own settings may let one draft propose (--spec-ngram-*-size-m,
+#: --spec-ngram-mod-n-max): its pairing's limit; each drafter then holds to its own setting.
+NGRAM_DRAFT_LIMIT = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class NgramSettings:
+    """The n-gram methods' own settings: llama-server's flags and defaults (common/common.h).
+
+    ``map_k`` / ``map_k4v``: (size_n, size_m, min_hits) of ``--spec-ngram-map-k(4v)-size-n / -size-m
+    / -min-hits``; ``mod_*``: ``--spec-ngram-mod-n-match / -n-min / -n-max``; ``lookup_cache_static``
+    / ``lookup_cache_dynamic``: ngram-cache's files (``-lcs`` / ``-lcd``, made by llama.cpp's
+    ``llama-lookup-create``)."""
+
+    map_k: tuple[int, int, int] = (12, 48, 1)
+    map_k4v: tuple[int, int, int] = (12, 48, 1)
+    mod_n_match: int = 24
+    mod_n_min: int = 48
+    mod_n_max: int = 64
+    lookup_cache_static: str | None = None
+    lookup_cache_dynamic: str | None = None
+
+    def checked(self) -> "NgramSettings":
+        for name in ("map_k", "map_k4v"):
+            size_n, size_m, min_hits = getattr(self, name)
+            if not (1 <= size_n <= 1024 and 1 <= size_m <= NGRAM_DRAFT_LIMIT and 0 <= min_hits <= 16380):
+                raise ValueError(f"ngram {name} needs 1 <= size_n <= 1024, 1 <= size_m <= {NGRAM_DRAFT_LIMIT} and "
+                                 f"0 <= min_hits <= 16380, got {getattr(self, name)}")
+        if not (1 <= self.mod_n_match <= 1024 and 0 <= self.mod_n_min <= self.mod_n_max <= NGRAM_DRAFT_LIMIT
+                and self.mod_n_max >= 1):
+            raise ValueError(f"ngram-mod needs 1 <= n_match <= 1024 and 0 <= n_min <= n_max <= {NGRAM_DRAFT_LIMIT}, "
+                             f"got n_match {self.mod_n_match}, n_min {self.mod_n_min}, n_max {self.mod_n_max}")
+        return self
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterSetup:
     """Everything ``make`` may use: the target's context, the draft model (None without a file),
@@ -57,6 +92,8 @@ class DrafterSetup:
     swa_full: bool
     cache_types: dict
     draft_projector: Any = None  # the draft model's own projector (draft-simple with mmproj_draft), or None
+    ngram: NgramSettings = NgramSettings()  # the n-gram methods' own settings
+    method_name: str = ""  # the entry being made (two entries may share a module: ngram-map-k, -k4v)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +131,9 @@ class Method:
     #: The draft length used when none is given (draft_max=None, no --spec-draft-n-max): the fixed
     #: length measured fastest for the method, on text and after a picture, in both trained worlds
     #: (bench/RESULTS.md "Default draft lengths"). llama-server's is 3 for every method with a draft model.
-    draft_max: int = 3
+    #: None: the method's own setting (the n-gram maps' size_m, ngram-mod's n_max, ngram-cache's 8).
+    draft_max: int | None = 3
+    ngram_family: bool = False  # an n-gram method: it may go before another in a list (llama.cpp's order)
 
     def _impl(self):
         return importlib.import_module(self.module)
@@ -133,7 +172,15 @@ METHODS = (
     # n-gram: 3, 5 and 7 within the machine's spread on text that rarely repeats; where text repeats
     # (its use) longer drafts are kept whole, and llama-server's ngram-simple goes up to 48
     Method("ngram-simple", "pyllama_spec.drafters.ngram", "n-gram lookup", draft_file=False,
-           draft_max=5),
+           draft_max=5, ngram_family=True),
+    Method("ngram-map-k", "pyllama_spec.drafters.ngram_map", "an n-gram map (keys)", draft_file=False,
+           draft_max=None, ngram_family=True),
+    Method("ngram-map-k4v", "pyllama_spec.drafters.ngram_map", "an n-gram map (keys and values)", draft_file=False,
+           draft_max=None, ngram_family=True),
+    Method("ngram-mod", "pyllama_spec.drafters.ngram_mod", "a hashed n-gram table", draft_file=False,
+           draft_max=None, ngram_family=True),
+    Method("ngram-cache", "pyllama_spec.drafters.ngram_cache", "n-gram caches", draft_file=False,
+           draft_max=None, ngram_family=True),
     Method("draft-mtp", "pyllama_spec.drafters.mtp", "its own MTP head", draft_file=False,
            target_features="final hidden state", loads_target_mtp=True, draft_max=3,
            sees_picture="the picture's rows in the head's own cache, each image embedding beside the target's hidden "
@@ -146,13 +193,31 @@ _BY_NAME = {name: m for m in METHODS for name in (m.name, *m.aliases)}
 SPEC_TYPES = ("none", *_BY_NAME)
 
 
+#: llama.cpp's priority order (common/speculative.cpp common_speculative_init): of several types
+#: given, the n-gram ones are tried first, in this order, and the first that drafts wins.
+PRIORITY = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache",
+            "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash")
+
+
 def canonical_spec_type(spec_type: str) -> str:
-    """llama.cpp's name for ``spec_type`` ("dflash" -> "draft-dflash"); ValueError for an unknown one."""
-    if spec_type == "none":
+    """llama.cpp's name for ``spec_type`` ("dflash" -> "draft-dflash"); a comma list (llama-server's
+    ``--spec-type ngram-mod,draft-mtp``) in llama.cpp's priority order, each type once ("none" in a
+    list: none). ValueError for an unknown name, or for two methods that each need the draft."""
+    names = [n.strip() for n in str(spec_type).split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"spec_type must be one of {SPEC_TYPES} or a comma list of them, got {spec_type!r}")
+    for n in names:
+        if n != "none" and n not in _BY_NAME:
+            raise ValueError(f"spec_type must be one of {SPEC_TYPES} or a comma list of them, got {n!r}")
+    if "none" in names:
         return "none"
-    if spec_type not in _BY_NAME:
-        raise ValueError(f"spec_type must be one of {SPEC_TYPES}, got {spec_type!r}")
-    return _BY_NAME[spec_type].name
+    chosen = list(dict.fromkeys(_BY_NAME[n].name for n in names))
+    ordered = sorted(chosen, key=lambda n: PRIORITY.index(n) if n in PRIORITY else len(PRIORITY))
+    drafts = [n for n in ordered if not _BY_NAME[n].ngram_family]
+    if len(drafts) > 1:
+        raise ValueError(f"spec_type {spec_type!r} names {' and '.join(drafts)}: one method with a draft or head "
+                         "at a time (n-gram types may go before it)")
+    return ",".join(ordered)
 
 
 def default_spec_type(draft, mmproj_draft=None) -> str:
@@ -176,7 +241,14 @@ def wrong_draft_kind(draft_name: str, arch: str, wanted: str) -> str:
             f"(--spec-type {m.name})")
 
 
-def method(spec_type: str) -> Method | None:
-    """The entry for ``spec_type`` (None for "none")."""
+def methods(spec_type: str) -> tuple[Method, ...]:
+    """The entries of ``spec_type`` in priority order (none for "none")."""
     name = canonical_spec_type(spec_type)
-    return None if name == "none" else _BY_NAME[name]
+    return () if name == "none" else tuple(_BY_NAME[n] for n in name.split(","))
+
+
+def method(spec_type: str) -> Method | None:
+    """The entry that decides how ``spec_type`` loads (None for "none"): of a list, the method with a
+    draft or head, else the first n-gram type; the others are n-gram drafters tried before it."""
+    found = methods(spec_type)
+    return next((m for m in found if not m.ngram_family), found[0] if found else None)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from pyllama_spec.drafters.registry import METHODS, canonical_spec_type, default_spec_type, method
+from pyllama_spec.drafters.registry import METHODS, NgramSettings, canonical_spec_type, default_spec_type, method
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +32,8 @@ class EngineConfig:
     # the draft goes; set by checked()
     draft_max: int | str | None = None
     draft_min: int = 0
+    # the n-gram types' own settings (--spec-ngram-*, -lcs/-lcd); a NgramSettings or a dict of its fields
+    ngram: NgramSettings | Mapping[str, Any] = NgramSettings()
     draft_p_min: float = 0.0
     draft_positions: str = "target"
     # > 0: verify a tree of up to this many drafted tokens per step instead of one chain (tree.py;
@@ -110,7 +112,10 @@ class EngineConfig:
         after every check that needs no file and no native call (ValueError naming the setting):
         the method's draft file and draft projector, batch sizes, draft_max, n_parallel, the draft
         tree. The Engine runs it once, before loading anything."""
-        c = dataclasses.replace(self, spec_type=canonical_spec_type(self.spec_type))
+        ngram = self.ngram if isinstance(self.ngram, NgramSettings) else NgramSettings(**dict(self.ngram))
+        ngram = NgramSettings(**{**dataclasses.asdict(ngram), "map_k": tuple(ngram.map_k),
+                                 "map_k4v": tuple(ngram.map_k4v)}).checked()
+        c = dataclasses.replace(self, spec_type=canonical_spec_type(self.spec_type), ngram=ngram)
         m = method(c.spec_type)
         if m is not None and m.draft_file and c.draft is None:
             raise ValueError(f"spec_type={c.spec_type!r} needs a draft model (draft=...)")
@@ -124,7 +129,9 @@ class EngineConfig:
         if c.draft_max is None:  # the method's measured length; a tree's depth as before: the draft's cap
             c = dataclasses.replace(c, draft_max=0 if m is None else DRAFT_TREE_DEPTH if c.draft_tree else m.draft_max)
         dm = c.draft_max
-        if dm != "auto" and (isinstance(dm, bool) or not isinstance(dm, int) or dm < 0):
+        if dm is None and m is not None and m.draft_max is None:
+            pass  # the method's own length: plan_drafts gives it
+        elif dm != "auto" and (isinstance(dm, bool) or not isinstance(dm, int) or dm < 0):
             raise ValueError(f'draft_max must be an integer >= 0 or "auto", got {dm!r}')
         if isinstance(c.n_parallel, bool) or not isinstance(c.n_parallel, int) or c.n_parallel < 1:
             raise ValueError(f"n_parallel must be an integer >= 1, got {c.n_parallel!r}")

@@ -33,7 +33,8 @@ from pyllama_spec.bindings.context import Context
 from pyllama_spec.bindings.model import Model
 from pyllama_spec.bindings.mtmd import Projector
 from pyllama_spec.drafters import Drafter
-from pyllama_spec.drafters.registry import DrafterSetup, Pairing, method
+from pyllama_spec.drafters.chain import ChainDrafter
+from pyllama_spec.drafters.registry import DrafterSetup, Pairing, method, methods
 from pyllama_spec.serving.config import EngineConfig
 from pyllama_spec.serving.embeddings import Embedding, EmbeddingInput, EmbeddingJob, Rank
 from pyllama_spec.serving.grammars import json_schema_to_grammar
@@ -228,12 +229,19 @@ class Engine:
                                              n_threads=c.n_threads, flash_attn=c.mmproj_flash_attn, role="draft")
             check_draft_projector(self.projector, self.draft_projector)
         if m is not None:
+            from pyllama_spec.bindings.native_info import build_record
+
             m.open_target_features(self.ctx, pairing)
-            self.drafter = m.make(DrafterSetup(
-                target_ctx=self.ctx, draft_model=self.draft_model, pairing=pairing, n_max=draft_max, n_min=c.draft_min,
-                p_min=c.draft_p_min, n_seq=n_seq, n_ctx=c.n_ctx, n_batch=c.n_batch, n_ubatch=c.n_ubatch,
-                n_threads=c.n_threads, flash_attn=c.flash_attn, swa_full=c.swa_full,
-                cache_types=self._draft_cache_types(), draft_projector=self.draft_projector))
+            made = []
+            for each in methods(c.spec_type):  # a list's n-gram types first, in llama.cpp's order
+                own = pairing if each is m else each.check_pair(self.model, None, build_record())
+                made.append(each.make(DrafterSetup(
+                    target_ctx=self.ctx, draft_model=self.draft_model, pairing=own,
+                    n_max=draft_max if each is m else own.limit, n_min=c.draft_min, p_min=c.draft_p_min, n_seq=n_seq,
+                    n_ctx=c.n_ctx, n_batch=c.n_batch, n_ubatch=c.n_ubatch, n_threads=c.n_threads,
+                    flash_attn=c.flash_attn, swa_full=c.swa_full, cache_types=self._draft_cache_types(),
+                    draft_projector=self.draft_projector, ngram=c.ngram, method_name=each.name)))
+            self.drafter = made[0] if len(made) == 1 else ChainDrafter(made)
         if self.drafter is not None and n_rs_seq:
             self.drafter.n_max_limit = n_rs_seq  # rollback snapshots bound how far a draft can go
         self.sequences = [sequence.Sequence(self.ctx, self.drafter, i, draft_positions=c.draft_positions, n_seq=n_seq)

@@ -103,7 +103,8 @@ def plan_drafts(config: EngineConfig, target: Model, pairing: Pairing | None) ->
     c = config
     limit = pairing.limit if pairing else 0
     # With "auto" the drafter may draft up to its limit; each step's length is planned (draft_length.py).
-    draft_max = (limit if c.draft_max == "auto" else min(c.draft_max, limit)) if pairing else 0
+    # None: the method's own length (an n-gram type's setting), which its drafter holds to.
+    draft_max = (limit if c.draft_max in ("auto", None) else min(c.draft_max, limit)) if pairing else 0
     n_rs_seq = 0
     # A recurrent/hybrid target rolls back rejected drafts through state snapshots: one per
     # position that may be rolled back (llama.cpp also needs n_ubatch > n_rs_seq + 1).
