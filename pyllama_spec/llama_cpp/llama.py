@@ -50,6 +50,7 @@ from pyllama_spec.llama_cpp.llama_hooks import (  # noqa: F401 (llama_cpp.llama 
 )
 from pyllama_spec.llama_cpp.llama_speculative import EngineDraft, LlamaDraftModel
 from pyllama_spec.llama_cpp.llama_tokenizer import BaseLlamaTokenizer, LlamaTokenizer  # noqa: F401 (as there)
+from pyllama_spec.serving.chat_answer import ChatAnswer
 from pyllama_spec.speculative.generation import TextAssembler
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF
@@ -753,7 +754,8 @@ class Llama:
                 last = piece
         answer.feed("".join(text), final=True)  # the whole answer, parsed once (as the server's route)
         return dict(head, object="chat.completion",
-                    choices=[dict(index=0, message=answer.message(), finish_reason=answer.finish_reason(last),
+                    choices=[dict(index=0, message=answer.llama_message(),
+                                  finish_reason=answer.finish_reason(last.finish_reason or "stop"),
                                   logprobs=_chat_logprobs(entries) if logprobs else None)],
                     usage=_usage(last.stats), speculative=last.stats.as_dict())
 
@@ -778,7 +780,8 @@ class Llama:
                     yield chunk(delta, lp=_chat_logprobs(pending) if pending else None)
                     pending = []
                 if done:
-                    last = chunk({}, answer.finish_reason(piece), lp=_chat_logprobs(pending) if pending else None)
+                    lp = _chat_logprobs(pending) if pending else None
+                    last = chunk({}, answer.finish_reason(piece.finish_reason or "stop"), lp=lp)
                     last["speculative"] = piece.stats.as_dict()
                     yield last
 
@@ -866,45 +869,13 @@ def _chat_logprobs(entries) -> T.ChatCompletionLogprobs:
                          for text, lp, top in entries], refusal=None)
 
 
-class _Answer:
-    """One chat answer parsed as it comes, as the server's chat route parses it (server/chat.py): the
-    template's format gives content, tool calls and reasoning; an answer it makes nothing of is the
-    model's text as content."""
+class _Answer(ChatAnswer):
+    """One chat answer parsed as it comes, as the server's chat route parses it (serving/chat_answer.py),
+    given in llama-cpp-python's message shape."""
 
-    def __init__(self, chat, *, stream: bool) -> None:
-        from pyllama_spec.serving.chat_template import ChatParser
-
-        self._parser = ChatParser(chat.parser_params(stream=stream))
-        self._text: list[str] = []
-        self._sent = False
-        self._message: dict = {"content": ""}
-
-    def feed(self, text: str, *, final: bool = False) -> list[dict]:
-        """OpenAI's deltas since the last call (``final``: the answer is whole)."""
-        from pyllama_spec.serving.chat_template import ChatError
-
-        self._text.append(text)
-        try:
-            message, deltas = self._parser.update(text, partial=not final)
-        except ChatError:
-            return self._plain_text() if final else []  # not parseable yet: the parser keeps the text
-        self._message = message
-        deltas = [d for d in deltas if d]
-        self._sent = self._sent or bool(deltas)
-        if final and not (message.get("content") or message.get("tool_calls") or message.get("reasoning_content")):
-            return deltas + self._plain_text()
-        return deltas
-
-    def _plain_text(self) -> list[dict]:
-        whole = "".join(self._text)
-        if self._sent:
-            return []
-        self._message = {"content": whole}
-        self._sent = bool(whole)
-        return [{"content": whole}] if whole else []
-
-    def message(self) -> dict:
-        m = self._message
+    def llama_message(self) -> dict:
+        """The parsed message in llama-cpp-python's shape (its legacy ``function_call`` too)."""
+        m = self.message
         out = {"role": "assistant", "content": m.get("content") or (None if m.get("tool_calls") else "")}
         if m.get("tool_calls"):
             out["tool_calls"] = m["tool_calls"]
@@ -914,9 +885,6 @@ class _Answer:
             out["reasoning_content"] = m["reasoning_content"]
         return out
 
-    def finish_reason(self, last) -> str:
-        ended = last.finish_reason or "stop"
-        return "tool_calls" if ended == "stop" and self._message.get("tool_calls") else ended
 
 
 def _not_yet(what: str) -> NotImplementedError:

@@ -87,6 +87,9 @@ async def _props(service: Service) -> Response:
     return JSONResponse({
         **tool_use,
         "chat_template_caps": chat.caps,
+        # this project's: how tools reach the model ("generic": the template cannot render them, so
+        # they are described in the system message and the answer is JSON: serving/generic_tools.py)
+        "tool_call_format": chat.tool_format,
         "model_alias": settings.alias,
         "model_path": f["model_path"],
         "build_info": f"pyllama-spec {__version__}",

@@ -31,6 +31,7 @@ from pyllama_spec.bindings.chat import ChatError, ChatParser, ChatTemplates  # n
 from pyllama_spec.bindings.model import Model
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER
 from pyllama_spec.errors import ChatTemplateError
+from pyllama_spec.serving import generic_tools
 from pyllama_spec.serving.grammars import check_schema_cost
 from pyllama_spec.speculative.sampling import check_grammar_size
 
@@ -86,6 +87,9 @@ class ChatParams:
     is_continuation: bool
     echo: bool
     tools: bool  # tools are in play (tool_choice not "none")
+    # "template": the template renders the tools and its parser reads the calls; "generic": it cannot,
+    # and the chat is llama.cpp's former generic JSON format (serving/generic_tools.py)
+    tool_format: str = "template"
 
     def sampling(self) -> dict:
         """SamplingParams fields for the chat's constraint: its grammar (a chat's, which starts after
@@ -99,6 +103,13 @@ class ChatParams:
                        reasoning_budget_end=self.thinking_end_tags,
                        reasoning_budget_message=self.reasoning_budget_message)
         return out
+
+    def answer_parser(self, *, stream: bool = False):
+        """A parser of this chat's answer: ``bindings.chat.ChatParser`` with ``parser_params``, or the
+        generic format's (``generic_tools.GenericToolParser``); ``update(text, partial=)`` on either."""
+        if self.tool_format == "generic":
+            return generic_tools.GenericToolParser()
+        return ChatParser(self.parser_params(stream=stream))
 
     def parser_params(self, *, stream: bool = False) -> dict:
         """The parameters of ``bindings.chat.ChatParser`` for this chat's answer."""
@@ -170,6 +181,8 @@ class ChatRenderer:
         self.supports_thinking: bool = info["supports_thinking"]
         self.source: str = info["source"]
         self.tool_use_source: str = info["tool_use_source"]
+        #: How a chat with tools is rendered: "template" (its own tool format) or "generic" (generic_tools.py).
+        self.tool_format = "template" if generic_tools.renders_tools(self.caps) or not self.use_jinja else "generic"
         # llama-server's default: thinking on where the template can think, unless --reasoning off
         self.enable_thinking = s.reasoning != "off" and self.supports_thinking
 
@@ -252,6 +265,14 @@ class ChatRenderer:
                   "chat_template_kwargs": kwargs}
         if continuing:
             inputs["continue_final_message"] = continuation
+        generic = bool(tools) and tool_choice != "none" and self.tool_format == "generic"
+        if generic:  # the template cannot show tools: llama.cpp's former generic JSON format
+            offered = [named] if named is not None else tools
+            inputs.update(messages=generic_tools.messages(native, tools, parallel), tools=None, tool_choice="auto",
+                          json_schema=generic_tools.answer_schema(offered, required=tool_choice == "required",
+                                                                  parallel=parallel, response_schema=schema))
+            check_schema_cost(inputs["json_schema"], "the tools' call format")
+            named = None
         out = self._apply(inputs)
         if named is not None:
             # the prompt shows every tool; the grammar and parser know the named one, required
@@ -269,7 +290,7 @@ class ChatRenderer:
             generation_prompt=out["generation_prompt"], parser=out["parser"], reasoning_format=reasoning_format,
             thinking_start_tag=out["thinking_start_tag"], thinking_end_tags=tuple(out["thinking_end_tags"]),
             reasoning_budget=budget, reasoning_budget_message=message, is_continuation=continuing, echo=o.echo,
-            tools=bool(tools) and tool_choice != "none")
+            tools=bool(tools) and tool_choice != "none", tool_format="generic" if generic else "template")
 
     def _apply(self, inputs: dict) -> dict:
         try:
