@@ -8,6 +8,7 @@ preset file a model served by name, in a ``serve`` process of its own (server/ro
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 from pathlib import Path
@@ -212,9 +213,17 @@ def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
 @click.option("--embd-normalize", "embd_normalize", type=click.IntRange(min=-1), default=2, show_default=True,
               help="normalisation of pooled embeddings: -1 none, 0 max-abs to int16, 1 taxicab, 2 euclidean, "
                    ">2 p-norm (a request's embd_normalize overrides it)")
+@click.option("-v", "--verbose", "--log-verbose", "log_verbose", is_flag=True, default=False,
+              help="log everything: each request with its body and the response's, and llama.cpp's own log")
+@click.option("-lv", "--verbosity", "--log-verbosity", "log_verbosity", type=int, default=3, show_default=True,
+              envvar="LLAMA_ARG_LOG_VERBOSITY",
+              help="llama.cpp's levels: 0 output, 1 errors, 2 warnings, 3 info, 4 debug (the request log)")
+@click.option("--log-file", type=click.Path(dir_okay=False), default=None, envvar="LLAMA_ARG_LOG_FILE",
+              help="also write the log to this file")
+@click.option("--log-disable", is_flag=True, default=False, help="no log at all")
 def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed_image_dir, max_images,
           max_image_pixels, max_request_pixels, max_body_mib, body_timeout, models_max, models_autoload, endpoint_slots, slot_save_path,
-          endpoint_props, cors_origins, **o):
+          endpoint_props, cors_origins, log_verbose, log_verbosity, log_file, log_disable, **o):
     """OpenAI- and llama-server-compatible HTTP server (chat with images, speculative stats); takes
     llama-server's flags and --models-preset files. Needs the 'server' extra."""
     try:
@@ -226,6 +235,13 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
         sys.exit(2)
     if parallel == 0:
         raise click.BadParameter("must be -1 (auto) or at least 1", param_hint="'-np' / '--parallel'")
+    from pyllama_spec.cli import logs
+
+    try:
+        level = logs.configure(verbosity=log_verbosity, verbose=log_verbose, log_file=log_file, disable=log_disable)
+    except OSError as e:
+        raise click.BadParameter(f"cannot write the log there: {e}", param_hint="'--log-file'") from None
+    uvicorn_level = "debug" if level <= logging.DEBUG else "warning"
     parallel = max(parallel, 1)
     from pyllama_spec.server.origins import OriginPolicy
 
@@ -257,11 +273,11 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
     slots = f"{parallel} slots of {engine.ctx.n_ctx_seq} tokens" if parallel > 1 else "1 slot"
     err_console.print(f"[bold]pyllama-spec serve[/bold] · {engine.model.path.name} as '{settings.alias}' · "
                       f"speculative: {mode} · images: {'yes' if engine.projector else 'no'} · {slots} · "
-                      f"http://{host}:{port}/v1")
+                      f"chat page http://{_shown(host)}:{port}/ · API http://{_shown(host)}:{port}/v1", soft_wrap=True)
     from pyllama_spec.server.run import serve as serve_app
 
     with engine:
-        serve_app(create_app(engine, settings), host=host, port=port)
+        serve_app(create_app(engine, settings), host=host, port=port, log_level=uvicorn_level)
 
 
 def _serve_router(plan: RouterPlan, *, host: str, port: int, keys: list[str], models_max: int, autoload: bool,
@@ -285,6 +301,12 @@ def _serve_router(plan: RouterPlan, *, host: str, port: int, keys: list[str], mo
                       f"at most {models_max or 'any number'} loaded · autoload: {'on' if autoload else 'off'} · "
                       f"http://{host}:{port}/v1", soft_wrap=True)
     serve_app(app, host=host, port=port)
+
+
+def _shown(host: str) -> str:
+    """The host as a browser reaches it: a wildcard address is this machine's loopback; IPv6 in brackets."""
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"[{host}]" if ":" in host else host
 
 
 def _max_tokens(n: int) -> int:

@@ -31,6 +31,7 @@ from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.offload import off_loop
 from pyllama_spec.server.header_names import CanonicalHeaderNames
 from pyllama_spec.server.origins import CrossSiteGuard
+from pyllama_spec.server.request_log import RequestLog
 from pyllama_spec.server.responses import routes as responses
 from pyllama_spec.server.service import (
     ERROR_HANDLERS,
@@ -79,7 +80,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
             await off_loop(True, service.stop)  # it waits for the generations to end
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS,
-                    middleware=[Middleware(CanonicalHeaderNames),
+                    middleware=[Middleware(CanonicalHeaderNames), Middleware(RequestLog),
                                 Middleware(CrossSiteGuard, policy=service.settings.cors_origins)])
     app.state.service = service
     return app

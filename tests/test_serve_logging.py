@@ -1,0 +1,82 @@
+"""``serve``'s banner and logging flags, as a user starts it: the banner names the chat page; ``-v``
+logs each request (method, path, client, status, then the bodies) and llama.cpp's own log, to
+standard error and ``--log-file``; by default (``-lv 3``) no request is logged, as llama-server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from serving import free_port
+
+pytest.importorskip("uvicorn", reason="the server needs the 'server' extra")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _serve(*args: str, log: Path):
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-m", "pyllama_spec", "serve", "-t", "1", "--port", str(port), *args],
+                            cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, log.read_text()
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return proc, url, port
+        except OSError:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+
+
+def _chat(url: str) -> None:
+    body = json.dumps({"messages": [{"role": "user", "content": "def f():"}], "max_tokens": 4}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.status == 200
+
+
+def _stop(proc) -> None:
+    proc.terminate()
+    proc.wait(timeout=60)
+
+
+def test_verbose_logs_each_request_with_its_bodies_to_stderr_and_the_log_file(tmp_path):
+    stderr, log_file = tmp_path / "stderr.txt", tmp_path / "serve.log"
+    proc, url, port = _serve("-v", "--log-file", str(log_file), log=stderr)
+    try:
+        _chat(url)
+        urllib.request.urlopen(url + "/health", timeout=5).read()
+    finally:
+        _stop(proc)
+    for text in (stderr.read_text(), log_file.read_text()):
+        assert "done request: POST /v1/chat/completions 127.0.0.1 200" in text
+        assert 'request:  {"messages": [{"role": "user", "content": "def f():"}]' in text
+        assert 'response: {"id":"chatcmpl-' in text and '"object":"chat.completion"' in text
+        assert "GET /health" not in text  # polled routes are left out, as llama-server leaves them
+    assert "llama_model_loader" in log_file.read_text() or "llama_context" in log_file.read_text()  # llama.cpp's log
+    assert f"chat page http://127.0.0.1:{port}/ · API http://127.0.0.1:{port}/v1" in stderr.read_text()
+
+
+def test_by_default_no_request_is_logged(tmp_path):
+    stderr = tmp_path / "stderr.txt"
+    proc, url, _ = _serve(log=stderr)
+    try:
+        _chat(url)
+    finally:
+        _stop(proc)
+    assert "done request" not in stderr.read_text() and "llama_model_loader" not in stderr.read_text()
+
+
+def test_an_unwritable_log_file_is_a_clear_error(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "pyllama_spec", "serve", "--log-file", str(tmp_path / "no" / "x.log")],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "--log-file" in res.stderr and "cannot write the log there" in res.stderr
