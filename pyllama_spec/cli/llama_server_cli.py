@@ -52,8 +52,6 @@ _REASONS = (
       "--docker-repo", "-mmu", "--mmproj-url", "--spec-draft-hf", "--offline", "--models-dir",
       "--mmproj-auto", "-cl", "--cache-list"),
      "nothing is downloaded here: give local files with -m, --mmproj, -md"),
-    (("--tags",), ("a model's tags are listed by the router (a --models-preset section's tags key); one model "
-                   "served alone has no use for them")),
     (("dedup-cache-models",), "there is no model cache here (nothing is downloaded)"),
     (("-cb", "--cont-batching"), "slots are always batched together here"),
     (("--metrics",), "/metrics is always served here"),

@@ -4,8 +4,7 @@
 llama.cpp's levels map onto Python's: 0 output only (CRITICAL), 1 errors, 2 warnings, 3 info (the
 default), 4 and up debug; ``-v`` is debug. What is logged: the ``pyllama_spec`` loggers (the
 server's, its request log at debug: server/request_log.py) and, at debug, llama.cpp's own log
-(which, as llama-server's, says what loading does; at the default level only its warnings and
-errors). Lines go to standard error, and with ``--log-file`` to that file too.
+(which, as llama-server's, says what loading does; below debug only its errors). Lines go to standard error, and with ``--log-file`` to that file too.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ def configure(*, verbosity: int = 3, verbose: bool = False, log_file: str | None
         h.setFormatter(logging.Formatter(FORMAT))
         root.addHandler(h)
     root.setLevel(level)
-    # llama.cpp's loading chatter only when asked for everything; its warnings and errors always
-    logging.getLogger("pyllama_spec.native").setLevel(logging.DEBUG if level <= logging.DEBUG else logging.WARNING)
+    # llama.cpp's own log only when asked for everything (its warnings come a line at a time, some
+    # of them continuations); its errors always (a failure also raises, with them attached)
+    logging.getLogger("pyllama_spec.native").setLevel(logging.DEBUG if level <= logging.DEBUG else logging.ERROR)
     return level

@@ -18,6 +18,7 @@ import click
 from pyllama_spec.cli import llama_server_cli
 from pyllama_spec.cli.options import (
     ModelCommand,
+    parse_csv_row,
     _load_engine_or_exit,
     _speculative_mode,
     err_console,
@@ -163,13 +164,18 @@ def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
 
 @click.command(cls=LlamaServerCommand)
 @model_options
-@click.option("--host", default="127.0.0.1", show_default=True, help="address to listen on")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="addresses to listen on, comma-separated, or UNIX socket paths ending in .sock (as llama-server)")
 @click.option("--port", default=8080, show_default=True)
 @click.option("--api-key", envvar="LLAMA_API_KEY", default=None,
               help="require 'Authorization: Bearer KEY' (several keys: comma-separated)")
 @click.option("--api-key-file", default=None, type=click.Path(dir_okay=False),
               help="a file of API keys, one per line")
-@click.option("-a", "--alias", default=None, help="model name clients see (default: the file name)")
+@click.option("-a", "--alias", default=None,
+              help="the model's names clients see, comma-separated: the first in sorted order is its id, as in "
+                   "llama-server (default: the file name)")
+@click.option("--tags", default=None,
+              help="the model's tags, comma-separated (listed by /v1/models; informational)")
 @click.option("-np", "--parallel", default=1, show_default=True, type=click.IntRange(-1, 64),
               help="sequence slots: requests generated at once, every slot's draft verified in one target "
                    "batch; each slot gets ctx-size / np of the context (-1: 1)")
@@ -216,12 +222,11 @@ def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
 @click.option("-v", "--verbose", "--log-verbose", "log_verbose", is_flag=True, default=False,
               help="log everything: each request with its body and the response's, and llama.cpp's own log")
 @click.option("-lv", "--verbosity", "--log-verbosity", "log_verbosity", type=int, default=3, show_default=True,
-              envvar="LLAMA_ARG_LOG_VERBOSITY",
               help="llama.cpp's levels: 0 output, 1 errors, 2 warnings, 3 info, 4 debug (the request log)")
-@click.option("--log-file", type=click.Path(dir_okay=False), default=None, envvar="LLAMA_ARG_LOG_FILE",
+@click.option("--log-file", type=click.Path(dir_okay=False), default=None,
               help="also write the log to this file")
 @click.option("--log-disable", is_flag=True, default=False, help="no log at all")
-def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed_image_dir, max_images,
+def serve(host, port, api_key, api_key_file, alias, tags, parallel, max_queue, allowed_image_dir, max_images,
           max_image_pixels, max_request_pixels, max_body_mib, body_timeout, models_max, models_autoload, endpoint_slots, slot_save_path,
           endpoint_props, cors_origins, log_verbose, log_verbosity, log_file, log_disable, **o):
     """OpenAI- and llama-server-compatible HTTP server (chat with images, speculative stats); takes
@@ -245,8 +250,13 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
     parallel = max(parallel, 1)
     from pyllama_spec.server.origins import OriginPolicy
 
+    hosts = parse_csv_row(host)  # llama-server's --host a,b (quoted fields allowed)
+    hosts = [h.strip() for h in hosts if h.strip()]
+    if not hosts:
+        raise click.BadParameter("give at least one address", param_hint="'--host'")
+    host = hosts[0]  # the banner's, the router's and the cross-site check's
     try:
-        origins = OriginPolicy.parse(cors_origins, listen_host=host)
+        origins = OriginPolicy.parse(cors_origins, listen_host=hosts)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--cors-origins'") from None
     keys = _api_keys(api_key, api_key_file)
@@ -262,7 +272,10 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
     if o.pop("reranking"):  # as llama-server's --reranking: embeddings on, pooling rank
         o.update(embeddings=True, pooling="rank")
     engine = _load_engine_or_exit({**o, "n_parallel": parallel})
-    settings = ServerSettings(alias=alias or Path(engine.model.path).stem, api_key=",".join(keys) or None,
+    # llama-server keeps the names in a set: its first, in sorted order, is the model's id
+    aliases = tuple(sorted(set(_csv(alias)))) or (Path(engine.model.path).stem,)
+    settings = ServerSettings(alias=aliases[0], aliases=aliases, tags=tuple(sorted(set(_csv(tags)))),
+                              api_key=",".join(keys) or None,
                               max_queue=max_queue, default_max_tokens=_max_tokens(o["max_tokens"]),
                               max_images=max_images, max_image_pixels=max_image_pixels,
                               max_request_pixels=max_request_pixels, max_body_bytes=max_body_mib * 2**20,
@@ -277,7 +290,11 @@ def serve(host, port, api_key, api_key_file, alias, parallel, max_queue, allowed
     from pyllama_spec.server.run import serve as serve_app
 
     with engine:
-        serve_app(create_app(engine, settings), host=host, port=port, log_level=uvicorn_level)
+        try:
+            serve_app(create_app(engine, settings), host=hosts, port=port, log_level=uvicorn_level)
+        except OSError as e:  # an address that cannot be listened on (in use, not this machine's)
+            err_console.print(f"[red]error:[/red] {e.strerror or e}")
+            sys.exit(1)
 
 
 def _serve_router(plan: RouterPlan, *, host: str, port: int, keys: list[str], models_max: int, autoload: bool,
@@ -301,6 +318,11 @@ def _serve_router(plan: RouterPlan, *, host: str, port: int, keys: list[str], mo
                       f"at most {models_max or 'any number'} loaded · autoload: {'on' if autoload else 'off'} · "
                       f"http://{host}:{port}/v1", soft_wrap=True)
     serve_app(app, host=host, port=port)
+
+
+def _csv(value: str | None) -> list[str]:
+    """llama-server's comma-separated names: stripped, empty ones dropped."""
+    return [v.strip() for v in (value or "").split(",") if v.strip()]
 
 
 def _shown(host: str) -> str:

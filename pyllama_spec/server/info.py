@@ -61,7 +61,9 @@ async def _models(service: Service) -> Response:
     carry ``capabilities`` and ``meta.speculative`` (extensions)."""
     f, alias = service.facts, service.settings.alias
     caps = ["completion"] + (["multimodal"] if f["vision"] or f["audio"] else [])
-    entry = {"id": alias, "aliases": [alias], "tags": [], "object": "model", "created": service.started,
+    names = list(service.settings.aliases) or [alias]
+    entry = {"id": alias, "aliases": names, "tags": list(service.settings.tags), "object": "model",
+             "created": service.started,
              "owned_by": "pyllama-spec", "capabilities": caps,
              "meta": {"n_vocab": f["n_vocab"], "n_ctx": f["n_ctx_slot"], "n_ctx_train": f["n_ctx_train"],
                       "n_embd": f["n_embd"], "n_params": f["n_params"], "size": f["size"],

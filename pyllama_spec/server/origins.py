@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import json
+from typing import Sequence
 from urllib.parse import urlsplit
 
 #: Paths served whatever the origin: the health check holds nothing and changes nothing.
@@ -47,10 +48,13 @@ class OriginPolicy:
     loopback_host: bool = False
 
     @classmethod
-    def parse(cls, value: str | None, *, listen_host: str | None = None) -> "OriginPolicy":
+    def parse(cls, value: str | None, *, listen_host: str | Sequence[str] | None = None) -> "OriginPolicy":
         """From --cors-origins: "*", "localhost", or origins separated by commas (None: "localhost"),
-        for a server listening on ``listen_host`` (--host)."""
-        loopback = listen_host is not None and _is_loopback(listen_host)
+        for a server listening on ``listen_host`` (--host: one address, or several). The Host check
+        holds when every TCP address is a loopback one (a UNIX socket path, ``*.sock``, is local)."""
+        hosts = [listen_host] if isinstance(listen_host, str) else list(listen_host or ())
+        tcp = [h for h in hosts if not h.endswith(".sock")]
+        loopback = bool(tcp) and all(_is_loopback(h) for h in tcp)
         if value is None:
             return cls(loopback_host=loopback)
         items = [_normal(v.strip()) for v in value.split(",") if v.strip()]

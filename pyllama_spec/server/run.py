@@ -13,6 +13,9 @@ shutdowns that wait for work they could cancel.
 from __future__ import annotations
 
 import dataclasses
+import socket
+from pathlib import Path
+from typing import Any
 
 import h11
 import uvicorn
@@ -87,7 +90,57 @@ def make_server(app: Starlette, *, host: str, port: int, limits: ServeLimits = S
     return _Server(config)
 
 
-def serve(app: Starlette, *, host: str, port: int, limits: ServeLimits = ServeLimits(),
+def listening_sockets(hosts: list[str], port: int) -> list[socket.socket]:
+    """Bound sockets for llama-server's ``--host a,b,path.sock``: each TCP address on ``port`` (with
+    several, ``::`` is IPv6 only, as there), each path ending in ``.sock`` a UNIX socket (a stale
+    socket file there is replaced). OSError naming the address that cannot be bound."""
+    out: list[socket.socket] = []
+    seen: set = set()
+    try:
+        for host in hosts:
+            if host.endswith(".sock"):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                path = Path(host)
+                if path.is_socket():
+                    path.unlink()
+                where = host
+                addr: Any = host
+            else:
+                family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                 flags=socket.AI_PASSIVE)[0]
+                if (family, addr) in seen:
+                    continue  # two names of one address ("127.0.0.1,localhost"): one socket
+                seen.add((family, addr))
+                sock = socket.socket(family, kind, proto)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6 and len(hosts) > 1:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                where = f"{host}:{port}"
+            out.append(sock)
+            try:
+                sock.bind(addr)
+                sock.listen(2048)
+            except OSError as e:
+                raise OSError(e.errno, f"cannot listen on {where}: {e.strerror}") from None
+            sock.set_inheritable(True)
+    except BaseException:
+        for sock in out:
+            sock.close()
+        raise
+    return out
+
+
+def serve(app: Starlette, *, host: str | list[str], port: int, limits: ServeLimits = ServeLimits(),
           log_level: str = "warning") -> None:
-    """Serve ``app`` until SIGTERM or Ctrl-C (which cancel its generations first)."""
-    make_server(app, host=host, port=port, limits=limits, log_level=log_level).run()
+    """Serve ``app`` until SIGTERM or Ctrl-C (which cancel its generations first); ``host`` may be
+    several addresses (and UNIX socket paths), as llama-server's ``--host``."""
+    hosts = [host] if isinstance(host, str) else list(host)
+    if len(hosts) == 1 and not hosts[0].endswith(".sock"):
+        make_server(app, host=hosts[0], port=port, limits=limits, log_level=log_level).run()
+        return
+    sockets = listening_sockets(hosts, port)
+    try:
+        make_server(app, host=hosts[0], port=port, limits=limits, log_level=log_level).run(sockets=sockets)
+    finally:
+        for sock in sockets:
+            sock.close()

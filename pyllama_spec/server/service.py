@@ -50,6 +50,8 @@ RouteSpec = tuple[str, list[str], Callable[[Request], Awaitable[Response]]]
 @dataclasses.dataclass(frozen=True)
 class ServerSettings:
     alias: str = "pyllama-spec"  # the model id clients see
+    aliases: tuple[str, ...] = ()  # every name of the model (-a a,b: /v1/models lists them); () : (alias,)
+    tags: tuple[str, ...] = ()  # --tags: informational, listed by /v1/models
     api_key: str | None = None  # every route but /health then needs "Authorization: Bearer <key>"
     max_queue: int = 16  # requests waiting for the engine; more are answered 503
     max_body_bytes: int = 64 * 2**20

@@ -1,4 +1,5 @@
-"""``serve``'s banner and logging flags, as a user starts it: the banner names the chat page; ``-v``
+"""``serve``'s banner, names and logging flags, as a user starts it: the banner names the chat page;
+``-a`` gives the model several names and ``--tags`` its tags, as llama-server lists them; ``-v``
 logs each request (method, path, client, status, then the bodies) and llama.cpp's own log, to
 standard error and ``--log-file``; by default (``-lv 3``) no request is logged, as llama-server."""
 
@@ -80,3 +81,44 @@ def test_an_unwritable_log_file_is_a_clear_error(tmp_path):
     res = subprocess.run([sys.executable, "-m", "pyllama_spec", "serve", "--log-file", str(tmp_path / "no" / "x.log")],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "--log-file" in res.stderr and "cannot write the log there" in res.stderr
+
+
+def test_several_aliases_and_tags_as_llama_server_lists_them(tmp_path):
+    proc, url, _ = _serve("-a", "tiny-coder, Coder,tiny-coder", "--tags", "code, small", log=tmp_path / "e.txt")
+    try:
+        with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+            entry = json.load(r)["data"][0]
+        body = json.dumps({"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}).encode()
+        req = urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            model = json.load(r)["model"]
+    finally:
+        _stop(proc)
+    # llama-server keeps them in a set: sorted, once each, the first is the id
+    assert (entry["id"], entry["aliases"], entry["tags"], model) == ("Coder", ["Coder", "tiny-coder"],
+                                                                      ["code", "small"], "Coder")
+
+
+def test_several_hosts_and_a_unix_socket_are_all_served(tmp_path):
+    import http.client
+    import socket
+
+    sock_path = tmp_path / "serve.sock"
+    # 127.0.0.2 is loopback too on Linux; localhost names 127.0.0.1 again (one socket for both)
+    proc, url, port = _serve("--host", f"127.0.0.1,127.0.0.2,localhost,{sock_path}", log=tmp_path / "e.txt")
+    try:
+        class _UnixConnection(http.client.HTTPConnection):
+            def connect(self):
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.connect(str(sock_path))
+
+        conn = _UnixConnection("localhost")
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 200
+        with urllib.request.urlopen(f"http://127.0.0.2:{port}/health", timeout=5) as r:
+            assert r.status == 200
+    finally:
+        _stop(proc)
+    res = subprocess.run([sys.executable, "-m", "pyllama_spec", "serve", "--host", " , "], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "give at least one address" in res.stderr
