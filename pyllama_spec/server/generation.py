@@ -135,7 +135,7 @@ def timings(stats) -> dict:
         "predicted_ms": predicted_ms,
         # over the tokens after the first, as llama-server: the first comes from the prompt's last logits
         "predicted_per_token_ms": predicted_ms / steps if steps else 0.0,
-        "predicted_per_second": 1e3 / predicted_ms * steps if predicted_ms > 0 and steps else 0.0,
+        "predicted_per_second": stats.tokens_per_second,
         "draft_n": stats.drafted,
         "draft_n_accepted": stats.accepted,
         "acceptance_rate": stats.acceptance_rate,

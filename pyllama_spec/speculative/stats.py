@@ -56,7 +56,11 @@ class GenerationStats:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        """Decode speed: the tokens after the first over ``decode_seconds``, which start once the first
+        is sampled (it comes from the prompt's last logits, in ``prefill_seconds``): llama-server's
+        ``timings.predicted_per_second`` alike."""
+        steps = self.generated_tokens - 1
+        return steps / self.decode_seconds if self.decode_seconds > 0 and steps > 0 else 0.0
 
     @property
     def total_seconds(self) -> float:
