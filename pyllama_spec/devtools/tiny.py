@@ -653,7 +653,8 @@ def write_draft(path: str | Path, *, target_n_embd: int = 64, target_layers: tup
                 n_layer: int = 1, n_ff: int = 128, seed: int = 0, dtype: str = "f32",
                 dflash2: bool = False, selector_top_k: int = DFLASH2_SELECTOR_TOP_K,
                 selector_rank: int = DFLASH2_SELECTOR_RANK, conv_kernel_size: int = DFLASH2_CONV_KERNEL_SIZE,
-                conv_group_size: int = DFLASH2_CONV_GROUP_SIZE, fim: bool = False) -> Path:
+                conv_group_size: int = DFLASH2_CONV_GROUP_SIZE, fim: bool = False, dspark: bool = False,
+                markov_rank: int = 8, confidence_head: bool = True) -> Path:
     """Write a tiny ``dflash`` draft for a target of width ``target_n_embd`` (``fim``: for a target
     written with ``fim=True``, whose vocabulary it shares).
 
@@ -675,6 +676,13 @@ def write_draft(path: str | Path, *, target_n_embd: int = 64, target_layers: tup
     draft still proposes what the plain draft would, up to the small selector term.
     llama.cpp needs ``n_embd`` divisible by ``conv_group_size`` and
     ``n_embd >= selector_top_k * (selector_top_k + 1)`` (the lattice row).
+
+    ``dspark=True`` writes a DSpark draft (DFlash with a Markov head, llama.cpp's
+    ``draft-dspark``): the same weights plus ``markov_w1`` / ``markov_w2`` [rank, n_vocab] (each
+    drafted position's logits get ``markov_w2 . markov_w1[previous token]``, the chain run in the
+    graph) and, with ``confidence_head``, ``conf_proj`` [n_embd + rank, 1] and its bias (a
+    per-position acceptance estimate, read under ``p_min``); its block is anchor-first
+    (``dflash.sample_from_anchor`` absent: true).
     """
     g = _geometry(target_n_embd, "target_n_embd")
     np_dtype = _np_dtype(dtype)
@@ -710,6 +718,14 @@ def write_draft(path: str | Path, *, target_n_embd: int = 64, target_layers: tup
         _add_dflash2(w, seed=seed, g=g, n_layer=n_layer, selector_top_k=selector_top_k,
                      selector_rank=selector_rank, conv_kernel_size=conv_kernel_size,
                      conv_group_size=conv_group_size, np_dtype=np_dtype)
+    if dspark:
+        m = _Weights(seed + 6_000_011, g.layer_std, fast=not g.tiny)
+        # ggml [rank, n_vocab]: a row per token (numpy [n_vocab, rank])
+        w.add_tensor("markov_w1.weight", m.mat(N_VOCAB, markov_rank, std=0.5, keep_f32=True))
+        w.add_tensor("markov_w2.weight", m.mat(N_VOCAB, markov_rank, std=0.5, keep_f32=True))
+        if confidence_head:
+            w.add_tensor("conf_proj.weight", m.mat(1, n_embd + markov_rank, std=0.1, keep_f32=True))
+            w.add_tensor("conf_proj.bias", np.array([1.0], dtype=np.float32))
     path = Path(path)
     w.write(path)
     return path

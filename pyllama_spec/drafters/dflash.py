@@ -42,6 +42,8 @@ class DFlashConfig:
     sliding_window: int
     causal: bool
     selector_top_k: int  # > 0: DFlash2 (drafts read from the selector lattice)
+    markov: bool = False  # a Markov head (markov_w1): a DSpark draft (drafters/dspark.py)
+    sample_from_anchor: bool = True  # DSpark: the anchor's row drafts too (dflash.sample_from_anchor)
 
     @property
     def is_dflash2(self) -> bool:
@@ -51,10 +53,24 @@ class DFlashConfig:
     def read(cls, draft: Model) -> "DFlashConfig":
         block = draft.meta("dflash.block_size")
         causal = draft.meta("dflash.attention.causal")
+        anchor = draft.meta("dflash.sample_from_anchor")
         return cls(target_layers=tuple(draft.target_layer_ids),
                    block_size=int(block) if block else DEFAULT_BLOCK_SIZE,
                    mask_token=draft.mask_token, sliding_window=draft.n_swa,
-                   causal=causal == "true", selector_top_k=draft.dflash_selector_top_k)
+                   causal=causal == "true", selector_top_k=draft.dflash_selector_top_k,
+                   markov=has_markov_head(_tensors(draft)),
+                   sample_from_anchor=anchor is None or anchor == "true")
+
+
+def _tensors(model: Model):
+    from pyllama_spec.gguf.reader import read_gguf_shared
+
+    return read_gguf_shared(model.path).tensors
+
+
+def has_markov_head(tensors) -> bool:
+    """A DFlash file with DSpark's Markov head (llama.cpp tells draft-dspark from draft-dflash so)."""
+    return "markov_w1.weight" in tensors
 
 
 def check_dflash_pair(target: Model, draft: Model, dflash_target_archs: list[str] | None) -> DFlashConfig:
@@ -119,16 +135,19 @@ def check_pair(target: Model, draft: Model, build_record: dict):
     from pyllama_spec.drafters.registry import Pairing
 
     cfg = check_dflash_pair(target, draft, build_record.get("dflash_target_archs"))
+    if cfg.markov:
+        raise IncompatibleModelsError(f"the draft {draft.path.name} is a DSpark draft (it has a Markov head): load "
+                                      "it with spec_type='draft-dspark' (--spec-type draft-dspark)")
     return Pairing(limit=cfg.block_size - 1, per_position_logits=not cfg.is_dflash2, data=cfg,
                    target_layers=cfg.target_layers)
 
 
-def make(setup) -> "DFlashDrafter":
-    """The registry's constructor (registry.py)."""
+def make(setup, *, dspark: bool = False) -> "DFlashDrafter":
+    """The registry's constructor (registry.py); ``dspark``: DSpark's block layout (drafters/dspark.py)."""
     return DFlashDrafter(setup.target_ctx, setup.draft_model, setup.pairing.data, n_max=setup.n_max,
                          n_seq=setup.n_seq, n_min=setup.n_min, p_min=setup.p_min, n_ubatch=setup.n_ubatch,
                          n_threads=setup.n_threads, flash_attn=setup.flash_attn, swa_full=setup.swa_full,
-                         **setup.cache_types)
+                         dspark=dspark, **setup.cache_types)
 
 
 class DFlashDrafter:
@@ -139,13 +158,18 @@ class DFlashDrafter:
     def __init__(self, target_ctx: Context, draft_model: Model, config: DFlashConfig, *, n_max: int,
                  n_min: int = 0, p_min: float = 0.0, n_seq: int = 1, n_ubatch: int = 512,
                  n_threads: int | None = None, flash_attn: bool | None = False, swa_full: bool = False,
-                 type_k: str = "f16", type_v: str = "f16") -> None:
+                 type_k: str = "f16", type_v: str = "f16", dspark: bool = False) -> None:
         self.config = config
         self.target_ctx = target_ctx
         self.n_embd_target = target_ctx.model.n_embd
         # A block is [id_last, mask x n]; the trained block size bounds n. n_max is the
-        # default draft length; a request may ask for up to n_max_limit.
-        self.n_max_limit = config.block_size - 1
+        # default draft length; a request may ask for up to n_max_limit. DSpark's anchor-first
+        # block is [id_last, mask x (n - 1)], and every row drafts: n up to the block size.
+        self.dspark = dspark
+        self._anchor_drafts = dspark and config.sample_from_anchor
+        if dspark:
+            self.name = "dspark"
+        self.n_max_limit = config.block_size if self._anchor_drafts else config.block_size - 1
         self.n_max = max(1, min(n_max, self.n_max_limit))
         self.n_min = min(n_min, self.n_max)
         self.p_min = p_min
@@ -155,6 +179,7 @@ class DFlashDrafter:
                            n_threads=n_threads, flash_attn=flash_attn, swa_full=swa_full, type_k=type_k, type_v=type_v,
                            ctx_other=target_ctx, role="draft")
         self.ctx.enable_draft_embeddings(True, masked=not config.is_dflash2)
+        self._has_confidence = dspark and "conf_proj.weight" in _tensors(draft_model)
         self.ctx.set_causal_attn(config.causal)
         self._batch = Batch(self.ctx)
         self._n_pos = draft_model.n_pos_per_embd
@@ -165,6 +190,8 @@ class DFlashDrafter:
     @property
     def limit_reason(self) -> str:
         block = self.config.block_size
+        if self._anchor_drafts:
+            return f"the draft's block size {block}" if self.n_max_limit == block else ""
         return f"the draft's block size {block} minus one" if self.n_max_limit == block - 1 else ""
 
     def begin(self, seq_id: int) -> None:
@@ -209,16 +236,21 @@ class DFlashDrafter:
         self._batch.clear()
         blocks = []  # (first output row, n, block position)
         row = 0
+        # DSpark's Markov head runs on equal-size blocks (one per sequence in the ubatch): every block
+        # takes the longest request's length, each request reads its own n rows of it
+        longest = max((min(rq.n_max, self.n_max_limit) for rq in requests), default=0)
+        first = 0 if self._anchor_drafts else 1  # the block's first drafting row
         for rq in requests:
             n = min(rq.n_max, self.n_max_limit)
+            size = (longest if self.dspark else n) + first
             pos0 = rq.draft_pos
-            tokens = np.full(n + 1, self.config.mask_token, dtype=np.int32)
+            tokens = np.full(size, self.config.mask_token, dtype=np.int32)
             tokens[0] = rq.id_last
-            self._batch.add_tokens(tokens, np.arange(pos0, pos0 + n + 1, dtype=np.int32),
+            self._batch.add_tokens(tokens, np.arange(pos0, pos0 + size, dtype=np.int32),
                                    outputs=not self.config.is_dflash2, seq_id=rq.seq_id)
-            self._log("draft", rq.seq_id, pos0, n + 1)
+            self._log("draft", rq.seq_id, pos0, size)
             blocks.append((row, n, pos0))
-            row += n + 1
+            row += size
         if not blocks:
             return []
         self.ctx.decode(self._batch)
@@ -230,8 +262,8 @@ class DFlashDrafter:
             else:
                 # A view, not a copy (n x n_vocab floats every step): the verifier reads it before the
                 # draft context decodes again (see Proposal).
-                logits = all_logits[at + 1:at + n + 1]  # row `at` is id_last
-                tokens = self._read_block(logits)
+                logits = all_logits[at + first:at + first + n]  # row `at` is id_last (DSpark: it drafts too)
+                tokens = self._read_block(logits, confidence_rows=(at + first, row) if self.dspark else None)
                 logits = logits[:len(tokens)]
             proposals.append(Proposal(tokens, logits) if len(tokens) >= rq.n_min else Proposal([]))
         for rq in requests:
@@ -244,11 +276,22 @@ class DFlashDrafter:
         self.ctx.close()
 
     # --- reading a block
-    def _read_block(self, logits: np.ndarray) -> list[int]:
+    def _read_block(self, logits: np.ndarray, confidence_rows: tuple[int, int] | None = None) -> list[int]:
+        """The block's greedy tokens, cut where the draft is unsure under ``p_min``: for DSpark (its
+        block's first drafting row and the decode's row count in ``confidence_rows``), where its
+        confidence head's estimate falls below it, as llama.cpp; else where the best token's
+        probability among the top-k does."""
         n = len(logits)
         best = np.argmax(logits, axis=1)
         if self.p_min <= 0.0:
             return best.tolist()
+        if confidence_rows is not None:
+            if not self._has_confidence:
+                return best.tolist()  # no confidence head: llama.cpp reads the block whole too
+            at, n_rows = confidence_rows
+            confidence = self.ctx.draft_embeddings(n_rows)[at:at + n, 0]  # broadcast across the row
+            low = np.flatnonzero(confidence < self.p_min)
+            return best[:low[0] if len(low) else n].tolist()
         # Probability of the best token among the top-k candidates, as upstream's top-k sampler reports it.
         top = np.partition(logits, -DRAFT_TOP_K, axis=1)[:, -DRAFT_TOP_K:]
         p_best = 1.0 / np.exp(top - logits[np.arange(n), best][:, None]).sum(axis=1)

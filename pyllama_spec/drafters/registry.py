@@ -163,6 +163,9 @@ METHODS = (
            target_features="layer inputs", uses_target_head=True, trees=True, draft_max=5,
            sees_picture="the target's layer inputs of the picture's rows, injected at consecutive positions with "
                         "draft_positions='sequential' (the default 'target' leaves pinned rows out)"),
+    Method("draft-dspark", "pyllama_spec.drafters.dspark", "a DSpark draft", aliases=("dspark",),
+           target_features="layer inputs", uses_target_head=True, draft_max=5,
+           sees_picture="the target's layer inputs of the picture's rows, as DFlash"),
     Method("draft-eagle3", "pyllama_spec.drafters.eagle3", "an EAGLE3 draft", aliases=("eagle3",),
            target_features="layer inputs", uses_target_head=True, draft_max=3,
            sees_picture="the target's layer inputs of the picture's rows, written into its own cache"),
@@ -196,7 +199,7 @@ SPEC_TYPES = ("none", *_BY_NAME)
 #: llama.cpp's priority order (common/speculative.cpp common_speculative_init): of several types
 #: given, the n-gram ones are tried first, in this order, and the first that drafts wins.
 PRIORITY = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache",
-            "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash")
+            "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark")
 
 
 def canonical_spec_type(spec_type: str) -> str:
@@ -222,10 +225,23 @@ def canonical_spec_type(spec_type: str) -> str:
 
 def default_spec_type(draft, mmproj_draft=None) -> str:
     """The method used when none is named: a draft with a projector of its own is a vision draft
-    model ("draft-simple"), any other draft a DFlash draft ("draft-dflash"); no draft, none ("none")."""
+    model ("draft-simple"); a draft file says what it is, as llama.cpp reads it
+    (common_speculative_types_from_gguf): a DFlash file with a Markov head is DSpark's, an EAGLE3
+    file EAGLE3's; any other draft a DFlash draft ("draft-dflash": its checks then say what the file
+    is); no draft, none ("none")."""
     if draft is None:
         return "none"
-    return "draft-simple" if mmproj_draft else "draft-dflash"
+    if mmproj_draft:
+        return "draft-simple"
+    try:
+        from pyllama_spec.gguf.reader import read_gguf_shared
+
+        info = read_gguf_shared(draft)
+    except Exception:  # noqa: BLE001 - an unreadable file: the load's own check says what is wrong
+        return "draft-dflash"
+    if info.arch == "dflash" and "markov_w1.weight" in info.tensors:
+        return "draft-dspark"
+    return "draft-eagle3" if info.arch == "eagle3" else "draft-dflash"
 
 
 #: Draft files whose architecture says which method reads them (any other is a draft model's).
