@@ -405,3 +405,12 @@ def test_logit_bias_by_text_biases_each_of_its_tokens_as_llama_server(plain, tin
     as_text = post(plain, "/completion", greedy(prompt=PROMPT, n_predict=2, logit_bias=[["7", -1]]))[1]
     seven = post(plain, "/tokenize", {"content": "7"})[1]["tokens"]
     assert [e["token"] for e in as_text["generation_settings"]["logit_bias"]] == seven
+
+
+def test_verbose_adds_the_first_choices_completion_body_to_openai_answers(plain):
+    messages = [{"role": "system", "content": "Book"}, {"role": "user", "content": "What is the best book"}]
+    for path, body in (("/v1/chat/completions", {"messages": messages}), ("/v1/completions", {"prompt": "Book:"})):
+        status, out = post(plain, path, {**body, "max_tokens": 2, "verbose": True})
+        assert status == 200 and "Book" in out["__verbose"]["prompt"]  # llama-server's debugging aid
+        assert out["__verbose"]["content"] == (out["choices"][0].get("text") or out["choices"][0]["message"]["content"])
+        assert "__verbose" not in post(plain, path, {**body, "max_tokens": 2, "verbose": False})[1]

@@ -339,8 +339,11 @@ async def complete_body(service: Service, req: GenerationRequest, jobs: list[Job
             choice["text"] = _text(c)
         out.append(choice)
     stats = [c.last.stats for c in choices]
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": out,
+    body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": out,
             "usage": usage(stats, req.n), "timings": timings(stats[0])}
+    if req.options.verbose:  # llama-server's debugging aid: the first choice as /completion answers it
+        body["__verbose"] = await _llama_final(service, req, jobs[0], 0, choices[0], id_slot=jobs[0].slot)
+    return body
 
 
 async def _merged(jobs: list[Job]) -> AsyncIterator[tuple[int, str, Any]]:

@@ -73,6 +73,7 @@ class ResponseOptions:
     timings_per_token: bool = False  # timings in every streamed chunk
     response_fields: tuple[str, ...] = ()  # /completion's field filter ("a/b" unnests); () keeps all
     post_sampling_probs: bool = False  # probabilities after the sampler chain ("prob", "top_probs")
+    verbose: bool = False  # OpenAI-shaped answers also carry "__verbose": the first choice's /completion body
     # context shift's settings: echoed in generation_settings; this server (as llama-server without
     # --context-shift, its default) ends a generation that fills the context instead of shifting it
     n_keep: int = 0
@@ -378,7 +379,7 @@ def _llama_fields(body: dict) -> tuple[ResponseOptions, dict]:
     options = ResponseOptions(
         return_tokens=_bool(body, "return_tokens", False), return_progress=_bool(body, "return_progress", False),
         timings_per_token=_bool(body, "timings_per_token", False), response_fields=tuple(fields),
-        post_sampling_probs=_bool(body, "post_sampling_probs", False),
+        post_sampling_probs=_bool(body, "post_sampling_probs", False), verbose=_bool(body, "verbose", False),
         n_keep=_number(body, "n_keep", 0, -1, 2**31 - 1, integer=True),
         n_discard=_number(body, "n_discard", 0, 0, 2**31 - 1, integer=True))
     args = {}
