@@ -254,6 +254,55 @@ def test_an_mtp_draft_through_a_picture_gives_the_same_text():
     assert answers[1][1]["drafted"] > 0 and answers[0][1]["drafted"] == 0
 
 
+class _LookupDraft(spec.LlamaDraftModel):
+    """A draft model of a user's own: llama-cpp-python's prompt lookup, written out, recording its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, input_ids, /, **kwargs):
+        self.calls.append(input_ids.copy())
+        return spec.LlamaPromptLookupDecoding.find_candidate_pred_tokens(input_ids, 3, 7)
+
+
+def test_a_draft_model_of_your_own_is_called_each_step_and_gives_the_same_text(greedy):
+    draft = _LookupDraft()
+    with llama_cpp.Llama(TARGET, draft_model=draft, **KW) as llm:
+        out = llm(PROMPT, max_tokens=24, temperature=0.0)
+        prompt_ids = llm.tokenize(PROMPT.encode())
+    assert out["choices"][0]["text"] == greedy
+    assert len(draft.calls) > 1 and out["speculative"]["drafted"] > 0
+    first = draft.calls[0]  # the prompt and the first sampled token, as llama-cpp-python passes input_ids
+    assert first.dtype == np.intc and first[:len(prompt_ids)].tolist() == prompt_ids and len(first) == len(prompt_ids) + 1
+
+
+def test_a_draft_model_of_your_own_through_a_picture_its_garbage_cut_and_its_error_raised():
+    picture = [{"type": "image_url", "image_url": _png_data_uri(PICTURE)}, {"type": "text", "text": PROMPT}]
+    messages = [{"role": "user", "content": picture}]
+    handler = Qwen25VLChatHandler(clip_model_path=str(MODELS_DIR / "trained-mmproj.gguf"))
+
+    class Garbage(spec.LlamaDraftModel):
+        def __call__(self, input_ids, /, **kwargs):
+            return np.array([int(input_ids[-1]), -5, 10**9])  # a token, then no token ids: cut there
+
+    answers = []
+    for draft in (None, _LookupDraft(), Garbage()):
+        with llama_cpp.Llama(TARGET, chat_handler=handler, draft_model=draft, **KW) as llm:
+            out = llm.create_chat_completion(messages=messages, max_tokens=24, temperature=0.0)
+        answers.append(out["choices"][0]["message"]["content"])
+    assert answers[1] == answers[0] and answers[2] == answers[0]
+
+    class Broken(spec.LlamaDraftModel):
+        def __call__(self, input_ids, /, **kwargs):
+            raise KeyError("the draft's own bug")
+
+    with llama_cpp.Llama(TARGET, draft_model=Broken(), **KW) as llm:
+        with pytest.raises(KeyError, match="the draft's own bug"):
+            llm(PROMPT, max_tokens=8, temperature=0.0)
+        with pytest.raises(KeyError):  # the engine is not left broken: the next call reaches the draft again
+            llm(PROMPT, max_tokens=8, temperature=0.0)
+
+
 def test_the_prompt_lookup_of_llama_cpp_python_is_kept():
     ids = np.array([1, 2, 3, 1, 2, 3, 1, 2, 3])
     assert spec.LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=2)(ids).tolist() == [1, 2]
@@ -494,12 +543,8 @@ def test_what_the_facade_cannot_do_is_refused_with_the_reason(llm, tmp_path):
         llm.create_chat_completion(messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": _png_data_uri(PICTURE)}}]}])
 
-    class MyDraft(spec.LlamaDraftModel):
-        def __call__(self, input_ids, /, **kwargs):
-            return np.array([], dtype=np.intc)
-
-    with pytest.raises(NotImplementedError, match="MyDraft"):
-        llama_cpp.Llama(TARGET, draft_model=MyDraft(), **KW)
+    with pytest.raises(TypeError, match="LlamaDraftModel"):
+        llama_cpp.Llama(TARGET, draft_model=3, **KW)
     with pytest.raises(TypeError, match="n_kittens"):
         llama_cpp.Llama(TARGET, n_kittens=3, **KW)
     with pytest.raises(ValueError, match="type_k"):

@@ -13,8 +13,8 @@ from rich.console import Console
 
 from pyllama_spec.drafters.registry import (  # names and settings only: loads nothing native
     METHODS,
+    CLI_SPEC_TYPES,
     NGRAM_DRAFT_LIMIT,
-    SPEC_TYPES,
     NgramSettings,
     canonical_spec_type,
 )
@@ -86,7 +86,7 @@ class _SpecType(click.ParamType):
 
     def convert(self, value, param, ctx):
         names = [n.strip() for n in str(value).split(",") if n.strip()]
-        ours = [*SPEC_TYPES[1:], "none"]
+        ours = [*CLI_SPEC_TYPES[1:], "none"]
         for n in names:
             if n not in ours and n not in self.LLAMA_SERVER_TYPES:
                 self.fail(f"{n!r} is not a speculative type llama-server knows ({', '.join(self.LLAMA_SERVER_TYPES)})",
@@ -310,7 +310,7 @@ def model_options(f):
                      help="the draft model's own projector GGUF: a small VLM drafts seeing the pictures too "
                           "(draft-simple, the default --spec-type with it; llama-server has no such flag)"),
         click.option("--spec-type", type=_SpecType(), default=None,
-                     help=f"speculative method, llama.cpp's names: {', '.join([*SPEC_TYPES[1:], 'none'])} "
+                     help=f"speculative method, llama.cpp's names: {', '.join([*CLI_SPEC_TYPES[1:], 'none'])} "
                           "(default: draft-dflash when a draft is given)"),
         click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True,
                      help="context size (0: the model's trained context)"),

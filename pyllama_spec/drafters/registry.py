@@ -93,6 +93,7 @@ class DrafterSetup:
     cache_types: dict
     draft_projector: Any = None  # the draft model's own projector (draft-simple with mmproj_draft), or None
     ngram: NgramSettings = NgramSettings()  # the n-gram methods' own settings
+    draft_callable: Any = None  # draft-python's function (input_ids -> token ids)
     method_name: str = ""  # the entry being made (two entries may share a module: ngram-map-k, -k4v)
 
 
@@ -134,6 +135,7 @@ class Method:
     #: None: the method's own setting (the n-gram maps' size_m, ngram-mod's n_max, ngram-cache's 8).
     draft_max: int | None = 3
     ngram_family: bool = False  # an n-gram method: it may go before another in a list (llama.cpp's order)
+    python_only: bool = False  # takes a Python object (load's draft_callable): no command-line flag names it
 
     def _impl(self):
         return importlib.import_module(self.module)
@@ -184,6 +186,8 @@ METHODS = (
            draft_max=None, ngram_family=True),
     Method("ngram-cache", "pyllama_spec.drafters.ngram_cache", "n-gram caches", draft_file=False,
            draft_max=None, ngram_family=True),
+    Method("draft-python", "pyllama_spec.drafters.python_callable", "a Python draft function", draft_file=False,
+           draft_max=None, python_only=True),
     Method("draft-mtp", "pyllama_spec.drafters.mtp", "its own MTP head", draft_file=False,
            target_features="final hidden state", loads_target_mtp=True, draft_max=3,
            sees_picture="the picture's rows in the head's own cache, each image embedding beside the target's hidden "
@@ -192,14 +196,16 @@ METHODS = (
 )
 _BY_NAME = {name: m for m in METHODS for name in (m.name, *m.aliases)}
 
-#: Every --spec-type name accepted ("none": target only), aliases included.
+#: Every spec_type name accepted ("none": target only), aliases included.
 SPEC_TYPES = ("none", *_BY_NAME)
+#: The names a command line may give (--spec-type): not those that take a Python object.
+CLI_SPEC_TYPES = ("none", *(name for name, m in _BY_NAME.items() if not m.python_only))
 
 
 #: llama.cpp's priority order (common/speculative.cpp common_speculative_init): of several types
 #: given, the n-gram ones are tried first, in this order, and the first that drafts wins.
 PRIORITY = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache",
-            "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark")
+            "draft-simple", "draft-eagle3", "draft-mtp", "draft-dflash", "draft-dspark", "draft-python")
 
 
 def canonical_spec_type(spec_type: str) -> str:

@@ -825,11 +825,11 @@ def _trained_context(model_path: str) -> int:
 def _draft_settings(draft_model: LlamaDraftModel | None) -> dict[str, Any]:
     if draft_model is None:
         return {"spec_type": "none"}
-    if not isinstance(draft_model, EngineDraft):
-        raise NotImplementedError(
-            f"draft_model={type(draft_model).__name__}(...): a draft model of your own (Python proposing tokens) is "
-            "not run by pyllama_spec's engine; use llama_speculative.LlamaPromptLookupDecoding, DFlashDraft, "
-            "Eagle3Draft, MTPDraft or DraftModel")
+    if not isinstance(draft_model, EngineDraft):  # a draft model of your own: the engine calls it each step
+        if not callable(draft_model):
+            raise TypeError(f"draft_model must be a LlamaDraftModel (input_ids -> token ids), got "
+                            f"{type(draft_model).__name__}")
+        return {"spec_type": "draft-python", "draft_callable": draft_model}
     return draft_model.engine_settings()
 
 

@@ -13,8 +13,10 @@ target's own under greedy decoding, with or without one:
   projector when given one. Each takes ``num_pred_tokens`` (an int, or ``"auto"``) and
   ``draft_positions`` where it applies.
 
-A ``LlamaDraftModel`` subclass of your own (a Python function proposing tokens) is not run by this
-engine: ``Llama`` refuses it with the reason.
+A ``LlamaDraftModel`` subclass of your own (``__call__(input_ids) -> token ids``) is called by the
+engine at every step (drafters/python_callable.py), as llama-cpp-python calls it: ``input_ids`` are
+the tokens so far and the last sampled one (a picture's rows left out); what it proposes is cut to
+the step's draft length (32 at most) and verified by the target.
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ class EngineConfig:
     draft_min: int = 0
     # the n-gram types' own settings (--spec-ngram-*, -lcs/-lcd); a NgramSettings or a dict of its fields
     ngram: NgramSettings | Mapping[str, Any] = NgramSettings()
+    # spec_type "draft-python": a function proposing tokens (input_ids -> token ids; llama-cpp-python's
+    # LlamaDraftModel); None otherwise
+    draft_callable: Any = None
     draft_p_min: float = 0.0
     draft_positions: str = "target"
     # > 0: verify a tree of up to this many drafted tokens per step instead of one chain (tree.py;

@@ -240,7 +240,8 @@ class Engine:
                     n_max=draft_max if each is m else own.limit, n_min=c.draft_min, p_min=c.draft_p_min, n_seq=n_seq,
                     n_ctx=c.n_ctx, n_batch=c.n_batch, n_ubatch=c.n_ubatch, n_threads=c.n_threads,
                     flash_attn=c.flash_attn, swa_full=c.swa_full, cache_types=self._draft_cache_types(),
-                    draft_projector=self.draft_projector, ngram=c.ngram, method_name=each.name)))
+                    draft_projector=self.draft_projector, ngram=c.ngram, method_name=each.name,
+                    draft_callable=c.draft_callable)))
             self.drafter = made[0] if len(made) == 1 else ChainDrafter(made)
         if self.drafter is not None and n_rs_seq:
             self.drafter.n_max_limit = n_rs_seq  # rollback snapshots bound how far a draft can go
