@@ -531,11 +531,40 @@ def test_the_ctypes_layer_is_named_as_missing():
         llama_cpp.llama_model_default_params  # noqa: B018
 
 
+WEATHER_TOOL = {"type": "function", "function": {"name": "weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_with_a_logits_processor_runs_it_at_every_token(llm, stream):
+    messages = [{"role": "user", "content": PROMPT}]
+    plain = llm.create_chat_completion(messages=messages, max_tokens=12, temperature=0.0)["choices"][0]
+    seen = []
+
+    def record_each_call(ids, logits):
+        seen.append(len(ids))
+        return logits
+
+    kw = dict(messages=messages, max_tokens=12, temperature=0.0, stream=stream,
+              logits_processor=llama_cpp.LogitsProcessorList([record_each_call]))
+    if stream:
+        chunks = list(llm.create_chat_completion(**kw))
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+        finish = chunks[-1]["choices"][0]["finish_reason"]
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    else:
+        out = llm.create_chat_completion(**kw)
+        text, finish = out["choices"][0]["message"]["content"], out["choices"][0]["finish_reason"]
+        assert out["usage"]["completion_tokens"] == len(seen)
+    assert text == plain["message"]["content"] and finish == plain["finish_reason"]  # an identity processor
+    assert len(seen) >= 1 and seen == sorted(seen)  # called at each token, the ids growing
+
+
 # ----------------------------------------------------------------------------- what is refused
 
 def test_what_the_facade_cannot_do_is_refused_with_the_reason(llm, tmp_path):
-    with pytest.raises(NotImplementedError, match="logits_processor in a chat"):
-        llm.create_chat_completion(messages=[{"role": "user", "content": "hi"}],
+    with pytest.raises(NotImplementedError, match="logits_processor in a chat with pictures, tools"):
+        llm.create_chat_completion(messages=[{"role": "user", "content": "hi"}], tools=[WEATHER_TOOL],
+                                   tool_choice="required",
                                    logits_processor=llama_cpp.LogitsProcessorList([lambda ids, logits: logits]))
     with pytest.raises(NotImplementedError, match="logprobs with logits_processor"):
         llm(PROMPT, logprobs=2, logits_processor=llama_cpp.LogitsProcessorList([lambda ids, logits: logits]))

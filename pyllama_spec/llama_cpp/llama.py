@@ -693,10 +693,6 @@ class Llama:
         from pyllama_spec.serving.chat_template import ChatOptions
 
         self._check_can_generate()
-        if logits_processor:
-            raise NotImplementedError("logits_processor in a chat: pyllama_spec.llama_cpp runs chats through the "
-                                      "engine's sampler; create_completion takes one (token by token), and a chat "
-                                      "takes grammar=, logit_bias= and the sampler options")
         if functions is not None or function_call is not None:
             tools = [{"type": "function", "function": f} for f in functions or []] or tools
             if isinstance(function_call, dict):
@@ -718,11 +714,52 @@ class Llama:
                                 mirostat_eta=mirostat_eta, grammar=None, logit_bias=logit_bias,
                                 logprobs=top_logprobs if logprobs else None)
         head = dict(id=f"chatcmpl-{uuid.uuid4()}", created=int(time.time()), model=model or self.model_path)
+        if logits_processor:  # Python per token: the rendered chat through llama-cpp-python's own loop
+            if chat.images or chat.grammar:
+                raise NotImplementedError("logits_processor in a chat with pictures, tools or a response format: "
+                                          "pyllama_spec.llama_cpp runs those through the engine's sampler (use "
+                                          "grammar=, logit_bias= and the sampler options there)")
+            done = self._token_completion(
+                chat.prompt, self._prompt_tokens(chat.prompt), {}, max_tokens=max_tokens,
+                stop=[*([stop] if isinstance(stop, str) else stop or ()), *chat.additional_stops], stream=stream,
+                seed=seed, echo=False, logprobs=None, logit_bias=logit_bias, stopping_criteria=None,
+                sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temperature,
+                              repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                              presence_penalty=presence_penalty, mirostat_mode=mirostat_mode,
+                              mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, grammar=grammar,
+                              logits_processor=logits_processor))
+            return self._chat_of_completion(done, chat, head, stream)
         pieces = self._engine.stream(chat=chat, **options)
         with_logprobs = bool(logprobs) and top_logprobs is not None  # llama-cpp-python: both, or none
         if stream:
             return self._chat_chunks(pieces, chat, head, with_logprobs)
         return self._chat(pieces, chat, head, with_logprobs)
+
+    def _chat_of_completion(self, done, chat, head: dict, stream: bool):
+        """A token-by-token completion of a rendered chat (``_token_completion``) as the chat's answer:
+        its text read by the chat's parser, in llama-cpp-python's chat shapes."""
+        answer = _Answer(chat, stream=stream)
+        if not stream:
+            first = done["choices"][0]
+            answer.feed(first["text"], final=True)
+            return dict(head, object="chat.completion", usage=done["usage"],
+                        choices=[dict(index=0, message=answer.llama_message(), logprobs=None,
+                                      finish_reason=answer.finish_reason(first["finish_reason"]))])
+
+        def chunks():
+            def chunk(delta: dict, finish=None) -> dict:
+                return dict(head, object="chat.completion.chunk",
+                            choices=[dict(index=0, delta=delta, finish_reason=finish, logprobs=None)])
+
+            yield chunk({"role": "assistant"})
+            for c in done:
+                first = c["choices"][0]
+                finish = first["finish_reason"]
+                for delta in answer.feed(first["text"], final=finish is not None):
+                    yield chunk(delta)
+                if finish is not None:
+                    yield chunk({}, answer.finish_reason(finish))
+        return chunks()
 
     def _messages(self, messages: list) -> list:
         """The messages with each ``image_url`` as a picture the engine reads (bytes or a local path)."""
