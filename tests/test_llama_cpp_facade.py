@@ -626,3 +626,29 @@ def test_embeddings_as_llama_cpp_python_gives_them(tiny_bert):
 def test_the_facade_is_documented():
     doc = (REPO_ROOT / "docs" / "llama_cpp.md").read_text()
     assert "from pyllama_spec import llama_cpp" in doc and "draft_model=" in doc
+
+
+# ----------------------------------------------------------------------------- fill in the middle
+
+def test_suffix_fills_in_the_middle_with_the_models_fim_tokens(tiny_fim):
+    kw = dict(n_ctx=1024, n_threads=N_THREADS, verbose=False)
+    with llama_cpp.Llama(str(tiny_fim.target), **kw) as llm:
+        fim = llm._engine.model.fim_tokens
+        pre, suf = llm.tokenize(b"def add(a, b):", add_bos=False), llm.tokenize(b"\n    return c", add_bos=False)
+        bos = [llm.token_bos()] if llm._engine.model.add_bos else []
+        laid_out = bos + [fim["pre"], *pre, fim["suf"], *suf, fim["mid"]]
+        got = llm("def add(a, b):", suffix="\n    return c", max_tokens=8, temperature=0.0)
+        assert got["choices"][0]["text"] == llm(laid_out, max_tokens=8, temperature=0.0)["choices"][0]["text"]
+        assert got["usage"]["prompt_tokens"] == len(laid_out)
+    with llama_cpp.Llama(str(tiny_fim.target), spm_infill=True, **kw) as llm:  # the suffix part first
+        spm = bos + [fim["suf"], *suf, fim["pre"], *pre, fim["mid"]]
+        got = llm("def add(a, b):", suffix="\n    return c", max_tokens=8, temperature=0.0)
+        assert got["choices"][0]["text"] == llm(spm, max_tokens=8, temperature=0.0)["choices"][0]["text"]
+
+
+def test_a_suffix_for_a_model_without_fim_tokens_follows_the_answer_as_in_llama_cpp_python(llm):
+    plain = llm(PROMPT, max_tokens=6, temperature=0.0)["choices"][0]["text"]
+    assert llm(PROMPT, suffix=" # end", max_tokens=6, temperature=0.0)["choices"][0]["text"] == plain + " # end"
+    chunks = list(llm(PROMPT, suffix=" # end", max_tokens=6, temperature=0.0, stream=True))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain + " # end"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"

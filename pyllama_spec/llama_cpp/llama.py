@@ -62,7 +62,7 @@ _IGNORED = {"kv_overrides": None, "rope_scaling_type": -1, "attention_type": -1,
             "rope_freq_base": 0.0, "rope_freq_scale": 0.0, "yarn_ext_factor": -1.0, "yarn_attn_factor": 1.0,
             "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0, "offload_kqv": True,
             "op_offload": None, "no_perf": False, "lora_base": None, "numa": False,
-            "tokenizer": None, "spm_infill": False}
+            "tokenizer": None}
 _SPLIT_MODES = {0: "none", 1: "layer", 2: "row"}
 #: llama.cpp's pooling type ids (llama-cpp-python's ``pooling_type``) -> the engine's names.
 POOLING_TYPES = {-1: "unspecified", 0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
@@ -109,7 +109,7 @@ class Llama:
                  chat_handler: MTMDChatHandler | None = None, draft_model: LlamaDraftModel | None = None,
                  type_k: int | None = None, type_v: int | None = None, logits_all: bool = False,
                  last_n_tokens_size: int = 64, verbose: bool = True, pooling_type: int = -1,
-                 **kwargs: Any) -> None:
+                 spm_infill: bool = False, **kwargs: Any) -> None:
         if pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type={pooling_type!r}: llama.cpp's pooling types are {POOLING_TYPES}")
         for name, value in kwargs.items():
@@ -123,6 +123,7 @@ class Llama:
                           stacklevel=2)
         self.model_path = str(model_path)
         self.verbose = verbose
+        self.spm_infill = spm_infill  # fill-in-the-middle with the suffix first (suffix=)
         self.chat_handler = chat_handler
         self.draft_model = draft_model
         self._seed = seed or LLAMA_DEFAULT_SEED  # llama-cpp-python's: 0 and None mean the default
@@ -602,13 +603,19 @@ class Llama:
         """Complete ``prompt`` (text, or token ids). Streamed: llama-cpp-python's chunks, the last with
         its ``finish_reason``."""
         self._check_can_generate()
-        if suffix is not None:
-            raise NotImplementedError("suffix (fill-in-the-middle): use pyllama_spec's /infill route or "
-                                      "Engine.stream with the model's FIM tokens")
         head = dict(id=f"cmpl-{uuid.uuid4()}", object="text_completion", created=int(time.time()),
                     model=model or self.model_path)
+        appended = ""  # a suffix the model cannot take in: added after the answer, as llama-cpp-python does
+        if suffix is not None:
+            fim = self._fim_prompt(prompt, suffix)
+            if fim is None:
+                appended = suffix
+            else:
+                if echo:  # the echo is the prompt as given, not the FIM layout
+                    raise NotImplementedError("echo with suffix: pyllama_spec.llama_cpp echoes no FIM prompt")
+                prompt = fim
         if stopping_criteria or logits_processor:  # Python per token: llama-cpp-python's own loop
-            return self._token_completion(
+            done = self._token_completion(
                 prompt, self._prompt_tokens(prompt), head, max_tokens=max_tokens, stop=stop, stream=stream, seed=seed,
                 echo=echo, logprobs=logprobs, logit_bias=logit_bias, stopping_criteria=stopping_criteria,
                 sampling=dict(top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p, temp=temperature,
@@ -616,6 +623,11 @@ class Llama:
                               presence_penalty=presence_penalty, mirostat_mode=mirostat_mode,
                               mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, grammar=grammar,
                               logits_processor=logits_processor))
+            if appended and stream:
+                return _then_text(done, head, appended)
+            if appended:
+                done["choices"][0]["text"] += appended
+            return done
         if self.cache is not None:
             self._start_from_cache(self._prompt_tokens(prompt))
         if isinstance(prompt, str):
@@ -631,10 +643,26 @@ class Llama:
         prompt_text = prompt if isinstance(prompt, str) else self.detokenize(prompt).decode("utf-8", errors="replace")
         pieces = self._engine.stream(text_prompt, **options)
         if stream:  # llama-cpp-python streams no echo
-            return self._completion_chunks(pieces, head, len(prompt_text), logprobs)
-        return self._completion(pieces, head, prompt_text if echo else "", len(prompt_text), logprobs)
+            chunks = self._completion_chunks(pieces, head, len(prompt_text), logprobs)
+            return _then_text(chunks, head, appended) if appended else chunks
+        out = self._completion(pieces, head, prompt_text if echo else "", len(prompt_text), logprobs)
+        out["choices"][0]["text"] += appended
+        return out
 
     __call__ = create_completion
+
+    def _fim_prompt(self, prompt: str | Sequence[int], suffix: str) -> list[int] | None:
+        """The fill-in-the-middle prompt with the model's FIM tokens: [BOS] <pre> prompt <suf> suffix <mid>
+        (``spm_infill``: the suffix part first), as llama.cpp's infill lays it out; None for a model
+        without them. (llama-cpp-python 0.3.36 meant this; its token ids are placeholders there.)"""
+        fim = self._engine.model.fim_tokens
+        if min(fim["pre"], fim["suf"], fim["mid"]) < 0:
+            return None
+        text = self.tokenize(prompt.encode("utf-8"), add_bos=False) if isinstance(prompt, str) else list(prompt)
+        pre = [fim["pre"], *text]
+        suf = [fim["suf"], *self.tokenize(suffix.encode("utf-8"), add_bos=False)]
+        bos = [self.token_bos()] if self._engine.model.add_bos and self.token_bos() >= 0 else []
+        return bos + (suf + pre if self.spm_infill else pre + suf) + [fim["mid"]]
 
     def _completion(self, pieces, head: dict, echoed: str, prompt_chars: int,
                     logprobs: int | None) -> T.CreateCompletionResponse:
@@ -868,6 +896,18 @@ def _draft_settings(draft_model: LlamaDraftModel | None) -> dict[str, Any]:
                             f"{type(draft_model).__name__}")
         return {"spec_type": "draft-python", "draft_callable": draft_model}
     return draft_model.engine_settings()
+
+
+def _then_text(chunks, head: dict, text: str):
+    """A completion stream with ``text`` sent before its last chunk (the one with the finish reason)."""
+    last = None
+    for chunk in chunks:
+        if last is not None:
+            yield last
+        last = chunk
+    if last is not None:
+        yield dict(head, choices=[dict(text=text, index=0, logprobs=None, finish_reason=None)])
+        yield last
 
 
 def _usage(stats) -> T.CompletionUsage:
