@@ -121,3 +121,37 @@ def test_draft_max_auto_at_load_and_its_refusals(tmp_path):
     for bad in ("fast", -1, 2.5, True):
         with pytest.raises(ValueError, match="draft_max"):
             ps.load(pair.target, draft=pair.draft, n_threads=N_THREADS, draft_max=bad)
+
+
+def _run(rule: AdaptiveLength, steps: int, alpha, *, base: float, per_row: float, plain: float, seed: int = 0):
+    """Feed ``rule`` ``steps`` steps: a draft of n costs base + per_row x (1 + n) and each token is kept
+    with probability alpha(step); a step without one costs ``plain``. Returns the lengths it chose."""
+    rng, chosen = random.Random(seed), []
+    for step in range(steps):
+        n = rule.next()
+        chosen.append(n)
+        kept = 0
+        while kept < n and rng.random() < alpha(step):
+            kept += 1
+        rule.update(n, kept, base + per_row * (1 + n) if n else plain)
+    return chosen
+
+
+def test_auto_drafts_nothing_where_no_length_pays_and_probes_back_when_it_does():
+    rule = AdaptiveLength(AdaptiveLength.START, 15)
+    # a draft call costs as much as the target's step, rows are dear, and drafts are rarely right
+    chosen = _run(rule, 200, lambda step: 0.15, base=0.010, per_row=0.002, plain=0.006)
+    tail = chosen[100:]
+    assert tail.count(0) > 0.9 * len(tail)  # off, but for the probes
+    probes = [i for i in range(1, len(chosen)) if chosen[i] and not chosen[i - 1]]
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps == sorted(gaps) and max(gaps) <= AdaptiveLength.PROBE_MAX + 2  # backing off, bounded
+    # the text turns repetitive: a probe finds drafts kept, and drafting resumes
+    chosen = _run(rule, 300, lambda step: 0.98, base=0.010, per_row=0.002, plain=0.006, seed=1)
+    assert sum(1 for n in chosen[-100:] if n > 0) > 90 and max(chosen[-100:]) >= 5
+
+
+def test_where_drafting_pays_auto_keeps_drafting_but_for_a_plain_step_now_and_then():
+    rule = AdaptiveLength(AdaptiveLength.START, 15)
+    chosen = _run(rule, 300, lambda step: 0.9, base=0.010, per_row=0.0005, plain=0.009)
+    assert chosen[50:].count(0) <= 300 // AdaptiveLength.PLAIN_EVERY + 1 and min(n for n in chosen[50:] if n) >= 3

@@ -15,6 +15,14 @@ right and cheap rows (a large model on a GPU) lengthen them. For its first three
 explores from a draft of 3 with HF transformers' schedule (two more after a fully accepted
 block, one fewer after a rejection).
 
+Where no length pays, it drafts nothing: a step without a draft skips the drafter's call, so
+its time is measured apart (``StepCost.plain``, the target's decode of one token), and when
+one token a step at that cost beats every drafting length the rule stops drafting. So that it
+can find out when drafting pays again (the text turns repetitive, a picture's answer begins),
+it probes with a draft of ``START`` after ``PROBE_AFTER`` steps without, then after twice as many, up
+to ``PROBE_MAX`` apart. A probe starts the acceptance estimates afresh (what was measured before
+drafting stopped is old news): drafts kept resume drafting, drafts rejected keep it off.
+
 With several slots in one step (serving/slot_loop.py) the rows of every slot share one target
 decode, so a row's cost is the step's, not the slot's: ``plan_lengths`` hands out the
 step's draft rows across the adaptive slots together, each next row to the slot whose next
@@ -46,6 +54,12 @@ class StepCost:
 
     def __init__(self) -> None:
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self.plain: float | None = None  # seconds of a step that drafted nothing (a decaying mean)
+
+    def update_plain(self, seconds: float) -> None:
+        """A step without a draft call: the target's decode of its one token and what is around it."""
+        if seconds > 0:
+            self.plain = seconds if self.plain is None else self.DECAY * self.plain + (1 - self.DECAY) * seconds
 
     def update(self, rows: int, seconds: float) -> None:
         if seconds <= 0:
@@ -73,6 +87,10 @@ class AdaptiveLength:
     START = 3
     WARMUP_STEPS = 3
     DECAY = 0.9  # weight of the past in the acceptance estimates
+    PROBE_AFTER = 8  # steps without a draft before the first probe; doubled after each probe that fails
+    PROBE_MAX = 128
+    PLAIN_EVERY = 64  # drafting steps between two plain ones that keep the plain step's cost current
+    PLAIN_FIRST = 8  # drafting steps after the warm-up before the first plain one (when none was timed yet)
 
     def __init__(self, start: int, limit: int, cost: StepCost | None = None) -> None:
         self.limit = max(1, limit)
@@ -83,6 +101,11 @@ class AdaptiveLength:
         # acceptance, per draft position: decayed counts of (reached, accepted)
         self._tried = [0.0] * self.limit
         self._kept = [0.0] * self.limit
+        self._idle = 0  # steps since drafting stopped (n == 0), towards the next probe
+        self._probe_after = self.PROBE_AFTER
+        self._since_plain = self.PLAIN_EVERY - self.PLAIN_FIRST  # drafting steps since the last plain one
+        self._measuring_plain = False  # this step drafts nothing only to time a plain step
+        self._probing = False  # this step drafts to see whether drafting pays again
 
     @property
     def warming_up(self) -> bool:
@@ -96,7 +119,21 @@ class AdaptiveLength:
         this rule's own cost fit, when it has one."""
         if drafted == 0 and self.n > 0 and self.warming_up:
             return  # nothing was proposed (no match, or too few): no evidence either way
+        if self.n == 0 and drafted == 0 and self.owns_cost:
+            self.cost.update_plain(seconds)  # alone, this rule times its own plain steps
+        if self.n == 0 and drafted == 0 and self._measuring_plain:  # a plain step timed: back to drafting
+            self._measuring_plain = False
+            self.n = self._best_length()
+            return
+        if self.n == 0 and drafted == 0:  # drafting is off: no evidence about drafts; probe now and then
+            self._idle += 1
+            if self._idle >= self._probe_after:
+                self._idle, self._probe_after = 0, min(2 * self._probe_after, self.PROBE_MAX)
+                self.n, self._probing = min(self.START, self.limit), True
+            return
         d = self.DECAY
+        if self._probing:  # drafting was off for a while: the probe starts the estimates afresh
+            self._tried, self._kept = [0.0] * self.limit, [0.0] * self.limit
         # Positions reached: every accepted one, plus the one rejected (when there was one).
         reached = min(accepted + (1 if accepted < drafted else 0), self.limit)
         for i in range(self.limit):
@@ -109,7 +146,16 @@ class AdaptiveLength:
             self.n = min(self.n + 2, self.limit) if accepted == drafted else max(1, self.n - 1)
             return
         self.n = self._best_length()
-
+        if self._probing:
+            self._probing = False
+            if accepted == drafted:  # the probe's drafts were all kept: look again soon
+                self._probe_after = self.PROBE_AFTER
+        if self.n > 0:
+            self._probe_after = self.PROBE_AFTER  # drafting pays: the next stop probes early again
+            self._since_plain += 1
+            if self._since_plain >= self.PLAIN_EVERY:  # time a plain step now and then (costs and
+                self._since_plain = 0  # contexts change): the choice between drafting and not needs both
+                self._measuring_plain, self.n = True, 0
     def acceptance(self) -> list[float]:
         """a_i per position, shrunk towards the overall rate where a position was rarely reached."""
         tried, kept = sum(self._tried), sum(self._kept)
@@ -126,16 +172,19 @@ class AdaptiveLength:
         return out
 
     def _best_length(self) -> int:
-        """The length with the best expected tokens per second of a step of this rule alone."""
+        """The length with the best expected tokens per second of a step of this rule alone: 0 (no
+        draft) when a plain step, measured apart, beats them all."""
         base, per_row = self.cost.fit()
-        best, best_rate, gain = 0, 0.0, 1.0
-        for n, g in enumerate([0.0, *self.gains()]):
+        best, best_rate, gain = 1, 0.0, 1.0
+        for n, g in enumerate(self.gains(), start=1):
             gain += g
             rate = gain / (base + per_row * (1 + n))
             if rate > best_rate * 1.0001:
                 best, best_rate = n, rate
-        # Keep drafting at least one token: with none, the acceptance estimate could never recover.
-        return max(best, 1)
+        plain = self.cost.plain
+        if plain is not None and 1.0 / plain > best_rate:
+            return 0
+        return best
 
 
 def plan_lengths(rules: list, limits: list[int]) -> list[int]:

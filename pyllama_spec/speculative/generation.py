@@ -392,8 +392,10 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
         g.draft_length.update(len(draft), n_kept - 1, time.perf_counter() - start)
         g.stats.target_steps += 1
         pieces.append(g._after_step(accepted, len(draft), rows=list(range(at, at + len(accepted)))))
-    if asked and step_cost is not None:  # a step without a draft call costs less than the fit's base
+    if step_cost is not None and asked:  # a step without a draft call costs less than the fit's base
         step_cost.update(row, time.perf_counter() - start)  # the whole step: all its rows, all its time
+    elif step_cost is not None and len(gens) == 1 and gens[0].seq.drafter is not None:
+        step_cost.update_plain(time.perf_counter() - start)  # drafting off: what a plain step costs
     return pieces
 
 
