@@ -32,10 +32,11 @@ STAND_INS: dict[tuple[str, str], str | None] = {
     ("ggml-org/models", "tinyllamas/stories15M-q4_0.gguf"): str(MODELS_DIR / "trained-target.gguf"),
     ("tiiuae/Falcon-H1-Tiny-90M-Instruct-GGUF", "Falcon-H1-Tiny-90M-Instruct-Q2_K.gguf"):
         str(MODELS_DIR / "trained-qwen35-mtp.gguf"),  # a hybrid (attention and recurrent layers) too
-    ("QuantFactory/mamba-130m-hf-GGUF", "mamba-130m-hf.Q2_K.gguf"): None,  # no recurrent-only model here
 }
 #: bge-small's stand-in: the tiny BERT with its vocabulary (devtools/tiny_bert.py), written by ``prepare``.
 BGE_SMALL = ("CompendiumLabs/bge-small-en-v1.5-gguf", "bge-small-en-v1.5-q4_k_m.gguf")
+#: mamba-130m's (recurrent-only): the tiny Mamba (devtools/tiny_mamba.py), written by ``prepare``.
+MAMBA_130M = ("QuantFactory/mamba-130m-hf-GGUF", "mamba-130m-hf.Q2_K.gguf")
 
 _CONFTEST = '''\
 import sys, types
@@ -75,8 +76,10 @@ def prepare(folder: Path, *, facade: bool) -> Path:
         tar.extractall(folder, members=members, filter="data")
     root = next(folder.glob("*/tests")).parent
     from pyllama_spec.devtools.tiny_bert import make_bert
+    from pyllama_spec.devtools.tiny_mamba import make_mamba
 
-    stand_ins = {**STAND_INS, BGE_SMALL: str(make_bert(folder / "models"))}
+    stand_ins = {**STAND_INS, BGE_SMALL: str(make_bert(folder / "models")),
+                 MAMBA_130M: str(make_mamba(folder / "models"))}
     (root / "tests" / "conftest.py").write_text(_CONFTEST.format(stand_ins=stand_ins, facade=_FACADE if facade else ""))
     models = root / "vendor" / "llama.cpp" / "models"
     models.parent.mkdir(parents=True, exist_ok=True)
