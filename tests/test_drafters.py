@@ -203,13 +203,7 @@ class RepeatLastDrafter:
 
         return [Proposal([rq.id_last] * rq.n_max) for rq in requests]
 
-    def begin(self, seq_id) -> None:
-        pass
-
-    def accept(self, seq_id, n_accepted) -> None:
-        pass
-
-    def forget(self, seq_id, pos, draft_pos) -> None:
+    def forget(self, seq_id, pos, draft_pos) -> None:  # (no begin or accept: both are optional)
         pass
 
     def close(self) -> None:

@@ -48,11 +48,11 @@ def test_dspark_is_lossless_and_drafts_up_to_the_whole_block(tiny_dense, dspark,
             assert got.tokens == expected and got.stats.drafted > 0
 
 
-def test_two_slots_asking_different_lengths_share_one_draft_decode_losslessly(tiny_dense, dspark):
+def test_two_slots_asking_different_lengths_are_drafted_losslessly(tiny_dense, dspark):
     with _load(tiny_dense, None, spec_type="none") as plain:
         expected = plain.generate(PROMPT, max_tokens=48, temperature=0).tokens
     with _load(tiny_dense, dspark, n_parallel=2, n_ctx=4096) as engine:
-        # the Markov head needs equal blocks: the shorter request's block is padded to the longer's
+        # the Markov head needs equal blocks in a decode: one draft decode per length
         handles = [engine.submit(PROMPT, max_tokens=48, temperature=0, draft_max=n) for n in (3, 9)]
         assert [h.result().tokens for h in handles] == [expected, expected]
 

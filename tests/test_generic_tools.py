@@ -76,6 +76,13 @@ def test_the_parser_gives_the_calls_or_the_response_once_the_answer_is_whole():
         == ({"role": "assistant", "content": "hi"}, [{"content": "hi"}])
     with pytest.raises(ChatError):  # cut by max_tokens: the caller answers the text
         generic_tools.GenericToolParser().update('{"tool_call": {"na', partial=False)
+    with pytest.raises(ChatError):  # nested past Python's recursion limit
+        generic_tools.GenericToolParser().update("[" * 100_000 + "]" * 100_000, partial=False)
+    assert generic_tools.GenericToolParser().update('{"response": null}', partial=False)[0]["content"] == ""
+    # malformed earlier calls are left out of the conversation rather than failing it
+    odd = [{"role": "assistant", "tool_calls": 5}, {"role": "assistant", "tool_calls": [{"function": {}}]}]
+    assert [json.loads(m["content"]) for m in generic_tools.messages(odd, TOOLS, parallel=False)[1:]] == \
+        [{"response": ""}, {"response": ""}]
 
 
 # --------------------------------------------------------------------------- as clients see it
@@ -122,7 +129,7 @@ def test_auto_answers_text_or_a_call_and_props_says_the_format(server):
 
     r = _client(server).chat.completions.create(model="x", messages=ASK, tools=TOOLS, max_tokens=300)
     message = r.choices[0].message
-    assert message.tool_calls or "response" not in (message.content or "")  # the JSON never shows as text
+    assert message.tool_calls or '"response"' not in message.content  # the JSON never shows as text
     assert httpx.get(server.url + "/props").json()["tool_call_format"] == "generic"
 
 

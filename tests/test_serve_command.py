@@ -104,7 +104,9 @@ def test_several_hosts_and_a_unix_socket_are_all_served(tmp_path):
     import socket
 
     sock_path = tmp_path / "serve.sock"
-    # 127.0.0.2 is loopback too on Linux; localhost names 127.0.0.1 again (one socket for both)
+    if len(str(sock_path)) > 100:  # AF_UNIX paths are at most 104-108 bytes
+        pytest.skip(f"the temporary folder's path is too long for a UNIX socket ({len(str(sock_path))} bytes)")
+    # 127.0.0.2 is loopback too on Linux; localhost usually names 127.0.0.1 again (then one socket serves both)
     proc, url, port = _serve("--host", f"127.0.0.1,127.0.0.2,localhost,{sock_path}", log=tmp_path / "e.txt")
     try:
         class _UnixConnection(http.client.HTTPConnection):

@@ -369,7 +369,7 @@ def model_options(f):
         click.option("--spec-ngram-mod-n-match", "ngram_mod_n_match", type=click.IntRange(1, 1024), default=24,
                      show_default=True, help="ngram-mod: the n-gram length hashed"),
         click.option("--spec-ngram-mod-n-min", "ngram_mod_n_min", type=click.IntRange(0, NGRAM_DRAFT_LIMIT),
-                     default=48, show_default=True, help="ngram-mod: a shorter walk drafts nothing"),
+                     default=48, show_default=True, help="ngram-mod: a walk that ends sooner drafts nothing"),
         click.option("--spec-ngram-mod-n-max", "ngram_mod_n_max", type=click.IntRange(1, NGRAM_DRAFT_LIMIT),
                      default=64, show_default=True, help="ngram-mod: the most tokens a draft walks"),
         click.option("-lcs", "--lookup-cache-static", "lookup_cache_static", type=click.Path(), default=None,

@@ -222,7 +222,8 @@ def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
 @click.option("-v", "--verbose", "--log-verbose", "log_verbose", is_flag=True, default=False,
               help="log everything: each request with its body and the response's, and llama.cpp's own log")
 @click.option("-lv", "--verbosity", "--log-verbosity", "log_verbosity", type=int, default=3, show_default=True,
-              help="llama.cpp's levels: 0 output, 1 errors, 2 warnings, 3 info, 4 debug (the request log)")
+              help="llama.cpp's levels: 0 output, 1 errors, 2 warnings, 3 info, 4 debug (the request log and "
+                   "llama.cpp's own log)")
 @click.option("--log-file", type=click.Path(dir_okay=False), default=None,
               help="also write the log to this file")
 @click.option("--log-disable", is_flag=True, default=False, help="no log at all")
@@ -246,7 +247,7 @@ def serve(host, port, api_key, api_key_file, alias, tags, parallel, max_queue, a
         level = logs.configure(verbosity=log_verbosity, verbose=log_verbose, log_file=log_file, disable=log_disable)
     except OSError as e:
         raise click.BadParameter(f"cannot write the log there: {e}", param_hint="'--log-file'") from None
-    uvicorn_level = "debug" if level <= logging.DEBUG else "warning"
+    uvicorn_level = "debug" if level <= logging.DEBUG else "critical" if log_disable else "warning"
     parallel = max(parallel, 1)
     from pyllama_spec.server.origins import OriginPolicy
 
@@ -254,7 +255,8 @@ def serve(host, port, api_key, api_key_file, alias, tags, parallel, max_queue, a
     hosts = [h.strip() for h in hosts if h.strip()]
     if not hosts:
         raise click.BadParameter("give at least one address", param_hint="'--host'")
-    host = hosts[0]  # the banner's, the router's and the cross-site check's
+    # the banner's address: the first TCP one (a UNIX socket has no URL a browser opens)
+    host = next((h for h in hosts if not h.endswith(".sock")), hosts[0])
     try:
         origins = OriginPolicy.parse(cors_origins, listen_host=hosts)
     except ValueError as e:
@@ -262,7 +264,7 @@ def serve(host, port, api_key, api_key_file, alias, tags, parallel, max_queue, a
     keys = _api_keys(api_key, api_key_file)
     plan = router_plan(click.get_current_context())
     if plan is not None:
-        _serve_router(plan, host=host, port=port, keys=keys, models_max=models_max, autoload=models_autoload,
+        _serve_router(plan, host=hosts, port=port, keys=keys, models_max=models_max, autoload=models_autoload,
                       max_body_bytes=max_body_mib * 2**20, body_timeout=body_timeout, origins=origins)
         return
     if os.environ.get("LLAMA_SERVER_ROUTER_PORT"):  # a router's model: it goes when the router goes
@@ -297,7 +299,7 @@ def serve(host, port, api_key, api_key_file, alias, tags, parallel, max_queue, a
             sys.exit(1)
 
 
-def _serve_router(plan: RouterPlan, *, host: str, port: int, keys: list[str], models_max: int, autoload: bool,
+def _serve_router(plan: RouterPlan, *, host: list[str], port: int, keys: list[str], models_max: int, autoload: bool,
                   max_body_bytes: int, body_timeout: float, origins) -> None:
     from pyllama_spec.server.router.app import create_router_app
     from pyllama_spec.server.router.pool import ModelSpec, RouterSettings, input_modalities
@@ -316,8 +318,13 @@ def _serve_router(plan: RouterPlan, *, host: str, port: int, keys: list[str], mo
     names = ", ".join(s.name + (" (on startup)" if s.load_on_startup else "") for s in specs)
     err_console.print(f"[bold]pyllama-spec serve[/bold] · router · {len(specs)} models: {names} · "
                       f"at most {models_max or 'any number'} loaded · autoload: {'on' if autoload else 'off'} · "
-                      f"http://{host}:{port}/v1", soft_wrap=True)
-    serve_app(app, host=host, port=port)
+                      f"http://{_shown(next((h for h in host if not h.endswith('.sock')), host[0]))}:{port}/v1",
+                      soft_wrap=True)
+    try:
+        serve_app(app, host=host, port=port)
+    except OSError as e:  # an address that cannot be listened on (in use, not this machine's)
+        err_console.print(f"[red]error:[/red] {e.strerror or e}")
+        sys.exit(1)
 
 
 def _csv(value: str | None) -> list[str]:
@@ -326,7 +333,10 @@ def _csv(value: str | None) -> list[str]:
 
 
 def _shown(host: str) -> str:
-    """The host as a browser reaches it: a wildcard address is this machine's loopback; IPv6 in brackets."""
+    """The host as a browser reaches it: a wildcard address is this machine's loopback; IPv6 in brackets;
+    a UNIX socket as curl names one."""
+    if host.endswith(".sock"):
+        return f"localhost (--unix-socket {host})"
     host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
     return f"[{host}]" if ":" in host else host
 

@@ -14,11 +14,12 @@ A drafter serves ``n_seq`` sequences (one per slot; see sequence.py), named by `
   ``id_last``, which sits at the request's position (none when fewer than n_min are
   found), with the draft's logits when the method has a distribution (rejection
   sampling verifies against it);
-* ``begin(seq_id)``: the sequence's prompt is decoded and its generation starts (llama.cpp's
-  ``begin``: the n-gram maps index the prompt here);
-* ``accept(seq_id, n_accepted)``: the target kept ``n_accepted`` tokens of the sequence's last
-  non-empty draft (llama.cpp's ``accept``: ngram-map-k remembers it per key, ngram-mod resets
-  after a run of poor drafts); the model drafters have nothing to do here;
+* ``begin(seq_id)`` (optional): the sequence's prompt is decoded and its generation starts
+  (llama.cpp's ``begin``: the n-gram maps index the prompt here);
+* ``accept(seq_id, n_accepted)`` (optional): the target kept ``n_accepted`` tokens of the
+  sequence's last non-empty draft (llama.cpp's ``accept``: ngram-map-k remembers it per key,
+  ngram-mod resets after a run of poor drafts); the model drafters have nothing to do here. A
+  drafter without these two is not called for them (a drafter written before they existed);
 * ``forget(seq_id, pos, draft_pos)``: forget everything the sequence holds from that
   point on: target position ``pos``, draft position ``draft_pos`` (each method uses the
   one its cache is laid out by). This is how rejected drafts, a shorter cached prompt

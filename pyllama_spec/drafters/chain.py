@@ -48,7 +48,8 @@ class ChainDrafter:
 
     def begin(self, seq_id: int) -> None:
         for d in self.drafters:
-            d.begin(seq_id)
+            if hasattr(d, "begin"):
+                d.begin(seq_id)
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         made: dict[int, Proposal] = {}
@@ -64,7 +65,7 @@ class ChainDrafter:
         return [made.get(i, Proposal([])) for i in range(len(requests))]
 
     def accept(self, seq_id: int, n_accepted: int) -> None:
-        if seq_id in self._last:
+        if hasattr(self._last.get(seq_id), "accept"):
             self._last[seq_id].accept(seq_id, n_accepted)
 
     def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:

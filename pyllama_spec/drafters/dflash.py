@@ -70,7 +70,9 @@ def _tensors(model: Model):
 
 def has_markov_head(tensors) -> bool:
     """A DFlash file with DSpark's Markov head (llama.cpp tells draft-dspark from draft-dflash so)."""
-    return "markov_w1.weight" in tensors
+    from pyllama_spec.drafters.registry import MARKOV_HEAD_TENSOR
+
+    return MARKOV_HEAD_TENSOR in tensors
 
 
 def check_dflash_pair(target: Model, draft: Model, dflash_target_archs: list[str] | None) -> DFlashConfig:
@@ -232,17 +234,24 @@ class DFlashDrafter:
         """Up to n_max tokens after each request's id_last, every block in one draft decode.
 
         Fewer than a request's n_min tokens are not worth a verify: then it gets nothing.
+        DSpark's Markov head runs on blocks of one size in a decode: requests of different lengths
+        get a decode per length (padding a block past its request's length could run past the
+        cells its sequence has left).
         """
+        lengths = [min(rq.n_max, self.n_max_limit) for rq in requests]
+        if self.dspark and len(set(lengths)) > 1:
+            made: dict[int, Proposal] = {}
+            for n in sorted(set(lengths)):
+                mine = [i for i, k in enumerate(lengths) if k == n]
+                made.update(zip(mine, self.draft([requests[i] for i in mine])))
+            return [made[i] for i in range(len(requests))]
         self._batch.clear()
         blocks = []  # (first output row, n, block position)
         row = 0
-        # DSpark's Markov head runs on equal-size blocks (one per sequence in the ubatch): every block
-        # takes the longest request's length, each request reads its own n rows of it
-        longest = max((min(rq.n_max, self.n_max_limit) for rq in requests), default=0)
         first = 0 if self._anchor_drafts else 1  # the block's first drafting row
         for rq in requests:
             n = min(rq.n_max, self.n_max_limit)
-            size = (longest if self.dspark else n) + first
+            size = n + first
             pos0 = rq.draft_pos
             tokens = np.full(size, self.config.mask_token, dtype=np.int32)
             tokens[0] = rq.id_last

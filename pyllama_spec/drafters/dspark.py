@@ -7,8 +7,8 @@ through the block), and, with ``conf_proj``, a confidence per position (llama.cp
 where it falls below ``p_min``). Its block is anchor-first: ``[id_last, mask x (n - 1)]``, and
 every row, the anchor's included, drafts a token, so a draft may be as long as the block
 (``dflash.sample_from_anchor`` false: the anchor's row is a bonus and drafts nothing, as DFlash).
-The graph needs every block of a decode the same size: all slots' blocks take the longest
-request's length.
+The graph needs every block of a decode the same size: slots asking different lengths get a
+draft decode per length.
 
 llama.cpp picks this type for a draft with a Markov head when no ``--spec-type`` is given; so
 does ``load`` (registry.default_spec_type).

@@ -425,3 +425,4 @@ class NgramCacheDrafter:
     def close(self) -> None:
         self._history.clear()
         self._context.clear()
+        self._cache_size.clear()

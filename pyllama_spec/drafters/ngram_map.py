@@ -93,6 +93,7 @@ class NgramMap:
         self.n, self.m = size_key, size_value
         self.key_only, self.min_hits = key_only, min_hits
         self.keys: list[_Key] = []
+        self._key_index: dict[bytes, int] = {}  # a key's tokens -> its place in keys (each key once)
         self.key_map = np.zeros(HASH_MAP_SIZE, dtype=np.uint32)  # key hash -> index of the key (0: none)
         self.key_map_last_idx = 0
         self.size_last_begin = 0  # the history's length at the last begin
@@ -122,6 +123,11 @@ class NgramMap:
             self.keys = kept
         self.idx_last_check = size_begin
         self.size_last_begin = size_begin
+        # Keys are found by what the history holds at their index now (a new prompt may have changed
+        # it), the first in the list winning, as llama.cpp's linear search finds them.
+        self._key_index = {}
+        for i, k in enumerate(self.keys):
+            self._key_index.setdefault(tokens[k.idx:k.idx + self.n].tobytes(), i)
 
     def draft(self, inp: np.ndarray, sampled: int) -> list[int]:
         """common_ngram_map_draft: ``inp`` is the history (without ``sampled``, the last token)."""
@@ -145,10 +151,10 @@ class NgramMap:
         if match_pos == 0:
             return []
 
-        k = next((i for i, kk in enumerate(self.keys) if np.array_equal(inp[kk.idx:kk.idx + n], key)), None)
+        k = self._key_index.get(key.tobytes())
         if k is None:
             self.keys.append(_Key(idx=match_pos, values=[_Value(n_accepted=m) for _ in range(MAX_VALUES)]))
-            k = len(self.keys) - 1
+            k = self._key_index[key.tobytes()] = len(self.keys) - 1
         entry = self.keys[k]
         entry.num = min(entry.num + 1, MAX_VALUE_COUNT)
 
@@ -187,7 +193,8 @@ class NgramMap:
         starts = np.concatenate(parts)
         if len(starts):
             h = _hashes(inp, starts, n)
-            h_first, first = np.unique(h, return_index=True)  # each slot's first (latest) key only
+            # each slot's first key in this order (the prompt's part first, as llama.cpp): a taken slot keeps its key
+            h_first, first = np.unique(h, return_index=True)
             free = self.key_map[h_first] == 0
             self.key_map[h_first[free]] = starts[first[free]]
         self.key_map_last_idx = max(last_start, self.key_map_last_idx)

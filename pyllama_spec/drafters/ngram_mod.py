@@ -98,8 +98,8 @@ class NgramModDrafter:
 
     def __init__(self, *, n_match: int = 24, n_min: int = 48, n_max: int = 64, table_size: int = TABLE_SIZE,
                  default_length: int | None = None) -> None:
-        if n_match < 1 or n_max < 1 or not 0 <= n_min <= n_max:
-            raise ValueError(f"ngram-mod needs n_match >= 1 and 0 <= n_min <= n_max, got {n_match}, {n_min}, {n_max}")
+        if n_match < 1 or n_max < 1 or n_min < 0:
+            raise ValueError(f"ngram-mod needs n_match >= 1, n_max >= 1 and n_min >= 0, got {n_match}, {n_max}, {n_min}")
         self.walk_min, self.walk_max = n_min, n_max  # a walk that ends before walk_min drafts nothing
         self.n_max_limit = n_max
         self.n_max = n_max if default_length is None else max(1, min(default_length, n_max))

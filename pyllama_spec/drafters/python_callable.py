@@ -16,6 +16,8 @@ command line); ``pyllama_spec.llama_cpp.Llama(draft_model=...)`` and ``load(draf
 
 from __future__ import annotations
 
+import itertools
+import math
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -78,10 +80,18 @@ class CallableDrafter:
         for rq in requests:
             tokens = self._history.tokens(rq.seq_id)
             input_ids = np.append(tokens[tokens != SEPARATOR], np.int32(rq.id_last)).astype(np.intc)
-            proposed = np.asarray(self.draft_fn(input_ids)).ravel()[:rq.n_max]
+            proposed = self.draft_fn(input_ids)
+            if not isinstance(proposed, (np.ndarray, list, tuple)) and not hasattr(proposed, "__iter__"):
+                raise TypeError(f"the draft function returned {type(proposed).__name__}: return the proposed token "
+                                "ids (an empty array for none)")
             found = []
-            for t in proposed.tolist():
-                if isinstance(t, bool) or not isinstance(t, (int, float)) or t != int(t) or not 0 <= t < self.n_vocab:
+            # read at most n_max items of whatever iterable it returned (an array, a list, a generator)
+            for t in itertools.islice(iter(np.ravel(proposed) if isinstance(proposed, np.ndarray) else proposed),
+                                      rq.n_max):
+                if isinstance(t, np.generic):
+                    t = t.item()
+                if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t != int(t) \
+                        or not 0 <= t < self.n_vocab:
                     break  # not a token id: never hand the target garbage
                 found.append(int(t))
             out.append(Proposal(found if len(found) >= max(rq.n_min, 1) else []))

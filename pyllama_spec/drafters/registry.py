@@ -64,11 +64,21 @@ class NgramSettings:
             if not (1 <= size_n <= 1024 and 1 <= size_m <= NGRAM_DRAFT_LIMIT and 0 <= min_hits <= 16380):
                 raise ValueError(f"ngram {name} needs 1 <= size_n <= 1024, 1 <= size_m <= {NGRAM_DRAFT_LIMIT} and "
                                  f"0 <= min_hits <= 16380, got {getattr(self, name)}")
-        if not (1 <= self.mod_n_match <= 1024 and 0 <= self.mod_n_min <= self.mod_n_max <= NGRAM_DRAFT_LIMIT
-                and self.mod_n_max >= 1):
-            raise ValueError(f"ngram-mod needs 1 <= n_match <= 1024 and 0 <= n_min <= n_max <= {NGRAM_DRAFT_LIMIT}, "
-                             f"got n_match {self.mod_n_match}, n_min {self.mod_n_min}, n_max {self.mod_n_max}")
+        # as llama.cpp, n_min above n_max is taken: then only a walk that reaches n_max drafts
+        if not (1 <= self.mod_n_match <= 1024 and 0 <= self.mod_n_min <= NGRAM_DRAFT_LIMIT
+                and 1 <= self.mod_n_max <= NGRAM_DRAFT_LIMIT):
+            raise ValueError(f"ngram-mod needs 1 <= n_match <= 1024, 0 <= n_min <= {NGRAM_DRAFT_LIMIT} and "
+                             f"1 <= n_max <= {NGRAM_DRAFT_LIMIT}, got n_match {self.mod_n_match}, n_min "
+                             f"{self.mod_n_min}, n_max {self.mod_n_max}")
         return self
+
+
+def ngram_limit(spec_type: str, ngram: NgramSettings) -> int | None:
+    """The most tokens one draft of an n-gram type may propose under its settings (its size_m, its
+    n_max, ngram-cache's 8); None for any other type. Recurrent targets keep a state snapshot per
+    position a draft may roll back, so the plan must not take NGRAM_DRAFT_LIMIT for it."""
+    return {"ngram-map-k": ngram.map_k[1], "ngram-map-k4v": ngram.map_k4v[1], "ngram-mod": ngram.mod_n_max,
+            "ngram-cache": 8}.get(spec_type)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +212,9 @@ SPEC_TYPES = ("none", *_BY_NAME)
 CLI_SPEC_TYPES = ("none", *(name for name, m in _BY_NAME.items() if not m.python_only))
 
 
+#: The tensor of DSpark's Markov head: llama.cpp tells draft-dspark files from draft-dflash ones by it.
+MARKOV_HEAD_TENSOR = "markov_w1.weight"
+
 #: llama.cpp's priority order (common/speculative.cpp common_speculative_init): of several types
 #: given, the n-gram ones are tried first, in this order, and the first that drafts wins.
 PRIORITY = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache",
@@ -245,7 +258,7 @@ def default_spec_type(draft, mmproj_draft=None) -> str:
         info = read_gguf_shared(draft)
     except Exception:  # noqa: BLE001 - an unreadable file: the load's own check says what is wrong
         return "draft-dflash"
-    if info.arch == "dflash" and "markov_w1.weight" in info.tensors:
+    if info.arch == "dflash" and MARKOV_HEAD_TENSOR in info.tensors:
         return "draft-dspark"
     return "draft-eagle3" if info.arch == "eagle3" else "draft-dflash"
 

@@ -18,34 +18,52 @@ SEPARATOR = -2  # stands for a media chunk; never a token id (llama.cpp's LLAMA_
 _EMPTY = np.zeros(0, dtype=np.int32)
 
 
+class _Seq:
+    """One sequence's tokens and positions in buffers that grow by doubling: an append costs its rows."""
+
+    def __init__(self) -> None:
+        self.tokens = np.zeros(64, dtype=np.int32)
+        self.pos = np.zeros(64, dtype=np.int32)
+        self.n = 0
+
+    def append(self, tokens: np.ndarray, pos: np.ndarray) -> None:
+        need = self.n + len(tokens)
+        if need > len(self.tokens):
+            size = max(need, 2 * len(self.tokens))
+            self.tokens = np.resize(self.tokens, size)
+            self.pos = np.resize(self.pos, size)
+        self.tokens[self.n:need] = tokens
+        self.pos[self.n:need] = pos
+        self.n = need
+
+
 class TokenHistory:
     """Per sequence: the tokens (int32, a picture as one SEPARATOR) and each one's target position."""
 
     def __init__(self) -> None:
-        self._seqs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._seqs: dict[int, _Seq] = {}
 
     def tokens(self, seq_id: int) -> np.ndarray:
-        return self._seqs.get(seq_id, (_EMPTY, _EMPTY))[0]
+        """The sequence's tokens: a view, valid until its next change."""
+        seq = self._seqs.get(seq_id)
+        return _EMPTY if seq is None else seq.tokens[:seq.n]
 
     def add(self, decode) -> None:
         """Record the rows of a target decode (drafters' ``process``)."""
         for r in decode.rows:
-            tokens, pos = self._seqs.get(r.seq_id, (_EMPTY, _EMPTY))
+            seq = self._seqs.setdefault(r.seq_id, _Seq())
             if r.tokens is None:  # media: one separator for the chunk, at its first position
-                if len(tokens) and tokens[-1] == SEPARATOR and pos[-1] == r.section0[0]:
+                if seq.n and seq.tokens[seq.n - 1] == SEPARATOR and seq.pos[seq.n - 1] == r.section0[0]:
                     continue  # a later slice of the same chunk
-                add_tok = np.array([SEPARATOR], dtype=np.int32)
-                add_pos = r.section0[:1].astype(np.int32)
+                seq.append(np.array([SEPARATOR], dtype=np.int32), r.section0[:1].astype(np.int32))
             else:
-                add_tok = np.asarray(r.tokens, dtype=np.int32)
-                add_pos = r.section0.astype(np.int32)
-            self._seqs[r.seq_id] = (np.concatenate([tokens, add_tok]), np.concatenate([pos, add_pos]))
+                seq.append(np.asarray(r.tokens, dtype=np.int32), r.section0.astype(np.int32))
 
     def forget(self, seq_id: int, pos: int) -> None:
         """Keep what sits before target position ``pos`` (drafters' ``forget``)."""
-        tokens, at = self._seqs.get(seq_id, (_EMPTY, _EMPTY))
-        keep = int(np.searchsorted(at, pos, side="left"))
-        self._seqs[seq_id] = (tokens[:keep], at[:keep])
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            seq.n = int(np.searchsorted(seq.pos[:seq.n], pos, side="left"))
 
     def clear(self) -> None:
         self._seqs.clear()

@@ -13,9 +13,9 @@ shutdowns that wait for work they could cancel.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import socket
 from pathlib import Path
-from typing import Any
 
 import h11
 import uvicorn
@@ -91,32 +91,42 @@ def make_server(app: Starlette, *, host: str, port: int, limits: ServeLimits = S
 
 
 def listening_sockets(hosts: list[str], port: int) -> list[socket.socket]:
-    """Bound sockets for llama-server's ``--host a,b,path.sock``: each TCP address on ``port`` (with
-    several, ``::`` is IPv6 only, as there), each path ending in ``.sock`` a UNIX socket (a stale
-    socket file there is replaced). OSError naming the address that cannot be bound."""
+    """Bound, listening sockets for llama-server's ``--host a,b,path.sock``: each TCP address on ``port``
+    (with several, ``::`` is IPv6 only, as there; two names of one address share a socket), each path
+    ending in ``.sock`` a UNIX socket (a stale socket file there is replaced; one a server still
+    answers on is not). OSError naming the address that cannot be listened on."""
     out: list[socket.socket] = []
     seen: set = set()
     try:
         for host in hosts:
             if host.endswith(".sock"):
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 path = Path(host)
+                if path.resolve() in seen:
+                    continue
+                seen.add(path.resolve())
                 if path.is_socket():
-                    path.unlink()
-                where = host
-                addr: Any = host
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                        if probe.connect_ex(host) == 0:
+                            raise OSError(errno.EADDRINUSE, f"cannot listen on {host}: a server answers there")
+                    path.unlink()  # left by a server that is gone
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                out.append(sock)
+                where, addr = host, host
             else:
-                family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                                 flags=socket.AI_PASSIVE)[0]
+                try:
+                    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                                     flags=socket.AI_PASSIVE)[0]
+                except socket.gaierror as e:
+                    raise OSError(errno.EADDRNOTAVAIL, f"cannot listen on {host}:{port}: {e.strerror}") from None
                 if (family, addr) in seen:
                     continue  # two names of one address ("127.0.0.1,localhost"): one socket
                 seen.add((family, addr))
                 sock = socket.socket(family, kind, proto)
+                out.append(sock)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 if family == socket.AF_INET6 and len(hosts) > 1:
                     sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 where = f"{host}:{port}"
-            out.append(sock)
             try:
                 sock.bind(addr)
                 sock.listen(2048)
@@ -128,6 +138,12 @@ def listening_sockets(hosts: list[str], port: int) -> list[socket.socket]:
             sock.close()
         raise
     return out
+
+
+def _remove_socket_files(hosts: list[str]) -> None:
+    for host in hosts:
+        if host.endswith(".sock") and Path(host).is_socket():
+            Path(host).unlink(missing_ok=True)
 
 
 def serve(app: Starlette, *, host: str | list[str], port: int, limits: ServeLimits = ServeLimits(),
@@ -144,3 +160,4 @@ def serve(app: Starlette, *, host: str | list[str], port: int, limits: ServeLimi
     finally:
         for sock in sockets:
             sock.close()
+        _remove_socket_files(hosts)

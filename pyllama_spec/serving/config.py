@@ -7,7 +7,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping, Sequence
 
-from pyllama_spec.drafters.registry import METHODS, NgramSettings, canonical_spec_type, default_spec_type, method
+from pyllama_spec.drafters.registry import (
+    METHODS,
+    NgramSettings,
+    canonical_spec_type,
+    default_spec_type,
+    method,
+    methods,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +124,10 @@ class EngineConfig:
         tree. The Engine runs it once, before loading anything."""
         ngram = self.ngram if isinstance(self.ngram, NgramSettings) else NgramSettings(**dict(self.ngram))
         ngram = NgramSettings(**{**dataclasses.asdict(ngram), "map_k": tuple(ngram.map_k),
-                                 "map_k4v": tuple(ngram.map_k4v)}).checked()
+                                 "map_k4v": tuple(ngram.map_k4v)})
         c = dataclasses.replace(self, spec_type=canonical_spec_type(self.spec_type), ngram=ngram)
+        if any(m.ngram_family for m in methods(c.spec_type)):
+            ngram.checked()  # only where an n-gram type reads them (the flags are accepted otherwise, as there)
         m = method(c.spec_type)
         if m is not None and m.draft_file and c.draft is None:
             raise ValueError(f"spec_type={c.spec_type!r} needs a draft model (draft=...)")

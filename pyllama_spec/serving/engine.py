@@ -34,7 +34,7 @@ from pyllama_spec.bindings.model import Model
 from pyllama_spec.bindings.mtmd import Projector
 from pyllama_spec.drafters import Drafter
 from pyllama_spec.drafters.chain import ChainDrafter
-from pyllama_spec.drafters.registry import DrafterSetup, Pairing, method, methods
+from pyllama_spec.drafters.registry import DrafterSetup, Pairing, method, methods, ngram_limit
 from pyllama_spec.serving.config import EngineConfig
 from pyllama_spec.serving.embeddings import Embedding, EmbeddingInput, EmbeddingJob, Rank
 from pyllama_spec.serving.grammars import json_schema_to_grammar
@@ -211,6 +211,9 @@ class Engine:
             if m.draft_file:
                 self.draft_model = self._load_draft_model()
             pairing = m.check_pair(self.model, self.draft_model, build_record())
+            own = ngram_limit(m.name, c.ngram)
+            if own is not None:  # an n-gram type drafts up to its own setting: plan with it
+                pairing = dataclasses.replace(pairing, limit=min(pairing.limit, own))
         drafts = plan_drafts(c, self.model, pairing)
         draft_max, n_rs_seq, n_seq = drafts.draft_max, drafts.n_rs_seq, c.n_parallel
         # A draft tree gives every leaf a sequence id of its own, sharing the cells of one cache.

@@ -99,9 +99,12 @@ def messages(native: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, A
     for m in native:
         msg = dict(m)
         if msg.get("role") == "assistant" and msg.get("tool_calls"):
+            raw = msg.pop("tool_calls")
             calls = [{"name": c["function"]["name"], "arguments": _arguments(c["function"].get("arguments")),
                       **({"id": c["id"]} if parallel and c.get("id") else {})}
-                     for c in msg.pop("tool_calls") if isinstance(c, Mapping) and isinstance(c.get("function"), Mapping)]
+                     for c in (raw if isinstance(raw, (list, tuple)) else ())
+                     if isinstance(c, Mapping) and isinstance(c.get("function"), Mapping)
+                     and isinstance(c["function"].get("name"), str)]  # a malformed call is left out
             shown = {"tool_calls": calls} if parallel else {"tool_call": calls[0]} if calls else {"response": ""}
             msg["content"] = json.dumps(shown, ensure_ascii=False)
         elif msg.get("role") == "tool":
@@ -168,7 +171,7 @@ class GenericToolParser:
             return {"role": "assistant", "content": ""}, []
         try:
             answer = json.loads("".join(self._text))
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past the interpreter's depth
             raise ChatError("the answer is not the generic tool-call JSON") from None
         if not isinstance(answer, dict):
             raise ChatError("the answer is not the generic tool-call JSON")
@@ -183,6 +186,7 @@ class GenericToolParser:
                      for c in raw]
             deltas = [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)]
             return {"role": "assistant", "content": "", "tool_calls": calls}, deltas
-        response = answer.get("response", "")
-        content = response if isinstance(response, str) else json.dumps(response, ensure_ascii=False)
+        response = answer.get("response")
+        content = "" if response is None else response if isinstance(response, str) else \
+            json.dumps(response, ensure_ascii=False)
         return {"role": "assistant", "content": content}, ([{"content": content}] if content else [])

@@ -125,7 +125,8 @@ class AdaptiveLength:
             self._measuring_plain = False
             self.n = self._best_length()
             return
-        if self.n == 0 and drafted == 0:  # drafting is off: no evidence about drafts; probe now and then
+        if drafted == 0 and (self.n == 0 or self._probing):  # off (or a probe found nothing): probe now and then
+            self._probing, self.n = False, 0
             self._idle += 1
             if self._idle >= self._probe_after:
                 self._idle, self._probe_after = 0, min(2 * self._probe_after, self.PROBE_MAX)
@@ -148,7 +149,7 @@ class AdaptiveLength:
         self.n = self._best_length()
         if self._probing:
             self._probing = False
-            if accepted == drafted:  # the probe's drafts were all kept: look again soon
+            if accepted == drafted > 0:  # the probe's drafts were all kept: look again soon
                 self._probe_after = self.PROBE_AFTER
         if self.n > 0:
             self._probe_after = self.PROBE_AFTER  # drafting pays: the next stop probes early again
@@ -156,6 +157,7 @@ class AdaptiveLength:
             if self._since_plain >= self.PLAIN_EVERY:  # time a plain step now and then (costs and
                 self._since_plain = 0  # contexts change): the choice between drafting and not needs both
                 self._measuring_plain, self.n = True, 0
+
     def acceptance(self) -> list[float]:
         """a_i per position, shrunk towards the overall rate where a position was rarely reached."""
         tried, kept = sum(self._tried), sum(self._kept)
@@ -197,7 +199,8 @@ def plan_lengths(rules: list, limits: list[int]) -> list[int]:
     lengths = [min(rule.next(), limit) for rule, limit in zip(rules, limits)]
     groups: dict[int, list[int]] = {}
     for i, rule in enumerate(rules):
-        if isinstance(rule, AdaptiveLength) and not rule.owns_cost and not rule.warming_up and limits[i] > 0:
+        if isinstance(rule, AdaptiveLength) and not rule.owns_cost and not rule.warming_up and limits[i] > 0 \
+                and rule.next() > 0:  # a rule that stopped drafting (or times a plain step) keeps its 0
             groups.setdefault(id(rule.cost), []).append(i)
     for members in groups.values():
         if len(members) < 2:

@@ -166,8 +166,9 @@ class Generation:
             return Piece("", (), "length", stats, ending=self._ending("limit"))
         with Stopwatch(stats, "target_seconds"):
             id_last = self.verifier.first(self.seq.ctx)
-        if self.seq.drafter is not None:
-            self.seq.drafter.begin(self.seq.seq_id)  # the prompt is in: the n-gram maps index it
+        begin = getattr(self.seq.drafter, "begin", None)  # optional in the protocol (drafters/__init__.py)
+        if begin is not None:
+            begin(self.seq.seq_id)  # the prompt is in: the n-gram maps index it
         self._t1 = time.perf_counter()
         stats.prefill_seconds = self._t1 - self._t0
         self._prefill_split = (stats.target_seconds, stats.draft_seconds)
@@ -386,7 +387,7 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
         g.stats.target_seconds += t_target + time.perf_counter() - t
         n_kept = len(accepted)  # id_last + the accepted drafts
         g.seq.commit(rows.tokens, n_kept)
-        if draft:
+        if draft and hasattr(drafter, "accept"):
             drafter.accept(g.seq.seq_id, n_kept - 1)
         g.stats.record_step(len(draft), n_kept - 1)
         g.draft_length.update(len(draft), n_kept - 1, time.perf_counter() - start)
@@ -434,7 +435,8 @@ def _tree_step(ctx, drafter: Drafter, g: Generation, proposal: Proposal, start: 
     drafter.process(TargetDecode([dataclasses.replace(seq.text_rows(tokens), row_index=path)], ctx))
     stats.draft_seconds += time.perf_counter() - t
     seq.commit(tokens, len(tokens))  # the memory already holds exactly the path
-    drafter.accept(main, len(nodes))
+    if hasattr(drafter, "accept"):
+        drafter.accept(main, len(nodes))
     stats.record_step(tree.n_drafted, len(nodes), tree.max_depth)
     stats.target_steps += 1
     g.draft_length.update(tree.max_depth, len(nodes), time.perf_counter() - start)

@@ -145,7 +145,10 @@ class StatsTotals:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
+        """As ``GenerationStats.tokens_per_second``: each generation's tokens after its first, over
+        the decode time (the /metrics gauge predicted_tokens_seconds reads it too)."""
+        steps = self.generated_tokens - self.generations
+        return steps / self.decode_seconds if self.decode_seconds > 0 and steps > 0 else 0.0
 
 
 class Stopwatch:
