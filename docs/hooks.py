@@ -1,4 +1,4 @@
-"""mkdocs hook: the pages' README.md sections, and README's links pointed at the site's pages.
+"""mkdocs hook: the README.md sections the home page shows, and README's links pointed at the site's pages.
 
 A page line ``--8<-- "README.md:name"`` is replaced by README.md's lines between its markers
 ``<!-- --8<-- [start:name] -->`` and ``<!-- --8<-- [end:name] -->`` (``--8<-- "FILE"``: the whole
@@ -46,4 +46,4 @@ def on_page_markdown(markdown: str, page, **_) -> str:
         return m.group(0) if target in (None, here) else f"]({target}#{m.group(1)})"
 
     markdown = re.sub(r"\]\(#([a-z0-9-]+)\)", anchor, markdown)
-    return markdown.replace("](docs/", "](")
+    return markdown.replace("](docs/", "](").replace("](CHANGELOG.md)", "](changelog.md)")

@@ -1,4 +1,4 @@
-"""The documentation site builds, strictly: every README section its pages include exists, every link
+"""The documentation site builds, strictly: the README sections its home page includes exist, every link
 resolves (a broken one fails the build), and the API reference renders from the docstrings."""
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ def test_the_site_builds_strictly_with_every_page(tmp_path):
     r = _build(REPO_ROOT, tmp_path / "site")
     assert r.returncode == 0, r.stdout + r.stderr
     api = (tmp_path / "site" / "python-api" / "index.html").read_text()
-    assert "Which drafting method" in api  # a README section, on its page
-    assert 'href="../rpc/#beyond-one-machine-rpc-and-several-gpus"' in api  # a README anchor, on the page that holds it
+    assert "Which drafting method" in api  # the guide's section, on its page
+    assert 'href="../rpc/#beyond-one-machine-rpc-and-several-gpus"' in api  # a link to another page's section
+    index = (tmp_path / "site" / "index.html").read_text()
+    assert "At a glance" in index and 'href="python-api/"' in index  # the README's front page, its links the site's
     reference = (tmp_path / "site" / "reference" / "index.html").read_text()
     assert "EngineConfig" in reference and "ContextOverflowError" in reference  # from the docstrings
     assert "The three files of the embedded trained pair" in reference  # embedded_models()'s docstring
@@ -37,6 +39,6 @@ def test_a_broken_link_fails_the_build(tmp_path):
         shutil.copy(REPO_ROOT / name, copy / name)
     shutil.copytree(REPO_ROOT / "docs", copy / "docs")
     shutil.copytree(REPO_ROOT / "pyllama_spec", copy / "pyllama_spec", ignore=shutil.ignore_patterns("*.so", "lib"))
-    (copy / "docs" / "layout.md").write_text('--8<-- "README.md:layout"\n\nSee [the missing page](nowhere.md).\n')
+    (copy / "docs" / "layout.md").write_text("# Layout\n\nSee [the missing page](nowhere.md).\n")
     r = _build(copy, tmp_path / "site")
     assert r.returncode != 0 and "nowhere.md" in r.stdout + r.stderr

@@ -1,4 +1,5 @@
-"""README.md's code blocks run as written, so the documentation cannot drift from the code.
+"""The code blocks of README.md and of the guide's pages (docs/: the API, the command line, the
+server, several machines, ...) run as written, so the documentation cannot drift from the code.
 
 Python blocks run in a fresh interpreter, in a folder where the file names they use
 (t.gguf, m.gguf, d.gguf, photo.png) are the tiny models and a picture; a block that talks
@@ -26,8 +27,11 @@ import pytest
 from conftest import REPO_ROOT
 
 README = (REPO_ROOT / "README.md").read_text()
-PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
-BASH_BLOCKS = re.findall(r"```bash\n(.*?)```", README, flags=re.DOTALL)
+#: The guide's pages with runnable examples, in the site's order (mkdocs.yml), after the README.
+GUIDE_PAGES = ("native-build.md", "python-api.md", "command-line.md", "rpc.md", "server.md", "benchmarks.md")
+DOCS = README + "".join((REPO_ROOT / "docs" / page).read_text() for page in GUIDE_PAGES)
+PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", DOCS, flags=re.DOTALL)
+BASH_BLOCKS = re.findall(r"```bash\n(.*?)```", DOCS, flags=re.DOTALL)
 SERVER = "127.0.0.1:8080"
 RPC_HOSTS = ("192.168.1.20:50052", "192.168.1.21:50052")  # the RPC how-to's servers: loopback ones here
 INSTALL_SERVER = 'python3 -m pip install -e ".[server]" && '

@@ -8,7 +8,7 @@ frees the server) and that the browser's console stayed free of errors.
 
 Screenshots of each state go to $PYLLAMA_SPEC_SCREENSHOTS (or a pytest temporary folder),
 named in the test output. PYLLAMA_SPEC_DOCS_SCREENSHOT=1 also rewrites docs/web-page.png,
-the README's picture (opt-in: a test run should not change tracked files).
+the server page's picture (docs/server.md; opt-in: a test run should not change tracked files).
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ def test_an_answer_to_an_image_streams_with_accepted_draft_tokens_shaded_and_cha
 
 
 def _write_docs_screenshot(page, answer) -> None:
-    """The README's picture: the answer with its shading, charts and footer, in few colours (< 150 KB)."""
+    """The server page's picture (docs/server.md): the answer with its shading, charts and footer, in few colours (< 150 KB)."""
     from PIL import Image
 
     png = answer.screenshot()
