@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Callable
 
 _LEVELS = {0: logging.CRITICAL, 1: logging.ERROR, 2: logging.WARNING, 3: logging.INFO}
 FORMAT = "%(asctime)s %(levelname).1s %(name)s: %(message)s"
@@ -22,27 +23,38 @@ def level_of(verbosity: int, verbose: bool) -> int:
 
 
 def configure(*, verbosity: int = 3, verbose: bool = False, log_file: str | None = None,
-              disable: bool = False) -> int:
-    """Send the package's log where the flags say; returns the level (for uvicorn's own log).
-    OSError (with the path) when the log file cannot be opened."""
+              disable: bool = False) -> tuple[int, Callable[[], None]]:
+    """Send the package's log where the flags say; returns the level (for uvicorn's own log) and a
+    function that puts the loggers back as they were (``serve`` calls it when it returns, so that a
+    program that ran it in-process keeps its own logging). OSError (with the path) when the log file
+    cannot be opened."""
     root = logging.getLogger("pyllama_spec")
+    native = logging.getLogger("pyllama_spec.native")
+    before = (root.propagate, root.level, native.level)
+    added: list[logging.Handler] = []
+
+    def undo() -> None:
+        for h in added:
+            root.removeHandler(h)
+            h.close()
+        root.propagate, _, _ = before
+        root.setLevel(before[1])
+        native.setLevel(before[2])
+
     root.propagate = False  # the handlers here, not the application's root logger's
-    for h in [h for h in root.handlers if getattr(h, "pyllama_serve", False)]:
-        root.removeHandler(h)
-        h.close()
     if disable:
         root.setLevel(logging.CRITICAL + 1)
-        return logging.CRITICAL + 1
+        return logging.CRITICAL + 1, undo
     level = level_of(verbosity, verbose)
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file:
         handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
     for h in handlers:
-        h.pyllama_serve = True
         h.setFormatter(logging.Formatter(FORMAT))
         root.addHandler(h)
+        added.append(h)
     root.setLevel(level)
     # llama.cpp's own log only when asked for everything (its warnings come a line at a time, some
     # of them continuations); its errors always (a failure also raises, with them attached)
-    logging.getLogger("pyllama_spec.native").setLevel(logging.DEBUG if level <= logging.DEBUG else logging.ERROR)
-    return level
+    native.setLevel(logging.DEBUG if level <= logging.DEBUG else logging.ERROR)
+    return level, undo

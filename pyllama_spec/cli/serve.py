@@ -244,9 +244,11 @@ def serve(host, port, api_key, api_key_file, alias, tags, parallel, max_queue, a
     from pyllama_spec.cli import logs
 
     try:
-        level = logs.configure(verbosity=log_verbosity, verbose=log_verbose, log_file=log_file, disable=log_disable)
+        level, undo = logs.configure(verbosity=log_verbosity, verbose=log_verbose, log_file=log_file,
+                                     disable=log_disable)
     except OSError as e:
         raise click.BadParameter(f"cannot write the log there: {e}", param_hint="'--log-file'") from None
+    click.get_current_context().call_on_close(undo)  # an in-process caller keeps its logging
     uvicorn_level = "debug" if level <= logging.DEBUG else "critical" if log_disable else "warning"
     parallel = max(parallel, 1)
     from pyllama_spec.server.origins import OriginPolicy
