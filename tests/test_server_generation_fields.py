@@ -414,3 +414,6 @@ def test_verbose_adds_the_first_choices_completion_body_to_openai_answers(plain)
         assert status == 200 and "Book" in out["__verbose"]["prompt"]  # llama-server's debugging aid
         assert out["__verbose"]["content"] == (out["choices"][0].get("text") or out["choices"][0]["message"]["content"])
         assert "__verbose" not in post(plain, path, {**body, "max_tokens": 2, "verbose": False})[1]
+        chunks = stream(plain, path, {**body, "max_tokens": 2, "verbose": True, "stream": True})
+        last = [c for c in chunks if c.get("choices") and c["choices"][0].get("finish_reason")][-1]
+        assert "Book" in last["__verbose"]["prompt"] and "__verbose" not in chunks[0]  # on the last chunk only

@@ -501,6 +501,9 @@ async def stream_objects(service: Service, req: GenerationRequest, jobs: list[Jo
                     final_stats[i] = piece.stats
                     final = chunk(i, None, finish)
                     final["timings"] = timings(piece.stats)
+                    if req.options.verbose:  # llama-server's, on each choice's last chunk (content streamed)
+                        final["__verbose"] = await _llama_final(service, req, jobs[i], i, _Choice(last=piece),
+                                                                id_slot=jobs[i].slot)
                     yield final
         if req.kind != "llama" and req.include_usage and len(final_stats) == len(jobs):
             # the usage chunk carries the timings too, as llama-server's (the first choice's)
