@@ -346,6 +346,11 @@ def test_images_by_drop_and_paste_keyboard_use_and_a_phone_sized_screen(browser,
         parts = sent["messages"][0]["content"]
         assert [p["type"] for p in parts] == ["image_url", "text"] and parts[1]["text"] == "def draw(card):"
         assert page.locator("#log .user .thumbs img").count() == 1
+        # The answer after the picture is code a reader recognises (the embedded pair once wrote blanks
+        # there: issue 44), as the page shows it
+        shown = tab.last_answer().locator(".text").text_content()
+        words = set(re.findall(r"[A-Za-z_]{4,}", shown)) - {"draw", "card"}
+        assert len(words) >= 2, repr(shown)
         # Readable on a phone: nothing wider than the screen.
         assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
         tab.shot("5-phone")
