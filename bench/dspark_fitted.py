@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""DSpark on the embedded pair: the trained DFlash draft with a Markov head fitted in closed form, against
+the same draft as DFlash, and against llama-server's draft-dspark on the same file.
+
+No DSpark draft is trained for the embedded target (training one end to end did not fit), so this
+builds one: the trained DFlash draft's weights unchanged, plus ``markov_w1`` / ``markov_w2`` of rank
+``--rank`` from the SVD of ``alpha`` x the pointwise mutual information of token bigrams in the pair's
+training corpus (the Python standard library files that tools/measure_trained_pair.py does not hold
+out), and ``dflash.sample_from_anchor`` false (the anchor's row is a bonus, as the DFlash draft was
+trained: its masks predict). Each drafted position's logits then get ``alpha`` x PMI(previous token, next
+token), the chain run in the draft's graph (llama.cpp's DSpark). It measures the mechanism on real
+weights, not what a Markov head trained with the draft would reach.
+
+Per setting: held-out prompts (those tools/measure_trained_pair.py holds out), greedy, --max-tokens
+each, target-only / DFlash / DSpark at each alpha, interleaved for --repeats rounds; acceptance and
+decode tok/s min / median / max. Then `serve` against llama-server on the DSpark file (the same drafts:
+tests/test_dspark.py), tok/s side by side.
+
+    python bench/dspark_fitted.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+import pyllama_spec as ps
+from pyllama_spec.embedded import MODELS_DIR
+from pyllama_spec.gguf.reader import read_gguf, read_tensor
+from pyllama_spec.gguf.writer import GGUFWriter
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _corpus_tools():
+    spec = importlib.util.spec_from_file_location("measure_trained_pair", REPO / "tools" / "measure_trained_pair.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def pmi(model, files: list[str], n_vocab: int) -> np.ndarray:
+    """PMI(prev, next) of the token bigrams in ``files``, add-one smoothed: float32 [n_vocab, n_vocab]."""
+    pairs = np.zeros((n_vocab, n_vocab), dtype=np.float64)
+    for f in files:
+        ids = np.asarray(model.tokenize(Path(f).read_text(encoding="utf-8", errors="replace"), add_special=False))
+        np.add.at(pairs, (ids[:-1], ids[1:]), 1.0)
+    pairs += 1.0
+    p_next_given_prev = pairs / pairs.sum(axis=1, keepdims=True)
+    p_next = pairs.sum(axis=0) / pairs.sum()
+    return np.log(p_next_given_prev / p_next[None, :]).astype(np.float32)
+
+
+def write_dspark(draft: Path, out: Path, bias: np.ndarray, rank: int) -> Path:
+    """``draft``'s keys and tensors, plus the Markov head of rank ``rank`` whose product is about ``bias``."""
+    info = read_gguf(draft)
+    w = GGUFWriter()
+    for key, value in info.metadata.items():
+        vtype, elem = info.types[key]
+        if elem is not None:
+            w.add_array(key, elem, list(value))
+        else:
+            w.add_value(key, vtype, value)
+    w.add_bool("dflash.sample_from_anchor", False)  # the masks predict, as the DFlash draft was trained
+    for name in info.tensors:
+        w.add_tensor(name, read_tensor(info, name))
+    u, s, vt = np.linalg.svd(bias.astype(np.float64))
+    root = np.sqrt(s[:rank])
+    w.add_tensor("markov_w1.weight", (u[:, :rank] * root).astype(np.float32))  # a row per previous token
+    w.add_tensor("markov_w2.weight", (vt[:rank].T * root).astype(np.float32))  # a row per next token
+    w.write(out)
+    return out
+
+
+def _measure(engine, prompts: list[str], max_tokens: int) -> tuple[float, float]:
+    tokens = seconds = drafted = accepted = 0
+    for p in prompts:
+        s = engine.generate(p, max_tokens=max_tokens, temperature=0, cache_prompt=False).stats
+        tokens += s.generated_tokens - 1
+        seconds += s.decode_seconds
+        drafted += s.drafted
+        accepted += s.accepted
+    return tokens / seconds, (accepted / drafted if drafted else 0.0)
+
+
+def _health(url: str, proc) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit("a server exited")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit("a server did not start")
+
+
+def _server_rate(cmd: list[str], port: int, prompts: list[str], max_tokens: int) -> float:
+    import json
+
+    proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _health(url, proc)
+        tokens = ms = 0.0
+        for p in prompts:
+            body = json.dumps({"prompt": p, "n_predict": max_tokens, "temperature": 0, "cache_prompt": False})
+            req = urllib.request.Request(url + "/completion", body.encode(), {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=600) as r:
+                t = json.load(r)["timings"]
+            tokens += t["predicted_n"] - 1
+            ms += t["predicted_ms"]
+        return tokens / ms * 1000
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--alphas", default="0.25,0.5,1.0")
+    ap.add_argument("--draft-max", type=int, default=5)
+    args = ap.parse_args()
+    tools = _corpus_tools()
+    prompts = tools.held_out_prompts(args.prompts)
+    train = [f for i, f in enumerate(sorted(glob.glob(tools.CORPUS_GLOB))) if i % 10 != 0]
+    target, draft = MODELS_DIR / "trained-target.gguf", MODELS_DIR / "trained-draft.gguf"
+    folder = Path(tempfile.mkdtemp(prefix="dspark-fitted-"))
+    common = dict(n_ctx=4096, n_threads=1, flash_attn=False, draft_max=args.draft_max)
+    with ps.load(target, spec_type="none", n_ctx=4096, n_threads=1) as plain:
+        bias = pmi(plain.model, train, plain.model.n_vocab)
+    files = {a: write_dspark(draft, folder / f"dspark-{a}.gguf", float(a) * bias, args.rank)
+             for a in args.alphas.split(",")}
+    engines = {"target only": ps.load(target, spec_type="none", n_ctx=4096, n_threads=1),
+               "DFlash": ps.load(target, draft=draft, spec_type="draft-dflash", **common),
+               **{f"DSpark alpha {a}": ps.load(target, draft=f, spec_type="draft-dspark", **common)
+                  for a, f in files.items()}}
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    acceptance: dict[str, float] = {}
+    try:
+        for r in range(args.repeats):
+            order = list(engines) if r % 2 == 0 else list(engines)[::-1]
+            for name in order:
+                rate, acc = _measure(engines[name], prompts, args.max_tokens)
+                rates[name].append(rate)
+                acceptance[name] = acc
+    finally:
+        for e in engines.values():
+            e.close()
+    base = statistics.median(rates["target only"])
+    print(f"{len(prompts)} held-out prompts x {args.max_tokens} tokens, greedy, draft max {args.draft_max}, "
+          f"rank {args.rank}, {args.repeats} rounds; decode tok/s min / median / max")
+    print("| drafter | acceptance | tok/s | x target only (median) |")
+    print("|---|---|---|---|")
+    for name, xs in rates.items():
+        xs = sorted(xs)
+        print(f"| {name} | {acceptance[name]:.3f} | {xs[0]:.0f} / {statistics.median(xs):.0f} / {xs[-1]:.0f} | "
+              f"{statistics.median(xs) / base:.2f} |")
+    from pyllama_spec import native_build
+
+    server = native_build.find_llama_server()
+    if server is not None:
+        best = max(files, key=lambda a: acceptance[f"DSpark alpha {a}"])
+        argv = ["-m", str(target), "-md", str(files[best]), "--spec-type", "draft-dspark", "--spec-draft-n-max",
+                str(args.draft_max), "-c", "4096", "-np", "1", "-t", "1", "-fa", "off"]
+        theirs, ours = [], []
+        for r in range(args.repeats):
+            runs = [(theirs, [str(server), *argv, "--no-warmup"]), (ours, [sys.executable, "-m", "pyllama_spec",
+                                                                           "serve", *argv])]
+            for out, cmd in (runs if r % 2 == 0 else runs[::-1]):
+                out.append(_server_rate(cmd, 18700 + r, prompts, args.max_tokens))
+        theirs.sort()
+        ours.sort()
+        print(f"\nDSpark alpha {best} served, /completion, tok/s min / median / max: llama-server "
+              f"{theirs[0]:.0f} / {statistics.median(theirs):.0f} / {theirs[-1]:.0f}, serve {ours[0]:.0f} / "
+              f"{statistics.median(ours):.0f} / {ours[-1]:.0f} ({statistics.median(ours) / statistics.median(theirs):.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
