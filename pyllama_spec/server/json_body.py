@@ -294,12 +294,14 @@ def _piece_end(text: str, at: int, limit: int) -> tuple[int, bool]:
     ``(index of the closing quote, True)`` when it comes before ``limit``, else ``(cut, False)``
     with ``cut`` at most a few characters from ``limit`` and not inside an escape or a pair.
     Backslashes are counted at C speed (``rstrip``) over stretches that begin after a whole escape."""
+    # The closing quote, found at C speed: with the escaped backslashes blanked out first (each
+    # backslash starts an escape of one character, so pairs go left to right), every quote left
+    # behind a backslash is escaped. (A loop over the quotes cost a Python step each: 30 million
+    # escaped quotes took seconds.)
+    flat = text[at:limit].replace("\\\\", "  ").replace('\\"', "  ")
+    if (quote := flat.find('"')) >= 0:
+        return at + quote, True
     pos = at
-    while (quote := text.find('"', pos, limit)) >= 0:
-        stretch = text[pos:quote]
-        if (len(stretch) - len(stretch.rstrip("\\"))) % 2 == 0:
-            return quote, True
-        pos = quote + 1  # an escaped quote: what follows it begins after a whole escape
     backslash = text.rfind("\\", pos, limit)
     if backslash < 0 or backslash < limit - 6:  # no escape (at most 6 characters) reaches `limit`, nor a pair's halves
         return limit, False
