@@ -61,9 +61,13 @@ def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
     """Load a target (with an optional mmproj and DFlash draft) and return an Engine.
 
     ``spec_type`` (llama.cpp's names): "draft-dflash" (also "dflash"; the default when a
-    draft is given), "draft-simple" (a small model with the target's vocabulary as the
-    draft), "ngram-simple" (prompt lookup, no draft model), "draft-mtp" (the target's own
-    multi-token-prediction head, Qwen3.5's nextn block: no draft model) or "none" (target only).
+    draft is given), "draft-dspark" (a DFlash draft with a Markov head), "draft-eagle3",
+    "draft-simple" (a small model with the target's vocabulary as the draft), "draft-mtp" (the
+    target's own multi-token-prediction head, Qwen3.5's nextn block: no draft model), the n-gram
+    types "ngram-simple" (prompt lookup), "ngram-map-k", "ngram-map-k4v", "ngram-mod" and
+    "ngram-cache" (llama.cpp's, their settings in ``ngram={...}``), "draft-python" (a function of
+    yours, ``draft_callable=``), "none" (target only), or a comma list (llama-server's
+    "ngram-mod,draft-mtp": the n-gram types tried first).
     ``mmproj_draft``: the draft model's own projector, for a draft-simple draft that is a small VLM
     (the default spec_type then): the draft sees every picture through it (drafters/draft_model.py).
     Other keywords are EngineConfig's, named as in llama.cpp: n_ctx, n_batch, n_ubatch,
