@@ -136,6 +136,15 @@ def test_load_shows_every_setting_and_takes_verbose(run_python):
         with ps.load(m.target, n_ctx=512, n_threads=1, verbose={}) as e:
             e.generate("def f(", max_tokens=2)
     """
+    # editors that read annotations (not the signature) see the same keywords: load's **kwargs is
+    # Unpack[LoadOptions], a TypedDict that must name every setting, with the same annotations
+    from pyllama_spec.serving.config import LoadOptions
+
+    typed = {name: getattr(t, "__forward_arg__", t) for name, t in LoadOptions.__annotations__.items()}
+    assert set(typed) == set(params) - {"model", "mmproj", "draft", "spec_type"}
+    differ = [(n, typed[n], fields[n].type) for n in typed if n in fields and typed[n] != fields[n].type]
+    assert not differ, differ
+    assert ps.load.__annotations__["kwargs"] == "Unpack[LoadOptions]"
     quiet, loud = (run_python(code.format(v)) for v in (False, True))
     assert quiet.returncode == loud.returncode == 0, loud.stderr[-2000:]
     assert "llama_context" not in quiet.stderr and "llama_context" in loud.stderr, loud.stderr[-2000:]

@@ -5,7 +5,7 @@ those that read the files are serving/load_plan.py's)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypedDict
 
 from pyllama_spec.drafters.registry import (
     METHODS,
@@ -152,6 +152,65 @@ class EngineConfig:
                              "slot's verify rows go in one target batch")
         _check_draft_tree(c)
         return c
+
+
+class LoadOptions(TypedDict, total=False):
+    """``load()``'s keywords (``EngineConfig``'s settings, and ``n_gpu_layers_draft`` / ``verbose``), typed
+    so that editors complete and check them (``load(**kwargs: Unpack[LoadOptions])``). Each means what
+    the EngineConfig field of its name means; tests/test_engine_defaults.py keeps the two in step."""
+
+    mmproj_draft: str | None
+    n_ctx: int
+    n_batch: int
+    n_ubatch: int
+    n_gpu_layers: int
+    draft_n_gpu_layers: int | None
+    n_gpu_layers_draft: int | None  # llama.cpp's name (-ngld) for draft_n_gpu_layers
+    draft_max: int | str | None
+    draft_min: int
+    ngram: NgramSettings | Mapping[str, Any]
+    draft_callable: Any
+    draft_p_min: float
+    draft_positions: str
+    draft_tree: int
+    verify: str
+    flash_attn: bool | None
+    mmproj_flash_attn: bool | None
+    n_threads: int | None
+    n_threads_batch: int | None
+    swa_full: bool
+    cache_type_k: str
+    cache_type_v: str
+    cache_type_k_draft: str | None
+    cache_type_v_draft: str | None
+    use_mmap: bool
+    use_mlock: bool
+    mmproj_offload: bool | None
+    n_parallel: int
+    rpc_servers: Sequence[str] | str
+    devices: Sequence[str] | str | None
+    device_draft: Sequence[str] | str | None
+    split_mode: str
+    tensor_split: Sequence[float] | str
+    main_gpu: int
+    sampling: Mapping[str, Any]
+    chat_template: str | None
+    jinja: bool
+    chat_template_kwargs: Mapping[str, Any]
+    reasoning: str
+    reasoning_format: str
+    reasoning_budget: int
+    reasoning_budget_message: str
+    reasoning_effort: str | None
+    reasoning_preserve: bool | None
+    prefill_assistant: bool
+    skip_chat_parsing: bool
+    lora: Sequence[str | tuple[str, float]]
+    lora_init_without_apply: bool
+    embeddings: bool
+    pooling: str
+    embd_normalize: int
+    verbose: bool  # llama.cpp's log on standard error, as llama-cpp-python's verbose=True
 
 
 #: llama-server's --pooling names (bindings/context.py's POOLING_TYPES, which must hold the same).

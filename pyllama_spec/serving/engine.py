@@ -27,7 +27,7 @@ import dataclasses
 import inspect
 import os
 from concurrent.futures import Future
-from typing import Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from pyllama_spec.bindings.context import Context
 from pyllama_spec.bindings.model import Model
@@ -35,7 +35,7 @@ from pyllama_spec.bindings.mtmd import Projector
 from pyllama_spec.drafters import Drafter
 from pyllama_spec.drafters.chain import ChainDrafter
 from pyllama_spec.drafters.registry import DrafterSetup, Pairing, method, methods, ngram_limit
-from pyllama_spec.serving.config import EngineConfig
+from pyllama_spec.serving.config import EngineConfig, LoadOptions
 from pyllama_spec.serving.embeddings import Embedding, EmbeddingInput, EmbeddingJob, Rank
 from pyllama_spec.serving.grammars import json_schema_to_grammar
 from pyllama_spec.serving.load_plan import plan_drafts, plan_load
@@ -53,11 +53,15 @@ from pyllama_spec.speculative.positions import SequencePositions
 from pyllama_spec.speculative import sequence
 from pyllama_spec.speculative.stats import GenerationStats
 
+if TYPE_CHECKING:  # (typing.Unpack from Python 3.11; the annotations are strings at run time)
+    from typing_extensions import Unpack
+
 __all__ = ["Engine", "EngineConfig", "Piece", "Result", "load", "ProgressCallback"]
 
 
 def load(model: str | os.PathLike, mmproj: str | os.PathLike | None = None,
-         draft: str | os.PathLike | None = None, spec_type: str | None = None, **kwargs: Any) -> "Engine":
+         draft: str | os.PathLike | None = None, spec_type: str | None = None,
+         **kwargs: Unpack[LoadOptions]) -> "Engine":
     """Load a target (with an optional mmproj and DFlash draft) and return an Engine.
 
     ``spec_type`` (llama.cpp's names): "draft-dflash" (also "dflash"; the default when a
