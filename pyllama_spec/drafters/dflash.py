@@ -196,12 +196,6 @@ class DFlashDrafter:
             return f"the draft's block size {block}" if self.n_max_limit == block else ""
         return f"the draft's block size {block} minus one" if self.n_max_limit == block - 1 else ""
 
-    def begin(self, seq_id: int) -> None:
-        pass  # nothing to index: the draft's cache follows every decode
-
-    def accept(self, seq_id: int, n_accepted: int) -> None:
-        pass  # the rejected rows reach it through forget
-
     def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
         self.ctx.memory.remove(seq_id, draft_pos, -1)
 

@@ -219,12 +219,6 @@ class DraftModelDrafter:
             out.append(Proposal(toks, np.stack(rows)) if len(toks) >= max(rq.n_min, 1) else Proposal([]))
         return out
 
-    def begin(self, seq_id: int) -> None:
-        pass  # nothing to index: the draft's cache follows every decode
-
-    def accept(self, seq_id: int, n_accepted: int) -> None:
-        pass  # the rejected rows reach it through forget
-
     def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
         if not self.sees_media:
             self.ctx.memory.remove(seq_id, pos, -1)

@@ -279,12 +279,6 @@ class Eagle3Drafter:
     @property
     def limit_reason(self) -> str:
         return token_limit_reason(self.n_max_limit)
-    def begin(self, seq_id: int) -> None:
-        pass  # nothing to index: the draft's cache follows every decode
-
-    def accept(self, seq_id: int, n_accepted: int) -> None:
-        pass  # the rejected rows reach it through forget
-
     def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
         """The sequence now ends before draft position ``draft_pos``: the row before it is again the
         held-back one (its partner is whatever comes next), and everything after it goes."""

@@ -178,12 +178,6 @@ class MTPDrafter:
     @property
     def limit_reason(self) -> str:
         return token_limit_reason(self.n_max_limit)
-    def begin(self, seq_id: int) -> None:
-        pass  # nothing to index: the draft's cache follows every decode
-
-    def accept(self, seq_id: int, n_accepted: int) -> None:
-        pass  # the rejected rows reach it through forget
-
     def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
         """Drop the head's rows from target position ``pos`` on; the next row pairs with h_{pos-1}."""
         self.ctx.memory.remove(seq_id, pos, -1)

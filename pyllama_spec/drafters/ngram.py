@@ -17,21 +17,15 @@ from typing import Sequence
 
 import numpy as np
 
-from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, TargetDecode, token_limit_reason
+from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, token_limit_reason
 from pyllama_spec.drafters.token_history import SEPARATOR as _SEPARATOR
-from pyllama_spec.drafters.token_history import TokenHistory
+from pyllama_spec.drafters.token_history import HistoryDrafter, no_memory_parts, tokens_only_pairing
 
-
-def memory_parts(settings) -> list:
-    """The registry's memory parts (registry.py): none worth counting (a token history per sequence)."""
-    return []
+memory_parts = no_memory_parts  # the registry's functions (registry.py)
 
 
 def check_pair(target, draft, build_record: dict):
-    """The registry's pairing check (registry.py): any target, no draft file, no distribution."""
-    from pyllama_spec.drafters.registry import Pairing
-
-    return Pairing(limit=DRAFT_TOKEN_LIMIT, per_position_logits=False)
+    return tokens_only_pairing(DRAFT_TOKEN_LIMIT)
 
 
 def make(setup) -> "NgramDrafter":
@@ -39,7 +33,7 @@ def make(setup) -> "NgramDrafter":
     return NgramDrafter(n_max=setup.n_max, n_min=setup.n_min, n_max_limit=setup.pairing.limit)
 
 
-class NgramDrafter:
+class NgramDrafter(HistoryDrafter):
     """The ``ngram-simple`` method behind the drafter protocol (see drafters/__init__.py).
 
     ``ngram_max`` .. ``ngram_min``: the longest key tried first, down to the shortest.
@@ -58,21 +52,12 @@ class NgramDrafter:
         self.n_min = min(n_min, self.n_max)
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.copy_past_end = copy_past_end
-        self._history = TokenHistory()
+        super().__init__()
 
     # --- protocol
     @property
     def limit_reason(self) -> str:
         return token_limit_reason(self.n_max_limit)
-
-    def process(self, decode: TargetDecode) -> None:
-        self._history.add(decode)
-
-    def begin(self, seq_id: int) -> None:
-        pass
-
-    def accept(self, seq_id: int, n_accepted: int) -> None:
-        pass
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         out = []
@@ -82,12 +67,6 @@ class NgramDrafter:
             found = self._lookup(ctx, n)
             out.append(Proposal(found if len(found) >= max(rq.n_min, 1) else []))
         return out
-
-    def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
-        self._history.forget(seq_id, pos)
-
-    def close(self) -> None:
-        self._history.clear()
 
     # --- lookup
     def _lookup(self, ctx: np.ndarray, n_draft: int) -> list[int]:

@@ -26,7 +26,12 @@ from typing import Sequence
 import numpy as np
 
 from pyllama_spec.drafters import Proposal
-from pyllama_spec.drafters.token_history import TokenHistory, cut_at_separator
+from pyllama_spec.drafters.token_history import (
+    HistoryDrafter,
+    cut_at_separator,
+    no_memory_parts,
+    tokens_only_pairing,
+)
 
 NGRAM_MIN, NGRAM_MAX, NGRAM_STATIC = 1, 4, 2
 TOKEN_NULL = -1  # LLAMA_TOKEN_NULL: pads an n-gram shorter than NGRAM_MAX; also "nothing drafted"
@@ -349,17 +354,11 @@ def draft_tokens(inp: Sequence[int], id_last: int, n_draft: int, context: NgramC
 #: How far one draft goes (speculative.cpp's create_state_ngram_cache: "n_draft = 8").
 N_DRAFT = 8
 
-
-def memory_parts(settings) -> list:
-    """The registry's memory parts (registry.py): none counted (the caches live in Python's memory)."""
-    return []
+memory_parts = no_memory_parts  # the registry's functions (registry.py)
 
 
 def check_pair(target, draft, build_record: dict):
-    """The registry's pairing check (registry.py): any target, no draft file, no distribution."""
-    from pyllama_spec.drafters.registry import Pairing
-
-    return Pairing(limit=N_DRAFT, per_position_logits=False)
+    return tokens_only_pairing(N_DRAFT)
 
 
 def make(setup) -> "NgramCacheDrafter":
@@ -369,7 +368,7 @@ def make(setup) -> "NgramCacheDrafter":
     return NgramCacheDrafter(static=s.lookup_cache_static, dynamic=s.lookup_cache_dynamic, n_max=setup.n_max)
 
 
-class NgramCacheDrafter:
+class NgramCacheDrafter(HistoryDrafter):
     """``ngram-cache`` behind the drafter protocol (drafters/__init__.py): a context cache per sequence,
     and the dynamic and static caches read from files (never written back: llama.cpp's server does not
     save them either).
@@ -390,15 +389,9 @@ class NgramCacheDrafter:
         self.n_max = max(1, min(n_max, N_DRAFT))
         self.n_min = 0
         self.limit_reason = f"ngram-cache's {N_DRAFT} tokens (llama.cpp's)"
-        self._history = TokenHistory()
+        super().__init__()
         self._context: dict[int, NgramCache] = {}
         self._cache_size: dict[int, int] = {}
-
-    def process(self, decode) -> None:
-        self._history.add(decode)
-
-    def begin(self, seq_id: int) -> None:
-        pass  # as llama.cpp: the context cache is fed at each draft
 
     def draft(self, requests) -> list[Proposal]:
         out = []
@@ -416,13 +409,7 @@ class NgramCacheDrafter:
             out.append(Proposal(found if len(found) >= max(rq.n_min, 1) else []))
         return out
 
-    def accept(self, seq_id: int, n_accepted: int) -> None:
-        pass
-
-    def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
-        self._history.forget(seq_id, pos)
-
     def close(self) -> None:
-        self._history.clear()
+        super().close()
         self._context.clear()
         self._cache_size.clear()

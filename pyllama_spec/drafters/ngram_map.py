@@ -22,8 +22,13 @@ from typing import Sequence
 
 import numpy as np
 
-from pyllama_spec.drafters import DraftRequest, Proposal, TargetDecode
-from pyllama_spec.drafters.token_history import TokenHistory, cut_at_separator
+from pyllama_spec.drafters import DraftRequest, Proposal
+from pyllama_spec.drafters.token_history import (
+    HistoryDrafter,
+    cut_at_separator,
+    no_memory_parts,
+    tokens_only_pairing,
+)
 
 MAX_VALUES = 4  # COMMON_NGRAM_MAX_VALUES: continuations kept per key
 HASH_MAP_SIZE = 262144  # COMMON_NGRAM_HASH_MAP_SIZE
@@ -31,18 +36,14 @@ MAX_VALUE_COUNT = 16380  # COMMON_NGRAM_MAX_VALUE_COUNT
 _LCG = 2654435761
 _MASK = 0xFFFFFFFF
 
-
-def memory_parts(settings) -> list:
-    """The registry's memory parts (registry.py): a token history and a 1 MiB hash table per sequence: nothing worth counting."""
-    return []
+memory_parts = no_memory_parts  # the registry's functions (registry.py)
 
 
 def check_pair(target, draft, build_record: dict):
-    """The registry's pairing check (registry.py): any target, no draft file, no distribution; each
-    drafter holds to its own length (registry.NGRAM_DRAFT_LIMIT bounds the settings)."""
-    from pyllama_spec.drafters.registry import NGRAM_DRAFT_LIMIT, Pairing
+    """Each drafter holds to its own length (registry.NGRAM_DRAFT_LIMIT bounds the settings)."""
+    from pyllama_spec.drafters.registry import NGRAM_DRAFT_LIMIT
 
-    return Pairing(limit=NGRAM_DRAFT_LIMIT, per_position_logits=False)
+    return tokens_only_pairing(NGRAM_DRAFT_LIMIT)
 
 
 def make(setup) -> "NgramMapDrafter":
@@ -217,7 +218,7 @@ class NgramMap:
         entry.stat_idx = match_pos
 
 
-class NgramMapDrafter:
+class NgramMapDrafter(HistoryDrafter):
     """``ngram-map-k`` (``key_only``) or ``ngram-map-k4v`` behind the drafter protocol
     (drafters/__init__.py), one ``NgramMap`` per sequence."""
 
@@ -231,16 +232,13 @@ class NgramMapDrafter:
         self.n_max = size_m if n_max is None else max(1, min(n_max, size_m))
         self.n_min = min(n_min, self.n_max)
         self.limit_reason = f"its m-gram size {size_m} (--spec-{self.name}-size-m)"
-        self._history = TokenHistory()
+        super().__init__()
         self._maps: dict[int, NgramMap] = {}
 
     def _map(self, seq_id: int) -> NgramMap:
         if seq_id not in self._maps:
             self._maps[seq_id] = NgramMap(*self._settings)
         return self._maps[seq_id]
-
-    def process(self, decode: TargetDecode) -> None:
-        self._history.add(decode)
 
     def begin(self, seq_id: int) -> None:
         self._map(seq_id).begin(self._history.tokens(seq_id))
@@ -256,9 +254,6 @@ class NgramMapDrafter:
     def accept(self, seq_id: int, n_accepted: int) -> None:
         self._map(seq_id).accept(n_accepted)
 
-    def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
-        self._history.forget(seq_id, pos)
-
     def close(self) -> None:
-        self._history.clear()
+        super().close()
         self._maps.clear()

@@ -18,8 +18,13 @@ from typing import Sequence
 
 import numpy as np
 
-from pyllama_spec.drafters import DraftRequest, Proposal, TargetDecode
-from pyllama_spec.drafters.token_history import TokenHistory, cut_at_separator
+from pyllama_spec.drafters import DraftRequest, Proposal
+from pyllama_spec.drafters.token_history import (
+    HistoryDrafter,
+    cut_at_separator,
+    no_memory_parts,
+    tokens_only_pairing,
+)
 
 TABLE_SIZE = 4 * 1024 * 1024
 EMPTY = -1
@@ -28,18 +33,14 @@ _MASK64 = (1 << 64) - 1
 _OCCUPANCY_RESET = 0.25  # a begin that finds the table fuller than this clears it
 _CHUNK = 32  # generated tokens are added to the table in chunks of this many
 
-
-def memory_parts(settings) -> list:
-    """The registry's memory parts (registry.py): its 16 MiB table and a token history per sequence: not counted (a few MiB beside a model)."""
-    return []
+memory_parts = no_memory_parts  # the registry's functions (registry.py)
 
 
 def check_pair(target, draft, build_record: dict):
-    """The registry's pairing check (registry.py): any target, no draft file, no distribution; each
-    drafter holds to its own length (registry.NGRAM_DRAFT_LIMIT bounds the settings)."""
-    from pyllama_spec.drafters.registry import NGRAM_DRAFT_LIMIT, Pairing
+    """Each drafter holds to its own length (registry.NGRAM_DRAFT_LIMIT bounds the settings)."""
+    from pyllama_spec.drafters.registry import NGRAM_DRAFT_LIMIT
 
-    return Pairing(limit=NGRAM_DRAFT_LIMIT, per_position_logits=False)
+    return tokens_only_pairing(NGRAM_DRAFT_LIMIT)
 
 
 def make(setup) -> "NgramModDrafter":
@@ -91,7 +92,7 @@ class _SeqInfo:
     n_low: int = 0  # drafts in a row of which less than a quarter was accepted
 
 
-class NgramModDrafter:
+class NgramModDrafter(HistoryDrafter):
     """``ngram-mod`` behind the drafter protocol (drafters/__init__.py)."""
 
     name = "ngram-mod"
@@ -106,14 +107,11 @@ class NgramModDrafter:
         self.n_min = 0  # the requests' own n_min (draft_min) still applies
         self.limit_reason = f"its --spec-ngram-mod-n-max {n_max}"
         self.table = NgramTable(n_match, table_size)
-        self._history = TokenHistory()
+        super().__init__()
         self._seqs: dict[int, _SeqInfo] = {}
 
     def _info(self, seq_id: int) -> _SeqInfo:
         return self._seqs.setdefault(seq_id, _SeqInfo())
-
-    def process(self, decode: TargetDecode) -> None:
-        self._history.add(decode)
 
     def begin(self, seq_id: int) -> None:
         info, prompt, n = self._info(seq_id), self._history.tokens(seq_id), self.table.n
@@ -167,9 +165,6 @@ class NgramModDrafter:
             else:
                 info.n_low = 0
 
-    def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
-        self._history.forget(seq_id, pos)
-
     def close(self) -> None:
-        self._history.clear()
+        super().close()
         self._seqs.clear()

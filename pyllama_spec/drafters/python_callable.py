@@ -22,20 +22,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, TargetDecode, token_limit_reason
-from pyllama_spec.drafters.token_history import SEPARATOR, TokenHistory
+from pyllama_spec.drafters import DRAFT_TOKEN_LIMIT, DraftRequest, Proposal, token_limit_reason
+from pyllama_spec.drafters.token_history import SEPARATOR, HistoryDrafter, no_memory_parts, tokens_only_pairing
 
-
-def memory_parts(settings) -> list:
-    """The registry's memory parts (registry.py): none (a token history per sequence)."""
-    return []
+memory_parts = no_memory_parts  # the registry's functions (registry.py)
 
 
 def check_pair(target, draft, build_record: dict):
-    """The registry's pairing check (registry.py): any target, no draft file, no distribution."""
-    from pyllama_spec.drafters.registry import Pairing
-
-    return Pairing(limit=DRAFT_TOKEN_LIMIT, per_position_logits=False)
+    return tokens_only_pairing(DRAFT_TOKEN_LIMIT)
 
 
 def make(setup) -> "CallableDrafter":
@@ -46,7 +40,7 @@ def make(setup) -> "CallableDrafter":
                            n_min=setup.n_min, n_max_limit=setup.pairing.limit)
 
 
-class CallableDrafter:
+class CallableDrafter(HistoryDrafter):
     """A Python callable behind the drafter protocol (drafters/__init__.py)."""
 
     name = "draft-python"
@@ -60,20 +54,11 @@ class CallableDrafter:
         self.n_max_limit = n_max_limit
         self.n_max = max(1, min(n_max, n_max_limit))
         self.n_min = min(n_min, self.n_max)
-        self._history = TokenHistory()
+        super().__init__()
 
     @property
     def limit_reason(self) -> str:
         return token_limit_reason(self.n_max_limit)
-
-    def process(self, decode: TargetDecode) -> None:
-        self._history.add(decode)
-
-    def begin(self, seq_id: int) -> None:
-        pass
-
-    def accept(self, seq_id: int, n_accepted: int) -> None:
-        pass
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         out = []
@@ -96,9 +81,3 @@ class CallableDrafter:
                 found.append(int(t))
             out.append(Proposal(found if len(found) >= max(rq.n_min, 1) else []))
         return out
-
-    def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
-        self._history.forget(seq_id, pos)
-
-    def close(self) -> None:
-        self._history.clear()

@@ -1,4 +1,5 @@
-"""Each sequence's tokens as the target decoded them: what the n-gram drafters search.
+"""Each sequence's tokens as the target decoded them: what the n-gram drafters (and a Python draft
+function) search, and what those drafters share (``HistoryDrafter``, their registry functions).
 
 llama-server hands its n-gram drafters the slot's text tokens (``get_text_tokens``: a picture's
 rows left out, so the text on either side of a picture joins up). Here a picture stands as one
@@ -72,3 +73,36 @@ class TokenHistory:
 def cut_at_separator(draft: list[int]) -> list[int]:
     """A draft up to (not through) a picture."""
     return draft[:draft.index(SEPARATOR)] if SEPARATOR in draft else draft
+
+
+class HistoryDrafter:
+    """The drafter protocol's calls for a drafter that reads the tokens alone (the n-gram types, a
+    Python draft function): every decode's rows into a ``TokenHistory`` (``self._history``), forgotten
+    with the sequence. Subclasses draft from it, and add ``begin`` / ``accept`` where they use them."""
+
+    def __init__(self) -> None:
+        self._history = TokenHistory()
+
+    def process(self, decode) -> None:
+        self._history.add(decode)
+
+    def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:
+        self._history.forget(seq_id, pos)
+
+    def close(self) -> None:
+        self._history.clear()
+
+
+def no_memory_parts(settings) -> list:
+    """The registry's memory parts (registry.py) of a drafter that reads the tokens alone: none counted
+    (a token history per sequence; ngram-mod's 16 MiB table and the maps' 1 MiB per sequence are
+    small beside a model)."""
+    return []
+
+
+def tokens_only_pairing(limit: int):
+    """The registry's pairing (registry.py) of a drafter that reads the tokens alone: any target, no
+    draft file, no distribution over the drafted tokens, drafts of at most ``limit``."""
+    from pyllama_spec.drafters.registry import Pairing
+
+    return Pairing(limit=limit, per_position_logits=False)
