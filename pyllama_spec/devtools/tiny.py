@@ -841,6 +841,19 @@ def write_eagle3_draft(path: str | Path, target: str | Path, *, target_layers: t
 # -- cached set --------------------------------------------------------------------
 
 
+def cached_file(folder: str | Path, stem: str, version: int, params: dict, write) -> Path:
+    """``write(path, **params)`` into ``folder`` once: the file name, ``stem-HASH.gguf``, carries a hash of
+    the parameters and the writer's ``version``, so a second call with the same ones reuses the file
+    (tiny_bert.py's and tiny_mamba.py's models)."""
+    key = hashlib.sha256(json.dumps({"v": version, **params}, sort_keys=True).encode()).hexdigest()[:10]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{stem}-{key}.gguf"
+    if not path.exists():
+        _write_atomic(write, path, **params)
+    return path
+
+
 def _write_atomic(write, path: Path, **kwargs) -> None:
     # write to a unique temporary name, then rename: concurrent test workers never see half a file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -14,13 +14,11 @@ nothing, but they are deterministic and differ between inputs. It stands in for
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from pathlib import Path
 
 import numpy as np
 
+from pyllama_spec.devtools import tiny
 from pyllama_spec.gguf.reader import read_gguf
 from pyllama_spec.gguf.writer import GGUFWriter, ValueType
 
@@ -118,12 +116,5 @@ def make_bert(folder: str | Path, **params) -> Path:
     """``write_bert(**params)`` into ``folder``, once: the file name carries a hash of the parameters,
     and a file is written under a temporary name and renamed (concurrent test workers never see half
     of one)."""
-    key = hashlib.sha256(json.dumps({"v": GENERATOR_VERSION, **params}, sort_keys=True).encode()).hexdigest()[:10]
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"tiny-bert{'-rerank' if params.get('rerank') else ''}-{key}.gguf"
-    if not path.exists():
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        write_bert(tmp, **params)
-        os.replace(tmp, path)
-    return path
+    stem = "tiny-bert-rerank" if params.get("rerank") else "tiny-bert"
+    return tiny.cached_file(folder, stem, GENERATOR_VERSION, params, write_bert)

@@ -14,10 +14,7 @@ numpy shapes below are ggml's dimensions reversed.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -109,12 +106,4 @@ def make_mamba(folder: str | Path, **params) -> Path:
     """``write_mamba(**params)`` into ``folder``, once: the file name carries a hash of the parameters,
     and a file is written under a temporary name and renamed (concurrent test workers never see half
     of one)."""
-    key = hashlib.sha256(json.dumps({"v": GENERATOR_VERSION, **params}, sort_keys=True).encode()).hexdigest()[:10]
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"tiny-mamba-{key}.gguf"
-    if not path.exists():
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        write_mamba(tmp, **params)
-        os.replace(tmp, path)
-    return path
+    return tiny.cached_file(folder, "tiny-mamba", GENERATOR_VERSION, params, write_mamba)
