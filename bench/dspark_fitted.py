@@ -24,17 +24,17 @@ from __future__ import annotations
 import argparse
 import glob
 import importlib.util
+import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 import pyllama_spec as ps
+from pyllama_spec.devtools.servers import running_server
 from pyllama_spec.embedded import MODELS_DIR
 from pyllama_spec.gguf.reader import read_gguf, read_tensor
 from pyllama_spec.gguf.writer import GGUFWriter
@@ -93,27 +93,9 @@ def _measure(engine, prompts: list[str], max_tokens: int) -> tuple[float, float]
     return tokens / seconds, (accepted / drafted if drafted else 0.0)
 
 
-def _health(url: str, proc) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit("a server exited")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit("a server did not start")
-
-
-def _server_rate(cmd: list[str], port: int, prompts: list[str], max_tokens: int) -> float:
-    import json
-
-    proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _health(url, proc)
+def _server_rate(cmd: list[str], prompts: list[str], max_tokens: int) -> float:
+    """Decode tok/s of a server started with ``cmd`` over the prompts (its timings, tokens after the first)."""
+    with running_server(cmd) as url:
         tokens = ms = 0.0
         for p in prompts:
             body = json.dumps({"prompt": p, "n_predict": max_tokens, "temperature": 0, "cache_prompt": False})
@@ -123,9 +105,6 @@ def _server_rate(cmd: list[str], port: int, prompts: list[str], max_tokens: int)
             tokens += t["predicted_n"] - 1
             ms += t["predicted_ms"]
         return tokens / ms * 1000
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def main() -> int:
@@ -184,7 +163,7 @@ def main() -> int:
             runs = [(theirs, [str(server), *argv, "--no-warmup"]), (ours, [sys.executable, "-m", "pyllama_spec",
                                                                            "serve", *argv])]
             for out, cmd in (runs if r % 2 == 0 else runs[::-1]):
-                out.append(_server_rate(cmd, 18700 + r, prompts, args.max_tokens))
+                out.append(_server_rate(cmd, prompts, args.max_tokens))
         theirs.sort()
         ours.sort()
         print(f"\nDSpark alpha {best} served, /completion, tok/s min / median / max: llama-server "

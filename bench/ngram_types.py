@@ -18,12 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 import urllib.request
-from pathlib import Path
 
 PROMPTS = ("class Stack:\n    def __init__(self):\n        self.items = []\n", "def main():\n",
            "import os\nimport sys\n\ndef f(x):\n    return x\n\ndef g(x):\n    return x\n\n")
@@ -34,23 +30,6 @@ def _post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url + "/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.load(r)
-
-
-def _start(cmd: list[str], port: int) -> tuple[subprocess.Popen, str]:
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(Path(log.name).read_text()[-2000:])
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.2)
-    raise SystemExit(f"{cmd[0]} did not start")
 
 
 def _round(url: str) -> tuple[float, int, int]:
@@ -69,6 +48,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     from pyllama_spec import native_build
+    from pyllama_spec.devtools.servers import running_server
     from pyllama_spec.embedded import embedded_models
 
     llama_server = native_build.find_llama_server()
@@ -80,20 +60,16 @@ def main() -> int:
     rows = []
     for spec_type in TYPES:
         spec = [] if spec_type == "none" else ["--spec-type", spec_type]
-        servers = [("llama-server", _start([str(llama_server), *common, *spec, "--no-warmup"], 18411)),
-                   ("serve", _start([sys.executable, "-m", "pyllama_spec", "serve", *common, *spec], 18412))]
-        try:
+        with running_server([str(llama_server), *common, *spec, "--no-warmup"]) as theirs, \
+                running_server([sys.executable, "-m", "pyllama_spec", "serve", *common, *spec]) as ours:
+            servers = [("llama-server", theirs), ("serve", ours)]
             speeds = {name: [] for name, _ in servers}
             counts = {}
             for r in range(args.repeats):
-                for name, (_, url) in (servers if r % 2 == 0 else servers[::-1]):
+                for name, url in (servers if r % 2 == 0 else servers[::-1]):
                     tps, drafted, accepted = _round(url)
                     speeds[name].append(tps)
                     counts[name] = (drafted, accepted)
-        finally:
-            for _, (proc, _) in servers:
-                proc.terminate()
-                proc.wait(timeout=30)
         for name in speeds:
             rows.append((spec_type, name, sorted(speeds[name]), counts[name]))
     base = {name: statistics.median(s) for t, name, s, _ in rows if t == "none"}

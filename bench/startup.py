@@ -13,27 +13,24 @@ import argparse
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-import urllib.request
 
 
-def _time_to_health(cmd: list[str], port: int) -> float:
+def _time_to_health(cmd: list[str]) -> float:
+    from pyllama_spec.devtools.servers import stop, wait_healthy
+    from pyllama_spec.ports import free_port
+
+    port = free_port()
+    log = tempfile.NamedTemporaryFile(prefix="startup-", suffix=".log", delete=False)
     start = time.perf_counter()
     proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+                            stderr=log)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"{cmd[0]} exited {proc.returncode}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
-                    if r.status == 200:
-                        return time.perf_counter() - start
-            except OSError:
-                time.sleep(0.01)
+        wait_healthy(f"http://127.0.0.1:{port}", proc, log.name, poll=0.01)  # polled often: this is the figure
+        return time.perf_counter() - start
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop(proc)
 
 
 def main() -> int:
@@ -56,7 +53,7 @@ def main() -> int:
     times = {name: [] for name, _ in servers}
     for r in range(args.repeats):
         for name, cmd in (servers if r % 2 == 0 else servers[::-1]):
-            times[name].append(_time_to_health(cmd, 18500 + r))
+            times[name].append(_time_to_health(cmd))
     for name, t in times.items():
         t.sort()
         print(f"{name}: {t[0]:.2f} / {statistics.median(t):.2f} / {t[-1]:.2f} s (min / median / max)")

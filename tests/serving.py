@@ -5,10 +5,8 @@ itself in a process of its own (``cli_server``), as a user starts it."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -17,6 +15,7 @@ import urllib.request
 from pathlib import Path
 
 from pyllama_spec.devtools.rpc_server import free_port  # noqa: F401 - the tests' free port too
+from pyllama_spec.devtools.servers import running_server
 from pyllama_spec.server import ServerSettings, create_app
 from pyllama_spec.server.run import ServeLimits, make_server
 
@@ -85,30 +84,11 @@ def image_chat(png: bytes, text: str, max_tokens: int) -> dict:
             "max_tokens": max_tokens, "temperature": 0}
 
 
-@contextlib.contextmanager
 def cli_server(*args: str, within: float = 120):
     """``python -m pyllama_spec serve ARGS --port P`` (what ``pyllama-spec serve`` runs) from this
-    checkout, until it answers /health; yields its base URL, and stops it (SIGTERM) on the way out.
-    Fails with the server's stderr if it exits first."""
-    port = free_port()
+    checkout, until it answers /health: a context yielding its base URL, which stops it (SIGTERM) on
+    the way out. Fails with the server's stderr if it exits first (devtools/servers.py)."""
     repo = Path(__file__).resolve().parent.parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, "-m", "pyllama_spec", "serve", *args, "--port", str(port)],
-                            cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + within
-        while True:
-            assert proc.poll() is None, f"serve exited {proc.returncode}: {proc.stderr.read()}"
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.3)
-        yield url
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=60)
+    return running_server([sys.executable, "-m", "pyllama_spec", "serve", *args], within=within, host=None,
+                          env=env, cwd=repo)

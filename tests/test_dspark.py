@@ -6,10 +6,7 @@ draft-dspark on the same files (with its confidence head cutting drafts under ``
 
 from __future__ import annotations
 
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +14,7 @@ from conftest import LLAMA_SERVER, N_THREADS, needs_llama_server
 
 import pyllama_spec as ps
 from pyllama_spec.devtools import tiny
+from pyllama_spec.devtools.servers import running_server
 from pyllama_spec.errors import IncompatibleModelsError
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
@@ -69,31 +67,12 @@ def test_each_file_goes_to_its_own_type(tiny_dense, dspark):
 # --------------------------------------------------------------------------- llama-server's drafts
 
 def _completion(args: list[str], command: list[str]) -> tuple[str, int, int]:
-    from serving import free_port
     from serving import http as post
 
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-    proc = subprocess.Popen([*command, *args, "--host", "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, Path(log.name).read_text()[-2000:]
-            try:
-                if post(url, "/health", None)[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+    with running_server([*command, *args]) as url:
         status, body = post(url, "/completion", {"prompt": PROMPT, "n_predict": 64, "temperature": 0})
-        assert status == 200, body
-        return body["content"], body["timings"]["draft_n"], body["timings"]["draft_n_accepted"]
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    assert status == 200, body
+    return body["content"], body["timings"]["draft_n"], body["timings"]["draft_n_accepted"]
 
 
 @needs_llama_server

@@ -5,9 +5,6 @@ after poor drafts, a list's priority order)."""
 
 from __future__ import annotations
 
-import subprocess
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +12,7 @@ import pytest
 from conftest import LLAMA_SERVER, needs_llama_server
 
 import pyllama_spec as ps
+from pyllama_spec.devtools.servers import running_server
 from pyllama_spec.drafters import DraftRequest, Proposal
 from pyllama_spec.drafters.chain import ChainDrafter
 from pyllama_spec.drafters.ngram_cache import NGRAM_STATIC, NgramCache
@@ -50,27 +48,6 @@ def static_cache(pair, tmp_path_factory) -> Path:
 
 # --------------------------------------------------------------------------- llama-server's drafts
 
-def _llama_server(args: list[str]):
-    from serving import free_port
-    from serving import http as post
-
-    port = free_port()
-    log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
-    proc = subprocess.Popen([str(LLAMA_SERVER), *args, "--host", "127.0.0.1", "--port", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=log)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, Path(log.name).read_text()[-2000:]
-        try:
-            if post(url, "/health", None)[0] == 200:
-                return proc, url
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "llama-server did not start"
-        time.sleep(0.2)
-
-
 def _answers(url: str) -> list[tuple[str, int, int]]:
     """Each prompt's text and (drafted, accepted), one after another on one slot (the cache reused)."""
     from serving import http as post
@@ -92,12 +69,8 @@ def test_the_same_drafts_as_llama_server_on_the_same_file(spec_type, pair, stati
 
     lcs = ["-lcs", str(static_cache)] if "ngram-cache" in spec_type else []
     args = ["-m", str(pair.target), "--spec-type", spec_type, "-c", "4096", "-np", "1", "-t", "2", *lcs]
-    proc, url = _llama_server([*args, "-fa", "off", "--no-warmup"])
-    try:
+    with running_server([str(LLAMA_SERVER), *args, "-fa", "off", "--no-warmup"]) as url:
         theirs = _answers(url)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     ngram = {"lookup_cache_static": str(static_cache)} if lcs else {}
     with ps.load(pair.target, spec_type=spec_type, n_ctx=4096, n_threads=2, ngram=ngram) as engine, \
             LocalServer(engine, ServerSettings()) as ours:
