@@ -54,6 +54,7 @@ class NgramTable:
 
     def __init__(self, n: int, size: int = TABLE_SIZE) -> None:
         self.n = n
+        self._lead = pow(_MULT, n - 1, 1 << 64)  # the first token's weight in the hash (for roll)
         self.entries = np.full(size, EMPTY, dtype=np.int32)
         self.used = 0
 
@@ -74,11 +75,24 @@ class NgramTable:
         self.used += len(np.unique(slots[self.entries[slots] == EMPTY]))
         self.entries[slots] = windows[:, self.n]  # a slot written twice keeps the later token, as in order
 
-    def get(self, key: Sequence[int]) -> int:
+    def hash(self, key: Sequence[int]) -> int:
+        """The 64-bit hash of an n-gram (idx before the modulo)."""
         h = 0
         for t in key:
             h = (h * _MULT + (t & _MASK64)) & _MASK64
+        return h
+
+    def roll(self, h: int, leaving: int, entering: int) -> int:
+        """The hash of the n-gram one token on: ``leaving`` drops out at the front, ``entering`` comes in
+        (the hash is a polynomial in _MULT modulo 2**64, so a step costs two products, not n)."""
+        return ((h - (leaving & _MASK64) * self._lead) * _MULT + (entering & _MASK64)) & _MASK64
+
+    def at(self, h: int) -> int:
+        """The token stored for the n-gram of hash ``h`` (EMPTY: none)."""
         return int(self.entries[h % len(self.entries)])
+
+    def get(self, key: Sequence[int]) -> int:
+        return self.at(self.hash(key))
 
     def reset(self) -> None:
         self.entries.fill(EMPTY)
@@ -142,15 +156,17 @@ class NgramModDrafter(HistoryDrafter):
             self.table.add_all(prompt, info.i_last, cur_len - n)
             info.i_last = cur_len - n
         key = [*prompt[cur_len - n + 1:].tolist(), rq.id_last]
+        h = self.table.hash(key)  # then rolled a token at a time as the walk extends the key
         drafted: list[int] = []
         for i in range(self.walk_max):
-            token = self.table.get(key[i:i + n])
+            token = self.table.at(h)
             if token == EMPTY:
                 if i < self.walk_min:
                     return []
                 break
             drafted.append(token)
             key.append(token)
+            h = self.table.roll(h, key[i], token)
         info.n_draft_last = len(drafted)
         return drafted
 
