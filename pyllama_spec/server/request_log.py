@@ -39,25 +39,24 @@ class RequestLog:
         status = [0]
         request: list[bytes] = []
         response: list[bytes] = []
-        sizes = [0, 0]
+        sizes = [0, 0]  # bytes seen of the request's body and of the response's
+
+        def keep(kept: list[bytes], side: int, body: bytes) -> None:
+            if sizes[side] < BODY_LOG_LIMIT:  # what is kept is what came before, up to the limit
+                kept.append(body[:BODY_LOG_LIMIT - sizes[side]])
+            sizes[side] += len(body)
 
         async def receive_logged():
             message = await receive()
             if message["type"] == "http.request":
-                body = message.get("body", b"")
-                sizes[0] += len(body)
-                if sum(map(len, request)) < BODY_LOG_LIMIT:
-                    request.append(body[:BODY_LOG_LIMIT])
+                keep(request, 0, message.get("body", b""))
             return message
 
         async def send_logged(message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             elif message["type"] == "http.response.body":
-                body = message.get("body", b"")
-                sizes[1] += len(body)
-                if sum(map(len, response)) < BODY_LOG_LIMIT:
-                    response.append(body[:BODY_LOG_LIMIT])
+                keep(response, 1, message.get("body", b""))
             await send(message)
 
         try:
