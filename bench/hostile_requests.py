@@ -18,6 +18,11 @@ with its native part built; default this one) and measures, one server per item:
 - ``costly_schema``: a JSON schema of 20,000 optional properties (issue 43, item 1), and
   ``grammar_repetitions``: 11,800 rules of ``"x"{0,2000}`` (item 3), each beside a request on the
   other slot as above, with the server's peak resident memory after;
+- ``grammar_optional_run``: ``root ::= (.?){400} "b"``, 400 optional items in a row (80,000 stacks of
+  llama.cpp's grammar engine after a character), and ``grammar_ambiguous``: a grammar whose stacks
+  double at every token of a run of "a"s (``r ::= "a" r "b" | "a" r "c" | "d"``) with a logit bias
+  that makes "a" the pick, 16 tokens (the item after issue 43's review), each beside a request on
+  the other slot;
 - ``schema_near_limit``: a JSON schema of 285 optional properties, just under the conversion limit
   (item 2), beside a request on the other slot;
 - ``responses_store``: 380 stored Responses requests of 300 KB, mostly an unused field of an input
@@ -266,6 +271,17 @@ def main() -> int:
     item("responses_store", responses_store)
     grammar = "root ::= r0\n" + "".join(f'r{i} ::= "x"{{0,2000}}\n' for i in range(11800))
     item("grammar_repetitions", costly({"prompt": "hi", "n_predict": 4, "grammar": grammar}))
+    item("grammar_optional_run", costly({"prompt": "hi", "n_predict": 4, "grammar": 'root ::= (.?){400} "b"'}))
+
+    def grammar_ambiguous(s):
+        req = urllib.request.Request(f"http://127.0.0.1:{s.port}/tokenize", data=json.dumps({"content": "a"}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            a = json.loads(r.read())["tokens"][0]
+        return costly({"prompt": "hi", "n_predict": 16, "logit_bias": [[a, 100.0]],
+                       "grammar": 'root ::= r "x"\nr ::= "a" r "b" | "a" r "c" | "d"'})(s)
+
+    item("grammar_ambiguous", grammar_ambiguous)
 
     def cross_site(s):
         def scales():
@@ -290,7 +306,8 @@ def main() -> int:
     mixed = [rng.randrange(1000) if i % 3 else "ab" for i in range(3_000_000)]
     item("tokenize_mixed", costly({"content": mixed}, "/tokenize"))
     item("tokenize_31m", costly(b'{"content": [' + b"1," * 31_000_000 + b'1]}', "/tokenize"))
-    for name in ("newlines", "long_stop", "costly_schema", "grammar_repetitions", "numeric_body",
+    for name in ("newlines", "long_stop", "costly_schema", "grammar_repetitions", "grammar_optional_run",
+                 "grammar_ambiguous", "numeric_body",
                  "tokenize_mixed", "tokenize_31m"):
         if name in results:
             results[name] = {k: round(v, 2) if isinstance(v, float) else v for k, v in results[name].items()}

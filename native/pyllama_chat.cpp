@@ -10,6 +10,7 @@
 #include "chat.h"
 #include "common.h"
 #include "json.h"
+#include "llama-grammar.h"
 #include "reasoning-budget.h"
 
 #include <algorithm>
@@ -202,7 +203,38 @@ llama_sampler * constraint_clone(const llama_sampler * smpl) {
     return llama_sampler_init(&constraint_iface, out);
 }
 
+// llama-sampler.cpp's grammar sampler state (a struct of that file's own): the same members at this
+// pin, read only for the grammar's stack count.
+struct grammar_sampler_state {
+    const llama_vocab * vocab;
+    std::string         grammar_str;
+    std::string         grammar_root;
+    llama_grammar *     grammar;
+};
+
 }  // namespace
+
+size_t pyllama::grammar_stacks(const llama_sampler * smpl) {
+    if (smpl == nullptr) {
+        return 0;
+    }
+    const std::string name = llama_sampler_name(smpl);
+    if (name == "grammar") {
+        const auto * g = static_cast<const grammar_sampler_state *>(smpl->ctx)->grammar;
+        return g != nullptr ? g->stacks.size() : 0;
+    }
+    if (name == constraint_name(smpl)) {
+        return grammar_stacks(static_cast<const chat_constraint *>(smpl->ctx)->grmr);
+    }
+    if (name == "chain") {
+        size_t most = 0;
+        for (int32_t i = 0; i < llama_sampler_chain_n(smpl); i++) {
+            most = std::max(most, grammar_stacks(llama_sampler_chain_get(const_cast<llama_sampler *>(smpl), i)));
+        }
+        return most;
+    }
+    return 0;
+}
 
 extern "C" {
 

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <csignal>
 #include <cstring>
 #include <string>
@@ -188,6 +189,176 @@ const char * skip_space(const char * pos) {
     }
     return pos;
 }
+
+// What llama.cpp's grammar engine will do with the parsed rules, counted before it does it:
+// `stacks`, the most stacks one advance of a stack makes (llama_grammar_advance_stack expands every
+// reference and every way to skip what may be empty, down to the next terminal), and `after_char`,
+// the most stacks accepting one character from one stack makes (each of those terminals, matched,
+// advanced again). The engine's work grows with these (a duplicate check scans the stacks it has:
+// quadratic in them; sampling repeats it per candidate token): `root ::= (.?){400} "b"` is 20
+// bytes and 80,000 stacks after a character, seconds a token. Counted as paths, in time linear in
+// the rules: with the empty alternatives' counts N, the first terminals' E, the paths that finish
+// what they start on one character Z, and those paths' stacks after it A, a sequence's values
+// follow from its elements' (a reference's from its rule's, each rule's from its alternatives').
+// A rule's values depend on the rules it starts with through what may be empty; llama.cpp refuses
+// a grammar where that loops (left recursion), so do we: false, and the parser's init says why.
+struct grammar_paths {
+    const llama_grammar_rules & rules;
+    std::vector<double> N, E, Z, A;         // per rule
+    std::vector<std::vector<double>> pN, pE; // per element: the values of the sequence from it
+    std::vector<uint32_t> order;            // rules, each after those it starts with
+    double stacks = 0.0, after_char = 0.0;
+
+    static double cap(double x) { return x < 1e30 ? x : 1e30; }  // no inf: inf * 0 would be NaN
+    static bool is_end(const llama_grammar_element & e) {
+        return e.type == LLAMA_GRETYPE_END || e.type == LLAMA_GRETYPE_ALT;
+    }
+    static bool is_modifier(const llama_grammar_element & e) {
+        return e.type == LLAMA_GRETYPE_CHAR_ALT || e.type == LLAMA_GRETYPE_CHAR_RNG_UPPER;
+    }
+    // the element after the one at i (a character class's ranges and alternatives belong to it)
+    size_t next(const llama_grammar_rule & rule, size_t i) const {
+        i++;
+        while (i < rule.size() && is_modifier(rule[i])) {
+            i++;
+        }
+        return i;
+    }
+
+    // N and E of every rule, depth first along what each rule starts with; fills `order`.
+    bool rule_counts() {
+        const size_t n = rules.size();
+        N.assign(n, 0.0); E.assign(n, 0.0);
+        std::vector<uint8_t> state(n, 0);  // 0 unseen, 1 in progress, 2 done
+        struct frame { uint32_t rule; size_t i; double w, n_acc, e_acc; };
+        for (uint32_t start = 0; start < n; start++) {
+            if (state[start] != 0 || rules[start].empty()) {
+                continue;
+            }
+            std::vector<frame> todo{{start, 0, 1.0, 0.0, 0.0}};
+            state[start] = 1;
+            while (!todo.empty()) {
+                frame & f = todo.back();
+                const llama_grammar_rule & rule = rules[f.rule];
+                const llama_grammar_element & e = rule[f.i];
+                if (is_end(e)) {
+                    f.n_acc = cap(f.n_acc + f.w);
+                    if (e.type == LLAMA_GRETYPE_ALT) {
+                        f.i++; f.w = 1.0;
+                        continue;
+                    }
+                    N[f.rule] = f.n_acc; E[f.rule] = f.e_acc; state[f.rule] = 2;
+                    order.push_back(f.rule);
+                    todo.pop_back();
+                    continue;
+                }
+                if (f.w == 0.0) {  // this alternative cannot be empty past here: nothing more starts it
+                    f.i = next(rule, f.i);
+                    continue;
+                }
+                if (e.type != LLAMA_GRETYPE_RULE_REF) {
+                    f.e_acc = cap(f.e_acc + f.w);
+                    f.w = 0.0;
+                    f.i = next(rule, f.i);
+                    continue;
+                }
+                const uint32_t s = e.value;
+                if (state[s] == 1) {
+                    return false;  // left recursion
+                }
+                if (state[s] == 0) {
+                    state[s] = 1;
+                    todo.push_back({s, 0, 1.0, 0.0, 0.0});  // f may dangle now: not used below
+                    continue;
+                }
+                f.e_acc = cap(f.e_acc + f.w * E[s]);
+                f.w = cap(f.w * N[s]);
+                f.i++;
+            }
+        }
+        return true;
+    }
+
+    // N and E of the sequence from every element, each alternative read backwards.
+    void element_counts() {
+        pN.resize(rules.size()); pE.resize(rules.size());
+        for (size_t r = 0; r < rules.size(); r++) {
+            const llama_grammar_rule & rule = rules[r];
+            pN[r].assign(rule.size(), 0.0); pE[r].assign(rule.size(), 0.0);
+            double n_next = 1.0, e_next = 0.0;
+            for (size_t i = rule.size(); i-- > 0;) {
+                const llama_grammar_element & e = rule[i];
+                if (is_end(e)) {
+                    n_next = 1.0; e_next = 0.0;
+                } else if (is_modifier(e)) {
+                    continue;  // part of the terminal before it
+                } else if (e.type == LLAMA_GRETYPE_RULE_REF) {
+                    e_next = cap(E[e.value] + N[e.value] * e_next);
+                    n_next = cap(N[e.value] * n_next);
+                } else {
+                    n_next = 0.0; e_next = 1.0;
+                }
+                pN[r][i] = n_next; pE[r][i] = e_next;
+                stacks = std::max(stacks, e_next);
+            }
+        }
+    }
+
+    // Z and A of every rule (in `order`: what a rule starts with is counted before it), then A of
+    // the sequence from every element, whose largest is `after_char`.
+    void after_one_char() {
+        const size_t n = rules.size();
+        Z.assign(n, 0.0); A.assign(n, 0.0);
+        for (uint32_t r : order) {
+            const llama_grammar_rule & rule = rules[r];
+            double w = 1.0, z = 0.0, a = 0.0;
+            for (size_t i = 0; i < rule.size();) {
+                const llama_grammar_element & e = rule[i];
+                if (is_end(e)) {
+                    w = 1.0; i++;
+                    continue;
+                }
+                const size_t q = next(rule, i);
+                if (w != 0.0) {
+                    if (e.type == LLAMA_GRETYPE_RULE_REF) {
+                        const uint32_t s = e.value;
+                        z = cap(z + w * Z[s] * pN[r][q]);
+                        a = cap(a + w * (A[s] + Z[s] * pE[r][q]));
+                        w = cap(w * N[s]);
+                    } else {
+                        z = cap(z + w * pN[r][q]);
+                        a = cap(a + w * pE[r][q]);
+                        w = 0.0;
+                    }
+                }
+                i = q;
+            }
+            Z[r] = z; A[r] = a;
+        }
+        for (size_t r = 0; r < n; r++) {
+            const llama_grammar_rule & rule = rules[r];
+            double a_next = 0.0;
+            for (size_t i = rule.size(); i-- > 0;) {
+                const llama_grammar_element & e = rule[i];
+                if (is_end(e)) {
+                    a_next = 0.0;
+                } else if (is_modifier(e)) {
+                    continue;
+                } else {
+                    const size_t q = next(rule, i);
+                    const double e_after = q < rule.size() ? pE[r][q] : 0.0;
+                    if (e.type == LLAMA_GRETYPE_RULE_REF) {
+                        const uint32_t s = e.value;
+                        a_next = cap(A[s] + Z[s] * e_after + N[s] * a_next);
+                    } else {
+                        a_next = e_after;
+                    }
+                    after_char = std::max(after_char, a_next);
+                }
+            }
+        }
+    }
+};
 }  // namespace
 
 }  // extern "C"
@@ -204,7 +375,7 @@ const char * pyllama_last_error(void) {
 
 // llama_grammar_parser::parse prints its error to stderr and returns false; the same steps
 // here keep the reason for the caller.
-int32_t pyllama_grammar_check(const char * gbnf) {
+int32_t pyllama_grammar_check(const char * gbnf, double * cost) {
     try {
         llama_grammar_parser parser;
         const char * pos = skip_space(gbnf);
@@ -234,6 +405,16 @@ int32_t pyllama_grammar_check(const char * gbnf) {
                 parser.rules[root->second].empty()) {
             return failed("the grammar has no 'root' rule");
         }
+        if (cost != nullptr) {
+            grammar_paths paths{parser.rules};
+            cost[0] = cost[1] = -1.0;  // left recursion: llama.cpp's init refuses the grammar
+            if (paths.rule_counts()) {
+                paths.element_counts();
+                paths.after_one_char();
+                cost[0] = paths.stacks;
+                cost[1] = paths.after_char;
+            }
+        }
         return 0;
     } catch (const std::exception & e) {
         return failed(e.what());
@@ -244,6 +425,28 @@ int32_t pyllama_grammar_check(const char * gbnf) {
 // two checks it makes by aborting or not at all: a row without logits, and a pick that every
 // sampler forbade (a grammar and a logit bias that leave no token: llama.cpp would accept the
 // forbidden token, or abort on an end-of-generation token the grammar cannot take yet).
+// After a token is accepted: refuse to go on when the grammar's engine follows more stacks than
+// the limit. Its time and memory grow with them, and an ambiguous grammar of a few bytes doubles
+// them at every token (`r ::= "a" r "b" | "a" r "c" | "d"` after a run of "a"s: 2^n), which the
+// static count of pyllama_grammar_check cannot see: it depends on the text.
+static size_t g_max_grammar_stacks = SIZE_MAX;
+
+static int32_t check_grammar_stacks(const llama_sampler * smpl) {
+    const size_t n = pyllama::grammar_stacks(smpl);
+    if (n > g_max_grammar_stacks) {
+        const std::string what = "the grammar's engine would follow " + std::to_string(n) +
+            " paths at once after this token (at most " + std::to_string(g_max_grammar_stacks) +
+            "): the grammar is too ambiguous for the text so far (alternatives that begin alike inside a "
+            "recursion, or many optional items in a row, multiply them)";
+        return failed(what.c_str());
+    }
+    return 0;
+}
+
+void pyllama_grammar_limit_stacks(size_t n) {
+    g_max_grammar_stacks = n;
+}
+
 int32_t pyllama_sampler_sample(llama_sampler * smpl, llama_context * ctx, int32_t idx) {
     thread_local std::vector<llama_token_data> cur;
     try {
@@ -266,6 +469,9 @@ int32_t pyllama_sampler_sample(llama_sampler * smpl, llama_context * ctx, int32_
             return failed("no token is allowed here: the grammar and the logit bias forbid every one");
         }
         llama_sampler_accept(smpl, picked.id);
+        if (check_grammar_stacks(smpl) != 0) {
+            return -1;
+        }
         return picked.id;
     } catch (const std::exception & e) {
         return failed(e.what());
@@ -275,7 +481,7 @@ int32_t pyllama_sampler_sample(llama_sampler * smpl, llama_context * ctx, int32_
 int32_t pyllama_sampler_accept(llama_sampler * smpl, int32_t token) {
     try {
         llama_sampler_accept(smpl, token);
-        return 0;
+        return check_grammar_stacks(smpl);
     } catch (const std::exception & e) {
         return failed(e.what());
     }

@@ -185,6 +185,28 @@ def test_every_template_of_the_pinned_source_is_covered():
     assert {case[0] for case in SAMPLES} <= set(TEMPLATE_NAMES)
 
 
+def test_a_hundred_tools_on_every_template_make_a_grammar_the_sampler_can_afford():
+    """The grammar a forced call over 100 tools makes, on every template of the pinned source, keeps
+    llama.cpp's grammar engine within the bound that refuses costly grammars (Llama 3.1's format is the
+    largest: about 1,700 stacks after a character)."""
+    from pyllama_spec.bindings.chat import ChatTemplates
+    from pyllama_spec.bindings.grammar import MAX_GRAMMAR_STACKS, grammar_cost
+
+    if not TEMPLATES.exists():
+        pytest.skip(NO_SOURCE)
+    tools = [{"type": "function", "function": {"name": f"tool_number_{i}", "description": "d", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string"}, "y": {"type": "integer"}}, "required": ["x"]}}}
+        for i in range(100)]
+    costs = {}
+    for name in TEMPLATE_NAMES:
+        with ChatTemplates(None, _template(name)) as templates:
+            out = templates.apply({"messages": [{"role": "user", "content": "hi"}], "tools": tools,
+                                   "tool_choice": "required", "use_jinja": True, "add_generation_prompt": True})
+        if out.get("grammar"):
+            costs[name] = max(grammar_cost(out["grammar"]))
+    assert len(costs) >= 60 and max(costs.values()) <= MAX_GRAMMAR_STACKS / 2, sorted(costs.items(), key=lambda c: c[1])[-3:]
+
+
 # --------------------------------------------------------------------------- each family's parser
 
 _RENDERERS: dict[str, ChatRenderer] = {}

@@ -14,6 +14,9 @@ import math
 import re
 
 import numpy as np
+import time
+from pathlib import Path
+
 import pytest
 from conftest import N_THREADS, explain_child
 
@@ -235,6 +238,61 @@ def test_a_repetition_whose_maximum_is_below_its_minimum_is_refused_before_the_p
         with pytest.raises(GrammarError, match="the maximum is below the minimum"):
             LlamaGrammar.from_string(kwargs["grammar"])
     assert engine.generate(PROMPT, max_tokens=2, grammar='root ::= "x"{1,1}').text == "x"
+
+
+@pytest.mark.parametrize("n", [1, 25, 127, 400])
+def test_the_grammar_cost_counts_the_stacks_of_optional_items_in_a_row(n):
+    """(.?){n} "b": one advance makes n + 1 stacks (a "." at each of the n places, or the "b"), and a
+    character accepted from the first makes n + (n - 1) + ... + 1 (each "." matched, advanced again)."""
+    from pyllama_spec.bindings.grammar import grammar_cost
+
+    assert grammar_cost(f'root ::= (.?){{{n}}} "b"') == (n + 1, n * (n + 1) / 2)
+
+
+def test_the_grammar_cost_of_everyday_grammars_is_small():
+    from pyllama_spec.bindings.grammar import MAX_GRAMMAR_STACKS, grammar_cost
+
+    assert grammar_cost('root ::= [a-z]{0,2000} "x"*') == (2, 3)  # a bounded repetition nests: no run
+    assert grammar_cost('root ::= root "a" | "b"') == (-1, -1)  # left recursion: llama.cpp's init says so
+    assert max(grammar_cost(json_schema_to_grammar(SCHEMA))) < 100
+    many = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(290)}}  # the schema limit
+    assert max(grammar_cost(json_schema_to_grammar(many))) < MAX_GRAMMAR_STACKS / 4
+    from pyllama_spec.bindings.native_info import build_record
+
+    source = build_record().get("source", {}).get("path")  # llama.cpp's example grammars, where the tree is here
+    for path in sorted(Path(source or "/nonexistent").joinpath("grammars").glob("*.gbnf")):
+        assert max(grammar_cost(path.read_text())) < 100, path.name
+
+
+def test_a_grammar_of_too_many_optional_items_in_a_row_is_refused_before_sampling(engine):
+    """root ::= (.?){400} "b" is 20 bytes and took 6 s for 2 tokens (80,000 stacks after a character);
+    it is refused from its rules, by the engine and by the facade's LlamaGrammar; (.?){60} is taken."""
+    from pyllama_spec.llama_cpp.llama_grammar import LlamaGrammar
+
+    t0 = time.perf_counter()
+    for grammar in ('root ::= (.?){400} "b"', 'root ::= ((" "?){100}){100}'):
+        with pytest.raises(GrammarError, match="paths at once.*at most 4096"):
+            engine.generate(PROMPT, max_tokens=2, grammar=grammar)
+        with pytest.raises(GrammarError, match="paths at once"):
+            LlamaGrammar.from_string(grammar)
+    assert time.perf_counter() - t0 < 5
+    assert engine.generate(PROMPT, max_tokens=3, grammar='root ::= (.?){60} "b"').tokens
+
+
+def test_an_ambiguous_grammar_fails_once_its_stacks_pass_the_bound_and_the_engine_goes_on(engine):
+    """r ::= "a" r "b" | "a" r "c" | "d": after n "a"s llama.cpp's engine follows 2^n stacks (every
+    mix of the closers still owed), which no count of the grammar sees. Forced to "a" by a logit
+    bias, 16 tokens took 139 s on this pair and 40 would take years; sampling now fails with
+    GrammarError once the stacks pass MAX_GRAMMAR_STACKS (12 tokens in)."""
+    grammar = 'root ::= r "x"\nr ::= "a" r "b" | "a" r "c" | "d"'
+    (a,) = engine.model.tokenize("a", add_special=False)
+    t0 = time.perf_counter()
+    with pytest.raises(GrammarError, match="too ambiguous"):
+        engine.generate(PROMPT, max_tokens=40, grammar=grammar, logit_bias={a: 100.0})
+    assert time.perf_counter() - t0 < 30  # 0.3 s here
+    forced = engine.generate(PROMPT, max_tokens=8, grammar=grammar, logit_bias={a: 100.0})
+    assert forced.text == "a" * 8  # within the bound, the same grammar runs as before
+    assert engine.generate(PROMPT, max_tokens=3).tokens
 
 
 def test_unknown_sampling_settings_are_a_type_error(engine):

@@ -231,7 +231,8 @@ def _peak_rss(pid: int) -> int:
 
 def test_the_costly_bodies_of_issue_43_at_once_stall_neither_health_nor_the_other_slot(tiny_dense):
     """Items 1-5 and 8 of issue 43, sent together to a `serve -np 2` process beside a normal request:
-    a 20,000-property schema and one of 285 (converted off the event loop), 11,800 rules of "x"{0,2000}, 3 million floats in a field no route reads,
+    a 20,000-property schema and one of 285 (converted off the event loop), 11,800 rules of "x"{0,2000},
+    grammars the sampler cannot afford (OPTIONAL_RUN, AMBIGUOUS), 3 million floats in a field no route reads,
     /tokenize of a million ids and strings and of 31 million ids, Responses requests with large unused
     fields, a cross-site POST. Each is answered as it should be; /health is answered throughout (the
     bench measures its longest wait, 100 ms or less, on an idle machine: here, a margin for a loaded
@@ -257,6 +258,9 @@ def test_the_costly_bodies_of_issue_43_at_once_stall_neither_health_nor_the_othe
         *(("/v1/responses", {"input": unused_items * 20, "max_output_tokens": 2}, {}, 200) for _ in range(3)),
         ("/completion", {"prompt": "hi", "n_predict": 2}, {"Origin": "http://evil.example",
                                                           "Content-Type": "text/plain"}, 403),
+        ("/completion", {"prompt": "hi", "n_predict": 4, "grammar": OPTIONAL_RUN}, {}, 400),
+        ("/completion", {"prompt": "hi", "n_predict": 40, "grammar": AMBIGUOUS,
+                         "logit_bias": [[_token_of(url, "a"), 100.0]]}, {}, 400),
     ]
     bodies = [b if isinstance(b, bytes) else json.dumps(b).encode() for _, b, _, _ in hostile]
     try:
@@ -365,6 +369,39 @@ def test_a_grammar_whose_repetitions_would_take_minutes_is_a_400_at_once(tiny_se
     ok = httpx.post(tiny_server.url + "/completion", timeout=60, json={
         "prompt": "hi", "n_predict": 3, "grammar": 'root ::= "x"{0,2000}'})
     assert ok.status_code == 200 and ok.json()["content"] in ("x", "xx", "xxx"), ok.text[:300]
+
+
+# Grammars that llama.cpp's grammar engine cannot afford (the item after issue 43's review): 400
+# optional items in a row (80,000 stacks after a character: 6 s for 2 tokens), and an ambiguous
+# grammar whose stacks double at every "a" (16 tokens took 139 s on the embedded pair, and it goes
+# on doubling). The first is refused from its rules, the second once its stacks pass the bound.
+OPTIONAL_RUN = 'root ::= (.?){400} "b"'
+AMBIGUOUS = 'root ::= r "x"\nr ::= "a" r "b" | "a" r "c" | "d"'
+
+
+def _token_of(url: str, text: str) -> int:
+    (token,) = httpx.post(url + "/tokenize", json={"content": text}, timeout=30).json()["tokens"]
+    return token
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_grammar_the_sampler_cannot_afford_is_a_400_or_an_error_event_at_once(tiny_server, stream):
+    url = tiny_server.url
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/completion", json={"prompt": "hi", "n_predict": 4, "grammar": OPTIONAL_RUN,
+                                              "stream": stream}, timeout=60)
+    assert r.status_code == 400 and "paths at once" in r.text and "4096" in r.text, r.text[:300]
+    ambiguous = {"prompt": "hi", "n_predict": 40, "grammar": AMBIGUOUS, "stream": stream,
+                 "logit_bias": [[_token_of(url, "a"), 100.0]]}
+    if stream:
+        events = _sse_events(url + "/completion", ambiguous)
+        assert "too ambiguous" in json.loads(events[-1])["error"]["message"], events[-3:]
+    else:
+        r = httpx.post(url + "/completion", json=ambiguous, timeout=120)
+        assert r.status_code == 400 and "too ambiguous" in r.text and "4096" in r.text, r.text[:300]
+    assert time.perf_counter() - t0 < 30  # 0.1 s here; before, 40 "a"s would double 2^40 stacks
+    ok = httpx.post(url + "/completion", timeout=60, json={"prompt": "hi", "n_predict": 3, "grammar": AMBIGUOUS})
+    assert ok.status_code == 200 and ok.json()["content"], ok.text[:300]  # the same grammar, unforced
 
 
 def test_the_python_api_refuses_a_schema_too_costly_to_convert(tiny_server):

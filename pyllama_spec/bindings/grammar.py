@@ -20,10 +20,43 @@ def _last_error() -> str:
     return ffi.string(lib.pyllama_last_error()).decode("utf-8", errors="replace")
 
 
-def check_grammar(gbnf: str) -> None:
-    """Raise GrammarError unless ``gbnf`` parses and has a ``root`` rule (llama.cpp's parser)."""
-    if lib.pyllama_grammar_check(gbnf.encode()) != 0:
+#: The most stacks llama.cpp's grammar engine may follow: after one advance of one stack, after one
+#: accepted character from one stack (both counted on the grammar, ``grammar_cost``), and while
+#: sampling (checked after every token: an ambiguous grammar can double them at every token, which
+#: no count of the grammar alone sees; past the bound, sampling fails with GrammarError). Sampling
+#: walks the candidate tokens once per stack: on Gemma 3's 262,144-token vocabulary about 4 ms a
+#: stack a token, so a few bytes of grammar that doubles them stall every slot for minutes, and
+#: ``root ::= (.?){400} "b"`` (80,000 stacks after a character) took 6 s for 2 tokens on the
+#: embedded pair's 269. The grammars of JSON schemas within their own limit (290 optional
+#: properties: about 900 after a character) and of tool calls (Llama 3.1's format: about 17 per
+#: tool, so some 240 tools) stay inside. bench/RESULTS.md, "Grammars the sampler cannot afford".
+MAX_GRAMMAR_STACKS = 4096
+lib.pyllama_grammar_limit_stacks(MAX_GRAMMAR_STACKS)
+
+
+def grammar_cost(gbnf: str) -> tuple[float, float]:
+    """(the most stacks one advance of llama.cpp's grammar engine makes, the most one accepted
+    character makes), counted on the parsed rules in time linear in them; (-1, -1) for a grammar
+    llama.cpp refuses for left recursion. GrammarError unless ``gbnf`` parses with a ``root`` rule."""
+    cost = ffi.new("double[2]")
+    if lib.pyllama_grammar_check(gbnf.encode(), cost) != 0:
         raise GrammarError(f"the grammar does not parse: {_last_error()}")
+    return cost[0], cost[1]
+
+
+def check_grammar(gbnf: str) -> None:
+    """Raise GrammarError unless ``gbnf`` parses and has a ``root`` rule (llama.cpp's parser), and
+    its engine's stacks stay within ``MAX_GRAMMAR_STACKS`` (``grammar_cost``)."""
+    stacks, after_char = grammar_cost(gbnf)
+    if max(stacks, after_char) > MAX_GRAMMAR_STACKS:
+        raise GrammarError(
+            f"the grammar lets too many items be skipped in a row: llama.cpp's grammar engine would follow "
+            f"{_count(stacks)} paths at once, {_count(after_char)} after one character; at most {MAX_GRAMMAR_STACKS} "
+            "are taken: make fewer adjacent items optional (x? x? x? ... is costly, x{0,n} is not)")
+
+
+def _count(x: float) -> str:
+    return f"{x:.3g}" if x >= 1e6 else f"{int(x)}"
 
 
 def json_schema_to_grammar(schema) -> str:
