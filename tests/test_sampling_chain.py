@@ -295,6 +295,23 @@ def test_an_ambiguous_grammar_fails_once_its_stacks_pass_the_bound_and_the_engin
     assert engine.generate(PROMPT, max_tokens=3).tokens
 
 
+def test_a_generation_whose_grammar_fails_ends_alone_and_the_other_slot_goes_on():
+    """Two slots step together; one's sampler fails (its grammar's stacks pass the bound). It ended
+    both requests (the step raised for every slot in it): now that one alone ends, and the other
+    writes what it writes alone."""
+    em = ps.embedded_models()
+    grammar = 'root ::= r "x"\nr ::= "a" r "b" | "a" r "c" | "d"'
+    with ps.load(em.target, draft=em.draft, n_ctx=2048, n_parallel=2, n_threads=N_THREADS) as e:
+        alone = e.generate(PROMPT, max_tokens=64)
+        (a,) = e.model.tokenize("a", add_special=False)
+        for _ in range(2):
+            normal = e.submit(PROMPT, max_tokens=64)
+            bad = e.submit(PROMPT, max_tokens=40, grammar=grammar, logit_bias={a: 100.0})
+            with pytest.raises(GrammarError, match="too ambiguous"):
+                bad.result()
+            assert normal.result().tokens == alone.tokens
+
+
 def test_unknown_sampling_settings_are_a_type_error(engine):
     with pytest.raises(TypeError, match="unknown sampling setting"):
         engine.generate(PROMPT, max_tokens=2, temprature=0.5)

@@ -654,8 +654,12 @@ class SlotLoop:
             return
         self.steps += 1
         self.slots_per_step[len(active)] += 1
-        for (i, _), piece in zip(active, pieces):
-            self._deliver(i, piece)
+        for (i, r), piece in zip(active, pieces):
+            if isinstance(piece, Exception):  # its own sampler failed (its grammar): it alone ends
+                r.gen.seq.reset()
+                self._finish(i, "error", piece)
+            else:
+                self._deliver(i, piece)
 
     def _deliver(self, i: int, piece: Piece | None) -> None:
         running = self._slots[i]

@@ -328,15 +328,18 @@ def prefill_parts(seq: Sequence, parts: list, stats: GenerationStats, n_batch: i
 
 
 def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
-                     step_cost: StepCost | None = None) -> list[Piece | None]:
+                     step_cost: StepCost | None = None) -> list[Piece | None | Exception]:
     """One draft / verify / accept step for every generation in ``gens`` (one target decode for all).
 
     ``step_cost`` (the engine's, shared by its adaptive rules) learns from every step that
     drafted: its rows and its time, whatever rule chose the lengths, so adaptive requests start
     with what earlier ones measured.
 
-    Returns each generation's piece (None where a step streams nothing). Raises what a native
-    call raises; the caller resets the sequences of a step that did not finish.
+    Returns each generation's piece (None where a step streams nothing), or the exception that
+    ended that generation alone: what its own sampler raised while accepting (a grammar that allows
+    no token, or whose stacks pass the bound: GrammarError), the others in the step going on. Raises
+    what the shared calls raise (the draft, the decode). The caller resets the sequences of a step,
+    or of a generation, that did not finish.
     """
     start = time.perf_counter()
     share = ctx.n_batch // len(gens)  # every block must fit in one target batch (n_parallel <= n_batch)
@@ -380,10 +383,14 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
     else:
         t_target = time.perf_counter() - t
 
-    pieces = []
+    pieces: list[Piece | None | Exception] = []
     for g, (proposal, draft), rows, at in zip(gens, drafts, verify_rows, offsets):
         t = time.perf_counter()
-        accepted = g.verifier.accept(ctx, draft, proposal, row=at)
+        try:
+            accepted = g.verifier.accept(ctx, draft, proposal, row=at)
+        except Exception as e:  # noqa: BLE001 - this generation's own sampler: the others go on
+            pieces.append(e)
+            continue
         g.stats.target_seconds += t_target + time.perf_counter() - t
         n_kept = len(accepted)  # id_last + the accepted drafts
         g.seq.commit(rows.tokens, n_kept)
