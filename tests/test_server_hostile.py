@@ -404,6 +404,51 @@ def test_a_grammar_the_sampler_cannot_afford_is_a_400_or_an_error_event_at_once(
     assert ok.status_code == 200 and ok.json()["content"], ok.text[:300]  # the same grammar, unforced
 
 
+def test_a_large_body_is_kept_from_the_collector_while_it_lives_and_freed_in_pieces(tiny_server):
+    """A body of 3.9 million floats in 99,000 lists: a full collection while it lived walked all of it
+    (80-140 ms of the GIL), and dropping it at once held the GIL 60-106 ms (/health waited as long).
+    While it is parsed the automatic collector is off, once parsed it is frozen, and it is freed on a
+    thread a piece at a time: meanwhile a collection skips it. Afterwards nothing stays frozen and
+    the collector is on, after an answer and after a 400 alike."""
+    import gc
+
+    from pyllama_spec.server import service
+
+    nested = [[i * 0.001] * 39 for i in range(99_000)]
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "unused": nested}).encode()
+    del nested
+    seen: list = []
+    original = service.free_in_pieces
+
+    def checked(values):  # on the freeing thread: the body is alive here, and frozen
+        seen.append(gc.get_freeze_count())
+        t0 = time.perf_counter()
+        gc.collect()
+        seen.append(time.perf_counter() - t0)
+        original(values)
+
+    service.free_in_pieces = checked
+    try:
+        r = httpx.post(tiny_server.url + "/v1/chat/completions", content=body, timeout=120,
+                       headers={"Content-Type": "application/json"})
+        assert r.status_code == 200, r.text[:300]
+        bad = httpx.post(tiny_server.url + "/v1/chat/completions", content=body.replace(b'"hi"', b'"hi",'),
+                         timeout=120, headers={"Content-Type": "application/json"})
+        assert bad.status_code == 400, bad.text[:300]
+        deadline = time.monotonic() + 30
+        while (len(seen) < 2 or gc.get_freeze_count()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        service.free_in_pieces = original
+    frozen, collect_seconds = seen[:2]
+    assert frozen > 99_000  # the body's lists among what is frozen
+    t0 = time.perf_counter()
+    gc.collect()
+    baseline = time.perf_counter() - t0
+    assert collect_seconds < baseline + 0.05, (collect_seconds, baseline)  # walked, it adds 80-140 ms
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+
+
 def test_the_python_api_refuses_a_schema_too_costly_to_convert(tiny_server):
     import pyllama_spec as ps
 

@@ -39,6 +39,7 @@ from pyllama_spec.server.service import (
     Service,
     engine_error,
     error_response,
+    free_large_bodies,
 )
 from pyllama_spec.serving.engine import Engine
 
@@ -57,14 +58,17 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
     def route(path: str, methods: list[str], handler) -> Route:
         async def endpoint(request: Request) -> Response:
             try:
-                service.check_key(request)
-                response = await handler(request)
-            except APIError as e:
-                response = error_response(e)
-            except Exception as e:  # noqa: BLE001 - never a traceback to the client
-                response = error_response(engine_error(e))
-            service.metrics.count_request(path, response.status_code)
-            return response
+                try:
+                    service.check_key(request)
+                    response = await handler(request)
+                except APIError as e:
+                    response = error_response(e)
+                except Exception as e:  # noqa: BLE001 - never a traceback to the client
+                    response = error_response(engine_error(e))
+                service.metrics.count_request(path, response.status_code)
+                return response
+            finally:
+                free_large_bodies(request)  # the handler's frame is gone: a body's last holder is the request
 
         return Route(path, endpoint, methods=methods)
 
