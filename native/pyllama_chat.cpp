@@ -214,22 +214,28 @@ struct grammar_sampler_state {
 
 }  // namespace
 
-size_t pyllama::grammar_stacks(const llama_sampler * smpl) {
+size_t pyllama::grammar_stacks(const llama_sampler * smpl, size_t * n_vocab) {
     if (smpl == nullptr) {
         return 0;
     }
     const std::string name = llama_sampler_name(smpl);
     if (name == "grammar") {
         const auto * g = static_cast<const grammar_sampler_state *>(smpl->ctx)->grammar;
-        return g != nullptr ? g->stacks.size() : 0;
+        if (g == nullptr) {
+            return 0;
+        }
+        if (g->vocab != nullptr) {
+            *n_vocab = std::max(*n_vocab, (size_t) llama_vocab_n_tokens(g->vocab));
+        }
+        return g->stacks.size();
     }
     if (name == constraint_name(smpl)) {
-        return grammar_stacks(static_cast<const chat_constraint *>(smpl->ctx)->grmr);
+        return grammar_stacks(static_cast<const chat_constraint *>(smpl->ctx)->grmr, n_vocab);
     }
     if (name == "chain") {
         size_t most = 0;
         for (int32_t i = 0; i < llama_sampler_chain_n(smpl); i++) {
-            most = std::max(most, grammar_stacks(llama_sampler_chain_get(const_cast<llama_sampler *>(smpl), i)));
+            most = std::max(most, grammar_stacks(llama_sampler_chain_get(const_cast<llama_sampler *>(smpl), i), n_vocab));
         }
         return most;
     }

@@ -421,32 +421,40 @@ int32_t pyllama_grammar_check(const char * gbnf, double * cost) {
     }
 }
 
-// llama_sampler_sample's steps (CPU samplers only: this package sets no backend sampler), with
-// two checks it makes by aborting or not at all: a row without logits, and a pick that every
-// sampler forbade (a grammar and a logit bias that leave no token: llama.cpp would accept the
-// forbidden token, or abort on an end-of-generation token the grammar cannot take yet).
 // After a token is accepted: refuse to go on when the grammar's engine follows more stacks than
-// the limit. Its time and memory grow with them, and an ambiguous grammar of a few bytes doubles
-// them at every token (`r ::= "a" r "b" | "a" r "c" | "d"` after a run of "a"s: 2^n), which the
-// static count of pyllama_grammar_check cannot see: it depends on the text.
+// the limits allow. Sampling walks the candidate tokens once per stack (about 4 ms a stack a token on
+// a vocabulary of 262,144), and an ambiguous grammar of a few bytes doubles them at every token
+// (`r ::= "a" r "b" | "a" r "c" | "d"` after a run of "a"s: 2^n), which the static count of
+// pyllama_grammar_check cannot see: it depends on the text. Two limits: the stacks, and the stacks
+// times the grammar's vocabulary (the candidates checked a token).
 static size_t g_max_grammar_stacks = SIZE_MAX;
+static double g_max_grammar_work   = INFINITY;
 
 static int32_t check_grammar_stacks(const llama_sampler * smpl) {
-    const size_t n = pyllama::grammar_stacks(smpl);
-    if (n > g_max_grammar_stacks) {
+    size_t n_vocab = 0;
+    const size_t n = pyllama::grammar_stacks(smpl, &n_vocab);
+    const double work = (double) n * (double) n_vocab;
+    if (n > g_max_grammar_stacks || work > g_max_grammar_work) {
+        const size_t most = std::min(g_max_grammar_stacks,
+            n_vocab > 0 ? (size_t) (g_max_grammar_work / (double) n_vocab) : SIZE_MAX);
         const std::string what = "the grammar's engine would follow " + std::to_string(n) +
-            " paths at once after this token (at most " + std::to_string(g_max_grammar_stacks) +
-            "): the grammar is too ambiguous for the text so far (alternatives that begin alike inside a "
-            "recursion, or many optional items in a row, multiply them)";
+            " paths at once after this token (at most " + std::to_string(most) + " with a vocabulary of " +
+            std::to_string(n_vocab) + " tokens): the grammar is too ambiguous for the text so far "
+            "(alternatives that begin alike inside a recursion, or many optional items in a row, multiply them)";
         return failed(what.c_str());
     }
     return 0;
 }
 
-void pyllama_grammar_limit_stacks(size_t n) {
-    g_max_grammar_stacks = n;
+void pyllama_grammar_limit(size_t max_stacks, double max_stacks_times_vocab) {
+    g_max_grammar_stacks = max_stacks;
+    g_max_grammar_work   = max_stacks_times_vocab;
 }
 
+// llama_sampler_sample's steps (CPU samplers only: this package sets no backend sampler), with
+// two checks it makes by aborting or not at all: a row without logits, and a pick that every
+// sampler forbade (a grammar and a logit bias that leave no token: llama.cpp would accept the
+// forbidden token, or abort on an end-of-generation token the grammar cannot take yet).
 int32_t pyllama_sampler_sample(llama_sampler * smpl, llama_context * ctx, int32_t idx) {
     thread_local std::vector<llama_token_data> cur;
     try {

@@ -64,13 +64,14 @@ void    pyllama_abort_after(int32_t n_checks);
  * character makes (paths counted on the parsed rules, capped at 1e30; -1 for left recursion).
  * pyllama_sampler_sample / _accept: llama_sampler_sample / _accept, which throw when a grammar
  * cannot accept the token (its stack is empty); sample returns the token. Both fail when a
- * grammar follows more stacks than pyllama_grammar_limit_stacks allows (unlimited until set).
+ * grammar follows more stacks (or stacks times its vocabulary) than pyllama_grammar_limit allows
+ * (unlimited until set).
  * pyllama_json_schema_to_grammar: llama-server's converter (common/json-schema-to-grammar);
  * writes the GBNF into out (n_out bytes with its NUL) and returns its length, which may be
  * >= n_out (then call again with a larger buffer). */
 struct llama_sampler;
 int32_t      pyllama_grammar_check(const char * gbnf, double * cost);
-void         pyllama_grammar_limit_stacks(size_t n);
+void         pyllama_grammar_limit(size_t max_stacks, double max_stacks_times_vocab);
 int32_t      pyllama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
 int32_t      pyllama_sampler_accept(struct llama_sampler * smpl, int32_t token);
 int64_t      pyllama_json_schema_to_grammar(const char * schema_json, char * out, size_t n_out);

@@ -94,3 +94,22 @@ def test_a_full_slot_of_a_sliding_window_model_fits_the_slot_file_bound(gemma_pa
     full = len(saved.memory) * n_ctx / n_rows  # the slot's rows all used
     # within the KV estimate itself (the bound is twice it and the slack): a windowed estimate was not
     assert full <= (bound - slot_file.MEMORY_SLACK) / 2, (len(saved.memory), n_rows, bound)
+
+
+def test_an_ambiguous_grammar_on_a_large_vocabulary_fails_within_seconds(gemma_path):
+    """Sampling walks Gemma 3's 262,144 candidate tokens once per grammar stack (about 4 ms a stack a
+    token here), and r ::= "a" r "b" | "a" r "c" | "d" doubles the stacks at every "a": forced by a
+    logit bias, its 10th token took 12 s and each one after twice the last. The bound on stacks times
+    the vocabulary (1,024 stacks here) ends it after a few seconds, and the model goes on."""
+    import time
+
+    from pyllama_spec.bindings.grammar import GrammarError
+
+    with _load(gemma_path) as engine:
+        (a,) = engine.model.tokenize("a", add_special=False)
+        t0 = time.perf_counter()
+        with pytest.raises(GrammarError, match="with a vocabulary of 262144 tokens"):
+            engine.generate("hello", max_tokens=40, grammar='root ::= r "x"\nr ::= "a" r "b" | "a" r "c" | "d"',
+                            temperature=0, logit_bias={a: 100.0})
+        assert time.perf_counter() - t0 < 60  # about 3-5 s here
+        assert engine.generate("The capital of France is", max_tokens=4).text

@@ -23,15 +23,18 @@ def _last_error() -> str:
 #: The most stacks llama.cpp's grammar engine may follow: after one advance of one stack, after one
 #: accepted character from one stack (both counted on the grammar, ``grammar_cost``), and while
 #: sampling (checked after every token: an ambiguous grammar can double them at every token, which
-#: no count of the grammar alone sees; past the bound, sampling fails with GrammarError). Sampling
-#: walks the candidate tokens once per stack: on Gemma 3's 262,144-token vocabulary about 4 ms a
-#: stack a token, so a few bytes of grammar that doubles them stall every slot for minutes, and
-#: ``root ::= (.?){400} "b"`` (80,000 stacks after a character) took 6 s for 2 tokens on the
-#: embedded pair's 269. The grammars of JSON schemas within their own limit (290 optional
-#: properties: about 900 after a character) and of tool calls (Llama 3.1's format: about 17 per
-#: tool, so some 240 tools) stay inside. bench/RESULTS.md, "Grammars the sampler cannot afford".
+#: no count of the grammar alone sees; past the bound, sampling fails with GrammarError).
+#: ``root ::= (.?){400} "b"`` (80,000 stacks after a character) took 6 s for 2 tokens on the embedded
+#: pair's vocabulary of 269. The grammars of JSON schemas within their own limit (290 optional
+#: properties: about 900 after a character) and of 100 tools on every template of the pinned source
+#: (Llama 3.1's format the largest: about 1,700) stay inside.
 MAX_GRAMMAR_STACKS = 4096
-lib.pyllama_grammar_limit_stacks(MAX_GRAMMAR_STACKS)
+#: While sampling, also at most this many stacks times the vocabulary: sampling walks the candidate
+#: tokens once per stack, about 4 ms a stack a token on Gemma 3's 262,144 (1,024 stacks there, some
+#: 4 s a token at worst; 2,093 on Llama 3.1's 128,256, where 100 tools take about 1,700).
+#: bench/RESULTS.md, "Grammars the sampler cannot afford".
+MAX_GRAMMAR_STACKS_TIMES_VOCAB = 2 ** 28
+lib.pyllama_grammar_limit(MAX_GRAMMAR_STACKS, float(MAX_GRAMMAR_STACKS_TIMES_VOCAB))
 
 
 def grammar_cost(gbnf: str) -> tuple[float, float]:

@@ -19,7 +19,7 @@ int32_t  pyllama_interrupt_take(void);
 int32_t  pyllama_mtmd_set_abort_callback(struct mtmd_context * ctx);
 void     pyllama_abort_after(int32_t n_checks);
 int32_t  pyllama_grammar_check(const char * gbnf, double * cost);
-void     pyllama_grammar_limit_stacks(size_t n);
+void     pyllama_grammar_limit(size_t max_stacks, double max_stacks_times_vocab);
 int32_t  pyllama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
 int32_t  pyllama_sampler_accept(struct llama_sampler * smpl, int32_t token);
 int64_t  pyllama_json_schema_to_grammar(const char * schema_json, char * out, size_t n_out);
