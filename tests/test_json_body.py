@@ -77,8 +77,13 @@ def test_the_limits_are_400s_that_name_them():
         return str(e.value)
 
     n = json_body.MAX_JSON_VALUES
-    assert f"more than {n:,} values" in refused(b"[" + b"1," * n + b"1]")
+    assert f"more than {n:,} values" in refused(b"[" + b"1," * n + b"1]")  # counted before it is parsed
+    assert f"more than {n:,} values" in refused(b'[1, "a\\\\"' + b",2" * n + b"]")  # a string's end found
     assert len(parse_json_body(b"[" + b"1," * (n - 1) + b"1]")) == n
+    # commas in strings are no values, nor bytes 0x2c of UTF-16 text (U+2C00)
+    assert len(parse_json_body(json.dumps({"prompt": ',"\\' * (n + 5)}).encode())["prompt"]) == 3 * (n + 5)
+    assert len(parse_json_body(json.dumps({"p": "\u2c00" * (n + 1)}, ensure_ascii=False).encode("utf-16-le"))["p"]) \
+        == n + 1
     members = json_body.MAX_OBJECT_MEMBERS
     many = {f"k{i}": i for i in range(members + 1)}
     assert f"more than {members} members" in refused(json.dumps({"logit_bias": many}).encode())
