@@ -1,22 +1,29 @@
 #!/usr/bin/env python3
-"""DSpark on the embedded pair: the trained DFlash draft with a Markov head fitted in closed form, against
-the same draft as DFlash, and against llama-server's draft-dspark on the same file.
+"""DSpark and DFlash2 on the embedded pair, each built from the trained DFlash draft, against the same
+draft as DFlash and against llama-server on the same files.
 
-No DSpark draft is trained for the embedded target (training one end to end did not fit), so this
-builds one: the trained DFlash draft's weights unchanged, plus ``markov_w1`` / ``markov_w2`` of rank
-``--rank`` from the SVD of ``alpha`` x the pointwise mutual information of token bigrams in the pair's
-training corpus (the Python standard library files that tools/measure_trained_pair.py does not hold
-out), and ``dflash.sample_from_anchor`` false (the anchor's row is a bonus, as the DFlash draft was
-trained: its masks predict). Each drafted position's logits then get ``alpha`` x PMI(previous token, next
-token), the chain run in the draft's graph (llama.cpp's DSpark). It measures the mechanism on real
-weights, not what a Markov head trained with the draft would reach.
+No DSpark or DFlash2 draft is trained for the embedded target (training one end to end did not fit),
+so this builds them from the trained DFlash draft's weights, unchanged:
+
+- **DSpark**: plus ``markov_w1`` / ``markov_w2`` of rank ``--rank`` from the SVD of ``alpha`` x the
+  pointwise mutual information of token bigrams in the pair's training corpus (the Python standard
+  library files that tools/measure_trained_pair.py does not hold out), and
+  ``dflash.sample_from_anchor`` false (the anchor's row is a bonus, as the DFlash draft was trained:
+  its masks predict). Each drafted position's logits then get ``alpha`` x PMI(previous token, next
+  token), the chain run in the draft's graph (llama.cpp's DSpark). It measures the mechanism on real
+  weights, not what a Markov head trained with the draft would reach.
+- **DFlash2**: plus its convolutions (kernel 4, groups of 16) set to the identity (tap 0 of each base 1,
+  the others and the dynamic projections 0) and a selector (top 4 candidates, rank 8) whose gate is 0,
+  so each position's pick is the best of its 4 candidates by the draft's own logits: the drafts are
+  DFlash's, drafted through DFlash2's graph (the convolutions, the candidates and the lattice in the
+  graph, the walk here). It measures what DFlash2's path costs, not what a trained selector gains.
 
 Per setting: held-out prompts (those tools/measure_trained_pair.py holds out), greedy, --max-tokens
-each, target-only / DFlash / DSpark at each alpha, interleaved for --repeats rounds; acceptance and
-decode tok/s min / median / max. Then `serve` against llama-server on the DSpark file (the same drafts:
-tests/test_dspark.py), tok/s side by side.
+each, target-only / DFlash / DFlash2 / DSpark at each alpha, interleaved for --repeats rounds;
+acceptance and decode tok/s min / median / max. Then `serve` against llama-server on the DSpark and the
+DFlash2 file (the same drafts: tests/test_dspark.py, tests/test_drafters.py), tok/s side by side.
 
-    python bench/dspark_fitted.py --repeats 3
+    python bench/dflash_variants.py --repeats 3
 """
 
 from __future__ import annotations
@@ -61,8 +68,8 @@ def pmi(model, files: list[str], n_vocab: int) -> np.ndarray:
     return np.log(p_next_given_prev / p_next[None, :]).astype(np.float32)
 
 
-def write_dspark(draft: Path, out: Path, bias: np.ndarray, rank: int) -> Path:
-    """``draft``'s keys and tensors, plus the Markov head of rank ``rank`` whose product is about ``bias``."""
+def _copy(draft: Path) -> tuple[GGUFWriter, dict]:
+    """A writer holding ``draft``'s keys and tensors, and its metadata."""
     info = read_gguf(draft)
     w = GGUFWriter()
     for key, value in info.metadata.items():
@@ -71,9 +78,39 @@ def write_dspark(draft: Path, out: Path, bias: np.ndarray, rank: int) -> Path:
             w.add_array(key, elem, list(value))
         else:
             w.add_value(key, vtype, value)
-    w.add_bool("dflash.sample_from_anchor", False)  # the masks predict, as the DFlash draft was trained
     for name in info.tensors:
         w.add_tensor(name, read_tensor(info, name))
+    return w, info.metadata
+
+
+def write_dflash2(draft: Path, out: Path, *, kernel: int = 4, group: int = 16, top_k: int = 4,
+                  rank: int = 8) -> Path:
+    """``draft`` as a DFlash2 draft whose convolutions are the identity and whose selector gate is 0
+    (see the module): its picks are ``draft``'s."""
+    w, meta = _copy(draft)
+    n_embd, n_layer = int(meta["dflash.embedding_length"]), int(meta["dflash.block_count"])
+    n_vocab = len(meta["tokenizer.ggml.tokens"])  # the codebooks' rows: the draft's (the target's) tokens
+    for key, value in (("conv_kernel_size", kernel), ("conv_group_size", group), ("selector_rank", rank),
+                       ("selector_top_k", top_k)):
+        w.add_uint32(f"dflash.{key}", value)
+    base = np.zeros((2, kernel, n_embd), dtype=np.float32)  # ggml [n_embd, kernel, 2]
+    base[:, 0, :] = 1.0  # the current position's value, unchanged; the earlier taps add nothing
+    for i in range(n_layer):
+        for side in ("attn", "ffn"):
+            w.add_tensor(f"blk.{i}.{side}_conv_base", base)
+            w.add_tensor(f"blk.{i}.{side}_conv_proj.weight",  # no dynamic taps: ggml [n_embd, 2 * kernel * groups]
+                         np.zeros((2 * kernel * (n_embd // group), n_embd), dtype=np.float32))
+    w.add_tensor("selector_predecessor.weight", np.zeros((n_vocab, rank), dtype=np.float32))
+    w.add_tensor("selector_successor.weight", np.zeros((n_vocab, rank), dtype=np.float32))
+    w.add_tensor("selector_hidden.weight", np.zeros((rank, n_embd), dtype=np.float32))  # the gate: 0
+    w.write(out)
+    return out
+
+
+def write_dspark(draft: Path, out: Path, bias: np.ndarray, rank: int) -> Path:
+    """``draft``'s keys and tensors, plus the Markov head of rank ``rank`` whose product is about ``bias``."""
+    w, _ = _copy(draft)
+    w.add_bool("dflash.sample_from_anchor", False)  # the masks predict, as the DFlash draft was trained
     u, s, vt = np.linalg.svd(bias.astype(np.float64))
     root = np.sqrt(s[:rank])
     w.add_tensor("markov_w1.weight", (u[:, :rank] * root).astype(np.float32))  # a row per previous token
@@ -126,8 +163,10 @@ def main() -> int:
         bias = pmi(plain.model, train, plain.model.n_vocab)
     files = {a: write_dspark(draft, folder / f"dspark-{a}.gguf", float(a) * bias, args.rank)
              for a in args.alphas.split(",")}
+    dflash2 = write_dflash2(draft, folder / "dflash2.gguf")
     engines = {"target only": ps.load(target, spec_type="none", n_ctx=4096, n_threads=1),
                "DFlash": ps.load(target, draft=draft, spec_type="draft-dflash", **common),
+               "DFlash2": ps.load(target, draft=dflash2, spec_type="draft-dflash", **common),
                **{f"DSpark alpha {a}": ps.load(target, draft=f, spec_type="draft-dspark", **common)
                   for a, f in files.items()}}
     rates: dict[str, list[float]] = {name: [] for name in engines}
@@ -156,19 +195,22 @@ def main() -> int:
     server = native_build.find_llama_server()
     if server is not None:
         best = max(files, key=lambda a: acceptance[f"DSpark alpha {a}"])
-        argv = ["-m", str(target), "-md", str(files[best]), "--spec-type", "draft-dspark", "--spec-draft-n-max",
-                str(args.draft_max), "-c", "4096", "-np", "1", "-t", "1", "-fa", "off"]
-        theirs, ours = [], []
-        for r in range(args.repeats):
-            runs = [(theirs, [str(server), *argv, "--no-warmup"]), (ours, [sys.executable, "-m", "pyllama_spec",
-                                                                           "serve", *argv])]
-            for out, cmd in (runs if r % 2 == 0 else runs[::-1]):
-                out.append(_server_rate(cmd, prompts, args.max_tokens))
-        theirs.sort()
-        ours.sort()
-        print(f"\nDSpark alpha {best} served, /completion, tok/s min / median / max: llama-server "
-              f"{theirs[0]:.0f} / {statistics.median(theirs):.0f} / {theirs[-1]:.0f}, serve {ours[0]:.0f} / "
-              f"{statistics.median(ours):.0f} / {ours[-1]:.0f} ({statistics.median(ours) / statistics.median(theirs):.2f}x)")
+        for name, file, spec_type in ((f"DSpark alpha {best}", files[best], "draft-dspark"),
+                                      ("DFlash2", dflash2, "draft-dflash")):
+            argv = ["-m", str(target), "-md", str(file), "--spec-type", spec_type, "--spec-draft-n-max",
+                    str(args.draft_max), "-c", "4096", "-np", "1", "-t", "1", "-fa", "off"]
+            theirs, ours = [], []
+            for r in range(args.repeats):
+                runs = [(theirs, [str(server), *argv, "--no-warmup"]),
+                        (ours, [sys.executable, "-m", "pyllama_spec", "serve", *argv])]
+                for out, cmd in (runs if r % 2 == 0 else runs[::-1]):
+                    out.append(_server_rate(cmd, prompts, args.max_tokens))
+            theirs.sort()
+            ours.sort()
+            print(f"\n{name} served, /completion, tok/s min / median / max: llama-server "
+                  f"{theirs[0]:.0f} / {statistics.median(theirs):.0f} / {theirs[-1]:.0f}, serve {ours[0]:.0f} / "
+                  f"{statistics.median(ours):.0f} / {ours[-1]:.0f} "
+                  f"({statistics.median(ours) / statistics.median(theirs):.2f}x)")
     return 0
 
 
