@@ -652,3 +652,95 @@ def test_a_suffix_for_a_model_without_fim_tokens_follows_the_answer_as_in_llama_
     chunks = list(llm(PROMPT, suffix=" # end", max_tokens=6, temperature=0.0, stream=True))
     assert "".join(c["choices"][0]["text"] for c in chunks) == plain + " # end"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+# ----------------------------------------------------------------------------- named chat formats
+FORMATS_RECORD = REPO_ROOT / "bench" / "llama_cpp_python_chat_formats_0.3.36.json"
+
+
+def test_named_chat_formats_render_what_llama_cpp_python_renders():
+    """Every named format of llama-cpp-python 0.3.36 makes the same prompt, stop and added_special of the
+    same conversations (recorded from the real package:
+    python -m pyllama_spec.devtools.llama_cpp_python_formats --python VENV/bin/python --write FILE)."""
+    from pyllama_spec.llama_cpp import llama_chat_format
+
+    record = json.loads(FORMATS_RECORD.read_text())
+    assert set(record["formats"]) <= set(llama_chat_format.CHAT_FORMATS) and len(record["formats"]) == 23
+    for name, expected in record["formats"].items():
+        formatter = llama_chat_format.get_chat_formatter(name)
+        for messages, want in zip(record["conversations"], expected):
+            got = formatter(messages=messages)
+            assert {"prompt": got.prompt, "stop": got.stop, "added_special": got.added_special} == want, name
+
+
+def test_a_json_schema_makes_the_grammar_llama_cpp_python_makes():
+    record = json.loads(FORMATS_RECORD.read_text())
+    for schema, grammar in zip(record["schemas"], record["grammars"]):
+        assert llama_cpp.LlamaGrammar.from_json_schema(json.dumps(schema)).grammar == grammar, schema
+    with pytest.raises(ValueError, match="at most 290 optional properties"):  # the cost check comes first
+        llama_cpp.LlamaGrammar.from_json_schema({"type": "object", "properties": {
+            f"p{i}": {"type": "string"} for i in range(20_000)}})
+    with pytest.raises(ValueError, match="Fetching remote schemas is not allowed"):
+        llama_cpp.LlamaGrammar.from_json_schema('{"$ref": "https://example.com/s.json"}')
+
+
+def test_a_chat_format_answers_as_a_completion_of_the_prompt_it_renders():
+    """chat_format="chatml": the prompt is the format's, completed with its stop strings, in the chat's
+    shapes; a named tool's call is its arguments under the tool's schema grammar, as llama-cpp-python
+    answers (compared with the real package on these requests: the same texts, bench/RESULTS.md)."""
+    from pyllama_spec.llama_cpp.llama_chat_format import format_chatml
+
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+    with llama_cpp.Llama(TARGET, chat_format="chatml", **KW) as chat_llm:
+        prompt = format_chatml(messages=messages)
+        plain = chat_llm.create_completion(chat_llm.tokenize(prompt.prompt.encode(), add_bos=True, special=True),
+                                           temperature=0, max_tokens=24, stop=[prompt.stop])
+        whole = chat_llm.create_chat_completion(messages=messages, temperature=0, max_tokens=24)
+        choice = whole["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": plain["choices"][0]["text"]}
+        assert whole["id"].startswith("chatcmpl-") and whole["object"] == "chat.completion"
+        assert choice["finish_reason"] == plain["choices"][0]["finish_reason"] and whole["usage"] == plain["usage"]
+        chunks = list(chat_llm.create_chat_completion(messages=messages, temperature=0, max_tokens=24, stream=True))
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == choice["message"]["content"]
+        tool = {"type": "function", "function": {"name": "get", "parameters": {
+            "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}
+        called = chat_llm.create_chat_completion(messages=messages, temperature=0, max_tokens=24, tools=[tool],
+                                                 tool_choice={"type": "function", "function": {"name": "get"}})
+        call = called["choices"][0]["message"]["tool_calls"][0]
+        assert called["choices"][0]["finish_reason"] == "tool_calls" and call["function"]["name"] == "get"
+        assert call["function"]["arguments"].startswith('{"x"')
+        streamed = list(chat_llm.create_chat_completion(
+            messages=messages, temperature=0, max_tokens=24, tools=[tool], stream=True,
+            tool_choice={"type": "function", "function": {"name": "get"}}))
+        assert "".join(c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"]
+                       for c in streamed[1:-1]) == call["function"]["arguments"]
+        assert streamed[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        with pytest.raises(ValueError, match="Tool choice 'nope' not found"):
+            chat_llm.create_chat_completion(messages=messages, tools=[tool],
+                                            tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_chat_format_names_unknown_of_your_own_and_handlers():
+    from pyllama_spec.llama_cpp.llama_chat_format import ChatFormatterResponse, register_chat_format
+
+    with llama_cpp.Llama(TARGET, chat_format="no-such-format", **KW) as unknown:  # as llama-cpp-python: at chat
+        with pytest.raises(ValueError, match="Invalid chat handler: no-such-format"):
+            unknown.create_chat_completion(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+    @register_chat_format("test-plain")
+    def plain(messages, **kwargs):
+        return ChatFormatterResponse(prompt="".join(m["content"] for m in messages), stop="\n\n")
+
+    try:
+        with llama_cpp.Llama(TARGET, chat_format="test-plain", **KW) as mine:
+            answer = mine.create_chat_completion(messages=[{"role": "user", "content": "def f("}], temperature=0,
+                                                 max_tokens=8)
+            assert answer["choices"][0]["message"]["content"] == mine("def f(", temperature=0, max_tokens=8,
+                                                                      stop="\n\n")["choices"][0]["text"]
+    finally:
+        llama_cpp.llama_chat_format.CHAT_FORMATS.pop("test-plain")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llama_cpp.Llama(TARGET, chat_format="functionary-v2", **KW).close()
+    assert any("model's own template" in str(w.message) for w in caught)

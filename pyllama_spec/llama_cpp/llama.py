@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from pyllama_spec.llama_cpp import llama_types as T
+from pyllama_spec.llama_cpp import chat_formats
 from pyllama_spec.llama_cpp.llama_chat_format import MTMDChatHandler, load_image
 from pyllama_spec.llama_cpp.llama_cache import (  # noqa: F401 (llama_cpp.llama re-exports them, as there)
     BaseLlamaCache,
@@ -118,9 +119,11 @@ class Llama:
             if value != _IGNORED[name]:
                 warnings.warn(f"Llama({name}={value!r}) does not apply to pyllama_spec's engine: ignored",
                               stacklevel=2)
-        if chat_format is not None:
-            warnings.warn(f"chat_format={chat_format!r}: pyllama_spec renders chats with the model's own template",
-                          stacklevel=2)
+        if chat_format in chat_formats.HANDLERS_NOT_HERE:
+            warnings.warn(f"chat_format={chat_format!r} is one of llama-cpp-python's own chat handlers, not a format: "
+                          "pyllama_spec renders such chats with the model's own template", stacklevel=2)
+            chat_format = None
+        self.chat_format = chat_format  # a named format renders the chats (chat_formats); None: the template
         self.model_path = str(model_path)
         self.verbose = verbose
         self.spm_infill = spm_infill  # fill-in-the-middle with the suffix first (suffix=)
@@ -717,10 +720,22 @@ class Llama:
                                ) -> T.CreateChatCompletionResponse | Iterator[T.CreateChatCompletionStreamResponse]:
         """Answer a chat through the model's template: text and ``image_url`` parts (with a
         ``chat_handler``), ``tools`` / ``tool_choice`` (the answer's tool calls parsed as llama-server
-        parses them), ``response_format`` (``json_object``, with or without a ``schema``)."""
+        parses them), ``response_format`` (``json_object``, with or without a ``schema``). With a named
+        ``chat_format`` (and no ``chat_handler``), as llama-cpp-python answers it: the prompt that format
+        renders, completed (``chat_formats.formatted_chat_completion``)."""
         from pyllama_spec.serving.chat_template import ChatOptions
 
         self._check_can_generate()
+        if self.chat_format is not None and self.chat_handler is None:  # llama-cpp-python's named format
+            return chat_formats.formatted_chat_completion(
+                self, chat_formats.get_chat_formatter(self.chat_format), messages=messages, functions=functions,
+                function_call=function_call, tools=tools, tool_choice=tool_choice, stop=stop,
+                response_format=response_format, grammar=grammar, logprobs=logprobs, top_logprobs=top_logprobs,
+                stream=stream, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, typical_p=typical_p,
+                seed=seed, max_tokens=max_tokens, presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty, tfs_z=tfs_z,
+                mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model,
+                logits_processor=logits_processor, logit_bias=logit_bias)
         if functions is not None or function_call is not None:
             tools = [{"type": "function", "function": f} for f in functions or []] or tools
             if isinstance(function_call, dict):

@@ -7,21 +7,51 @@ each ``image_url`` part where the picture goes. ``image_url`` may be a ``data:``
 The handlers differ only in name here: llama-cpp-python's Llava-style handlers carry a template of their
 own, this facade uses the model's.
 
-llama-cpp-python's Python chat formatters are here too, for code that renders prompts itself
-(``Jinja2ChatFormatter``, ``hf_tokenizer_config_to_chat_formatter``, ``format_mistral_instruct``: Jinja2,
-the ``llama-cpp`` extra, as llama-cpp-python renders them); ``Llama`` does not use them.
+llama-cpp-python's Python chat formatters are here too: ``Jinja2ChatFormatter`` and
+``hf_tokenizer_config_to_chat_formatter`` (Jinja2, the ``llama-cpp`` extra, as llama-cpp-python renders
+them), and the named formats of ``chat_formats`` (``format_chatml``, ``register_chat_format``, ...), which
+``Llama(chat_format=...)`` uses.
 """
 
 from __future__ import annotations
 
 import base64
-import dataclasses
 import json
 import urllib.parse
 import urllib.request
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from pyllama_spec.llama_cpp.chat_formats import (  # noqa: F401 - llama-cpp-python's names, from here too
+    CHAT_FORMATS,
+    ChatFormatter,
+    ChatFormatterResponse,
+    format_alpaca,
+    format_baichuan,
+    format_baichuan2,
+    format_chatglm3,
+    format_chatml,
+    format_gemma,
+    format_intel,
+    format_llama2,
+    format_llama3,
+    format_mistral_instruct,
+    format_mistrallite,
+    format_oasst_llama,
+    format_open_orca,
+    format_openbuddy,
+    format_openchat,
+    format_phind,
+    format_pygmalion,
+    format_qwen,
+    format_redpajama_incite,
+    format_saiga,
+    format_snoozy,
+    format_zephyr,
+    get_chat_formatter,
+    register_chat_format,
+)
 #: The most bytes an image fetched from a URL may have.
 MAX_IMAGE_BYTES = 64 * 2**20
 FETCH_TIMEOUT_S = 30
@@ -105,16 +135,6 @@ class Gemma4ChatHandler(MTMDChatHandler):
 # ---------------------------------------------------------------------- llama-cpp-python's chat formatters
 # (its llama_chat_format.py, MIT: the same renderings, so prompts built by hand come out the same)
 
-@dataclasses.dataclass
-class ChatFormatterResponse:
-    """A formatted chat: the prompt, its stop strings, and whether it carries its special tokens."""
-
-    prompt: str
-    stop: str | list[str] | None = None
-    stopping_criteria: Any = None
-    added_special: bool = False
-
-
 def _jinja_environment(**kwargs: Any):
     try:
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -190,16 +210,3 @@ def hf_tokenizer_config_to_chat_formatter(tokenizer_config: dict[str, Any], add_
         return ChatFormatterResponse(prompt=prompt, stop=[eos, bos], added_special=True)
 
     return format_tokenizer_config
-
-
-def format_mistral_instruct(messages: list, **kwargs: Any) -> ChatFormatterResponse:
-    """llama-cpp-python's ``mistral-instruct`` chat format."""
-    eos = "</s>"
-    prompt = ""
-    for message in messages:
-        if message["role"] == "user" and isinstance(message["content"], str):
-            prompt += "[INST] " + message["content"]
-        elif message["role"] == "assistant" and message["content"] is not None:
-            prompt += " [/INST]" + message["content"] + eos
-    prompt += " [/INST]"
-    return ChatFormatterResponse(prompt=prompt, stop=eos)
