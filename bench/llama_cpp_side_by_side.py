@@ -8,7 +8,8 @@
 The program (``PROGRAM`` below, the embedded pair's files): greedy completions of held-out code prompts,
 a chat with a picture through ``MTMDChatHandler`` (both render the GGUF's template) and through
 ``Qwen25VLChatHandler`` (llama-cpp-python's has a template of its own; the facade uses the model's),
-the same completions and the picture chat with ``LlamaPromptLookupDecoding``; on the facade also with each
+the same completions and the picture chat with ``LlamaPromptLookupDecoding``, a text chat through the
+named format ``chat_format="chatml"`` (without and with prompt lookup); on the facade also with each
 of this project's draft models (DFlash, EAGLE3, a draft model that sees the picture through its own
 projector). Each timed call runs ``--repeats`` times on one ``Llama``, as a program would: both packages
 may reuse the cached prompt on a repeat (the facade's engine reuses a picture's too). Printed:
@@ -77,6 +78,17 @@ llm = llama_cpp.Llama(T, chat_handler=MTMDChatHandler(clip_model_path=MM, verbos
                       draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10), **KW)
 timed("chat with a picture, MTMDChatHandler, prompt lookup", llm, chat)
 llm.close()
+
+def formatted_chat(llm):
+    return [llm.create_chat_completion(messages=[{"role": "system", "content": "You write Python."},
+                                                 {"role": "user", "content": p[:200]}],
+                                       max_tokens=64, temperature=0.0) for p in PROMPTS]
+
+for lookup in (False, True):
+    llm = llama_cpp.Llama(T, chat_format="chatml", **KW,
+                          **({"draft_model": LlamaPromptLookupDecoding(num_pred_tokens=10)} if lookup else {}))
+    timed("chat, chat_format chatml" + (", prompt lookup" if lookup else ""), llm, formatted_chat)
+    llm.close()
 if FACADE:
     from llama_cpp.llama_speculative import DFlashDraft, DraftModel, Eagle3Draft, MTPDraft
     drafts = {"DFlash": lambda seeing: DFlashDraft(M + "/trained-draft.gguf", num_pred_tokens=7),
@@ -140,8 +152,10 @@ def main() -> int:
             same_real = "" if name not in real or "error" in real[name] else \
                 ("yes" if got["texts"] == real[name]["texts"] else "NO")
             plain = (ours if engine != "llama-cpp-python" else real)
-            ref = plain["completion"]["texts"] if name.startswith("completion") else \
-                plain.get("chat with a picture, MTMDChatHandler", {}).get("texts")
+            # the run without a draft of the same kind: completions, chats through chatml, picture chats
+            kind = next(k for k in ("completion", "chat, chat_format chatml", "chat with a picture, MTMDChatHandler")
+                        if name.startswith(k) or k.startswith("chat with") and name.startswith("chat with"))
+            ref = plain.get(kind, {}).get("texts")
             same_plain = "yes" if got["texts"] == (ref if ref is not None else base) else "NO"
             s = got["speeds"]
             print(f"| {name} | {engine} | {same_real} | {same_plain} | {s[0]:.0f} / {s[len(s) // 2]:.0f} / {s[-1]:.0f} |")

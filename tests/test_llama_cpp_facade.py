@@ -584,8 +584,6 @@ def test_what_the_facade_cannot_do_is_refused_with_the_reason(llm, tmp_path):
         llm.create_embedding("hi")
     with pytest.raises(ValueError, match="pooling_type=7"):
         llama_cpp.Llama(TARGET, pooling_type=7, **KW)
-    with pytest.raises(NotImplementedError, match="download the GGUF"):
-        llama_cpp.Llama.from_pretrained("Qwen/Qwen3.5-0.8B-GGUF", "*q8_0.gguf")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         llama_cpp.Llama(TARGET, rope_freq_base=5000.0, **KW).close()
@@ -744,3 +742,47 @@ def test_chat_format_names_unknown_of_your_own_and_handlers():
         warnings.simplefilter("always")
         llama_cpp.Llama(TARGET, chat_format="functionary-v2", **KW).close()
     assert any("model's own template" in str(w.message) for w in caught)
+
+
+def test_from_pretrained_finds_the_file_as_llama_cpp_python_does(tmp_path, monkeypatch):
+    """from_pretrained lists the repository through huggingface_hub, fetches the one file matching the
+    glob (and additional_files), and loads it; here a stand-in huggingface_hub serves local files (nothing
+    is downloaded on this machine). Without huggingface_hub, the ImportError llama-cpp-python raises."""
+    import shutil
+    import sys
+    import types
+
+    calls = []
+
+    class HfFileSystem:
+        def ls(self, repo_id, recursive=False):
+            return [{"name": f"{repo_id}/{name}"} for name in ("README.md", "model-q8_0.gguf", "model-f16.gguf",
+                                                                "shards/part-00002.gguf")]
+
+    def hf_hub_download(repo_id, filename, subfolder=None, local_dir=None, local_dir_use_symlinks="auto",
+                        cache_dir=None, local_files_only=False):
+        calls.append((filename, subfolder, local_files_only))
+        path = tmp_path / (subfolder or "") / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            shutil.copy(TARGET, path)
+        return str(path)
+
+    hub = types.ModuleType("huggingface_hub")
+    hub.HfFileSystem, hub.hf_hub_download = HfFileSystem, hf_hub_download
+    hub.utils = types.ModuleType("huggingface_hub.utils")
+    hub.utils.validate_repo_id = lambda repo_id: None
+    monkeypatch.setitem(sys.modules, "huggingface_hub", hub)
+    monkeypatch.setitem(sys.modules, "huggingface_hub.utils", hub.utils)
+    with llama_cpp.Llama.from_pretrained("someone/model-GGUF", "*q8_0.gguf", additional_files=["shards/*"],
+                                         **KW) as model:
+        assert model.model_path == str(tmp_path / "model-q8_0.gguf") and model.n_vocab() > 0
+    assert calls == [("model-q8_0.gguf", None, False), ("part-00002.gguf", "shards", False),
+                     ("model-q8_0.gguf", None, True)]
+    with pytest.raises(ValueError, match="Multiple files found in someone/model-GGUF matching"):
+        llama_cpp.Llama.from_pretrained("someone/model-GGUF", "*.gguf", **KW)
+    with pytest.raises(ValueError, match="No file found in someone/model-GGUF that match"):
+        llama_cpp.Llama.from_pretrained("someone/model-GGUF", "*q4*", **KW)
+    monkeypatch.setitem(sys.modules, "huggingface_hub", None)
+    with pytest.raises(ImportError, match="requires the huggingface-hub package"):
+        llama_cpp.Llama.from_pretrained("someone/model-GGUF", "*q8_0.gguf", **KW)

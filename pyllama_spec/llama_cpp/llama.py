@@ -21,6 +21,7 @@ model's reasoning in ``content`` (``<think>...``), as llama-cpp-python's chat ha
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import time
 import uuid
@@ -588,8 +589,16 @@ class Llama:
         return (output, sum(e.n_tokens for e in results)) if return_count else output
 
     @classmethod
-    def from_pretrained(cls, repo_id: str, filename: str | None = None, *args: Any, **kwargs: Any) -> "Llama":
-        raise _not_yet(f"from_pretrained({repo_id!r}): download the GGUF and pass its path as model_path")
+    def from_pretrained(cls, repo_id: str, filename: str | None, additional_files: list | None = None,
+                        local_dir: str | os.PathLike[str] | None = None, local_dir_use_symlinks: Any = "auto",
+                        cache_dir: str | os.PathLike[str] | None = None, **kwargs: Any) -> "Llama":
+        """A ``Llama`` of ``repo_id``'s file matching ``filename`` (a name or a glob), downloaded from the
+        Hugging Face Hub as llama-cpp-python downloads it (``hub.hub_model_path``; the huggingface-hub
+        package, as there); ``kwargs`` go to ``Llama``."""
+        from pyllama_spec.llama_cpp.hub import hub_model_path
+
+        return cls(model_path=hub_model_path(repo_id, filename, additional_files, local_dir, local_dir_use_symlinks,
+                                             cache_dir), **kwargs)
 
     # ------------------------------------------------------------------ completions
     def create_completion(self, prompt: str | list[int], suffix: str | None = None, max_tokens: int | None = 16,
