@@ -7,7 +7,7 @@
 
 The program (``PROGRAM`` below, the embedded pair's files): greedy completions of held-out code prompts,
 a chat with a picture through ``MTMDChatHandler`` (both render the GGUF's template) and through
-``Qwen25VLChatHandler`` (llama-cpp-python's has a template of its own; the facade uses the model's),
+``Qwen25VLChatHandler`` (both render its own template, llama-cpp-python's, copied into the facade),
 the same completions and the picture chat with ``LlamaPromptLookupDecoding``, a text chat through the
 named format ``chat_format="chatml"`` (without and with prompt lookup); on the facade also with each
 of this project's draft models (DFlash, EAGLE3, a draft model that sees the picture through its own
@@ -152,9 +152,9 @@ def main() -> int:
             same_real = "" if name not in real or "error" in real[name] else \
                 ("yes" if got["texts"] == real[name]["texts"] else "NO")
             plain = (ours if engine != "llama-cpp-python" else real)
-            # the run without a draft of the same kind: completions, chats through chatml, picture chats
-            kind = next(k for k in ("completion", "chat, chat_format chatml", "chat with a picture, MTMDChatHandler")
-                        if name.startswith(k) or k.startswith("chat with") and name.startswith("chat with"))
+            # the run without a draft of the same kind (the longest such name that begins this one)
+            kind = max((k for k in ("completion", "chat, chat_format chatml", "chat with a picture, MTMDChatHandler",
+                                    "chat with a picture, Qwen25VLChatHandler") if name.startswith(k)), key=len)
             ref = plain.get(kind, {}).get("texts")
             same_plain = "yes" if got["texts"] == (ref if ref is not None else base) else "NO"
             s = got["speeds"]

@@ -197,16 +197,29 @@ PICTURE = (np.arange(224 * 224 * 3) % 251).astype(np.uint8).reshape(224, 224, 3)
 
 @pytest.mark.parametrize("handler", [Qwen25VLChatHandler, MTMDChatHandler])
 def test_a_chat_with_a_picture_is_the_engines_chat(handler, tmp_path):
-    """The picture as a data URI through a vision chat handler: the engine's own greedy answer to the
-    same chat (the model's template, the picture through its projector), in a chat.completion."""
+    """The picture as a data URI through a vision chat handler: the engine's own greedy answer, in a
+    chat.completion, to the same chat rendered as llama-cpp-python renders it: MTMDChatHandler with the
+    model's template, Qwen25VLChatHandler with its own (a ChatML with a default system message)."""
     png = tmp_path / "p.png"
     from PIL import Image
+
+    from pyllama_spec.serving.chat_template import MEDIA_MARKER
 
     Image.fromarray(PICTURE).save(png)
     text = {"type": "text", "text": "def describe(picture):"}
     with ps.load(TARGET, mmproj=MMPROJ, n_ctx=1024, n_threads=N_THREADS, spec_type="none") as eng:
-        want = eng.generate(messages=[{"role": "user", "content": [{"type": "image", "image": str(png)}, text]}],
-                            max_tokens=16, temperature=0.0, cache_prompt=False).text
+        if handler is MTMDChatHandler:
+            want = eng.generate(messages=[{"role": "user", "content": [{"type": "image", "image": str(png)}, text]}],
+                                max_tokens=16, temperature=0.0, cache_prompt=False).text
+        else:  # llama-cpp-python's Qwen2.5-VL template, the picture's URL replaced by the media marker
+            # (Jinja drops the template's last newline, there as here)
+            prompt = ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+                      f"{MEDIA_MARKER}def describe(picture):<|im_end|>\n<|im_start|>assistant")
+            url = _png_data_uri(PICTURE)
+            assert handler(clip_model_path=MMPROJ).render(
+                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, text]}],
+                bos_token="", eos_token="") == (prompt, [url])
+            want = eng.generate(prompt, images=[str(png)], max_tokens=16, temperature=0.0, cache_prompt=False).text
     with llama_cpp.Llama(TARGET, chat_handler=handler(clip_model_path=MMPROJ), **KW) as llm:
         messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _png_data_uri(PICTURE)}},
                                                  text]}]

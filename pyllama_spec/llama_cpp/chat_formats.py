@@ -59,17 +59,32 @@ def get_chat_formatter(name: str) -> ChatFormatter:
 
 def formatted_chat_completion(llama: Any, formatter: ChatFormatter, *, messages: list, functions: Any = None,
                               function_call: Any = None, tools: list | None = None, tool_choice: Any = None,
-                              stop: str | list[str] | None = None, response_format: Any = None,
-                              grammar: LlamaGrammar | None = None, logprobs: bool | None = None,
-                              top_logprobs: int | None = None, stream: bool = False, **completion: Any):
+                              stop: str | list[str] | None = None, **answer: Any):
     """``llama``'s answer to a chat rendered by ``formatter``: a completion of the prompt, in the chat's
-    shapes (llama-cpp-python's ``chat_formatter_to_chat_completion_handler``)."""
+    shapes (llama-cpp-python's ``chat_formatter_to_chat_completion_handler``); ``answer`` as
+    ``answer_as_completion`` takes it."""
     result = formatter(messages=messages, functions=functions, function_call=function_call, tools=tools,
                        tool_choice=tool_choice)
     prompt = llama.tokenize(result.prompt.encode("utf-8"), add_bos=not result.added_special, special=True)
     if result.stop is not None:
         stop = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
         stop += result.stop if isinstance(result.stop, list) else [result.stop]
+
+    def complete(**options: Any):
+        return llama.create_completion(prompt=prompt, stopping_criteria=result.stopping_criteria, **options)
+
+    return answer_as_completion(complete, functions=functions, function_call=function_call, tools=tools,
+                                tool_choice=tool_choice, stop=stop, **answer)
+
+
+def answer_as_completion(complete: Callable[..., Any], *, functions: Any = None, function_call: Any = None,
+                         tools: list | None = None, tool_choice: Any = None, stop: str | list[str] | None = None,
+                         response_format: Any = None, grammar: LlamaGrammar | None = None,
+                         logprobs: bool | None = None, top_logprobs: int | None = None, stream: bool = False,
+                         **completion: Any):
+    """A chat answered by ``complete(**options)`` (a completion of its rendered prompt, whole or as
+    chunks), in llama-cpp-python's chat shapes: ``response_format`` and a named ``tool_choice`` become a
+    grammar (the call's arguments the answer), as its chat format and Llava-style handlers do."""
     if response_format is not None and response_format.get("type") == "json_object":
         schema = response_format.get("schema")
         grammar = _grammar_of_schema(schema) if schema is not None else LlamaGrammar.from_string(JSON_GBNF)
@@ -87,9 +102,8 @@ def formatted_chat_completion(llama: Any, formatter: ChatFormatter, *, messages:
         if tool is None:
             raise ValueError(f"Tool choice '{name}' not found in tools.")
         grammar = _grammar_of_schema(tool["function"]["parameters"])
-    done = llama.create_completion(prompt=prompt, stop=stop, stream=stream, grammar=grammar,
-                                   stopping_criteria=result.stopping_criteria,
-                                   logprobs=top_logprobs if logprobs else None, **completion)
+    done = complete(stop=stop, stream=stream, grammar=grammar, logprobs=top_logprobs if logprobs else None,
+                    **completion)
     name = tool["function"]["name"] if tool is not None else None
     return _chat_chunks(done, name) if stream else _chat(done, name)
 
@@ -134,14 +148,20 @@ def _chat(completion: dict, tool_name: str | None) -> dict:
             "model": completion["model"], "choices": [{"index": 0, "message": message,
                                                        "logprobs": _chat_logprobs(choice["logprobs"]),
                                                        "finish_reason": finish}],
-            "usage": completion["usage"]}
+            "usage": completion["usage"], **_extension(completion)}
+
+
+def _extension(completion: dict) -> dict:
+    """This project's field of a completion (its drafting statistics), kept in the chat's answer."""
+    return {"speculative": completion["speculative"]} if "speculative" in completion else {}
 
 
 def _chat_chunks(chunks, tool_name: str | None):
     """A completion's chunks as llama-cpp-python's chat chunks: the role first, then a delta a chunk (a
     named tool's: its arguments, and a last chunk that finishes with ``tool_calls``)."""
-    first = None
+    first, extension = None, {}
     for chunk in chunks:
+        extension = _extension(chunk) or extension
         head = {"id": "chat" + chunk["id"], "model": chunk["model"], "created": chunk["created"],
                 "object": "chat.completion.chunk"}
         choice = chunk["choices"][0]
@@ -155,14 +175,14 @@ def _chat_chunks(chunks, tool_name: str | None):
         if tool_name is None:
             delta = {"content": choice["text"]} if choice["finish_reason"] is None else {}
             yield {**head, "choices": [{"index": 0, "delta": delta, "logprobs": lp,
-                                        "finish_reason": choice["finish_reason"]}]}
+                                        "finish_reason": choice["finish_reason"]}], **_extension(chunk)}
         else:
             yield {**head, "choices": [{"index": 0, "finish_reason": None, "logprobs": lp, "delta": {
                 "role": None, "content": None, "function_call": {"name": tool_name, "arguments": choice["text"]},
                 "tool_calls": [_call(tool_name, call_id, choice["text"], 0)]}}]}
     if tool_name is not None and first is not None:
         yield {**first, "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None, "delta": {
-            "role": None, "content": None, "function_call": None, "tool_calls": None}}]}
+            "role": None, "content": None, "function_call": None, "tool_calls": None}}], **extension}
 
 
 # ---------------------------------------------------------------- llama-cpp-python 0.3.36's formatters

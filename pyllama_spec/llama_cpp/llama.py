@@ -34,7 +34,7 @@ import numpy as np
 
 from pyllama_spec.llama_cpp import llama_types as T
 from pyllama_spec.llama_cpp import chat_formats
-from pyllama_spec.llama_cpp.llama_chat_format import MTMDChatHandler, load_image
+from pyllama_spec.llama_cpp.llama_chat_format import Llava15ChatHandler, MTMDChatHandler, load_image
 from pyllama_spec.llama_cpp.llama_cache import (  # noqa: F401 (llama_cpp.llama re-exports them, as there)
     BaseLlamaCache,
     LlamaCache,
@@ -735,6 +735,22 @@ class Llama:
         from pyllama_spec.serving.chat_template import ChatOptions
 
         self._check_can_generate()
+        if isinstance(self.chat_handler, Llava15ChatHandler):  # its own template, answered as a completion
+            text, urls = self.chat_handler.render(messages, bos_token=self._special_text(self.token_bos()),
+                                                  eos_token=self._special_text(self.token_eos()))
+            images = [load_image(url) for url in urls]
+
+            def complete(**options: Any):
+                return self._completion_with_images(text, images, **options)
+
+            return chat_formats.answer_as_completion(
+                complete, functions=functions, function_call=function_call, tools=tools, tool_choice=tool_choice,
+                stop=stop, response_format=response_format, grammar=grammar, logprobs=logprobs,
+                top_logprobs=top_logprobs, stream=stream, temperature=temperature, top_p=top_p, top_k=top_k,
+                min_p=min_p, typical_p=typical_p, seed=seed, max_tokens=max_tokens,
+                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                repeat_penalty=repeat_penalty, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+                mirostat_eta=mirostat_eta, model=model, logits_processor=logits_processor, logit_bias=logit_bias)
         if self.chat_format is not None and self.chat_handler is None:  # llama-cpp-python's named format
             return chat_formats.formatted_chat_completion(
                 self, chat_formats.get_chat_formatter(self.chat_format), messages=messages, functions=functions,
@@ -786,6 +802,32 @@ class Llama:
         if stream:
             return self._chat_chunks(pieces, chat, head, with_logprobs)
         return self._chat(pieces, chat, head, with_logprobs)
+
+    def _completion_with_images(self, text: str, images: list, *, stop, stream: bool, grammar, logprobs,
+                                max_tokens, temperature, top_p, top_k, min_p, typical_p, seed, presence_penalty,
+                                frequency_penalty, repeat_penalty, mirostat_mode, mirostat_tau, mirostat_eta,
+                                model, logits_processor, logit_bias) -> Any:
+        """``create_completion`` of a prompt whose media markers stand for ``images`` (a Llava-style
+        handler's rendered chat), in its shapes."""
+        if logits_processor:
+            raise NotImplementedError("logits_processor in a chat with pictures: pyllama_spec.llama_cpp runs those "
+                                      "through the engine's sampler (use grammar=, logit_bias= and the sampler "
+                                      "options there)")
+        head = dict(id=f"cmpl-{uuid.uuid4()}", object="text_completion", created=int(time.time()),
+                    model=model or self.model_path)
+        options = self._options(max_tokens=max_tokens, temperature=temperature, top_p=top_p, min_p=min_p,
+                                typical_p=typical_p, stop=stop, frequency_penalty=frequency_penalty,
+                                presence_penalty=presence_penalty, repeat_penalty=repeat_penalty, top_k=top_k,
+                                seed=seed, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+                                mirostat_eta=mirostat_eta, grammar=grammar, logit_bias=logit_bias, logprobs=logprobs)
+        pieces = self._engine.stream(text, images=images, **options)
+        if stream:
+            return self._completion_chunks(pieces, head, len(text), logprobs)
+        return self._completion(pieces, head, "", len(text), logprobs)
+
+    def _special_text(self, token: int) -> str:
+        """A special token's text (a template's bos_token / eos_token), or "" where the model has none."""
+        return self.detokenize([token], special=True).decode("utf-8", errors="replace") if token >= 0 else ""
 
     def _chat_of_completion(self, done, chat, head: dict, stream: bool):
         """A token-by-token completion of a rendered chat (``_token_completion``) as the chat's answer:

@@ -97,35 +97,278 @@ def load_image(image_url: str) -> bytes | str:
 
 
 class Llava15ChatHandler(MTMDChatHandler):
-    pass
+    """A Llava-style handler: the chat rendered with the handler's own template (``CHAT_FORMAT``, Jinja2:
+    the ``llama-cpp`` extra), after ``DEFAULT_SYSTEM_MESSAGE`` where the chat has no system message, each
+    picture's URL where it goes, then answered as a completion of that prompt and its pictures, as
+    llama-cpp-python 0.3.36's handlers do (their templates and messages are copied: MIT)."""
+
+    DEFAULT_SYSTEM_MESSAGE: str | None = (
+        'A chat between a curious human and an artificial intelligence assistant. '
+        "The assistant gives helpful, detailed, and polite answers to the human's questions."
+    )
+    CHAT_FORMAT = (
+        '{% for message in messages %}'
+        "{% if message.role == 'system' %}{{ message.content }}"
+        '{% endif %}'
+        "{% if message.role == 'user' %}"
+        '{% if message.content is string %}\nUSER: {{ message.content }}'
+        '{% endif %}'
+        '{% if message.content is iterable %}\nUSER: '
+        '{% for content in message.content %}'
+        "{% if content.type == 'image_url' and content.image_url is string %}{{ content.image_url }}"
+        '{% endif %}'
+        "{% if content.type == 'image_url' and content.image_url is mapping %}{{ content.image_url.url }}"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% for content in message.content %}'
+        "{% if content.type == 'text' %}{{ content.text }}"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% endif %}'
+        '{% endif %}'
+        "{% if message.role == 'assistant' and message.content is not none %}\nASSISTANT: {{ message.content }}"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% if add_generation_prompt %}\nASSISTANT: '
+        '{% endif %}'
+    )
+
+    def render(self, messages: list, bos_token: str, eos_token: str) -> tuple[str, list[str]]:
+        """The prompt this handler makes of ``messages`` (each picture's URL replaced by the media marker),
+        and the pictures' URLs in their order."""
+        from pyllama_spec.serving.chat_template import MEDIA_MARKER
+
+        first_system = next((m.get("content") or "" for m in messages if m.get("role") == "system"), "")
+        if first_system == "" and self.DEFAULT_SYSTEM_MESSAGE is not None:
+            messages = [{"role": "system", "content": self.DEFAULT_SYSTEM_MESSAGE}, *messages]
+        urls = self.get_image_urls(messages)
+        text = _jinja_environment().from_string(self.CHAT_FORMAT).render(
+            messages=messages, add_generation_prompt=True, eos_token=eos_token, bos_token=bos_token)
+        for url in urls:
+            text = text.replace(url, MEDIA_MARKER)
+        return text, urls
+
+    @staticmethod
+    def get_image_urls(messages: list) -> list[str]:
+        """The URLs of the user messages' ``image_url`` parts, in order."""
+        urls = []
+        for message in messages:
+            if message["role"] == "user" and message["content"] is not None:
+                for part in message["content"]:
+                    if isinstance(part, dict) and part.get("type") == "image_url":
+                        image = part["image_url"]
+                        urls.append(image["url"] if isinstance(image, dict) and "url" in image else image)
+        return urls
 
 
 class Llava16ChatHandler(Llava15ChatHandler):
-    pass
+    DEFAULT_SYSTEM_MESSAGE = (
+        'A chat between a curious human and an artificial intelligence assistant. '
+        "The assistant gives helpful, detailed, and polite answers to the human's questions. "
+    )
+    CHAT_FORMAT = (
+        '{% for message in messages %}'
+        "{% if message.role == 'system' %}{{ message.content }}"
+        '{% endif %}'
+        "{% if message.role == 'user' %}"
+        '{% if message.content is iterable %}'
+        '{% for content in message.content %}'
+        "{% if content.type == 'image_url' %}"
+        '{% if content.image_url is string %}{{ content.image_url }}\n'
+        '{% endif %}'
+        '{% if content.image_url is mapping %}{{ content.image_url.url }}\n'
+        '{% endif %}'
+        '{% endif %}'
+        '{% endfor %}'
+        '{% for content in message.content %}'
+        "{% if content.type == 'text' %}{{ content.text }}"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% endif %}'
+        '{% if message.content is string %}{{ message.content }}'
+        '{% endif %}'
+        '{% endif %}'
+        "{% if message.role == 'assistant' %}{{ message.content }}"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% if add_generation_prompt %}Answer:'
+        '{% endif %}'
+    )
 
 
 class ObsidianChatHandler(Llava15ChatHandler):
-    pass
+    DEFAULT_SYSTEM_MESSAGE = (
+        'A chat between a curious human and an artificial intelligence assistant. '
+        "The assistant gives helpful, detailed, and polite answers to the human's questions."
+    )
+    CHAT_FORMAT = (
+        '{% for message in messages %}'
+        "{% if message.role == 'system' %}<|im_start|>system\n{{ message.content }}\n###\n"
+        '{% endif %}'
+        "{% if message.role == 'user' %}<|im_start|>user\n"
+        '{% if message.content is string %}{{ message.content }}'
+        '{% endif %}'
+        '{% if message.content is iterable %}'
+        '{% for content in message.content %}'
+        "{% if content.type == 'image_url' and content.image_url is string %}{{ content.image_url }}"
+        '{% endif %}'
+        "{% if content.type == 'image_url' and content.image_url is mapping %}{{ content.image_url.url }}"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% for content in message.content %}'
+        "{% if content.type == 'text' %}{{ content.text }}"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% endif %}###\n'
+        '{% endif %}'
+        "{% if message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content }}###\n"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% if add_generation_prompt %}<|im_start|>assistant\n'
+        '{% endif %}'
+    )
 
 
 class MoondreamChatHandler(Llava15ChatHandler):
-    pass
+    DEFAULT_SYSTEM_MESSAGE = (
+        'A chat between a curious human and an artificial intelligence assistant. '
+        "The assistant gives helpful, detailed, and polite answers to the human's questions."
+    )
+    CHAT_FORMAT = (
+        '{% for message in messages %}'
+        "{% if message.role == 'user' %}"
+        '{% if message.content is iterable %}'
+        '{% for content in message.content %}'
+        "{% if content.type == 'image_url' %}"
+        '{% if content.image_url is string %}{{ content.image_url }}\n\n'
+        '{% endif %}'
+        '{% if content.image_url is mapping %}{{ content.image_url.url }}\n\n'
+        '{% endif %}'
+        '{% endif %}'
+        '{% endfor %}'
+        '{% for content in message.content %}'
+        "{% if content.type == 'text' %}Question: {{ content.text }}\n\n"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% endif %}'
+        '{% if message.content is string %}Question: {{ message.content }}\n\n'
+        '{% endif %}'
+        '{% endif %}'
+        "{% if message.role == 'assistant' %}Answer:{{ message.content }}\n\n"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% if add_generation_prompt %}Answer:'
+        '{% endif %}'
+    )
 
 
 class NanoLlavaChatHandler(Llava15ChatHandler):
-    pass
+    DEFAULT_SYSTEM_MESSAGE = 'Answer the question'
+    CHAT_FORMAT = (
+        '{% for message in messages %}'
+        "{% if message.role == 'system' %}<|im_start|>system\n{{ message.content }}<|im_end|>"
+        '{% endif %}'
+        "{% if message.role == 'user' %}<|im_start|>user\n"
+        '{% if message.content is string %}{{ message.content }}'
+        '{% endif %}'
+        '{% if message.content is iterable %}'
+        '{% for content in message.content %}'
+        "{% if content.type == 'image_url' and content.image_url is string %}{{ content.image_url }}"
+        '{% endif %}'
+        "{% if content.type == 'image_url' and content.image_url is mapping %}{{ content.image_url.url }}"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% for content in message.content %}'
+        "{% if content.type == 'text' %}{{ content.text }}"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% endif %}<|im_end|>'
+        '{% endif %}'
+        "{% if message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content }}<|im_end|>"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% if add_generation_prompt %}<|im_start|>assistant\n'
+        '{% endif %}'
+    )
 
 
 class Llama3VisionAlphaChatHandler(Llava15ChatHandler):
-    pass
+    DEFAULT_SYSTEM_MESSAGE = None
+    CHAT_FORMAT = (
+        '{% for message in messages %}<|start_header_id|>'
+        "{% if message.role == 'user' %}user<|end_header_id|>\n\n"
+        '{% if message.content is iterable %}'
+        '{% for content in message.content %}'
+        "{% if content.type == 'image_url' %}"
+        '{% if content.image_url is string %}{{ content.image_url }}'
+        '{% endif %}'
+        '{% if content.image_url is mapping %}{{ content.image_url.url }}'
+        '{% endif %}'
+        '{% endif %}'
+        '{% endfor %}'
+        '{% for content in message.content %}'
+        "{% if content.type == 'text' %}{{ content.text }}"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% endif %}'
+        '{% if message.content is string %}{{ message.content }}'
+        '{% endif %}'
+        '{% endif %}'
+        "{% if message.role == 'assistant' %}assistant<|end_header_id|>\n\n{{ message.content }}"
+        '{% endif %}<|eot_id|>'
+        '{% endfor %}'
+        '{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n'
+        '{% endif %}'
+    )
 
 
 class MiniCPMv26ChatHandler(Llava15ChatHandler):
-    pass
+    DEFAULT_SYSTEM_MESSAGE = 'You are a helpful assistant.'
+    CHAT_FORMAT = (
+        '{% for message in messages %}'
+        "{% if loop.first and messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "{% endif %}<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is iterable %}"
+        "{% for content in message['content'] %}"
+        "{% if content.type == 'image_url' %}"
+        '{% if content.image_url is string %}{{ content.image_url }}'
+        '{% endif %}'
+        '{% if content.image_url is mapping %}{{ content.image_url.url }}'
+        '{% endif %}'
+        '{% endif %}'
+        '{% endfor %}'
+        "{% for content in message['content'] %}"
+        "{% if content.type == 'text' %}{{ content.text }}"
+        '{% endif %}'
+        '{% endfor %}'
+        '{% endif %}'
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        '{% endif %}<|im_end|>\n'
+        '{% endfor %}'
+        '{% if add_generation_prompt %}<|im_start|>assistant\n'
+        '{% endif %}'
+    )
 
 
 class Qwen25VLChatHandler(Llava15ChatHandler):
-    pass
+    DEFAULT_SYSTEM_MESSAGE = 'You are a helpful assistant.'
+    CHAT_FORMAT = (
+        '{% for message in messages %}'
+        "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n{{ self.DEFAULT_SYSTEM_MESSAGE }}<|im_end|>\n"
+        "{% endif %}<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+        '{% else %}'
+        "{% for content in message['content'] %}"
+        "{% if content['type'] == 'image_url' %}"
+        '{% if content.image_url is string %}{{ content.image_url }}'
+        '{% else %}{{ content.image_url.url }}'
+        '{% endif %}'
+        "{% elif content['type'] == 'text' %}{{ content['text'] }}"
+        '{% endif %}'
+        '{% endfor %}<|im_end|>\n'
+        '{% endif %}'
+        '{% endfor %}<|im_start|>assistant\n'
+    )
 
 
 class Gemma4ChatHandler(MTMDChatHandler):
