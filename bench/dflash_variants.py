@@ -20,8 +20,9 @@ so this builds them from the trained DFlash draft's weights, unchanged:
 
 Per setting: held-out prompts (those tools/measure_trained_pair.py holds out), greedy, --max-tokens
 each, target-only / DFlash / DFlash2 / DSpark at each alpha, interleaved for --repeats rounds;
-acceptance and decode tok/s min / median / max. Then `serve` against llama-server on the DSpark and the
-DFlash2 file (the same drafts: tests/test_dspark.py, tests/test_drafters.py), tok/s side by side.
+acceptance and decode tok/s min / median / max. Then `serve` against llama-server on the DFlash,
+DFlash2 and DSpark files, tok/s side by side, with both servers' drafted / accepted counts and whether
+their texts are the same (DSpark's drafts are compared with llama-server's in tests/test_dspark.py).
 
     python bench/dflash_variants.py --repeats 3
 """
@@ -32,6 +33,7 @@ import argparse
 import glob
 import importlib.util
 import json
+import shutil
 import statistics
 import sys
 import tempfile
@@ -130,18 +132,25 @@ def _measure(engine, prompts: list[str], max_tokens: int) -> tuple[float, float]
     return tokens / seconds, (accepted / drafted if drafted else 0.0)
 
 
-def _server_rate(cmd: list[str], prompts: list[str], max_tokens: int) -> float:
-    """Decode tok/s of a server started with ``cmd`` over the prompts (its timings, tokens after the first)."""
+def _served(cmd: list[str], prompts: list[str], max_tokens: int) -> tuple[float, int, int, int]:
+    """A server started with ``cmd``, over the prompts: decode tok/s (its timings, tokens after the first),
+    tokens drafted and accepted, and a hash of the texts (equal texts, equal hashes)."""
     with running_server(cmd) as url:
         tokens = ms = 0.0
+        drafted = accepted = 0
+        texts = []
         for p in prompts:
             body = json.dumps({"prompt": p, "n_predict": max_tokens, "temperature": 0, "cache_prompt": False})
             req = urllib.request.Request(url + "/completion", body.encode(), {"Content-Type": "application/json"})
             with urllib.request.urlopen(req, timeout=600) as r:
-                t = json.load(r)["timings"]
+                answer = json.load(r)
+            t = answer["timings"]
             tokens += t["predicted_n"] - 1
             ms += t["predicted_ms"]
-        return tokens / ms * 1000
+            drafted += t.get("draft_n", 0)
+            accepted += t.get("draft_n_accepted", 0)
+            texts.append(answer["content"])
+        return tokens / ms * 1000, drafted, accepted, hash(tuple(texts))
 
 
 def main() -> int:
@@ -157,7 +166,7 @@ def main() -> int:
     prompts = tools.held_out_prompts(args.prompts)
     train = [f for i, f in enumerate(sorted(glob.glob(tools.CORPUS_GLOB))) if i % 10 != 0]
     target, draft = MODELS_DIR / "trained-target.gguf", MODELS_DIR / "trained-draft.gguf"
-    folder = Path(tempfile.mkdtemp(prefix="dspark-fitted-"))
+    folder = Path(tempfile.mkdtemp(prefix="dflash-variants-"))
     common = dict(n_ctx=4096, n_threads=1, flash_attn=False, draft_max=args.draft_max)
     with ps.load(target, spec_type="none", n_ctx=4096, n_threads=1) as plain:
         bias = pmi(plain.model, train, plain.model.n_vocab)
@@ -195,22 +204,28 @@ def main() -> int:
     server = native_build.find_llama_server()
     if server is not None:
         best = max(files, key=lambda a: acceptance[f"DSpark alpha {a}"])
-        for name, file, spec_type in ((f"DSpark alpha {best}", files[best], "draft-dspark"),
-                                      ("DFlash2", dflash2, "draft-dflash")):
+        for name, file, spec_type in (("DFlash", draft, "draft-dflash"), ("DFlash2", dflash2, "draft-dflash"),
+                                      (f"DSpark alpha {best}", files[best], "draft-dspark")):
             argv = ["-m", str(target), "-md", str(file), "--spec-type", spec_type, "--spec-draft-n-max",
                     str(args.draft_max), "-c", "4096", "-np", "1", "-t", "1", "-fa", "off"]
-            theirs, ours = [], []
+            theirs, ours, drafts = [], [], {}
             for r in range(args.repeats):
-                runs = [(theirs, [str(server), *argv, "--no-warmup"]),
-                        (ours, [sys.executable, "-m", "pyllama_spec", "serve", *argv])]
-                for out, cmd in (runs if r % 2 == 0 else runs[::-1]):
-                    out.append(_server_rate(cmd, prompts, args.max_tokens))
+                runs = [("llama-server", theirs, [str(server), *argv, "--no-warmup"]),
+                        ("serve", ours, [sys.executable, "-m", "pyllama_spec", "serve", *argv])]
+                for who, out, cmd in (runs if r % 2 == 0 else runs[::-1]):
+                    rate, drafted, accepted, texts = _served(cmd, prompts, args.max_tokens)
+                    out.append(rate)
+                    drafts[who] = (drafted, accepted, texts)
             theirs.sort()
             ours.sort()
+            same = "the same texts" if drafts["serve"][2] == drafts["llama-server"][2] else "DIFFERENT texts"
             print(f"\n{name} served, /completion, tok/s min / median / max: llama-server "
                   f"{theirs[0]:.0f} / {statistics.median(theirs):.0f} / {theirs[-1]:.0f}, serve {ours[0]:.0f} / "
                   f"{statistics.median(ours):.0f} / {ours[-1]:.0f} "
-                  f"({statistics.median(ours) / statistics.median(theirs):.2f}x)")
+                  f"({statistics.median(ours) / statistics.median(theirs):.2f}x); drafted / accepted: llama-server "
+                  f"{drafts['llama-server'][0]} / {drafts['llama-server'][1]}, serve {drafts['serve'][0]} / "
+                  f"{drafts['serve'][1]}; {same}")
+    shutil.rmtree(folder, ignore_errors=True)
     return 0
 
 

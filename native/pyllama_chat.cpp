@@ -220,8 +220,9 @@ size_t pyllama::grammar_stacks(const llama_sampler * smpl, size_t * n_vocab) {
     }
     const std::string name = llama_sampler_name(smpl);
     if (name == "grammar") {
-        const auto * g = static_cast<const grammar_sampler_state *>(smpl->ctx)->grammar;
-        if (g == nullptr) {
+        const auto * state = static_cast<const grammar_sampler_state *>(smpl->ctx);
+        const auto * g     = state->grammar;
+        if (g == nullptr || g->vocab != state->vocab) {  // no grammar (yet), or not the layout mirrored here
             return 0;
         }
         if (g->vocab != nullptr) {

@@ -196,12 +196,14 @@ const char * skip_space(const char * pos) {
 // the most stacks accepting one character from one stack makes (each of those terminals, matched,
 // advanced again). The engine's work grows with these (a duplicate check scans the stacks it has:
 // quadratic in them; sampling repeats it per candidate token): `root ::= (.?){400} "b"` is 20
-// bytes and 80,000 stacks after a character, seconds a token. Counted as paths, in time linear in
-// the rules: with the empty alternatives' counts N, the first terminals' E, the paths that finish
-// what they start on one character Z, and those paths' stacks after it A, a sequence's values
-// follow from its elements' (a reference's from its rule's, each rule's from its alternatives').
-// A rule's values depend on the rules it starts with through what may be empty; llama.cpp refuses
-// a grammar where that loops (left recursion), so do we: false, and the parser's init says why.
+// bytes and 80,200 paths after a character. Counted as paths (an upper bound of the distinct stacks),
+// in time linear in the rules: with whether it may be empty N (0 or 1), the first terminals' paths E,
+// the paths that finish what they start on one character Z, and those paths' paths after it A, a
+// sequence's values follow from its elements' (a reference's from its rule's, each rule's from its
+// alternatives'). A rule's values depend on the rules it starts with through what may be empty; where
+// that loops and pushes on the way (left recursion, which llama.cpp's own check misses when a rule is
+// empty only through another: its engine then grows stacks until the memory is gone), rule_counts
+// says so and the grammar is refused.
 struct grammar_paths {
     const llama_grammar_rules & rules;
     std::vector<double> N, E, Z, A;         // per rule
@@ -230,6 +232,7 @@ struct grammar_paths {
         const size_t n = rules.size();
         N.assign(n, 0.0); E.assign(n, 0.0);
         std::vector<uint8_t> state(n, 0);  // 0 unseen, 1 in progress, 2 done
+        std::vector<size_t> frame_of(n, 0);  // an in-progress rule's frame in `todo`
         struct frame { uint32_t rule; size_t i; double w, n_acc, e_acc; };
         for (uint32_t start = 0; start < n; start++) {
             if (state[start] != 0 || rules[start].empty()) {
@@ -237,6 +240,7 @@ struct grammar_paths {
             }
             std::vector<frame> todo{{start, 0, 1.0, 0.0, 0.0}};
             state[start] = 1;
+            frame_of[start] = 0;
             while (!todo.empty()) {
                 frame & f = todo.back();
                 const llama_grammar_rule & rule = rules[f.rule];
@@ -247,7 +251,9 @@ struct grammar_paths {
                         f.i++; f.w = 1.0;
                         continue;
                     }
-                    N[f.rule] = f.n_acc; E[f.rule] = f.e_acc; state[f.rule] = 2;
+                    // whether it may be empty, not in how many ways: an empty derivation pops all it pushes,
+                    // so its ways make no distinct stacks (the engine's duplicate check folds them)
+                    N[f.rule] = f.n_acc > 0.0 ? 1.0 : 0.0; E[f.rule] = f.e_acc; state[f.rule] = 2;
                     order.push_back(f.rule);
                     todo.pop_back();
                     continue;
@@ -264,10 +270,22 @@ struct grammar_paths {
                 }
                 const uint32_t s = e.value;
                 if (state[s] == 1) {
-                    return false;  // left recursion
+                    // Back to a rule before a character is read. Where every reference on the way is the
+                    // last of its alternative, nothing is pushed: the engine meets the same stack again
+                    // and its duplicate check ends there (`x+` of an `x` that may be empty); this way
+                    // adds no stack and no way to be empty. Else each turn pushes: left recursion.
+                    for (size_t k = frame_of[s]; k < todo.size(); k++) {
+                        if (!is_end(rules[todo[k].rule][todo[k].i + 1])) {
+                            return false;
+                        }
+                    }
+                    f.w = 0.0;
+                    f.i++;
+                    continue;
                 }
                 if (state[s] == 0) {
                     state[s] = 1;
+                    frame_of[s] = todo.size();
                     todo.push_back({s, 0, 1.0, 0.0, 0.0});  // f may dangle now: not used below
                     continue;
                 }
@@ -407,12 +425,13 @@ int32_t pyllama_grammar_check(const char * gbnf, double * cost) {
         }
         if (cost != nullptr) {
             grammar_paths paths{parser.rules};
-            cost[0] = cost[1] = -1.0;  // left recursion: llama.cpp's init refuses the grammar
+            cost[0] = cost[1] = cost[2] = -1.0;  // left recursion
             if (paths.rule_counts()) {
                 paths.element_counts();
                 paths.after_one_char();
                 cost[0] = paths.stacks;
                 cost[1] = paths.after_char;
+                cost[2] = paths.E[root->second] + paths.N[root->second];  // the first advance, the empty stack too
             }
         }
         return 0;
@@ -435,8 +454,8 @@ static int32_t check_grammar_stacks(const llama_sampler * smpl) {
     const size_t n = pyllama::grammar_stacks(smpl, &n_vocab);
     const double work = (double) n * (double) n_vocab;
     if (n > g_max_grammar_stacks || work > g_max_grammar_work) {
-        const size_t most = std::min(g_max_grammar_stacks,
-            n_vocab > 0 ? (size_t) (g_max_grammar_work / (double) n_vocab) : SIZE_MAX);
+        const double per_vocab = n_vocab > 0 ? g_max_grammar_work / (double) n_vocab : INFINITY;
+        const size_t most = std::min(g_max_grammar_stacks, per_vocab < 1e18 ? (size_t) per_vocab : SIZE_MAX);
         const std::string what = "the grammar's engine would follow " + std::to_string(n) +
             " paths at once after this token (at most " + std::to_string(most) + " with a vocabulary of " +
             std::to_string(n_vocab) + " tokens): the grammar is too ambiguous for the text so far "

@@ -59,9 +59,10 @@ void    pyllama_abort_after(int32_t n_checks);
 
 /* Constrained output. Each returns -1 when llama.cpp threw (or refused) and leaves the reason
  * in pyllama_last_error() (this thread's; valid until its next failing call).
- * pyllama_grammar_check: 0 when the GBNF parses with a root rule; cost (2 doubles, or NULL) gets
- * the most stacks one advance of llama.cpp's grammar engine makes and the most one accepted
- * character makes (paths counted on the parsed rules, capped at 1e30; -1 for left recursion).
+ * pyllama_grammar_check: 0 when the GBNF parses with a root rule; cost (3 doubles, or NULL) gets
+ * the most stacks one advance of llama.cpp's grammar engine makes, the most one accepted character
+ * makes, and the stacks of the first advance from the root (paths counted on the parsed rules, an
+ * upper bound, capped at 1e30; -1 for left recursion).
  * pyllama_sampler_sample / _accept: llama_sampler_sample / _accept, which throw when a grammar
  * cannot accept the token (its stack is empty); sample returns the token. Both fail when a
  * grammar follows more stacks (or stacks times its vocabulary) than pyllama_grammar_limit allows

@@ -65,7 +65,7 @@ class Sampler(NativeHandle):
         if chat is not None:
             if grammar is not None:
                 try:
-                    check_grammar(grammar)
+                    check_grammar(grammar, n_vocab)
                 except GrammarError:
                     self.close()
                     raise
@@ -80,7 +80,7 @@ class Sampler(NativeHandle):
                 add(c)
         elif grammar is not None:
             try:
-                check_grammar(grammar)  # the parser's reason, which llama_sampler_init_grammar only prints
+                check_grammar(grammar, n_vocab)  # the parser's reason, which llama_sampler_init_grammar only prints
             except GrammarError:
                 self.close()
                 raise

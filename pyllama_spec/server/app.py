@@ -25,7 +25,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Mount, Route
 
-from pyllama_spec.server import chat_completions, completions, embeddings, infill, info, lora, slots, tokens
+from pyllama_spec.server import (chat_completions, completions, embeddings, infill, info, large_bodies, lora, slots,
+                                 tokens)
 from pyllama_spec.server.anthropic import routes as anthropic
 from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.offload import off_loop
@@ -39,7 +40,6 @@ from pyllama_spec.server.service import (
     Service,
     engine_error,
     error_response,
-    free_large_bodies,
 )
 from pyllama_spec.serving.engine import Engine
 
@@ -68,7 +68,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
                 service.metrics.count_request(path, response.status_code)
                 return response
             finally:
-                free_large_bodies(request)  # the handler's frame is gone: a body's last holder is the request
+                large_bodies.free(request)  # the handler's frame is gone: a large body's last holder is the request
 
         return Route(path, endpoint, methods=methods)
 

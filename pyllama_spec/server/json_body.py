@@ -87,10 +87,8 @@ def parse_json_body(raw: bytes) -> Any:
             if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _too_deep(value, MAX_JSON_DEPTH):
                 raise OverLimit(_TOO_DEEP)
             return value
-        # commas outside strings are fewer than the values they separate: too many, and the body is
-        # refused before it is decoded and parsed (31 million ids: 0.7 s, most of a second of the GIL;
-        # counted on the bytes in UTF-8 alone, where a comma's byte is always a comma)
-        if json.detect_encoding(raw) == "utf-8" and _commas_at_least(raw, MAX_JSON_VALUES + 1) > MAX_JSON_VALUES:
+        # refused before it is decoded and parsed where that is quick to know (31 million ids: 0.7 s)
+        if _surely_too_many_values(raw):
             raise OverLimit(_TOO_MANY_VALUES)
         return parse_in_steps(_decode(raw))
     except OverLimit as e:
@@ -347,14 +345,23 @@ def _too_deep(value: Any, limit: int) -> bool:
     return False
 
 
-def _commas_at_least(raw: bytes, enough: int) -> int:
-    """A number that is at least ``enough`` exactly when ``raw`` holds at least ``enough`` commas
-    outside strings; counted ``STRING_PIECE`` bytes per C call, strings skipped only when there are
-    that many commas in all (one find per string, as ``_containers_at_least`` does)."""
-    total = sum(raw.count(b",", at, at + STRING_PIECE) for at in range(0, len(raw), STRING_PIECE))
-    if total < enough:
-        return total
-    return _outside_strings_at_least(raw, (b",",), enough)
+#: Strings ``_surely_too_many_values`` skips at most (one find each, some 0.1 s of Python in all).
+MAX_STRINGS_SKIPPED = 50_000
+
+
+def _surely_too_many_values(raw: bytes) -> bool:
+    """Whether ``raw`` holds more than ``MAX_JSON_VALUES`` commas outside its strings, so more values
+    (commas are fewer than the values they separate): counted at C speed, ``STRING_PIECE`` bytes per
+    call, on UTF-8 alone (where a comma's byte is a comma), strings skipped only when the plain count is
+    over and they are at most ``MAX_STRINGS_SKIPPED``. False where unsure: the parse counts then."""
+    def count(byte: bytes) -> int:
+        return sum(raw.count(byte, at, at + STRING_PIECE) for at in range(0, len(raw), STRING_PIECE))
+
+    if not json.detect_encoding(raw).startswith("utf-8") or count(b",") <= MAX_JSON_VALUES:
+        return False
+    if count(b'"') > 2 * MAX_STRINGS_SKIPPED:
+        return False
+    return _outside_strings_at_least(raw, (b",",), MAX_JSON_VALUES + 1) > MAX_JSON_VALUES
 
 
 def _containers_at_least(raw: bytes, enough: int) -> int:
@@ -396,6 +403,18 @@ def _outside_strings_at_least(raw: bytes, chars: tuple[bytes, ...], enough: int)
     return found
 
 
+def _references_when_held_alone() -> int:
+    """What ``sys.getrefcount`` says, in ``free_in_pieces``'s code shape, of a container nothing else
+    holds: 2 up to CPython 3.13 (the local and the call's argument), fewer where loads borrow (3.14)."""
+    todo = [[]]
+    value = todo.pop()
+    return sys.getrefcount(value)
+
+
+#: ``sys.getrefcount`` of a container ``free_in_pieces`` holds alone, on this interpreter.
+_HELD_ALONE = _references_when_held_alone()
+
+
 def free_in_pieces(values: list) -> None:
     """Empty ``values`` (a list the caller gives away), and every array and object in it that nothing
     else holds, ``FREE_PIECE`` values at a time: between pieces the interpreter may hand the GIL to
@@ -405,14 +424,14 @@ def free_in_pieces(values: list) -> None:
     todo = values
     while todo:
         value = todo.pop()
-        # held here and by getrefcount's argument alone: nothing else can see it being emptied
-        if type(value) is list and sys.getrefcount(value) <= 2:
+        # held here alone (_HELD_ALONE): nothing else can see it being emptied
+        if type(value) is list and sys.getrefcount(value) <= _HELD_ALONE:
             while value:
                 piece = value[-FREE_PIECE:]
                 del value[-FREE_PIECE:]
                 todo.extend(v for v in piece if type(v) is list or type(v) is dict)
                 del piece
-        elif type(value) is dict and sys.getrefcount(value) <= 2:
+        elif type(value) is dict and sys.getrefcount(value) <= _HELD_ALONE:
             while value:
                 _, v = value.popitem()
                 if type(v) is list or type(v) is dict:

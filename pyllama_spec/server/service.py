@@ -11,11 +11,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import gc
 import hmac
 import itertools
 import logging
-import threading
 import time
 from pathlib import Path
 from typing import Any, Awaitable, Callable
@@ -36,7 +34,8 @@ from pyllama_spec.server.logprobs import LogprobFormatter
 from pyllama_spec.server.metrics import ServerMetrics
 from pyllama_spec.server.schema import GenerationRequest, RequestLimits, has_text_bias, text_bias
 from pyllama_spec.server.chat import render_chat
-from pyllama_spec.server.json_body import free_in_pieces, parse_json_body, takes_steps
+from pyllama_spec.server import large_bodies
+from pyllama_spec.server.json_body import parse_json_body, takes_steps
 from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
 from pyllama_spec.server.origins import OriginPolicy
 from pyllama_spec.server.worker import Job, QueueFullError, Worker
@@ -120,85 +119,11 @@ async def read_json(request: Request, limit: int, timeout: float) -> tuple[Any, 
     """The request's JSON body and its size: at most ``limit`` bytes, all of it within ``timeout``
     seconds (a client sending its body a byte at a time holds nothing longer), parsed by
     ``parse_json_body`` (every way it can fail is a 400): a large body on a thread, where it takes
-    turns with the event loop."""
+    turns with the event loop, out of the collector's way and freed in pieces (``large_bodies``)."""
     raw = await read_body(request, limit, timeout)
-    if not (len(raw) > PARSE_ON_A_THREAD_ABOVE or takes_steps(raw)):
-        return parse_json_body(raw), len(raw)
-    _LARGE_BODIES_ALIVE.parsing_begins()
-    body = None
-    try:
-        body = await off_loop(True, parse_json_body, raw)
-    finally:
-        _LARGE_BODIES_ALIVE.parsing_ends(parsed=body is not None)
-    # kept here too, so that it is freed by free_large_bodies, not where the route drops it
-    request.scope.setdefault(_LARGE_BODIES, []).append(body)
-    return body, len(raw)
-
-
-_LARGE_BODIES = "pyllama_spec.large_bodies"
-
-
-class _OutOfTheCollectorsWay:
-    """CPython's cyclic collector walks every reference of every container it tracks, holding the GIL:
-    a collection while a body of millions of values is alive (4 million floats in 99,000 lists) takes
-    80-140 ms, whichever thread's allocation sets it off, and parsing the body sets them off (its
-    containers are young). A parsed JSON body is a tree, never a cycle, so it need not be walked: the
-    automatic collector is off while large bodies are parsed, and once one is parsed what exists is
-    frozen (``gc.freeze``: collections skip it) until the last large body is freed. Garbage cycles
-    that die meanwhile wait for that; past ``MAX_FROZEN`` frozen objects, all is unfrozen regardless."""
-
-    MAX_FROZEN = 20_000_000
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._parsing = self._alive = 0
-        self._was_enabled = True
-
-    def parsing_begins(self) -> None:
-        with self._lock:
-            if self._parsing == 0:
-                self._was_enabled = gc.isenabled()
-            self._parsing += 1
-            gc.disable()
-
-    def parsing_ends(self, parsed: bool) -> None:
-        with self._lock:
-            self._parsing -= 1
-            if parsed:
-                self._alive += 1
-                if gc.get_freeze_count() < self.MAX_FROZEN:
-                    gc.freeze()
-                else:
-                    gc.unfreeze()
-            if self._parsing == 0 and self._was_enabled:
-                gc.enable()
-
-    def freed(self) -> None:
-        with self._lock:
-            self._alive -= 1
-            if self._alive == 0:
-                gc.unfreeze()
-
-
-_LARGE_BODIES_ALIVE = _OutOfTheCollectorsWay()
-
-
-def _free_large(bodies: list) -> None:
-    n = len(bodies)
-    try:
-        free_in_pieces(bodies)
-    finally:
-        for _ in range(n):
-            _LARGE_BODIES_ALIVE.freed()
-
-
-def free_large_bodies(request: Request) -> None:
-    """Once a route is done with ``request``: the large bodies ``read_json`` parsed for it are freed on
-    a thread, a piece at a time (``free_in_pieces``), not on the event loop in one go, and out of the
-    collector's way until then (``_OutOfTheCollectorsWay``)."""
-    bodies = request.scope.pop(_LARGE_BODIES, None)
-    if bodies:
-        asyncio.get_running_loop().run_in_executor(None, _free_large, bodies)
+    if len(raw) > PARSE_ON_A_THREAD_ABOVE:
+        return await large_bodies.parse(request, raw), len(raw)
+    return await off_loop(takes_steps(raw), parse_json_body, raw), len(raw)
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:

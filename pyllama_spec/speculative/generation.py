@@ -26,6 +26,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from pyllama_spec.bindings.grammar import GrammarError
 from pyllama_spec.drafters import Drafter, DraftRequest, Proposal, TargetDecode
 from pyllama_spec.speculative.draft_length import StepCost, plan_lengths
 from pyllama_spec.speculative.line_rules import LineRules
@@ -335,9 +336,9 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
     drafted: its rows and its time, whatever rule chose the lengths, so adaptive requests start
     with what earlier ones measured.
 
-    Returns each generation's piece (None where a step streams nothing), or the exception that
+    Returns each generation's piece (None where a step streams nothing), or the GrammarError that
     ended that generation alone: what its own sampler raised while accepting (a grammar that allows
-    no token, or whose stacks pass the bound: GrammarError), the others in the step going on. Raises
+    no token, or whose stacks pass the bound), the others in the step going on. Raises
     what the shared calls raise (the draft, the decode). The caller resets the sequences of a step,
     or of a generation, that did not finish.
     """
@@ -388,8 +389,9 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
         t = time.perf_counter()
         try:
             accepted = g.verifier.accept(ctx, draft, proposal, row=at)
-        except Exception as e:  # noqa: BLE001 - this generation's own sampler: the others go on
-            pieces.append(e)
+        except GrammarError as e:  # this generation's own sampler (its grammar, its bias): the others go on
+            # (without its traceback, whose frames would keep this step's generations and batch alive)
+            pieces.append(e.with_traceback(None))
             continue
         g.stats.target_seconds += t_target + time.perf_counter() - t
         n_kept = len(accepted)  # id_last + the accepted drafts
