@@ -8,7 +8,9 @@
 The program (``PROGRAM`` below, the embedded pair's files): greedy completions of held-out code prompts,
 a chat with a picture through ``MTMDChatHandler`` (both render the GGUF's template) and through
 ``Qwen25VLChatHandler`` (both render its own template, llama-cpp-python's, copied into the facade),
-the same completions and the picture chat with ``LlamaPromptLookupDecoding``, a text chat through the
+the same completions and the picture chat with ``LlamaPromptLookupDecoding`` and with a ``LlamaDraftModel``
+of one's own (``SmallModelDraft``: the draft model file's greedy tokens, as llama-cpp-python's users
+write one), a text chat through the
 named format ``chat_format="chatml"`` (without and with prompt lookup); on the facade also with each
 of this project's draft models (DFlash, EAGLE3, a draft model that sees the picture through its own
 projector). Each timed call runs ``--repeats`` times on one ``Llama``, as a program would: both packages
@@ -30,9 +32,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 PROGRAM = r'''
 import base64, io, json, os, sys, time
+import numpy as np
 import llama_cpp
 from llama_cpp.llama_chat_format import MTMDChatHandler, Qwen25VLChatHandler
-from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
 
 M, PROMPTS, PICTURE, REPEATS, FACADE = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "facade"
 T, MM = M + "/trained-target.gguf", M + "/trained-mmproj.gguf"
@@ -83,6 +86,29 @@ def formatted_chat(llm):
     return [llm.create_chat_completion(messages=[{"role": "system", "content": "You write Python."},
                                                  {"role": "user", "content": p[:200]}],
                                        max_tokens=64, temperature=0.0) for p in PROMPTS]
+
+class SmallModelDraft(LlamaDraftModel):
+    """A draft model of one's own, as llama-cpp-python's users write one: a smaller model's greedy tokens."""
+
+    def __init__(self, path, num_pred_tokens=7):
+        self.small = llama_cpp.Llama(path, **KW)
+        self.n = num_pred_tokens
+
+    def __call__(self, input_ids, /, **kwargs):
+        out = []
+        for token in self.small.generate(list(input_ids), temp=0.0):
+            out.append(token)
+            if len(out) == self.n:
+                break
+        return np.array(out, dtype=np.intc)
+
+llm = llama_cpp.Llama(T, draft_model=SmallModelDraft(M + "/trained-draft-vlm.gguf"), **KW)
+timed("completion, a LlamaDraftModel of one's own", llm, completions)
+llm.close()
+llm = llama_cpp.Llama(T, chat_handler=MTMDChatHandler(clip_model_path=MM, verbose=False),
+                      draft_model=SmallModelDraft(M + "/trained-draft-vlm.gguf"), **KW)
+timed("chat with a picture, MTMDChatHandler, a LlamaDraftModel of one's own", llm, chat)
+llm.close()
 
 for lookup in (False, True):
     llm = llama_cpp.Llama(T, chat_format="chatml", **KW,
