@@ -200,15 +200,19 @@ const char * skip_space(const char * pos) {
 // in time linear in the rules: with whether it may be empty N (0 or 1), the first terminals' paths E,
 // the paths that finish what they start on one character Z, and those paths' paths after it A, a
 // sequence's values follow from its elements' (a reference's from its rule's, each rule's from its
-// alternatives'). A rule's values depend on the rules it starts with through what may be empty; where
-// that loops and pushes on the way (left recursion, which llama.cpp's own check misses when a rule is
-// empty only through another: its engine then grows stacks until the memory is gone), rule_counts
-// says so and the grammar is refused.
+// alternatives'). A rule's values depend on the rules it starts with through what may be empty. Rules
+// that start with each other form a group; where a group's rule starts with one of the group other than
+// last in an alternative, every turn pushes (left recursion, which llama.cpp's own check misses when a
+// rule is empty only through another: its engine then grows stacks until the memory is gone), and
+// rule_counts refuses the grammar.
 struct grammar_paths {
     const llama_grammar_rules & rules;
     std::vector<double> N, E, Z, A;         // per rule
     std::vector<std::vector<double>> pN, pE; // per element: the values of the sequence from it
-    std::vector<uint32_t> order;            // rules, each after those it starts with
+    // the rules in groups that start with each other (strongly connected through what they start with),
+    // each group after the groups its rules start with
+    std::vector<std::vector<uint32_t>> groups;
+    std::vector<uint32_t> group_of;
     double stacks = 0.0, after_char = 0.0;
 
     static double cap(double x) { return x < 1e30 ? x : 1e30; }  // no inf: inf * 0 would be NaN
@@ -227,71 +231,168 @@ struct grammar_paths {
         return i;
     }
 
-    // N and E of every rule, depth first along what each rule starts with; fills `order`.
-    bool rule_counts() {
+    // Whether each rule may be empty: the least fixpoint, each reference counted down once when its rule
+    // turns out to be empty (linear in the rules).
+    void may_be_empty() {
         const size_t n = rules.size();
-        N.assign(n, 0.0); E.assign(n, 0.0);
-        std::vector<uint8_t> state(n, 0);  // 0 unseen, 1 in progress, 2 done
-        std::vector<size_t> frame_of(n, 0);  // an in-progress rule's frame in `todo`
-        struct frame { uint32_t rule; size_t i; double w, n_acc, e_acc; };
-        for (uint32_t start = 0; start < n; start++) {
-            if (state[start] != 0 || rules[start].empty()) {
+        N.assign(n, 0.0);
+        struct alternative { uint32_t rule; size_t refs_left; bool has_terminal; };
+        std::vector<alternative> alts;
+        std::vector<std::vector<uint32_t>> occurs_in(n);  // the alternatives each rule is referenced in
+        for (uint32_t r = 0; r < n; r++) {
+            const llama_grammar_rule & rule = rules[r];
+            if (rule.empty()) {
                 continue;
             }
-            std::vector<frame> todo{{start, 0, 1.0, 0.0, 0.0}};
-            state[start] = 1;
-            frame_of[start] = 0;
+            alts.push_back({r, 0, false});
+            for (size_t i = 0; i < rule.size(); i = is_end(rule[i]) ? i + 1 : next(rule, i)) {
+                if (rule[i].type == LLAMA_GRETYPE_ALT) {
+                    alts.push_back({r, 0, false});
+                } else if (rule[i].type == LLAMA_GRETYPE_RULE_REF) {
+                    alts.back().refs_left++;
+                    occurs_in[rule[i].value].push_back((uint32_t) (alts.size() - 1));
+                } else if (!is_end(rule[i])) {
+                    alts.back().has_terminal = true;
+                }
+            }
+        }
+        std::vector<uint32_t> todo;
+        for (const alternative & a : alts) {
+            if (!a.has_terminal && a.refs_left == 0 && N[a.rule] == 0.0) {
+                N[a.rule] = 1.0;
+                todo.push_back(a.rule);
+            }
+        }
+        while (!todo.empty()) {
+            const uint32_t s = todo.back();
+            todo.pop_back();
+            for (uint32_t k : occurs_in[s]) {
+                alternative & a = alts[k];
+                if (!a.has_terminal && --a.refs_left == 0 && N[a.rule] == 0.0) {
+                    N[a.rule] = 1.0;
+                    todo.push_back(a.rule);
+                }
+            }
+        }
+    }
+
+    // The references each rule starts with (through what may be empty), each marked when it is the last
+    // of its alternative (nothing pushed: the engine's stack goes on as it was).
+    struct start_ref { uint32_t rule; bool last; };
+    std::vector<std::vector<start_ref>> starts_with() const {
+        std::vector<std::vector<start_ref>> out(rules.size());
+        for (uint32_t r = 0; r < rules.size(); r++) {
+            const llama_grammar_rule & rule = rules[r];
+            bool open = true;  // still at the start of this alternative, through what may be empty
+            for (size_t i = 0; i < rule.size(); i = is_end(rule[i]) ? i + 1 : next(rule, i)) {
+                if (is_end(rule[i])) {
+                    open = true;
+                } else if (open && rule[i].type == LLAMA_GRETYPE_RULE_REF) {
+                    out[r].push_back({rule[i].value, is_end(rule[i + 1])});
+                    open = N[rule[i].value] != 0.0;
+                } else {
+                    open = false;
+                }
+            }
+        }
+        return out;
+    }
+
+    // Groups the rules that start with each other (Tarjan's strongly connected components, without
+    // recursion), each group after those its rules start with. False where a group starts with one of
+    // its own rules other than last in an alternative: left recursion, whose every turn pushes.
+    bool group_rules(const std::vector<std::vector<start_ref>> & refs) {
+        const size_t n = rules.size();
+        const uint32_t unseen = UINT32_MAX;
+        std::vector<uint32_t> index(n, unseen), low(n, 0);
+        std::vector<uint8_t> on_stack(n, 0);
+        std::vector<uint32_t> stack;
+        group_of.assign(n, unseen);
+        uint32_t next_index = 0;
+        struct frame { uint32_t rule; size_t edge; };
+        for (uint32_t root = 0; root < n; root++) {
+            if (index[root] != unseen) {
+                continue;
+            }
+            std::vector<frame> todo{{root, 0}};
+            index[root] = low[root] = next_index++;
+            stack.push_back(root);
+            on_stack[root] = 1;
             while (!todo.empty()) {
                 frame & f = todo.back();
-                const llama_grammar_rule & rule = rules[f.rule];
-                const llama_grammar_element & e = rule[f.i];
-                if (is_end(e)) {
-                    f.n_acc = cap(f.n_acc + f.w);
-                    if (e.type == LLAMA_GRETYPE_ALT) {
-                        f.i++; f.w = 1.0;
+                if (f.edge < refs[f.rule].size()) {
+                    const uint32_t s = refs[f.rule][f.edge++].rule;
+                    if (index[s] == unseen) {
+                        index[s] = low[s] = next_index++;
+                        stack.push_back(s);
+                        on_stack[s] = 1;
+                        todo.push_back({s, 0});  // f may dangle now: not used below
+                    } else if (on_stack[s]) {
+                        low[f.rule] = std::min(low[f.rule], index[s]);
+                    }
+                    continue;
+                }
+                const uint32_t r = f.rule;
+                todo.pop_back();
+                if (!todo.empty()) {
+                    low[todo.back().rule] = std::min(low[todo.back().rule], low[r]);
+                }
+                if (low[r] == index[r]) {
+                    groups.emplace_back();
+                    uint32_t m;
+                    do {
+                        m = stack.back();
+                        stack.pop_back();
+                        on_stack[m] = 0;
+                        group_of[m] = (uint32_t) (groups.size() - 1);
+                        groups.back().push_back(m);
+                    } while (m != r);
+                }
+            }
+        }
+        for (uint32_t r = 0; r < n; r++) {
+            for (const start_ref & ref : refs[r]) {
+                if (group_of[ref.rule] == group_of[r] && !ref.last) {
+                    return false;
+                }
+            }
+        }
+        return true;
+    }
+
+    // N and E of every rule. The rules of a group start with each other last in their alternatives,
+    // pushing nothing: from any of them the engine reaches the first terminals of all, so each gets the
+    // group's sum (references within the group add nothing more).
+    bool rule_counts() {
+        may_be_empty();
+        if (!group_rules(starts_with())) {
+            return false;
+        }
+        E.assign(rules.size(), 0.0);
+        for (const auto & group : groups) {
+            double e = 0.0;
+            for (uint32_t r : group) {
+                const llama_grammar_rule & rule = rules[r];
+                bool open = true;
+                for (size_t i = 0; i < rule.size(); i = is_end(rule[i]) ? i + 1 : next(rule, i)) {
+                    const llama_grammar_element & el = rule[i];
+                    if (is_end(el)) {
+                        open = true;
+                    } else if (!open) {
                         continue;
+                    } else if (el.type != LLAMA_GRETYPE_RULE_REF) {
+                        e = cap(e + 1.0);
+                        open = false;
+                    } else if (group_of[el.value] == group_of[r]) {
+                        open = false;  // last in its alternative: counted with the group
+                    } else {
+                        e = cap(e + E[el.value]);
+                        open = N[el.value] != 0.0;
                     }
-                    // whether it may be empty, not in how many ways: an empty derivation pops all it pushes,
-                    // so its ways make no distinct stacks (the engine's duplicate check folds them)
-                    N[f.rule] = f.n_acc > 0.0 ? 1.0 : 0.0; E[f.rule] = f.e_acc; state[f.rule] = 2;
-                    order.push_back(f.rule);
-                    todo.pop_back();
-                    continue;
                 }
-                if (f.w == 0.0) {  // this alternative cannot be empty past here: nothing more starts it
-                    f.i = next(rule, f.i);
-                    continue;
-                }
-                if (e.type != LLAMA_GRETYPE_RULE_REF) {
-                    f.e_acc = cap(f.e_acc + f.w);
-                    f.w = 0.0;
-                    f.i = next(rule, f.i);
-                    continue;
-                }
-                const uint32_t s = e.value;
-                if (state[s] == 1) {
-                    // Back to a rule before a character is read. Where every reference on the way is the
-                    // last of its alternative, nothing is pushed: the engine meets the same stack again
-                    // and its duplicate check ends there (`x+` of an `x` that may be empty); this way
-                    // adds no stack and no way to be empty. Else each turn pushes: left recursion.
-                    for (size_t k = frame_of[s]; k < todo.size(); k++) {
-                        if (!is_end(rules[todo[k].rule][todo[k].i + 1])) {
-                            return false;
-                        }
-                    }
-                    f.w = 0.0;
-                    f.i++;
-                    continue;
-                }
-                if (state[s] == 0) {
-                    state[s] = 1;
-                    frame_of[s] = todo.size();
-                    todo.push_back({s, 0, 1.0, 0.0, 0.0});  // f may dangle now: not used below
-                    continue;
-                }
-                f.e_acc = cap(f.e_acc + f.w * E[s]);
-                f.w = cap(f.w * N[s]);
-                f.i++;
+            }
+            for (uint32_t r : group) {
+                E[r] = e;
             }
         }
         return true;
@@ -322,36 +423,43 @@ struct grammar_paths {
         }
     }
 
-    // Z and A of every rule (in `order`: what a rule starts with is counted before it), then A of
-    // the sequence from every element, whose largest is `after_char`.
+    // Z and A of every rule (group by group, as E), then A of the sequence from every element, whose
+    // largest is `after_char`.
     void after_one_char() {
         const size_t n = rules.size();
         Z.assign(n, 0.0); A.assign(n, 0.0);
-        for (uint32_t r : order) {
-            const llama_grammar_rule & rule = rules[r];
-            double w = 1.0, z = 0.0, a = 0.0;
-            for (size_t i = 0; i < rule.size();) {
-                const llama_grammar_element & e = rule[i];
-                if (is_end(e)) {
-                    w = 1.0; i++;
-                    continue;
-                }
-                const size_t q = next(rule, i);
-                if (w != 0.0) {
-                    if (e.type == LLAMA_GRETYPE_RULE_REF) {
-                        const uint32_t s = e.value;
-                        z = cap(z + w * Z[s] * pN[r][q]);
-                        a = cap(a + w * (A[s] + Z[s] * pE[r][q]));
-                        w = cap(w * N[s]);
-                    } else {
-                        z = cap(z + w * pN[r][q]);
-                        a = cap(a + w * pE[r][q]);
-                        w = 0.0;
+        for (const auto & group : groups) {
+            double z = 0.0, a = 0.0;
+            for (uint32_t r : group) {
+                const llama_grammar_rule & rule = rules[r];
+                bool open = true;
+                for (size_t i = 0; i < rule.size();) {
+                    const llama_grammar_element & e = rule[i];
+                    if (is_end(e)) {
+                        open = true; i++;
+                        continue;
                     }
+                    const size_t q = next(rule, i);
+                    if (open) {
+                        if (e.type != LLAMA_GRETYPE_RULE_REF) {
+                            z = cap(z + pN[r][q]);
+                            a = cap(a + pE[r][q]);
+                            open = false;
+                        } else if (group_of[e.value] == group_of[r]) {
+                            open = false;  // last in its alternative: counted with the group
+                        } else {
+                            const uint32_t s = e.value;
+                            z = cap(z + Z[s] * pN[r][q]);
+                            a = cap(a + A[s] + Z[s] * pE[r][q]);
+                            open = N[s] != 0.0;
+                        }
+                    }
+                    i = q;
                 }
-                i = q;
             }
-            Z[r] = z; A[r] = a;
+            for (uint32_t r : group) {
+                Z[r] = z; A[r] = a;
+            }
         }
         for (size_t r = 0; r < n; r++) {
             const llama_grammar_rule & rule = rules[r];

@@ -693,6 +693,8 @@ def test_a_json_schema_makes_the_grammar_llama_cpp_python_makes():
             f"p{i}": {"type": "string"} for i in range(20_000)}})
     with pytest.raises(ValueError, match="Fetching remote schemas is not allowed"):
         llama_cpp.LlamaGrammar.from_json_schema('{"$ref": "https://example.com/s.json"}')
+    with pytest.raises(ValueError, match="IndexError"):  # the converter's own failure, as a GrammarError
+        llama_cpp.LlamaGrammar.from_json_schema({"type": "string", "pattern": "^*$"})
 
 
 def test_a_chat_format_answers_as_a_completion_of_the_prompt_it_renders():
@@ -727,17 +729,30 @@ def test_a_chat_format_answers_as_a_completion_of_the_prompt_it_renders():
         assert "".join(c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"]
                        for c in streamed[1:-1]) == call["function"]["arguments"]
         assert streamed[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # a schema the converter fails on: any JSON instead, as llama-cpp-python falls back
+        odd = chat_llm.create_chat_completion(messages=messages, temperature=0, max_tokens=8, response_format={
+            "type": "json_object", "schema": {"type": "string", "pattern": "^*$"}})
+        assert odd["choices"][0]["message"]["content"].lstrip().startswith(("{", "["))
         with pytest.raises(ValueError, match="Tool choice 'nope' not found"):
             chat_llm.create_chat_completion(messages=messages, tools=[tool],
                                             tool_choice={"type": "function", "function": {"name": "nope"}})
 
 
-def test_chat_format_names_unknown_of_your_own_and_handlers():
-    from pyllama_spec.llama_cpp.llama_chat_format import ChatFormatterResponse, register_chat_format
+def test_chat_format_names_unknown_of_your_own_and_handlers(llm):
+    from pyllama_spec.llama_cpp.llama_chat_format import (ChatFormatterResponse,
+                                                          LlamaChatCompletionHandlerNotFoundException,
+                                                          register_chat_format)
 
     with llama_cpp.Llama(TARGET, chat_format="no-such-format", **KW) as unknown:  # as llama-cpp-python: at chat
-        with pytest.raises(ValueError, match="Invalid chat handler: no-such-format"):
+        with pytest.raises(LlamaChatCompletionHandlerNotFoundException, match="Invalid chat handler: no-such-format"):
             unknown.create_chat_completion(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    messages = [{"role": "user", "content": "def f("}]
+    with llama_cpp.Llama(TARGET, chat_format="chat_template.default", **KW) as named:  # llama-cpp-python's name
+        assert named.chat_format == "chat_template.default"  # for the GGUF's own template
+        assert named.create_chat_completion(messages=messages, temperature=0, max_tokens=8)["choices"][0]["message"] \
+            == llm.create_chat_completion(messages=messages, temperature=0, max_tokens=8)["choices"][0]["message"]
+    with pytest.raises(ValueError, match="already registered"):
+        register_chat_format("chatml")(lambda messages, **kwargs: None)
 
     @register_chat_format("test-plain")
     def plain(messages, **kwargs):

@@ -21,7 +21,7 @@ import pytest
 from conftest import N_THREADS, explain_child
 
 import pyllama_spec as ps
-from pyllama_spec.bindings.grammar import GrammarError, json_schema_to_grammar
+from pyllama_spec.bindings.grammar import GrammarError, check_grammar, json_schema_to_grammar
 from pyllama_spec.speculative.sampling import sampler_order, sampling_params
 
 PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
@@ -267,6 +267,22 @@ def test_the_grammar_cost_of_everyday_grammars_is_small():
     assert nested.stacks == 25 and max(nested) < MAX_GRAMMAR_STACKS / 10
 
 
+def test_rules_that_start_with_each_other_count_the_stacks_of_them_all():
+    """a ::= e s | "q0" | ... and s ::= e a | "x" (e empty) start with each other, last in their
+    alternatives: from either, the engine reaches the first terminals of both (2,001). Forty optional
+    s in a row then make 80,041 stacks at the first advance; counting s without a's terminals said 2,042
+    (a helper's review), and it was taken."""
+    from pyllama_spec.bindings.grammar import grammar_cost
+
+    alternatives = " | ".join(f'"q{i}"' for i in range(2000))
+    grammar = (f'root ::= a | t\na ::= e s | {alternatives}\ns ::= e a | "x"\ne ::= y\ny ::= ""\n'
+               f't ::= {"s? " * 40}"end"')
+    cost = grammar_cost(grammar)
+    assert cost.first >= 80_041
+    with pytest.raises(GrammarError, match="paths at once"):
+        check_grammar(grammar)
+
+
 def test_the_grammar_cost_of_llama_cpps_example_grammars_is_small():
     from pyllama_spec.bindings.grammar import grammar_cost
     from pyllama_spec.bindings.native_info import build_record
@@ -279,8 +295,12 @@ def test_the_grammar_cost_of_llama_cpps_example_grammars_is_small():
         assert max(grammar_cost(path.read_text())) < 100, path.name
 
 
-@pytest.mark.parametrize("grammar", ['root ::= root "a" | "b"', 'root ::= x root "a" | "b"\nx ::= "c"?'],
-                         ids=["plain", "through a rule that may be empty"])
+@pytest.mark.parametrize("grammar", [
+    'root ::= root "a" | "b"',
+    'root ::= x root "a" | "b"\nx ::= "c"?',
+    # a turn through a rule that also ends its own alternative: "z" pushed at every turn (a helper's review)
+    'root ::= s\ns ::= e b | e a "z"\nb ::= e a\na ::= e s | "q"\ne ::= "k"?',
+], ids=["plain", "through a rule that may be empty", "through a rule the first search finished"])
 def test_a_left_recursive_grammar_is_refused_before_the_sampler_sees_it(engine, grammar):
     """llama.cpp refuses the first at init, but misses the second (its check counts a rule as empty only
     when an alternative is literally empty), and its sampler then grew stacks until the process died

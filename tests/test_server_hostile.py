@@ -440,6 +440,34 @@ def test_a_large_body_is_kept_from_the_collector_while_it_lives_and_freed_in_pie
     assert gc.get_freeze_count() == 0 and gc.isenabled()
 
 
+def test_the_collectors_pause_ends_with_the_last_large_body_and_after_a_minute_of_overlaps(monkeypatch):
+    import gc
+
+    from pyllama_spec.server.large_bodies import _CollectorPause
+
+    pause = _CollectorPause()
+    try:
+        pause.parsing_begins()
+        assert not gc.isenabled()
+        assert pause.parsing_ends(parsed=True) is False and gc.isenabled() and gc.get_freeze_count() > 0
+        pause.parsing_begins()
+        assert pause.parsing_ends(parsed=False) is False and gc.get_freeze_count() > 0  # a 400: nothing lives
+        pause.freed()
+        assert gc.get_freeze_count() == 0
+        monkeypatch.setattr(pause, "MAX_FROZEN_SECONDS", 0.0)  # overlapping bodies, long enough
+        pause.parsing_begins()
+        pause.parsing_ends(parsed=True)
+        time.sleep(0.01)
+        pause.parsing_begins()
+        assert pause.parsing_ends(parsed=True) is True and gc.get_freeze_count() == 0  # unfrozen: collect
+        pause.freed()
+        pause.freed()
+        assert gc.get_freeze_count() == 0 and gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.enable()
+
+
 def test_the_python_api_refuses_a_schema_too_costly_to_convert(tiny_server):
     import pyllama_spec as ps
 

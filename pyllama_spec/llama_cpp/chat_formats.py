@@ -8,8 +8,11 @@ The formatters below are llama-cpp-python 0.3.36's (MIT, Copyright (c) 2023 Andr
 the same messages make the same prompt (tests/test_llama_cpp_facade.py compares them with the real
 package's); ``register_chat_format`` adds one of your own, as there.
 
-Its handlers that are not formatters (``functionary``, ``functionary-v2``, ``chatml-function-calling``,
-the Llava-style image handlers) are not here: ``Llama`` says so and uses the model's template.
+Its handlers that are not formatters (``functionary``, ``functionary-v2``, ``chatml-function-calling``)
+are not here: ``Llama`` says so and uses the model's template. ``chat_template.default`` (and
+``chat_template.<name>``), the names llama-cpp-python gives the GGUF's own templates, mean the model's
+template, as they do there. The Llava-style image handlers (``llama_chat_format``) answer through
+``answer_as_completion`` too.
 """
 
 from __future__ import annotations
@@ -42,9 +45,15 @@ CHAT_FORMATS: dict[str, ChatFormatter] = {}
 HANDLERS_NOT_HERE = ("functionary", "functionary-v1", "functionary-v2", "chatml-function-calling")
 
 
+class LlamaChatCompletionHandlerNotFoundException(ValueError):
+    """No chat format of that name (llama-cpp-python's exception; a ValueError here too)."""
+
+
 def register_chat_format(name: str) -> Callable[[ChatFormatter], ChatFormatter]:
-    """Register ``f`` as the chat format ``name`` (a later one of the same name replaces it)."""
+    """Register ``f`` as the chat format ``name``; a name taken already is a ValueError, as there."""
     def decorator(f: ChatFormatter) -> ChatFormatter:
+        if name in CHAT_FORMATS:
+            raise ValueError(f"Chat completion handler with name '{name}' already registered.")
         CHAT_FORMATS[name] = f
         return f
     return decorator
@@ -54,7 +63,14 @@ def get_chat_formatter(name: str) -> ChatFormatter:
     try:
         return CHAT_FORMATS[name]
     except KeyError:
-        raise ValueError(f"Invalid chat handler: {name} (valid formats: {sorted(CHAT_FORMATS)})") from None
+        raise LlamaChatCompletionHandlerNotFoundException(
+            f"Invalid chat handler: {name} (valid formats: {sorted(CHAT_FORMATS)})") from None
+
+
+def uses_the_models_template(name: str | None) -> bool:
+    """Whether ``chat_format=name`` means the model's own template: none given, one of llama-cpp-python's
+    handlers that are not formats, or its name for a GGUF's template (``chat_template.default``)."""
+    return name is None or name in HANDLERS_NOT_HERE or name.startswith("chat_template.")
 
 
 def formatted_chat_completion(llama: Any, formatter: ChatFormatter, *, messages: list, functions: Any = None,
@@ -112,8 +128,8 @@ def _grammar_of_schema(schema: Any) -> LlamaGrammar:
     """A schema's grammar, or any JSON where it has none (as llama-cpp-python falls back)."""
     try:
         return LlamaGrammar.from_json_schema(json.dumps(schema))
-    except ValueError as e:
-        logger.debug("the schema has no grammar (%s): any JSON instead", e)
+    except Exception as e:  # noqa: BLE001 - as llama-cpp-python: any failure falls back to any JSON
+        logger.warning("the schema has no grammar here (%s): the answer is any JSON", e)
         return LlamaGrammar.from_string(JSON_GBNF)
 
 
@@ -309,8 +325,6 @@ def _format_chatglm3(
         else:
             ret += role
     return ret
-
-
 
 
 

@@ -123,8 +123,7 @@ class Llama:
         if chat_format in chat_formats.HANDLERS_NOT_HERE:
             warnings.warn(f"chat_format={chat_format!r} is one of llama-cpp-python's own chat handlers, not a format: "
                           "pyllama_spec renders such chats with the model's own template", stacklevel=2)
-            chat_format = None
-        self.chat_format = chat_format  # a named format renders the chats (chat_formats); None: the template
+        self.chat_format = chat_format  # a named format renders the chats (chat_formats), else the template
         self.model_path = str(model_path)
         self.verbose = verbose
         self.spm_infill = spm_infill  # fill-in-the-middle with the suffix first (suffix=)
@@ -153,7 +152,7 @@ class Llama:
                 raise NotImplementedError(
                     f"chat_handler={type(chat_handler).__name__}(...): this facade takes the vision chat handlers of "
                     "llama_chat_format (MTMDChatHandler, Qwen25VLChatHandler, ...), whose clip_model_path is the "
-                    "projector; chats are rendered with the model's own template")
+                    "projector")
             settings["mmproj"] = chat_handler.clip_model_path
             if not chat_handler.use_gpu:
                 settings["mmproj_offload"] = False
@@ -727,11 +726,12 @@ class Llama:
                                grammar: LlamaGrammar | None = None, logit_bias: dict[int, float] | None = None,
                                logprobs: bool | None = None, top_logprobs: int | None = None
                                ) -> T.CreateChatCompletionResponse | Iterator[T.CreateChatCompletionStreamResponse]:
-        """Answer a chat through the model's template: text and ``image_url`` parts (with a
-        ``chat_handler``), ``tools`` / ``tool_choice`` (the answer's tool calls parsed as llama-server
-        parses them), ``response_format`` (``json_object``, with or without a ``schema``). With a named
-        ``chat_format`` (and no ``chat_handler``), as llama-cpp-python answers it: the prompt that format
-        renders, completed (``chat_formats.formatted_chat_completion``)."""
+        """Answer a chat: text and ``image_url`` parts (with a ``chat_handler``), ``tools`` /
+        ``tool_choice``, ``response_format`` (``json_object``, with or without a ``schema``).
+        Through the model's template (``MTMDChatHandler`` or none), the answer's tool calls parsed as
+        llama-server parses them; through a Llava-style handler's own template, or a named
+        ``chat_format`` (and no ``chat_handler``), as llama-cpp-python answers it: the prompt rendered,
+        completed (``chat_formats.answer_as_completion``)."""
         from pyllama_spec.serving.chat_template import ChatOptions
 
         self._check_can_generate()
@@ -751,7 +751,7 @@ class Llama:
                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                 repeat_penalty=repeat_penalty, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
                 mirostat_eta=mirostat_eta, model=model, logits_processor=logits_processor, logit_bias=logit_bias)
-        if self.chat_format is not None and self.chat_handler is None:  # llama-cpp-python's named format
+        if self.chat_handler is None and not chat_formats.uses_the_models_template(self.chat_format):
             return chat_formats.formatted_chat_completion(
                 self, chat_formats.get_chat_formatter(self.chat_format), messages=messages, functions=functions,
                 function_call=function_call, tools=tools, tool_choice=tool_choice, stop=stop,

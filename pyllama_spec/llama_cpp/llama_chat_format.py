@@ -1,11 +1,11 @@
 """Chat handlers of llama-cpp-python that take pictures, for ``Llama(..., chat_handler=...)``.
 
-``clip_model_path`` is the projector (mmproj) file; the engine loads it with the model and renders the
-chat with the model's own template (the GGUF's, as this project renders it for llama-server's routes),
-each ``image_url`` part where the picture goes. ``image_url`` may be a ``data:`` URI (base64), a
-``file://`` URL or a local path, or an ``http(s)://`` URL, fetched as llama-cpp-python fetches it.
-The handlers differ only in name here: llama-cpp-python's Llava-style handlers carry a template of their
-own, this facade uses the model's.
+``clip_model_path`` is the projector (mmproj) file; the engine loads it with the model. ``MTMDChatHandler``
+renders the chat with the model's own template (the GGUF's, as this project renders it for
+llama-server's routes); the Llava-style handlers (``Llava15ChatHandler`` and its kin) with their own,
+llama-cpp-python's, as there. Each ``image_url`` part goes where the picture goes; it may be a ``data:``
+URI (base64), a ``file://`` URL or a local path, or an ``http(s)://`` URL, fetched as llama-cpp-python
+fetches it.
 
 llama-cpp-python's Python chat formatters are here too: ``Jinja2ChatFormatter`` and
 ``hf_tokenizer_config_to_chat_formatter`` (Jinja2, the ``llama-cpp`` extra, as llama-cpp-python renders
@@ -50,6 +50,7 @@ from pyllama_spec.llama_cpp.chat_formats import (  # noqa: F401 - llama-cpp-pyth
     format_snoozy,
     format_zephyr,
     get_chat_formatter,
+    LlamaChatCompletionHandlerNotFoundException,
     register_chat_format,
 )
 #: The most bytes an image fetched from a URL may have.
@@ -197,10 +198,6 @@ class Llava16ChatHandler(Llava15ChatHandler):
 
 
 class ObsidianChatHandler(Llava15ChatHandler):
-    DEFAULT_SYSTEM_MESSAGE = (
-        'A chat between a curious human and an artificial intelligence assistant. '
-        "The assistant gives helpful, detailed, and polite answers to the human's questions."
-    )
     CHAT_FORMAT = (
         '{% for message in messages %}'
         "{% if message.role == 'system' %}<|im_start|>system\n{{ message.content }}\n###\n"
@@ -230,10 +227,6 @@ class ObsidianChatHandler(Llava15ChatHandler):
 
 
 class MoondreamChatHandler(Llava15ChatHandler):
-    DEFAULT_SYSTEM_MESSAGE = (
-        'A chat between a curious human and an artificial intelligence assistant. '
-        "The assistant gives helpful, detailed, and polite answers to the human's questions."
-    )
     CHAT_FORMAT = (
         '{% for message in messages %}'
         "{% if message.role == 'user' %}"

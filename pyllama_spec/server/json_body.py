@@ -403,35 +403,29 @@ def _outside_strings_at_least(raw: bytes, chars: tuple[bytes, ...], enough: int)
     return found
 
 
-def _references_when_held_alone() -> int:
-    """What ``sys.getrefcount`` says, in ``free_in_pieces``'s code shape, of a container nothing else
-    holds: 2 up to CPython 3.13 (the local and the call's argument), fewer where loads borrow (3.14)."""
-    todo = [[]]
-    value = todo.pop()
-    return sys.getrefcount(value)
-
-
-#: ``sys.getrefcount`` of a container ``free_in_pieces`` holds alone, on this interpreter.
-_HELD_ALONE = _references_when_held_alone()
-
-
 def free_in_pieces(values: list) -> None:
     """Empty ``values`` (a list the caller gives away), and every array and object in it that nothing
     else holds, ``FREE_PIECE`` values at a time: between pieces the interpreter may hand the GIL to
     another thread (the event loop), where dropping the whole at once would hold it throughout.
     What something else still holds (a request's messages, kept by the job) is left as it is, to be
     freed with its last holder."""
+    # what sys.getrefcount says of a container held here alone, measured by the same statements as the
+    # loop's below (2 up to CPython 3.13: the name and the call's argument; fewer where loads borrow)
+    probe = [[]]
+    value = probe.pop()
+    held_alone = sys.getrefcount(value)
+    del value
     todo = values
     while todo:
         value = todo.pop()
-        # held here alone (_HELD_ALONE): nothing else can see it being emptied
-        if type(value) is list and sys.getrefcount(value) <= _HELD_ALONE:
+        # held here alone: nothing else can see it being emptied
+        if type(value) is list and sys.getrefcount(value) <= held_alone:
             while value:
                 piece = value[-FREE_PIECE:]
                 del value[-FREE_PIECE:]
                 todo.extend(v for v in piece if type(v) is list or type(v) is dict)
                 del piece
-        elif type(value) is dict and sys.getrefcount(value) <= _HELD_ALONE:
+        elif type(value) is dict and sys.getrefcount(value) <= held_alone:
             while value:
                 _, v = value.popitem()
                 if type(v) is list or type(v) is dict:

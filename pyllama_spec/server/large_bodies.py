@@ -13,7 +13,9 @@ Each of these held the GIL, and so every other request and ``/health``, for as l
   a thread by ``json_body.free_in_pieces``, ``FREE_PIECE`` values at a time.
 
 Freezing keeps garbage cycles that exist at that moment until the unfreeze; where large bodies overlap
-for longer than ``MAX_FROZEN_SECONDS``, all is unfrozen and a collection runs on a thread regardless.
+for longer than ``MAX_FROZEN_SECONDS`` (seen when the next large body is parsed), all is unfrozen and a
+full collection runs, on a thread but holding the GIL as any collection does (the one stall this allows,
+at most once a minute under overlapping large bodies).
 """
 
 from __future__ import annotations
