@@ -735,6 +735,15 @@ class Llama:
         from pyllama_spec.serving.chat_template import ChatOptions
 
         self._check_can_generate()
+        # llama-cpp-python's own ways (a Llava-style handler's template, a named format) take these as they are
+        answer = dict(functions=functions, function_call=function_call, tools=tools, tool_choice=tool_choice,
+                      stop=stop, response_format=response_format, grammar=grammar, logprobs=logprobs,
+                      top_logprobs=top_logprobs, stream=stream)
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, typical_p=typical_p,
+                        seed=seed, max_tokens=max_tokens, presence_penalty=presence_penalty,
+                        frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty, tfs_z=tfs_z,
+                        mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
+                        model=model, logits_processor=logits_processor, logit_bias=logit_bias)
         if isinstance(self.chat_handler, Llava15ChatHandler):  # its own template, answered as a completion
             text, urls = self.chat_handler.render(messages, bos_token=self._special_text(self.token_bos()),
                                                   eos_token=self._special_text(self.token_eos()))
@@ -743,24 +752,10 @@ class Llama:
             def complete(**options: Any):
                 return self._completion_with_images(text, images, **options)
 
-            return chat_formats.answer_as_completion(
-                complete, functions=functions, function_call=function_call, tools=tools, tool_choice=tool_choice,
-                stop=stop, response_format=response_format, grammar=grammar, logprobs=logprobs,
-                top_logprobs=top_logprobs, stream=stream, temperature=temperature, top_p=top_p, top_k=top_k,
-                min_p=min_p, typical_p=typical_p, seed=seed, max_tokens=max_tokens,
-                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                repeat_penalty=repeat_penalty, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
-                mirostat_eta=mirostat_eta, model=model, logits_processor=logits_processor, logit_bias=logit_bias)
+            return chat_formats.answer_as_completion(complete, **answer, **sampling)
         if self.chat_handler is None and not chat_formats.uses_the_models_template(self.chat_format):
             return chat_formats.formatted_chat_completion(
-                self, chat_formats.get_chat_formatter(self.chat_format), messages=messages, functions=functions,
-                function_call=function_call, tools=tools, tool_choice=tool_choice, stop=stop,
-                response_format=response_format, grammar=grammar, logprobs=logprobs, top_logprobs=top_logprobs,
-                stream=stream, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, typical_p=typical_p,
-                seed=seed, max_tokens=max_tokens, presence_penalty=presence_penalty,
-                frequency_penalty=frequency_penalty, repeat_penalty=repeat_penalty, tfs_z=tfs_z,
-                mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta, model=model,
-                logits_processor=logits_processor, logit_bias=logit_bias)
+                self, chat_formats.get_chat_formatter(self.chat_format), messages=messages, **answer, **sampling)
         if functions is not None or function_call is not None:
             tools = [{"type": "function", "function": f} for f in functions or []] or tools
             if isinstance(function_call, dict):
@@ -805,10 +800,10 @@ class Llama:
 
     def _completion_with_images(self, text: str, images: list, *, stop, stream: bool, grammar, logprobs,
                                 max_tokens, temperature, top_p, top_k, min_p, typical_p, seed, presence_penalty,
-                                frequency_penalty, repeat_penalty, mirostat_mode, mirostat_tau, mirostat_eta,
+                                frequency_penalty, repeat_penalty, tfs_z, mirostat_mode, mirostat_tau, mirostat_eta,
                                 model, logits_processor, logit_bias) -> Any:
         """``create_completion`` of a prompt whose media markers stand for ``images`` (a Llava-style
-        handler's rendered chat), in its shapes."""
+        handler's rendered chat), in its shapes (``tfs_z`` is taken and unused, as there)."""
         if logits_processor:
             raise NotImplementedError("logits_processor in a chat with pictures: pyllama_spec.llama_cpp runs those "
                                       "through the engine's sampler (use grammar=, logit_bias= and the sampler "
