@@ -114,6 +114,113 @@ int32_t pyllama_batch_ext_add_embds(llama_batch_ext * batch, int32_t seq_id, int
     return n;
 }
 
+// ----------------------------------------------------------------------------- chain drafting
+
+namespace {
+
+// The most likely token of a logits row (the first of equal ones, as numpy's argmax), and
+// whether its probability among the top_k most likely reaches p_min, as llama.cpp's top-k
+// sampler reports it: softmax over those k, summed from the largest down.
+bool chain_choice(const float * row, int32_t n_vocab, int32_t top_k, float p_min, int32_t & best) {
+    best = 0;
+    for (int32_t v = 1; v < n_vocab; ++v) {
+        if (row[v] > row[best]) {
+            best = v;
+        }
+    }
+    if (p_min <= 0.0f) {
+        return true;
+    }
+    // a small min-heap of the k largest logits: O(n_vocab log k)
+    const size_t k = (size_t) std::max<int32_t>(1, std::min(top_k, n_vocab));
+    std::vector<float> top;
+    top.reserve(k);
+    const auto greater = [](float a, float b) { return a > b; };
+    for (int32_t v = 0; v < n_vocab; ++v) {
+        const float x = row[v];
+        if (std::isnan(x)) {
+            continue;
+        }
+        if (top.size() < k) {
+            top.push_back(x);
+            std::push_heap(top.begin(), top.end(), greater);
+        } else if (x > top.front()) {
+            std::pop_heap(top.begin(), top.end(), greater);
+            top.back() = x;
+            std::push_heap(top.begin(), top.end(), greater);
+        }
+    }
+    std::sort(top.begin(), top.end(), greater);
+    float sum = 0.0f;
+    for (const float x : top) {
+        sum += std::exp(x - row[best]);
+    }
+    return sum > 0.0f && 1.0f / sum >= p_min;
+}
+
+}  // namespace
+
+int32_t pyllama_draft_chain(llama_context * ctx, llama_batch_ext * batch, int32_t n_seq, const int32_t * seq_ids,
+                            const int32_t * next_pos, const int32_t * n_max, int32_t max_n, float p_min,
+                            int32_t top_k, bool feed_states, int32_t n_vocab, int32_t n_embd, int32_t * tokens,
+                            float * logits, int32_t * n_drafted, int32_t * n_last_rows) {
+    // active[j]: the sequence (index into seq_ids) of the batch's j-th output row
+    std::vector<int32_t> active(n_seq), going;
+    for (int32_t i = 0; i < n_seq; ++i) {
+        active[i] = i;
+        n_drafted[i] = 0;
+    }
+    *n_last_rows = 0;
+    for (int32_t step = 0; !active.empty(); ++step) {
+        const int32_t rc = llama_process(ctx, LLAMA_PROCESS_TYPE_DECODE, batch);
+        if (rc != 0) {
+            return rc;
+        }
+        *n_last_rows = (int32_t) active.size();
+        const float * rows = llama_get_logits(ctx);
+        const float * states = feed_states ? llama_get_embeddings_nextn(ctx) : nullptr;
+        if (rows == nullptr || (feed_states && states == nullptr)) {
+            return -100;
+        }
+        llama_batch_ext_clear(batch);
+        going.clear();
+        for (size_t j = 0; j < active.size(); ++j) {
+            const int32_t i = active[j];
+            const float * row = rows + j * (size_t) n_vocab;
+            int32_t tok = 0;
+            if (!chain_choice(row, n_vocab, top_k, p_min, tok)) {
+                continue;  // not sure enough: this sequence's draft ends before this token
+            }
+            const int32_t k = n_drafted[i]++;
+            tokens[(size_t) i * max_n + k] = tok;
+            if (logits != nullptr) {
+                std::memcpy(logits + ((size_t) i * max_n + k) * n_vocab, row, sizeof(float) * n_vocab);
+            }
+            if (n_drafted[i] >= n_max[i]) {
+                continue;
+            }
+            // the drafted token goes back in at the sequence's next position (with this row's
+            // output embedding as its state, for EAGLE3 and MTP)
+            const int32_t idx = llama_batch_ext_add_token(batch, seq_ids[i], tok);
+            if (idx < 0) {
+                return -200 + idx;
+            }
+            const llama_pos pos = next_pos[i] + step;
+            bool ok = llama_batch_ext_set_pos(batch, idx, &pos) && llama_batch_ext_set_output_logits(batch, idx, true);
+            if (ok && feed_states) {
+                llama_embd state = { states + j * (size_t) n_embd, 1, (size_t) n_embd };
+                ok = llama_batch_ext_set_embd_token(batch, idx, state);
+            }
+            if (!ok) {
+                return -204;
+            }
+            going.push_back(i);
+        }
+        active.swap(going);
+    }
+    return 0;
+}
+
 int32_t pyllama_interrupt_hook(bool install) {
 #ifdef _WIN32
     (void) install;
@@ -641,7 +748,7 @@ int64_t pyllama_json_schema_to_grammar(const char * schema_json, char * out, siz
 }
 
 int32_t pyllama_shim_abi_version(void) {
-    return 4;
+    return 5;
 }
 
 }

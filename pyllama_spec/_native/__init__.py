@@ -11,12 +11,13 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
+import _signal  # getsignal without signal's enum conversion: it runs before every decode
 import signal
 import threading
 
 from pyllama_spec.errors import NativeLibraryError, set_native_problem_source
 
-SHIM_ABI_VERSION = 4
+SHIM_ABI_VERSION = 5
 
 try:
     from pyllama_spec._native._pyllama_cffi import ffi, lib  # type: ignore[import-not-found]
@@ -81,8 +82,8 @@ def arm_interrupts() -> None:
     Only where Python's own SIGINT handler is in place on the main thread: a program that
     installed its own handler (or ignores SIGINT) decides for itself what Ctrl-C means.
     """
-    if threading.current_thread() is threading.main_thread():
-        lib.pyllama_interrupt_hook(signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    if threading.get_ident() == threading.main_thread().ident:
+        lib.pyllama_interrupt_hook(_signal.getsignal(signal.SIGINT) is signal.default_int_handler)
     lib.pyllama_interrupt_take()  # forget a Ctrl-C that arrived before this call
 
 

@@ -289,6 +289,55 @@ class Context(NativeHandle):
                      detail="interrupted (Ctrl-C)" if ctrl_c else "")
         self.last_decode_rows = batch.n_rows
 
+    def draft_chain(self, batch: "Batch", seq_ids: Sequence[int], next_pos: Sequence[int], n_max: Sequence[int], *,
+                    p_min: float = 0.0, top_k: int = 10, feed_states: bool = False,
+                    keep_logits: bool = True) -> list[tuple[list[int], np.ndarray | None]]:
+        """A drafter's chain of one-token decodes in one native call (``pyllama_draft_chain``):
+        ``batch`` holds the first decode's rows, one output row per sequence of ``seq_ids`` in that
+        order; each step takes every row's most likely token (ending that sequence's draft before a
+        token whose probability among the ``top_k`` most likely is under ``p_min``, and after
+        ``n_max[i]`` tokens) and decodes it at the sequence's next position, ``next_pos[i]`` for the
+        first, with the row's output embedding as its state where ``feed_states`` (EAGLE3, MTP).
+
+        Returns each sequence's drafted tokens and their logits rows (float32 [n, n_vocab], or None
+        without ``keep_logits``). The batch is cleared. Raises DecodeError naming this context
+        (a Ctrl-C in any of the decodes stops the chain there)."""
+        n_seq = len(seq_ids)
+        max_n = max(n_max, default=0)
+        if n_seq == 0 or max_n <= 0:
+            batch.clear()
+            return [([], None) for _ in range(n_seq)]
+        ids = np.ascontiguousarray(seq_ids, dtype=np.int32)
+        first = np.ascontiguousarray(next_pos, dtype=np.int32)
+        limits = np.ascontiguousarray(n_max, dtype=np.int32)
+        n_vocab = self._n_vocab_out
+        tokens = np.empty((n_seq, max_n), dtype=np.int32)
+        logits = np.empty((n_seq, max_n, n_vocab), dtype=np.float32) if keep_logits else None
+        drafted = np.zeros(n_seq, dtype=np.int32)
+        last_rows = ffi.new("int32_t *")
+        forget_native_problems()
+        self.last_decode_rows = 0
+        self.model.check_remote()
+        arm_interrupts()
+        n_rows, offset = batch.n_rows, batch.first_pos
+        rc = lib.pyllama_draft_chain(
+            self.ptr, batch.ptr, n_seq, ffi.from_buffer("int32_t[]", ids), ffi.from_buffer("int32_t[]", first),
+            ffi.from_buffer("int32_t[]", limits), max_n, p_min, top_k, feed_states, n_vocab, self.model.n_embd,
+            ffi.from_buffer("int32_t[]", tokens), ffi.NULL if logits is None else ffi.from_buffer("float[]", logits),
+            ffi.from_buffer("int32_t[]", drafted), last_rows)
+        batch.clear()  # the native chain left its last rows there
+        raise_carried()
+        self.model.check_remote()
+        if rc != 0:
+            ctrl_c = rc == 2 and interrupted_during_call()
+            check_decode(rc, "pyllama_draft_chain", role=self.role, n_rows=n_rows, offset=offset,
+                         detail="interrupted (Ctrl-C)" if ctrl_c else
+                         "no logits or output embeddings after a decode" if rc == -100 else
+                         "a drafted row was refused by the batch" if rc < -200 else "")
+        self.last_decode_rows = int(last_rows[0])
+        return [(tokens[i, :drafted[i]].tolist(), None if logits is None else logits[i, :drafted[i]])
+                for i in range(n_seq)]
+
     def _check_rows(self, n_rows: int) -> None:
         """Output buffers hold the rows of the last decode only; reading more would be stale or abort."""
         if not 0 < n_rows <= self.last_decode_rows:

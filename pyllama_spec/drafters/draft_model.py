@@ -197,26 +197,21 @@ class DraftModelDrafter:
         n_of = [min(rq.n_max, self.n_max_limit) for rq in requests]
         # where id_last sits in the draft's cache: the draft's own position for a vision draft
         base = [rq.draft_pos if self.sees_media else rq.pos for rq in requests]
-        tokens: list[list[int]] = [[] for _ in requests]
-        logits: list[list[np.ndarray]] = [[] for _ in requests]
-        last = [rq.id_last for rq in requests]
-        for i in range(max(n_of, default=0)):
-            active = [k for k, n in enumerate(n_of) if i < n]
-            self._batch.clear()
-            for k in active:
-                self._batch.add_tokens([last[k]], [base[k] + i], outputs=True, seq_id=requests[k].seq_id)
-            self.ctx.decode(self._batch)
-            rows = self.ctx.output_logits(len(active))
-            for j, k in enumerate(active):
-                row = np.array(rows[j])  # a copy: the next decode reuses the buffer
-                last[k] = int(np.argmax(row))
-                tokens[k].append(last[k])
-                logits[k].append(row)
+        # id_last first, then each greedy token at the next position: the chain in one native call
+        # (bindings: Context.draft_chain)
+        going = [k for k, n in enumerate(n_of) if n > 0]
+        self._batch.clear()
+        for k in going:
+            self._batch.add_tokens([requests[k].id_last], [base[k]], outputs=True, seq_id=requests[k].seq_id)
+        chains = self.ctx.draft_chain(self._batch, [requests[k].seq_id for k in going], [base[k] + 1 for k in going],
+                                      [n_of[k] for k in going])
+        chain_of = dict(zip(going, chains))
         out = []
-        for rq, b, toks, rows in zip(requests, base, tokens, logits):
+        for k, (rq, b) in enumerate(zip(requests, base)):
+            toks, rows = chain_of.get(k, ([], None))
             # The draft's own rows go; the verify batch comes back through process().
             self.ctx.memory.remove(rq.seq_id, b, -1)
-            out.append(Proposal(toks, np.stack(rows)) if len(toks) >= max(rq.n_min, 1) else Proposal([]))
+            out.append(Proposal(toks, rows) if len(toks) >= max(rq.n_min, 1) else Proposal([]))
         return out
 
     def forget(self, seq_id: int, pos: int, draft_pos: int) -> None:

@@ -55,7 +55,7 @@ from pyllama_spec.drafters import (
 from pyllama_spec.drafters.registry import wrong_draft_kind
 from pyllama_spec.errors import IncompatibleModelsError
 
-DRAFT_TOP_K = 10  # upstream reads the draft's choice through a top-k 10 sampler
+DRAFT_TOP_K = 10  # upstream reads the draft's choice through a top-k 10 sampler (p_min compares with it)
 #: Tokens that stand for an image row in the vocabularies of the VL families (the first found is used).
 MEDIA_TOKENS = ("<|image_pad|>", "<|vision_pad|>", "<image>", "<IMG_CONTEXT>", "<|IMAGE|>")
 
@@ -196,6 +196,8 @@ class _Rows:
         return _Rows(self.tokens[at], self.g[at], self.pos[at], self.pinned[at])
 
     def __add__(self, other: _Rows) -> _Rows:
+        if not len(other) or not len(self):  # the common case of a step: nothing held back, or nothing new
+            return other if not len(self) else self
         return _Rows(np.concatenate([self.tokens, other.tokens]), np.concatenate([self.g, other.g]),
                      np.concatenate([self.pos, other.pos]), np.concatenate([self.pinned, other.pinned]))
 
@@ -208,6 +210,8 @@ def _lay_out(rows: _Rows, next_pos: int | None) -> tuple[_Rows, int]:
     takes consecutive positions only: several rows to a position when the image has more rows than
     positions (a pinned image), a row repeated when it has fewer (a tall, thin picture). A run still
     at the end has no next row yet: it and what follows are left unplaced."""
+    if not rows.pinned.any():  # text rows only: already in place
+        return rows, len(rows)
     parts, n, i = [], len(rows), 0
     while i < n:
         if not rows.pinned[i]:  # text rows up to the next image row
@@ -331,7 +335,8 @@ class Eagle3Drafter:
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
         """Up to n_max tokens after each request's id_last: one decode per drafted position for all
-        sequences together. Fewer than a request's n_min tokens are not worth a verify: it gets nothing."""
+        sequences together (the chain in one native call). Fewer than a request's n_min tokens are
+        not worth a verify: it gets nothing."""
         self._batch.clear()
         active = []  # (request, position of its first drafted row)
         for rq in requests:
@@ -354,38 +359,22 @@ class Eagle3Drafter:
             self._pending[rq.seq_id] = placed[-1:]
             active.append((rq, n))
         drafted = {rq.seq_id for rq, _ in active}
-        proposals = {rq.seq_id: ([], []) for rq in requests}
-        step = 0
-        while active:
-            self.ctx.decode(self._batch)
-            logits = self.ctx.output_logits(len(active))
-            prenorm = self.ctx.draft_embeddings(len(active))
-            self._batch.clear()
-            going = []
-            for i, (rq, n) in enumerate(active):
-                tok, ok = self._choose(logits[i])
-                if not ok:
-                    continue
-                toks, rows = proposals[rq.seq_id]
-                toks.append(tok)
-                rows.append(logits[i].copy())  # the next decode overwrites the buffer
-                if len(toks) >= n:
-                    continue
-                going.append((rq, n))
-                self._batch.add_tokens_with_states([tok], [rq.draft_pos + step], prenorm[i:i + 1], outputs=True,
-                                                   seq_id=rq.seq_id)
-            active = going
-            step += 1
+        # every further step feeds the drafted token with the decoder's own pre-norm output (as g)
+        # at the next position: one native call for the whole chain (bindings: Context.draft_chain)
+        chains = self.ctx.draft_chain(self._batch, [rq.seq_id for rq, _ in active],
+                                      [rq.draft_pos for rq, _ in active], [n for _, n in active],
+                                      p_min=self.p_min, top_k=DRAFT_TOP_K, feed_states=True)
+        proposals = {rq.seq_id: chain for (rq, _), chain in zip(active, chains)}
         out = []
         for rq in requests:
-            toks, rows = proposals[rq.seq_id]
+            toks, rows = proposals.get(rq.seq_id, ([], None))
             if rq.seq_id in drafted:
                 # the drafted rows are guesses: drop them before the target verifies
                 self.ctx.memory.remove(rq.seq_id, rq.draft_pos, -1)
             if len(toks) < max(rq.n_min, 1):
                 out.append(Proposal([]))
             else:
-                out.append(Proposal(toks, np.stack(rows)))
+                out.append(Proposal(toks, rows))
         return out
 
     def close(self) -> None:
@@ -467,17 +456,6 @@ class Eagle3Drafter:
             # rollback) the sequence starts afresh in the draft, which only costs acceptance
             self.ctx.memory.remove(seq, -1, -1)
             self._log("restart", seq, first, 0)
-
-    def _choose(self, logits: np.ndarray) -> tuple[int, bool]:
-        """The draft's best token, and whether it is sure enough (its probability among the top-k
-        candidates, as upstream's top-k sampler reports it, at least p_min)."""
-        best = int(np.argmax(logits))
-        if self.p_min <= 0.0:
-            return best, True
-        top = np.partition(logits, -DRAFT_TOP_K)[-DRAFT_TOP_K:]
-        with np.errstate(invalid="ignore", over="ignore"):
-            p_best = 1.0 / np.nansum(np.exp(top - logits[best]))
-        return best, p_best >= self.p_min
 
     def _log(self, call: str, seq: int, pos: int, n_rows: int) -> None:
         if self.trace is not None:

@@ -271,7 +271,7 @@ class MTPDrafter:
         """Up to n_max tokens after each request's id_last: one head decode per drafted position,
         for every drafting sequence at once. Fewer than a request's n_min tokens: nothing."""
         drafted: dict[int, list[int]] = {rq.seq_id: [] for rq in requests}
-        logits_of: dict[int, list[np.ndarray]] = {rq.seq_id: [] for rq in requests}
+        logits_of: dict[int, np.ndarray | None] = {rq.seq_id: None for rq in requests}
         active = [rq for rq in requests if self._known[rq.seq_id] and self._pending_pos[rq.seq_id] in (None, rq.pos)
                   and min(rq.n_max, self.n_max_limit) > 0]
         self._batch.clear()
@@ -279,28 +279,13 @@ class MTPDrafter:
             self._batch.add_tokens_with_states([rq.id_last], [rq.pos], self._pending[rq.seq_id][None],
                                                outputs=True, seq_id=rq.seq_id)
             self._log("draft", rq.seq_id, rq.pos, 1)
-        step = 0
-        while active:
-            self.ctx.decode(self._batch)
-            logits = self.ctx.output_logits(len(active))
-            hidden = self.ctx.draft_embeddings(len(active))
-            self._batch.clear()
-            going_on = []
-            for j, rq in enumerate(active):
-                s = rq.seq_id
-                tok, p = _top_choice(logits[j])
-                if p < self.p_min:
-                    continue
-                drafted[s].append(tok)
-                logits_of[s].append(logits[j].copy())
-                if len(drafted[s]) >= min(rq.n_max, self.n_max_limit):
-                    continue
-                # the drafted token with the head's own hidden state, at the next position
-                self._batch.add_tokens_with_states([tok], [rq.pos + step + 1], hidden[j][None], outputs=True,
-                                                   seq_id=s)
-                going_on.append(rq)
-            active = going_on
-            step += 1
+        # each drafted token goes back in with the head's own hidden state, at the next position:
+        # the whole chain in one native call (bindings: Context.draft_chain)
+        chains = self.ctx.draft_chain(self._batch, [rq.seq_id for rq in active], [rq.pos + 1 for rq in active],
+                                      [min(rq.n_max, self.n_max_limit) for rq in active], p_min=self.p_min,
+                                      top_k=DRAFT_TOP_K, feed_states=True)
+        for rq, (tokens, rows) in zip(active, chains):
+            drafted[rq.seq_id], logits_of[rq.seq_id] = tokens, rows
         for rq in requests:
             # The drafted rows are guesses: the target's verify rows replace them (process).
             self.ctx.memory.remove(rq.seq_id, rq.pos, -1)
@@ -310,7 +295,7 @@ class MTPDrafter:
             if len(tokens) < rq.n_min or not tokens:
                 out.append(Proposal([]))
             else:
-                out.append(Proposal(tokens, np.stack(logits_of[rq.seq_id])))
+                out.append(Proposal(tokens, logits_of[rq.seq_id]))
         return out
 
     def close(self) -> None:
@@ -320,11 +305,3 @@ class MTPDrafter:
     def _log(self, call: str, seq: int, pos: int, n_rows: int) -> None:
         if self.trace is not None:
             self.trace.append(TraceEvent(call, seq, pos, n_rows))
-
-
-def _top_choice(logits: np.ndarray) -> tuple[int, float]:
-    """The most likely token and its probability among the top-k candidates (as upstream's top-k 10
-    sampler reports it, which its p_min is compared with)."""
-    best = int(np.argmax(logits))
-    top = np.partition(logits, -DRAFT_TOP_K)[-DRAFT_TOP_K:]
-    return best, float(1.0 / np.exp(top - logits[best]).sum())

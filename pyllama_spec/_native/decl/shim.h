@@ -13,6 +13,11 @@ int32_t  pyllama_batch_ext_add_tokens(struct llama_batch_ext * batch, int32_t se
 int32_t  pyllama_batch_ext_add_embds(struct llama_batch_ext * batch, int32_t seq_id, int32_t n,
                                      const float * embd, size_t n_embd,
                                      const int32_t * pos, size_t n_pos, const int8_t * outputs);
+int32_t  pyllama_draft_chain(struct llama_context * ctx, struct llama_batch_ext * batch, int32_t n_seq,
+                             const int32_t * seq_ids, const int32_t * next_pos, const int32_t * n_max,
+                             int32_t max_n, float p_min, int32_t top_k, bool feed_states, int32_t n_vocab,
+                             int32_t n_embd, int32_t * tokens, float * logits, int32_t * n_drafted,
+                             int32_t * n_last_rows);
 int32_t  pyllama_interrupt_hook(bool install);
 bool     pyllama_abort_requested(void * data);
 int32_t  pyllama_interrupt_take(void);
