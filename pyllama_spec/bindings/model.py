@@ -111,6 +111,9 @@ class Model(NativeHandle):
         self._ptr = ptr
         self._vocab = lib.llama_model_get_vocab(ptr)
         self._max_token_bytes: int | None = None
+        # (token, special) -> its piece: a model's pieces never change, and every streamed token
+        # asks for one (at most twice the vocabulary's entries)
+        self._pieces: dict[tuple[int, bool], bytes] = {}
         if placement is not None:
             placement.acquire()
             self._placement = placement
@@ -335,12 +338,19 @@ class Model(NativeHandle):
 
     def token_to_bytes(self, token: int, *, special: bool = False) -> bytes:
         """The bytes of one token's piece (may be part of a UTF-8 character)."""
+        piece = self._pieces.get((token, special))
+        if piece is not None:
+            self.ptr  # raises when closed, as without the cache
+            return piece
         buf = ffi.new("char[]", 64)
         n = lib.llama_token_to_piece(self._vocab_ptr(), token, buf, 64, 0, special)
         if n < 0:
             buf = ffi.new("char[]", -n)
             n = lib.llama_token_to_piece(self._vocab_ptr(), token, buf, -n, 0, special)
-        return ffi.buffer(buf, max(n, 0))[:]
+        piece = ffi.buffer(buf, max(n, 0))[:]
+        if 0 <= token < self.n_vocab:  # an id outside the vocabulary gives no piece worth keeping
+            self._pieces[(token, special)] = piece
+        return piece
 
     def detokenize(self, tokens: Sequence[int] | np.ndarray, *, special: bool = False) -> str:
         arr = np.ascontiguousarray(tokens, dtype=np.int32)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 import collections
+import copy
 import dataclasses
 import time
 from concurrent.futures import Future
@@ -268,9 +269,9 @@ class Generation:
 
     def _so_far(self) -> GenerationStats:
         """A copy of the stats now (its lists too), for a piece that is not the last."""
-        s = self.stats
-        return dataclasses.replace(s, per_position_drafted=list(s.per_position_drafted),
-                                   per_position_accepted=list(s.per_position_accepted))
+        s = copy.copy(self.stats)  # (dataclasses.replace runs __init__ and its checks: dearer, per step)
+        s.per_position_drafted, s.per_position_accepted = list(s.per_position_drafted), list(s.per_position_accepted)
+        return s
 
     def _emittable(self, tokens: list[int]) -> tuple[list[int], str | None]:
         """The tokens to show from one step, cut at end-of-generation or the token limit."""
