@@ -55,3 +55,15 @@ def test_concurrent_chats_runs_the_mtp_head_on_four_slots_beside_llama_server(tm
                 assert p["same_drafts"] == p["total"]
             assert p["drafted"] > 0
     assert "ratio pyllama-spec / llama-server" in text
+
+
+@needs_llama_server
+def test_chain_drafters_alternates_rounds_and_counts_the_same_drafts_as_llama_server():
+    text = _run(["bench/chain_drafters.py", "--rounds", "2", "--prompts", "2", "--max-tokens", "16",
+                 "--only", "target only,EAGLE3,qwen35: target only,qwen35: MTP"])
+    rounds = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    assert [r["round"] for r in rounds] == [0] * 4 + [1] * 4  # every method in every round
+    assert [r["method"] for r in rounds[:4]] == [r["method"] for r in rounds[4:]][::-1]  # the order alternates
+    eagle3 = [r for r in rounds if r["method"] == "EAGLE3"]
+    assert all(r["drafted"][0] == r["drafted"][1] > 0 for r in eagle3)  # the same drafts on both engines
+    assert "| EAGLE3 | 7 |" in text and "here / llama-server, per round" in text
