@@ -3,6 +3,9 @@
 (built from the same pin: `python build.py --tools`) on the same file, started in turn (the order
 alternating by round), min / median / max over --repeats rounds: llama-server as it starts by
 default (a warm-up decode) and with --no-warmup, serve as it starts by default (no warm-up).
+Beside them, the floor of any server written as serve is: a Python process that imports what serve
+computes, prints and serves with (numpy, click, rich, uvicorn, Starlette) and answers /health, with
+no model and none of this package.
 
     python bench/startup.py --repeats 7
 """
@@ -15,6 +18,22 @@ import subprocess
 import sys
 import tempfile
 import time
+
+#: The floor: what serve imports before any of its own modules, answering /health at once.
+FLOOR = """
+import sys
+import numpy, click, rich.console  # what serve computes and prints with
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+async def health(request):
+    return JSONResponse({"status": "ok"})
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+uvicorn.run(Starlette(routes=[Route("/health", health)]), host="127.0.0.1", port=port, log_level="warning")
+"""
 
 
 def _time_to_health(cmd: list[str]) -> float:
@@ -49,7 +68,8 @@ def main() -> int:
              "-c", "4096", "-np", "1", "-t", "1", "-fa", "off"]
     servers = [("llama-server", [str(llama_server), *files]),  # its default: a warm-up decode
                ("llama-server --no-warmup", [str(llama_server), *files, "--no-warmup"]),
-               ("serve", [sys.executable, "-m", "pyllama_spec", "serve", *files])]
+               ("serve", [sys.executable, "-m", "pyllama_spec", "serve", *files]),
+               ("python floor (numpy, click, rich, uvicorn, Starlette; no model)", [sys.executable, "-c", FLOOR])]
     times = {name: [] for name, _ in servers}
     for r in range(args.repeats):
         for name, cmd in (servers if r % 2 == 0 else servers[::-1]):
@@ -57,9 +77,11 @@ def main() -> int:
     for name, t in times.items():
         t.sort()
         print(f"{name}: {t[0]:.2f} / {statistics.median(t):.2f} / {t[-1]:.2f} s (min / median / max)")
+    floor = "python floor (numpy, click, rich, uvicorn, Starlette; no model)"
     for name in ("llama-server", "llama-server --no-warmup"):
-        ratio = statistics.median(times["serve"]) / statistics.median(times[name])
-        print(f"serve / {name} (medians): {ratio:.2f}")
+        for ours in ("serve", floor):
+            ratio = statistics.median(times[ours]) / statistics.median(times[name])
+            print(f"{ours.split(' (')[0]} / {name} (medians): {ratio:.2f}")
     return 0
 
 

@@ -104,7 +104,7 @@ def test_the_draft_length_defaults_to_the_methods_measured_one(tiny_dense):
     from pyllama_spec.drafters.registry import method
 
     assert (method("draft-dflash").draft_max, method("draft-mtp").draft_max, method("draft-eagle3").draft_max,
-            method("draft-simple").draft_max, method("ngram-simple").draft_max) == (5, 3, 3, 3, 5)
+            method("draft-simple").draft_max, method("ngram-simple").draft_max) == (5, 5, 5, 5, 5)
     m = ps.embedded_models()
     for kw, expected in [(dict(draft=m.draft), 5), (dict(spec_type="ngram-simple"), 5),
                          (dict(draft=m.draft, draft_tree=8), 15),  # a tree: as deep as the draft goes

@@ -141,7 +141,9 @@ class Method:
     sees_picture: str = ""
     #: The draft length used when none is given (draft_max=None, no --spec-draft-n-max): the fixed
     #: length measured fastest for the method, on text and after a picture, in both trained worlds
-    #: (bench/RESULTS.md "Default draft lengths"). llama-server's is 3 for every method with a draft model.
+    #: (bench/RESULTS.md "Default draft lengths", and for the token-by-token drafters, drafting their
+    #: chain natively, "Drafting token by token in one native call"). llama-server's is 3 for every
+    #: method with a draft model.
     #: None: the method's own setting (the n-gram maps' size_m, ngram-mod's n_max, ngram-cache's 8).
     draft_max: int | None = 3
     ngram_family: bool = False  # an n-gram method: it may go before another in a list (llama.cpp's order)
@@ -179,10 +181,10 @@ METHODS = (
            target_features="layer inputs", uses_target_head=True, draft_max=5,
            sees_picture="the target's layer inputs of the picture's rows, as DFlash"),
     Method("draft-eagle3", "pyllama_spec.drafters.eagle3", "an EAGLE3 draft", aliases=("eagle3",),
-           target_features="layer inputs", uses_target_head=True, draft_max=3,
+           target_features="layer inputs", uses_target_head=True, draft_max=5,
            sees_picture="the target's layer inputs of the picture's rows, written into its own cache"),
     Method("draft-simple", "pyllama_spec.drafters.draft_model", "a draft model", draft_projector=True,
-           draft_max=3,
+           draft_max=5,
            sees_picture="its own projector, given mmproj_draft (blind without one)"),
     # n-gram: 3, 5 and 7 within the machine's spread on text that rarely repeats; where text repeats
     # (its use) longer drafts are kept whole, and llama-server's ngram-simple goes up to 48
@@ -199,7 +201,7 @@ METHODS = (
     Method("draft-python", "pyllama_spec.drafters.python_callable", "a Python draft function", draft_file=False,
            draft_max=None, python_only=True),
     Method("draft-mtp", "pyllama_spec.drafters.mtp", "its own MTP head", draft_file=False,
-           target_features="final hidden state", loads_target_mtp=True, draft_max=3,
+           target_features="final hidden state", loads_target_mtp=True, draft_max=5,
            sees_picture="the picture's rows in the head's own cache, each image embedding beside the target's hidden "
                         "state of the row before (llama.cpp leaves them out; so does a build without "
                         "patches/0004-mtp-media-rows.patch)"),
