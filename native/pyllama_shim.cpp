@@ -118,13 +118,15 @@ int32_t pyllama_batch_ext_add_embds(llama_batch_ext * batch, int32_t seq_id, int
 
 namespace {
 
-// The most likely token of a logits row (the first of equal ones, as numpy's argmax), and
-// whether its probability among the top_k most likely reaches p_min, as llama.cpp's top-k
-// sampler reports it: softmax over those k, summed from the largest down.
-bool chain_choice(const float * row, int32_t n_vocab, int32_t top_k, float p_min, int32_t & best) {
+// The most likely token of a logits row (the first of equal ones; NaN logits are never chosen), and
+// whether its probability among the top_k most likely (top_k <= 0: all of them) reaches p_min, as
+// llama.cpp's top-k sampler reports it: softmax over those k, summed from the largest down. ``top``
+// is the caller's scratch space, reused from row to row.
+bool chain_choice(const float * row, int32_t n_vocab, int32_t top_k, float p_min, std::vector<float> & top,
+                  int32_t & best) {
     best = 0;
     for (int32_t v = 1; v < n_vocab; ++v) {
-        if (row[v] > row[best]) {
+        if (row[v] > row[best] || std::isnan(row[best])) {
             best = v;
         }
     }
@@ -132,9 +134,8 @@ bool chain_choice(const float * row, int32_t n_vocab, int32_t top_k, float p_min
         return true;
     }
     // a small min-heap of the k largest logits: O(n_vocab log k)
-    const size_t k = (size_t) std::max<int32_t>(1, std::min(top_k, n_vocab));
-    std::vector<float> top;
-    top.reserve(k);
+    const size_t k = (size_t) (top_k > 0 ? std::min(top_k, n_vocab) : n_vocab);
+    top.clear();
     const auto greater = [](float a, float b) { return a > b; };
     for (int32_t v = 0; v < n_vocab; ++v) {
         const float x = row[v];
@@ -150,7 +151,7 @@ bool chain_choice(const float * row, int32_t n_vocab, int32_t top_k, float p_min
             std::push_heap(top.begin(), top.end(), greater);
         }
     }
-    std::sort(top.begin(), top.end(), greater);
+    std::sort_heap(top.begin(), top.end(), greater);  // largest first
     float sum = 0.0f;
     for (const float x : top) {
         sum += std::exp(x - row[best]);
@@ -165,31 +166,34 @@ int32_t pyllama_draft_chain(llama_context * ctx, llama_batch_ext * batch, int32_
                             int32_t top_k, bool feed_states, int32_t n_vocab, int32_t n_embd, int32_t * tokens,
                             float * logits, int32_t * n_drafted, int32_t * n_last_rows) {
     // active[j]: the sequence (index into seq_ids) of the batch's j-th output row
-    std::vector<int32_t> active(n_seq), going;
+    std::vector<int32_t> active, going;
+    std::vector<float> top;
     for (int32_t i = 0; i < n_seq; ++i) {
-        active[i] = i;
+        active.push_back(i);
         n_drafted[i] = 0;
     }
     *n_last_rows = 0;
-    for (int32_t step = 0; !active.empty(); ++step) {
-        const int32_t rc = llama_process(ctx, LLAMA_PROCESS_TYPE_DECODE, batch);
+    int32_t rc = 0;
+    for (int32_t step = 0; !active.empty() && rc == 0; ++step) {
+        rc = llama_process(ctx, LLAMA_PROCESS_TYPE_DECODE, batch);
         if (rc != 0) {
-            return rc;
+            break;
         }
         *n_last_rows = (int32_t) active.size();
         const float * rows = llama_get_logits(ctx);
         const float * states = feed_states ? llama_get_embeddings_nextn(ctx) : nullptr;
         if (rows == nullptr || (feed_states && states == nullptr)) {
-            return -100;
+            rc = -100;
+            break;
         }
         llama_batch_ext_clear(batch);
         going.clear();
-        for (size_t j = 0; j < active.size(); ++j) {
+        for (size_t j = 0; j < active.size() && rc == 0; ++j) {
             const int32_t i = active[j];
             const float * row = rows + j * (size_t) n_vocab;
             int32_t tok = 0;
-            if (!chain_choice(row, n_vocab, top_k, p_min, tok)) {
-                continue;  // not sure enough: this sequence's draft ends before this token
+            if (n_drafted[i] >= n_max[i] || !chain_choice(row, n_vocab, top_k, p_min, top, tok)) {
+                continue;  // no room, or not sure enough: this sequence's draft ends before this token
             }
             const int32_t k = n_drafted[i]++;
             tokens[(size_t) i * max_n + k] = tok;
@@ -203,7 +207,8 @@ int32_t pyllama_draft_chain(llama_context * ctx, llama_batch_ext * batch, int32_
             // output embedding as its state, for EAGLE3 and MTP)
             const int32_t idx = llama_batch_ext_add_token(batch, seq_ids[i], tok);
             if (idx < 0) {
-                return -200 + idx;
+                rc = -200 + idx;
+                break;
             }
             const llama_pos pos = next_pos[i] + step;
             bool ok = llama_batch_ext_set_pos(batch, idx, &pos) && llama_batch_ext_set_output_logits(batch, idx, true);
@@ -212,13 +217,15 @@ int32_t pyllama_draft_chain(llama_context * ctx, llama_batch_ext * batch, int32_
                 ok = llama_batch_ext_set_embd_token(batch, idx, state);
             }
             if (!ok) {
-                return -204;
+                rc = -204;
+                break;
             }
             going.push_back(i);
         }
         active.swap(going);
     }
-    return 0;
+    llama_batch_ext_clear(batch);  // whatever ended the chain, the batch holds nothing of it
+    return rc;
 }
 
 int32_t pyllama_interrupt_hook(bool install) {

@@ -49,11 +49,14 @@ int32_t pyllama_batch_ext_add_embds (struct llama_batch_ext * batch, int32_t seq
  * most likely token and feeds it back at the sequence's next position (next_pos[i] + step), with
  * the row's output ("nextn") embedding as its state where feed_states. The batch holds the first
  * decode's rows, one output row per sequence in the order of seq_ids. A token whose probability
- * among the top_k most likely is below p_min (0: never) ends that sequence's draft before it;
- * n_max[i] (<= max_n) tokens end it after. Writes tokens[i * max_n + k], their logits rows
- * logits[(i * max_n + k) * n_vocab ...] (NULL: not kept), n_drafted[i], and the rows of the last
- * decode. Returns 0; a failing llama_process's code (the outputs hold what came before); -100
- * when a decode gave no logits or states; -200 + a llama_batch_ext error when a row was refused. */
+ * among the top_k most likely (top_k <= 0: all) is below p_min (0: never) ends that sequence's
+ * draft before it; n_max[i] (<= max_n) tokens end it after. NaN logits are never chosen. The
+ * states need the context's nextn embeddings kept for output rows only (masked). Writes
+ * tokens[i * max_n + k], their logits rows logits[(i * max_n + k) * n_vocab ...] (NULL: not kept),
+ * n_drafted[i], and the rows of the last decode; the batch is cleared on every return. Returns 0;
+ * a failing llama_process's code (the outputs hold what came before); -100 when a decode gave no
+ * logits or states; -200 + a llama_batch_ext error (-201..-203) when a row was refused, -204 when
+ * its position, output flag or state was. */
 int32_t pyllama_draft_chain(struct llama_context * ctx, struct llama_batch_ext * batch, int32_t n_seq,
                             const int32_t * seq_ids, const int32_t * next_pos, const int32_t * n_max,
                             int32_t max_n, float p_min, int32_t top_k, bool feed_states, int32_t n_vocab,

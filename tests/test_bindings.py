@@ -120,6 +120,34 @@ def test_tokenize_detokenize_round_trip(tiny_dense, text):
         assert b"".join(m.token_to_bytes(int(t)) for t in toks) == text.encode("utf-8")
 
 
+def test_a_token_outside_the_vocabulary_is_a_value_error_and_pieces_are_kept_once_read(tiny_dense, run_python):
+    """llama.cpp throws std::out_of_range past its vocabulary (the process ends): checked first. A
+    piece read once is kept (each streamed token asks for one), and still refused once closed."""
+    proc = run_python(f"""
+from pyllama_spec.bindings.model import Model
+m = Model({str(tiny_dense.target)!r})
+for bad in (-1, m.n_vocab, m.n_vocab + 5):
+    for call in (lambda: m.token_to_bytes(bad), lambda: m.token_to_bytes(bad, special=True),
+                 lambda: m.token_text(bad)):
+        try:
+            call()
+        except ValueError as e:
+            assert "not in the vocabulary" in str(e), e
+        else:
+            raise SystemExit("no ValueError for " + str(bad))
+t = int(m.tokenize("hello")[0])
+first = m.token_to_bytes(t)
+assert m.token_to_bytes(t) is first and first
+m.close()
+try:
+    m.token_to_bytes(t)
+except Exception as e:
+    print("closed:", type(e).__name__)
+""")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "closed: ClosedError" in proc.stdout
+
+
 def test_tokenize_parses_control_tokens(tiny_dense):
     with Model(tiny_dense.draft, role="draft") as d:
         assert d.tokenize(tiny.MASK_TOKEN).tolist() == [tiny.MASK_TOKEN_ID]

@@ -147,14 +147,31 @@ def test_p_min_ends_a_sequence_before_an_unsure_token(eagle3_engine):
         assert toks == full_toks[:len(toks)]  # cut, never changed
 
 
-def test_no_sequence_or_no_length_is_no_decode(eagle3_engine):
+def test_no_sequence_is_no_decode_and_arguments_that_do_not_fit_are_refused_before_any(eagle3_engine,
+                                                                                        draft_model_engine):
     ctx = eagle3_engine.drafter.ctx
     batch = Batch(ctx)
     try:
         assert ctx.draft_chain(batch, [], [], []) == []
-        _seed(batch, np.random.default_rng(0), ctx.model.n_embd, True, SEEDS[:1])
-        assert ctx.draft_chain(batch, [0], [3], [0], feed_states=True) == [([], None)]
-        assert batch.n_rows == 0
+        for seq in (0, 1):
+            ctx.memory.remove(seq, -1, -1)
+        _seed(batch, np.random.default_rng(0), ctx.model.n_embd, True, SEEDS)
+        for args, match in [(([0, 1], [3], [4, 4]), "one position and one length per sequence"),
+                            (([0, 1], [3, 6], [4]), "one position and one length per sequence"),
+                            (([0, 1], [3, 6], [4, 0]), "at least 1"),
+                            (([0], [3], [4]), "one output row per sequence")]:
+            with pytest.raises(ValueError, match=match):
+                ctx.draft_chain(batch, *args, feed_states=True)
+        assert batch.n_rows == 5 and ctx.memory.pos_max(0) == -1  # nothing was decoded
+    finally:
+        batch.close()
+    # states are read from the output rows' embeddings: a context that keeps none cannot feed them
+    plain = draft_model_engine.drafter.ctx
+    batch = Batch(plain)
+    try:
+        batch.add_tokens([5], [0], outputs=True)
+        with pytest.raises(ValueError, match="masked=True"):
+            plain.draft_chain(batch, [0], [1], [3], feed_states=True)
     finally:
         batch.close()
 
@@ -163,16 +180,23 @@ def test_a_decode_failing_in_the_middle_of_the_chain_raises_and_leaves_the_conte
     ctx = eagle3_engine.drafter.ctx
     batch = Batch(ctx)
     try:
-        for seq in (0, 1):
-            ctx.memory.remove(seq, -1, -1)
-        _seed(batch, np.random.default_rng(1), ctx.model.n_embd, True, SEEDS)
-        _native.abort_after(12)  # some graph nodes into the chain: a later decode stops
-        try:
-            with pytest.raises(DecodeError, match="draft"):
-                ctx.draft_chain(batch, [0, 1], [3, 6], [6, 6], feed_states=True)
-        finally:
-            _native.abort_after(0)
-        assert batch.n_rows == 0
+        # the n-th abort check lands in a later decode of the chain for some n: find one (the first
+        # decode's rows are then in the cache, the chain's last ones are not)
+        for n_checks in range(8, 2000, 8):
+            for seq in (0, 1):
+                ctx.memory.remove(seq, -1, -1)
+            _seed(batch, np.random.default_rng(1), ctx.model.n_embd, True, SEEDS)
+            _native.abort_after(n_checks)
+            try:
+                with pytest.raises(DecodeError, match="draft"):
+                    ctx.draft_chain(batch, [0, 1], [3, 6], [6, 6], feed_states=True)
+            finally:
+                _native.abort_after(0)
+            assert batch.n_rows == 0 and batch.n_outputs == 0  # cleared, whatever ended the chain
+            if ctx.memory.pos_max(0) >= 3:  # the seed (0..2) and at least one drafted row went in
+                break
+        else:
+            pytest.fail("no abort landed after the chain's first decode")
     finally:
         batch.close()
     # the engine drafts and answers as before

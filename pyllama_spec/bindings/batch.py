@@ -57,6 +57,7 @@ class Batch(NativeHandle):
         self._ptr = ptr
         self._pos0: list[np.ndarray] = []  # section-0 positions of the rows added, in order
         self.n_rows = 0
+        self.n_outputs = 0  # rows whose logits (and output embeddings) the decode keeps
         self.has_embeddings = False
 
     def _free(self, ptr) -> None:
@@ -64,8 +65,13 @@ class Batch(NativeHandle):
 
     def clear(self) -> None:
         lib.llama_batch_ext_clear(self.ptr)
+        self.forget_rows()
+
+    def forget_rows(self) -> None:
+        """Count no rows, for a batch that native code has cleared itself."""
         self._pos0 = []
         self.n_rows = 0
+        self.n_outputs = 0
         self.has_embeddings = False
 
     @property
@@ -90,6 +96,7 @@ class Batch(NativeHandle):
             ffi.NULL if out is None else ffi.from_buffer("int8_t[]", out))
         self._check_add(rc, n)
         self._pos0.append(pos)
+        self.n_outputs += 0 if out is None else int(np.count_nonzero(out))
 
     def add_tokens_with_states(self, tokens: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
                                states: np.ndarray, *, outputs: Sequence[bool] | np.ndarray | bool = False,
@@ -128,6 +135,7 @@ class Batch(NativeHandle):
                 self._check_add(-3 if len(ids) > 1 else -4, n)
             lib.llama_batch_ext_set_output_logits(self.ptr, idx, True)
         self.n_rows += n
+        self.n_outputs += n
         self._pos0.append(pos)
 
     def add_embeddings(self, embd: np.ndarray, positions: np.ndarray, *,
@@ -148,6 +156,7 @@ class Batch(NativeHandle):
             p.shape[1], ffi.NULL if out is None else ffi.from_buffer("int8_t[]", out))
         self._check_add(rc, n)
         self._pos0.append(np.ascontiguousarray(p[:, 0]))
+        self.n_outputs += 0 if out is None else int(np.count_nonzero(out))
         self.has_embeddings = True
 
     def add_embeddings_with_states(self, embd: np.ndarray, positions: np.ndarray, states: np.ndarray, *,

@@ -70,6 +70,7 @@ class Context(NativeHandle):
         self._token_batch: Batch | None = None
         self._layer_inputs: set[int] = set()
         self._draft_embeddings = False
+        self._draft_embeddings_masked = True
         self._lora: tuple[tuple[LoraAdapter, float], ...] = ()  # what set_lora set: kept alive here
         self.last_decode_rows = 0  # rows of the last successful decode: what the output buffers hold
         params = lib.llama_context_default_params()
@@ -300,13 +301,24 @@ class Context(NativeHandle):
         first, with the row's output embedding as its state where ``feed_states`` (EAGLE3, MTP).
 
         Returns each sequence's drafted tokens and their logits rows (float32 [n, n_vocab], or None
-        without ``keep_logits``). The batch is cleared. Raises DecodeError naming this context
-        (a Ctrl-C in any of the decodes stops the chain there)."""
+        without ``keep_logits``). The batch is cleared, whatever happens. Raises ValueError for a
+        batch or arguments that do not fit together, DecodeError naming this context (a Ctrl-C in
+        any of the decodes stops the chain there)."""
         n_seq = len(seq_ids)
+        if not len(next_pos) == len(n_max) == n_seq:
+            raise ValueError(f"draft_chain takes one position and one length per sequence: {n_seq} sequences, "
+                             f"{len(next_pos)} positions, {len(n_max)} lengths")
+        if any(n < 1 for n in n_max):
+            raise ValueError(f"every sequence's draft length must be at least 1, got {list(n_max)}")
+        if batch.n_outputs != n_seq:
+            raise ValueError(f"the batch must hold one output row per sequence ({n_seq}), it holds {batch.n_outputs}")
+        if feed_states and not (self._draft_embeddings and self._draft_embeddings_masked):
+            raise ValueError(f"feed_states reads the output rows' embeddings: turn them on for output rows only "
+                             f"(enable_draft_embeddings(True, masked=True)) on the {self.role} context")
         max_n = max(n_max, default=0)
-        if n_seq == 0 or max_n <= 0:
+        if n_seq == 0:
             batch.clear()
-            return [([], None) for _ in range(n_seq)]
+            return []
         ids = np.ascontiguousarray(seq_ids, dtype=np.int32)
         first = np.ascontiguousarray(next_pos, dtype=np.int32)
         limits = np.ascontiguousarray(n_max, dtype=np.int32)
@@ -320,12 +332,15 @@ class Context(NativeHandle):
         self.model.check_remote()
         arm_interrupts()
         n_rows, offset = batch.n_rows, batch.first_pos
-        rc = lib.pyllama_draft_chain(
-            self.ptr, batch.ptr, n_seq, ffi.from_buffer("int32_t[]", ids), ffi.from_buffer("int32_t[]", first),
-            ffi.from_buffer("int32_t[]", limits), max_n, p_min, top_k, feed_states, n_vocab, self.model.n_embd,
-            ffi.from_buffer("int32_t[]", tokens), ffi.NULL if logits is None else ffi.from_buffer("float[]", logits),
-            ffi.from_buffer("int32_t[]", drafted), last_rows)
-        batch.clear()  # the native chain left its last rows there
+        try:
+            rc = lib.pyllama_draft_chain(
+                self.ptr, batch.ptr, n_seq, ffi.from_buffer("int32_t[]", ids), ffi.from_buffer("int32_t[]", first),
+                ffi.from_buffer("int32_t[]", limits), max_n, p_min, top_k, feed_states, n_vocab, self.model.n_embd,
+                ffi.from_buffer("int32_t[]", tokens),
+                ffi.NULL if logits is None else ffi.from_buffer("float[]", logits),
+                ffi.from_buffer("int32_t[]", drafted), last_rows)
+        finally:
+            batch.forget_rows()  # the native chain cleared it on every return (a Ctrl-C may land here first)
         raise_carried()
         self.model.check_remote()
         if rc != 0:
@@ -414,6 +429,7 @@ class Context(NativeHandle):
         names them the "nextn" embeddings."""
         lib.pyllama_set_embeddings_nextn(self.ptr, enable, masked)
         self._draft_embeddings = enable
+        self._draft_embeddings_masked = masked
 
     def draft_embeddings(self, n_rows: int) -> np.ndarray:
         """A DFlash draft's output embeddings of the first n_rows rows of the last decode,

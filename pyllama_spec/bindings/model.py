@@ -25,6 +25,8 @@ from pyllama_spec.gguf.reader import GGUF_MAGIC
 if TYPE_CHECKING:
     from pyllama_spec.bindings.devices import Placement
 
+#: Token pieces a model keeps once read (each streamed token asks for one): the first this many.
+PIECES_KEPT = 1 << 16
 _MROPE_TYPES = {lib.LLAMA_ROPE_TYPE_MROPE, lib.LLAMA_ROPE_TYPE_IMROPE}
 
 
@@ -112,7 +114,7 @@ class Model(NativeHandle):
         self._vocab = lib.llama_model_get_vocab(ptr)
         self._max_token_bytes: int | None = None
         # (token, special) -> its piece: a model's pieces never change, and every streamed token
-        # asks for one (at most twice the vocabulary's entries)
+        # asks for one (the first PIECES_KEPT asked for are kept)
         self._pieces: dict[tuple[int, bool], bytes] = {}
         if placement is not None:
             placement.acquire()
@@ -123,6 +125,7 @@ class Model(NativeHandle):
         for dependent in [*self.dependents, *self._contexts]:
             dependent.close()
         lib.llama_model_free(ptr)
+        self._pieces.clear()
         if self._placement is not None:
             self._placement.release()
 
@@ -302,6 +305,7 @@ class Model(NativeHandle):
         return bool(lib.llama_vocab_is_eog(self._vocab_ptr(), token))
 
     def token_text(self, token: int) -> str:
+        self._check_token(token)
         return ffi.string(lib.llama_vocab_get_text(self._vocab_ptr(), token)).decode("utf-8", errors="replace")
 
     @property
@@ -309,7 +313,7 @@ class Model(NativeHandle):
         """The most bytes of text any one token stands for (special tokens by their text); read
         once, on first use (one native call per vocabulary entry: about 0.3 s for 150k tokens)."""
         if self._max_token_bytes is None:
-            self._max_token_bytes = max((len(self.token_to_bytes(t, special=True)) for t in range(self.n_vocab)),
+            self._max_token_bytes = max((len(self._piece(t, True)) for t in range(self.n_vocab)),
                                         default=1) or 1
         return self._max_token_bytes
 
@@ -337,20 +341,29 @@ class Model(NativeHandle):
         return np.frombuffer(ffi.buffer(buf, n * 4), dtype=np.int32).copy()
 
     def token_to_bytes(self, token: int, *, special: bool = False) -> bytes:
-        """The bytes of one token's piece (may be part of a UTF-8 character)."""
+        """The bytes of one token's piece (may be part of a UTF-8 character). ValueError for an id
+        outside the vocabulary."""
         piece = self._pieces.get((token, special))
         if piece is not None:
             self.ptr  # raises when closed, as without the cache
             return piece
+        piece = self._piece(token, special)
+        if len(self._pieces) < PIECES_KEPT:
+            self._pieces[(token, special)] = piece
+        return piece
+
+    def _piece(self, token: int, special: bool) -> bytes:
+        self._check_token(token)
         buf = ffi.new("char[]", 64)
         n = lib.llama_token_to_piece(self._vocab_ptr(), token, buf, 64, 0, special)
         if n < 0:
             buf = ffi.new("char[]", -n)
             n = lib.llama_token_to_piece(self._vocab_ptr(), token, buf, -n, 0, special)
-        piece = ffi.buffer(buf, max(n, 0))[:]
-        if 0 <= token < self.n_vocab:  # an id outside the vocabulary gives no piece worth keeping
-            self._pieces[(token, special)] = piece
-        return piece
+        return ffi.buffer(buf, max(n, 0))[:]
+
+    def _check_token(self, token: int) -> None:
+        if not 0 <= token < self.n_vocab:  # llama.cpp throws past its vocabulary, which ends the process
+            raise ValueError(f"token {token} is not in the vocabulary of {self.path.name} ({self.n_vocab} tokens)")
 
     def detokenize(self, tokens: Sequence[int] | np.ndarray, *, special: bool = False) -> str:
         arr = np.ascontiguousarray(tokens, dtype=np.int32)
