@@ -13,12 +13,16 @@ made by ``tools/train_tiny_pair.py --eagle3 / --draft-vlm``).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import tempfile
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import CTX_KWARGS, N_THREADS, held_out_prompts
+from conftest import CTX_KWARGS, LLAMA_SERVER, N_THREADS, held_out_prompts, needs_llama_server
 from test_trained_pair import PROMPT, _close, _image_prompt_through_llama_cpp, _trainer
 
 import pyllama_spec as ps
@@ -255,3 +259,41 @@ def test_the_new_files_are_small_and_documented():
     for section in ("## EAGLE3 draft (`trained-eagle3.gguf`)", "## Draft VLM (`trained-draft-vlm.gguf`"):
         assert section in readme
     assert "--eagle3" in readme and "--draft-vlm" in readme
+
+
+@needs_llama_server
+@pytest.mark.parametrize("draft_max", [3, 5])
+def test_the_draft_model_drafts_and_accepts_what_llama_servers_draft_simple_does(draft_max):
+    """draft-simple on text against llama-server's on the same files (the draft VLM as a text-only
+    draft model, greedy): the same text and the same drafted and accepted counts, at llama-server's
+    default length and at this project's."""
+    from pyllama_spec.devtools.servers import stop, wait_healthy
+    from pyllama_spec.ports import free_port
+
+    prompts = held_out_prompts(3)
+    if not prompts:
+        pytest.skip("this Python has none of the standard library's source files the held-out prompts come from")
+    port = free_port()
+    with tempfile.NamedTemporaryFile(suffix=".log") as log:
+        proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(TARGET), "-md", str(VLM), "--spec-type", "draft-simple",
+                                 "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0", "-c", "4096",
+                                 "-np", "1", "--no-warmup", "-t", "1", "-fa", "off", "--host", "127.0.0.1",
+                                 "--port", str(port)], stdout=log, stderr=log)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, proc, log.name)
+            theirs = []
+            for p in prompts:
+                body = json.dumps({"prompt": p, "n_predict": 48, "temperature": 0, "cache_prompt": False}).encode()
+                req = urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"})
+                theirs.append(json.load(urllib.request.urlopen(req, timeout=120)))
+        finally:
+            stop(proc)
+    with ps.load(TARGET, n_ctx=4096, n_threads=1, flash_attn=False, draft=VLM, spec_type="draft-simple",
+                 draft_max=draft_max) as eng:
+        for p, t in zip(prompts, theirs):
+            ours = eng.generate(p, max_tokens=48, cache_prompt=False)
+            assert ours.text == t["content"]
+            assert (ours.stats.drafted, ours.stats.accepted) == (t["timings"]["draft_n"],
+                                                                 t["timings"]["draft_n_accepted"])
+            assert ours.stats.drafted > 0
