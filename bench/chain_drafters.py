@@ -6,11 +6,12 @@ the same pin on the same files, in alternating rounds so that the machine's drif
 
 Each round runs, for every method in turn (the order reversed every other round), the held-out text
 prompts here (``generate``, greedy) and on llama-server (``/completion``), each server and engine
-started once and kept for every round; decode tokens/s as each engine reports it (``decode_seconds``
-here, ``predicted_ms`` there). Printed per method: both speeds and the ratio here / llama-server per
-round, min / median / max; target-only is the control (the same ratio without a drafter). Counts
-(drafted, accepted, generated) must repeat from round to round, and greedy output must equal
-target-only's here. Files: pyllama_spec/models (trained-target + trained-eagle3, trained-draft-vlm,
+started once and kept for every round (which of the two goes first alternates too); decode tokens/s as
+each engine reports it (``decode_seconds`` here, ``predicted_ms`` there). Printed per method: both
+speeds and the ratio here / llama-server per round, min / median / max; target-only is the control
+(the same ratio without a drafter). Counts (drafted, accepted, generated) must repeat from round to
+round, and greedy output must equal target-only's here (checked where target-only runs too, as by
+default). Files: pyllama_spec/models (trained-target + trained-eagle3, trained-draft-vlm,
 trained-qwen35-mtp).
 """
 
@@ -65,13 +66,18 @@ def main() -> int:
             order = list(chosen) if r % 2 == 0 else list(chosen)[::-1]
             for name in order:
                 m = chosen[name]
-                here, tokens = _run(engines[name], prompts, args.max_tokens, None, 0.0)
                 url, marker = servers[name]
-                there = _serve_run(url, marker, prompts, "", 0.0, args)
+                if r % 2:  # which engine goes first alternates too
+                    there = _serve_run(url, marker, prompts, "", 0.0, args)
+                here, tokens = _run(engines[name], prompts, args.max_tokens, None, 0.0)
+                if not r % 2:
+                    there = _serve_run(url, marker, prompts, "", 0.0, args)
                 seen = {k: (here[k], there[k]) for k in ("drafted", "accepted", "generated")}
                 if counts.setdefault(name, seen) != seen:
                     raise RuntimeError(f"{name}: round {r} counted {seen}, round 0 {counts[name]}")
-                if reference.setdefault(str(m["target"]), tokens) != tokens:
+                if m["kw"]["spec_type"] == "none":
+                    reference[str(m["target"])] = tokens
+                elif str(m["target"]) in reference and reference[str(m["target"])] != tokens:
                     raise RuntimeError(f"{name}: the output differs from target-only's")
                 speeds[name]["here"].append(here["tokens_per_s"])
                 speeds[name]["llama-server"].append(there["tokens_per_s"])
