@@ -124,7 +124,9 @@ def main() -> int:
         step("the GPU is used", check_offload)
         step("tests", lambda: run([sys.executable, "-m", "pytest", "-q", *args.tests.split()], out / "tests.log",
                                   timeout=1200).strip().splitlines()[-1])
-        bench = ["pyllama-spec", "bench", "-t", threads, "-n", str(args.bench_tokens), "--repeats",
+        # the interpreter running this script, not whatever "pyllama-spec" PATH finds (a venv not
+        # activated, a pyenv without its shims rehashed)
+        bench = [sys.executable, "-m", "pyllama_spec", "bench", "-t", threads, "-n", str(args.bench_tokens), "--repeats",
                  str(args.bench_repeats), "-ngl", str(ngl), "--json-out", str(out / "bench.json")]
         if not args.dry_run:
             bench.append("--widened")  # the trained pair's acceptance at the cost of a 142M model
