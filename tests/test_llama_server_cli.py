@@ -174,6 +174,13 @@ def test_spec_types_llama_server_knows_and_comma_lists_in_its_priority_order():
     with pytest.raises(click.BadParameter, match="one method with a draft or head at a time"):
         _parse(["--spec-type", "draft-mtp,draft-dflash"])
     assert _parse(["--spec-type", "draft-dflash,draft-dflash"])[0]["spec_type"] == "draft-dflash"
+    # given again, the flag adds its types, as llama-server's does (the rest of its flags: the last wins)
+    assert _parse(["--spec-type", "draft-dflash", "--spec-type", "ngram-mod,ngram-simple"])[0]["spec_type"] == \
+        "ngram-simple,ngram-mod,draft-dflash"
+    assert _parse(["--spec-type", "ngram-mod", "--spec-type", "none"])[0]["spec_type"] == "none"
+    with pytest.raises(click.BadParameter, match="one method with a draft or head at a time"):
+        _parse(["--spec-type", "draft-mtp", "--spec-type", "draft-eagle3"])
+    assert _parse([])[0]["spec_type"] is None
     params, warnings = _parse(["--spec-type", "ngram-map-k4v", "--spec-ngram-map-k4v-size-n", "8",
                                "--spec-ngram-mod-n-max", "32", "-lcs", "static.bin"])
     assert (params["ngram_map_k4v_size_n"], params["ngram_mod_n_max"]) == (8, 32)

@@ -97,6 +97,17 @@ class _SpecType(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+def _merge_spec_types(ctx, param, values):
+    """--spec-type given more than once: each adds its types to the list, as llama-server's does
+    (common/arg.cpp appends them, the one flag it does not warn about repeating); None when not given."""
+    if not values:
+        return None
+    try:
+        return canonical_spec_type(",".join(values))
+    except ValueError as e:
+        raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+
+
 class _LogitBias(click.ParamType):
     """-l TOKEN_ID(+/-)BIAS, as llama-server writes it: 15043+1, 15043-1."""
 
@@ -307,8 +318,9 @@ def model_options(f):
         click.option("--mmproj-draft", "mmproj_draft", type=click.Path(), default=None,
                      help="the draft model's own projector GGUF: a small VLM drafts seeing the pictures too "
                           "(draft-simple, the default --spec-type with it; llama-server has no such flag)"),
-        click.option("--spec-type", type=_SpecType(), default=None,
-                     help=f"speculative method, llama.cpp's names: {', '.join([*CLI_SPEC_TYPES[1:], 'none'])} "
+        click.option("--spec-type", type=_SpecType(), multiple=True, callback=_merge_spec_types,
+                     help=f"speculative method, llama.cpp's names: {', '.join([*CLI_SPEC_TYPES[1:], 'none'])}, "
+                          "or a comma list (given again, its types are added, as in llama-server) "
                           "(default: draft-dflash when a draft is given)"),
         click.option("-c", "--ctx-size", "n_ctx", default=4096, show_default=True,
                      help="context size (0: the model's trained context)"),
