@@ -170,14 +170,17 @@ def test_spec_types_llama_server_knows_and_comma_lists_in_its_priority_order():
     # common_speculative_init's order: the n-gram types first, whatever order they are given in
     assert _parse(["--spec-type", "draft-dflash,ngram-mod,ngram-simple"])[0]["spec_type"] == \
         "ngram-simple,ngram-mod,draft-dflash"
-    assert _parse(["--spec-type", "ngram-mod,none"])[0]["spec_type"] == "none"
+    # "none" in a list adds nothing (llama.cpp's set of enabled types); alone it is none
+    assert _parse(["--spec-type", "ngram-mod,none"])[0]["spec_type"] == "ngram-mod"
+    assert _parse(["--spec-type", "none,none"])[0]["spec_type"] == "none"
     with pytest.raises(click.BadParameter, match="one method with a draft or head at a time"):
         _parse(["--spec-type", "draft-mtp,draft-dflash"])
     assert _parse(["--spec-type", "draft-dflash,draft-dflash"])[0]["spec_type"] == "draft-dflash"
     # given again, the flag adds its types, as llama-server's does (the rest of its flags: the last wins)
     assert _parse(["--spec-type", "draft-dflash", "--spec-type", "ngram-mod,ngram-simple"])[0]["spec_type"] == \
         "ngram-simple,ngram-mod,draft-dflash"
-    assert _parse(["--spec-type", "ngram-mod", "--spec-type", "none"])[0]["spec_type"] == "none"
+    assert _parse(["--spec-type", "ngram-mod", "--spec-type", "none"])[0]["spec_type"] == "ngram-mod"
+    assert _parse(["--spec-type", "none", "--spec-type", "none"])[0]["spec_type"] == "none"
     with pytest.raises(click.BadParameter, match="one method with a draft or head at a time"):
         _parse(["--spec-type", "draft-mtp", "--spec-type", "draft-eagle3"])
     assert _parse([])[0]["spec_type"] is None
@@ -250,6 +253,25 @@ def test_preset_sections_globals_booleans_and_the_command_line_override(tmp_path
     assert plan.common_args == ["-c", "512"]
     params, _ = _parse([*small.args, *plan.common_args])
     assert (params["model"], params["n_ctx"], params["mmproj_offload"]) == ("a.gguf", 512, False)
+
+
+def test_a_presets_spec_type_overrides_as_its_other_keys_do(tmp_path):
+    """In a preset each key overrides [*]'s and the router's command line overrides both, --spec-type
+    too (llama-server merges presets by key): only the last one reaches the model's server, where a
+    command line's repeated --spec-type adds its types."""
+    from pyllama_spec.cli.llama_server_cli import last_spec_type_only
+
+    preset = tmp_path / "p.ini"
+    preset.write_text("[*]\nspec-type = draft-eagle3\n[mtp]\nmodel = a.gguf\nspec-type = draft-mtp\n"
+                      "[plain]\nmodel = b.gguf\n")
+    plan, _ = _router(["--models-preset", str(preset)])
+    mtp, plain = plan.presets
+    assert _parse(last_spec_type_only((*mtp.args, *plan.common_args)))[0]["spec_type"] == "draft-mtp"
+    assert _parse(last_spec_type_only((*plain.args, *plan.common_args)))[0]["spec_type"] == "draft-eagle3"
+    plan, _ = _router(["--models-preset", str(preset), "--spec-type", "ngram-mod"])
+    assert _parse(last_spec_type_only((*plan.presets[0].args, *plan.common_args)))[0]["spec_type"] == "ngram-mod"
+    assert last_spec_type_only(["-m", "a", "--spec-type=x", "--spec-type", "y", "-c", "1"]) == (
+        "-m", "a", "--spec-type", "y", "-c", "1")
 
 
 def test_a_preset_with_a_model_on_the_command_line_is_not_read_as_in_llama_server(tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import configparser
 import dataclasses
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 from pyllama_spec.cli.llama_server_flags import FLAGS as _TABLE
@@ -234,6 +235,18 @@ def preset_args(pairs: list[tuple[str, str]], source: str) -> tuple[list[str], l
         else:
             args.extend([long, *value.split(None, flag.values - 1)] if flag.values > 1 else [long, value])
     return args, warnings
+
+
+def last_spec_type_only(args: Sequence[str]) -> tuple[str, ...]:
+    """A router model's arguments (its section's, [*]'s and the router's command line, in that
+    order) with only the last ``--spec-type``: llama-server merges presets key by key, the later
+    overriding, where its command line (and serve's) adds the types of a repeated ``--spec-type``."""
+    args = list(args)
+    spans = [(i, 2 if a == "--spec-type" else 1) for i, a in enumerate(args)
+             if a == "--spec-type" or a.startswith("--spec-type=")]
+    for i, n in reversed(spans[:-1]):
+        del args[i:i + n]
+    return tuple(args)
 
 
 #: Keys the router reads itself (by llama-server's environment names): never a child's arguments.

@@ -307,9 +307,9 @@ def _serve_router(plan: RouterPlan, *, host: list[str], port: int, keys: list[st
     from pyllama_spec.server.router.pool import ModelSpec, RouterSettings, input_modalities
     from pyllama_spec.server.run import serve as serve_app
 
-    specs = [ModelSpec(name=p.name, args=(*p.args, *plan.common_args), aliases=p.aliases, tags=p.tags,
-                       load_on_startup=p.load_on_startup, stop_timeout=p.stop_timeout, preset=p.ini,
-                       input_modalities=input_modalities(p.mmproj)) for p in plan.presets]
+    specs = [ModelSpec(name=p.name, args=llama_server_cli.last_spec_type_only((*p.args, *plan.common_args)),
+                       aliases=p.aliases, tags=p.tags, load_on_startup=p.load_on_startup, stop_timeout=p.stop_timeout,
+                       preset=p.ini, input_modalities=input_modalities(p.mmproj)) for p in plan.presets]
     settings = RouterSettings(models_max=models_max, autoload=autoload, api_key=",".join(keys) or None,
                               max_body_bytes=max_body_bytes, body_timeout=body_timeout, router_port=port,
                               cors_origins=origins)

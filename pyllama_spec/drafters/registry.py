@@ -226,14 +226,16 @@ PRIORITY = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-
 def canonical_spec_type(spec_type: str) -> str:
     """llama.cpp's name for ``spec_type`` ("dflash" -> "draft-dflash"); a comma list (llama-server's
     ``--spec-type ngram-mod,draft-mtp``) in llama.cpp's priority order, each type once ("none" in a
-    list: none). ValueError for an unknown name, or for two methods that each need the draft."""
+    list adds nothing, as in common_speculative_init; only "none": none). ValueError for an unknown
+    name, or for two methods that each need the draft."""
     names = [n.strip() for n in str(spec_type).split(",") if n.strip()]
     if not names:
         raise ValueError(f"spec_type must be one of {SPEC_TYPES} or a comma list of them, got {spec_type!r}")
     for n in names:
         if n != "none" and n not in _BY_NAME:
             raise ValueError(f"spec_type must be one of {SPEC_TYPES} or a comma list of them, got {n!r}")
-    if "none" in names:
+    names = [n for n in names if n != "none"]
+    if not names:
         return "none"
     chosen = list(dict.fromkeys(_BY_NAME[n].name for n in names))
     ordered = sorted(chosen, key=lambda n: PRIORITY.index(n) if n in PRIORITY else len(PRIORITY))
