@@ -130,6 +130,9 @@ bool chain_choice(const float * row, int32_t n_vocab, int32_t top_k, float p_min
             best = v;
         }
     }
+    if (std::isnan(row[best])) {
+        return false;  // every logit is NaN: nothing to choose
+    }
     if (p_min <= 0.0f) {
         return true;
     }

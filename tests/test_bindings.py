@@ -128,7 +128,7 @@ from pyllama_spec.bindings.model import Model
 m = Model({str(tiny_dense.target)!r})
 for bad in (-1, m.n_vocab, m.n_vocab + 5):
     for call in (lambda: m.token_to_bytes(bad), lambda: m.token_to_bytes(bad, special=True),
-                 lambda: m.token_text(bad)):
+                 lambda: m.token_text(bad), lambda: m.detokenize([1, bad])):
         try:
             call()
         except ValueError as e:

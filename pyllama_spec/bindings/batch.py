@@ -65,10 +65,6 @@ class Batch(NativeHandle):
 
     def clear(self) -> None:
         lib.llama_batch_ext_clear(self.ptr)
-        self.forget_rows()
-
-    def forget_rows(self) -> None:
-        """Count no rows, for a batch that native code has cleared itself."""
         self._pos0 = []
         self.n_rows = 0
         self.n_outputs = 0
@@ -133,7 +129,8 @@ class Batch(NativeHandle):
                 ok = ok and lib.llama_batch_ext_add_seq(self.ptr, idx, int(s))
             if not ok:
                 self._check_add(-3 if len(ids) > 1 else -4, n)
-            lib.llama_batch_ext_set_output_logits(self.ptr, idx, True)
+            if not lib.llama_batch_ext_set_output_logits(self.ptr, idx, True):
+                self._check_add(-4, n)
         self.n_rows += n
         self.n_outputs += n
         self._pos0.append(pos)

@@ -301,9 +301,10 @@ class Context(NativeHandle):
         first, with the row's output embedding as its state where ``feed_states`` (EAGLE3, MTP).
 
         Returns each sequence's drafted tokens and their logits rows (float32 [n, n_vocab], or None
-        without ``keep_logits``). The batch is cleared, whatever happens. Raises ValueError for a
-        batch or arguments that do not fit together, DecodeError naming this context (a Ctrl-C in
-        any of the decodes stops the chain there)."""
+        without ``keep_logits``). Once the chain has started the batch is cleared, whatever happens.
+        Raises ValueError (before any decode, the batch left as given) for a batch or arguments that
+        do not fit together, DecodeError naming this context (a Ctrl-C in any of the decodes stops
+        the chain there)."""
         n_seq = len(seq_ids)
         if not len(next_pos) == len(n_max) == n_seq:
             raise ValueError(f"draft_chain takes one position and one length per sequence: {n_seq} sequences, "
@@ -340,7 +341,7 @@ class Context(NativeHandle):
                 ffi.NULL if logits is None else ffi.from_buffer("float[]", logits),
                 ffi.from_buffer("int32_t[]", drafted), last_rows)
         finally:
-            batch.forget_rows()  # the native chain cleared it on every return (a Ctrl-C may land here first)
+            batch.clear()  # the native chain cleared it on every return; again here, cheaply, in case it never ran
         raise_carried()
         self.model.check_remote()
         if rc != 0:

@@ -366,7 +366,11 @@ class Model(NativeHandle):
             raise ValueError(f"token {token} is not in the vocabulary of {self.path.name} ({self.n_vocab} tokens)")
 
     def detokenize(self, tokens: Sequence[int] | np.ndarray, *, special: bool = False) -> str:
+        """Token ids to text. ValueError for an id outside the vocabulary."""
         arr = np.ascontiguousarray(tokens, dtype=np.int32)
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= self.n_vocab):
+            bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+            self._check_token(bad)
         cap = max(64, len(arr) * 8)
         for _ in range(2):
             buf = ffi.new("char[]", cap)
