@@ -8,6 +8,7 @@ a timer thread to the process, handled on the main thread) and prints what it sa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -68,11 +69,12 @@ if case == "one-long-decode":
         out["after"] = int(ctx.memory.pos_max())
 
 elif case in ("image-encode", "image-prefill"):
-    side = 1344
+    side = 672
     img = (np.random.default_rng(0).random((side, side, 3)) * 255).astype(np.uint8)
     prompt = f"Look: {ps.MEDIA_MARKER} and say"
-    # The projector's flash attention off: the encode stops between graph nodes, and with it on the tiny
-    # projector's one layer is a few large nodes (a real encoder's dozens of layers are not)
+    # The encode stops between graph nodes. The projector here has 8 vision blocks, flash attention off:
+    # the tiny projector's one block is a few large nodes (its 16-wide heads make the attention's
+    # product of keys and queries half of the encode), a real encoder's dozens of layers are not.
     with ps.load(target, mmproj=mmproj, draft=draft, n_ctx=8192, n_batch=64, n_ubatch=64, n_threads=1,
                  draft_max=7, mmproj_flash_attn=False) as engine:
         # CPU seconds from the start of generate to each progress report
@@ -188,8 +190,13 @@ def test_ctrl_c_stops_one_long_decode_between_graph_nodes(tiny_dense, run_python
 
 
 @pytest.mark.parametrize("case", ["image-encode", "image-prefill"])
-def test_ctrl_c_during_an_image_prompt_reaches_the_caller_and_the_engine_goes_on(case, tiny_dense, run_python):
-    out = _run(run_python, tiny_dense, case)
+def test_ctrl_c_during_an_image_prompt_reaches_the_caller_and_the_engine_goes_on(case, tiny_dense, run_python,
+                                                                                 tmp_path):
+    from pyllama_spec.devtools import tiny
+
+    # tiny_dense's projector with 8 vision blocks (see the child's comment)
+    models = dataclasses.replace(tiny_dense, mmproj=tiny.write_mmproj(tmp_path / "mmproj-8-blocks.gguf", n_block=8))
+    out = _run(run_python, models, case)
     assert out["outcome"] == "interrupted", out  # not lost in a callback, not run to max_tokens
     if case == "image-encode":
         # Sent 30% into the encode, the interrupt came back well before the encode would have

@@ -223,6 +223,16 @@ def test_wider_widths_are_checked(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_projector_of_several_vision_blocks(tmp_path):
+    one = read_gguf_metadata(tiny.write_mmproj(tmp_path / "1.gguf"), with_tensors=True)
+    three = read_gguf_metadata(tiny.write_mmproj(tmp_path / "3.gguf", n_block=3), with_tensors=True)
+    assert (one["clip.vision.block_count"], three["clip.vision.block_count"]) == (1, 3)
+    assert "v.blk.2.ffn_down.bias" in three["__tensors__"] and "v.blk.1.attn_q.weight" not in one["__tensors__"]
+    for bad in (dict(n_block=0), dict(n_block=2, projector="qwen3vl_merger")):
+        with pytest.raises(ValueError, match="n_block"):
+            tiny.write_mmproj(tmp_path / "bad.gguf", **bad)
+
+
 def test_bench_parameter_count():
     # documented in make_bench_set; checked natively against llama.cpp's count
     assert tiny.bench_n_params() == {"target": 142_135_808, "draft": 26_745_088}

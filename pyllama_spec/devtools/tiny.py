@@ -535,7 +535,7 @@ def _add_patch_embeddings(w: GGUFWriter, r: "_Weights", n_embd: int, patch: int)
 
 def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0,
                  projector: str = "qwen2vl_merger", deepstack_layers: tuple[int, ...] = (),
-                 dtype: str = "f32", patch: int = 14) -> Path:
+                 dtype: str = "f32", patch: int = 14, n_block: int = 1) -> Path:
     """Write a tiny ``clip`` vision projector for a target of width ``target_n_embd``.
 
     ``projector``: ``qwen2vl_merger`` (one vision block, separate q/k/v) or
@@ -548,11 +548,15 @@ def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0,
     ``dtype`` ("f32" or "f16") is the storage type of its matrices (the patch and position
     embeddings, norms and biases stay f32). ``patch`` (``qwen2vl_merger`` only): the patch size,
     which sets the grid a picture is cut into (14: a 672x672 image is 576 rows over 24 positions;
-    16: 441 rows over 21; 12: 784 rows over 28).
+    16: 441 rows over 21; 12: 784 rows over 28). ``n_block`` (``qwen2vl_merger`` only): its vision
+    blocks (1; more make an encode of many small graph nodes, as a real encoder's dozens of layers do,
+    where one block's attention is a few large ones).
     """
     np_dtype = _np_dtype(dtype)
-    if patch != 14 and projector != "qwen2vl_merger":
-        raise ValueError("patch is a qwen2vl_merger setting")
+    if (patch != 14 or n_block != 1) and projector != "qwen2vl_merger":
+        raise ValueError("patch and n_block are qwen2vl_merger settings")
+    if n_block < 1:
+        raise ValueError(f"n_block must be at least 1, got {n_block}")
     if patch < 2 or patch % 2:
         raise ValueError(f"patch must be an even size >= 2, got {patch}")
     if target_n_embd <= 0:
@@ -566,22 +570,23 @@ def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0,
         raise ValueError("deepstack_layers needs projector='qwen3vl_merger'")
     n_embd, n_ff, merged = 32, 64, 32 * 4
     r = _Weights(seed + 1_000_003, std=0.05, fast=target_n_embd != TINY_N_EMBD, dtype=np_dtype)
-    w = _clip_writer("tiny-mmproj", "qwen2vl_merger", n_embd=n_embd, n_ff=n_ff, n_block=1,
+    w = _clip_writer("tiny-mmproj", "qwen2vl_merger", n_embd=n_embd, n_ff=n_ff, n_block=n_block,
                      target_n_embd=target_n_embd, image_size=448, patch=patch)
     # two patch embeddings: qwen2-vl's temporal conv split in two frames; ggml [14, 14, 3, 32]
     _add_patch_embeddings(w, r, n_embd, patch)
-    b = "v.blk.0"
-    for ln in ("ln1", "ln2"):
-        w.add_tensor(f"{b}.{ln}.weight", _ones(n_embd))
-        w.add_tensor(f"{b}.{ln}.bias", np.zeros(n_embd, np.float32))
-    for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-        w.add_tensor(f"{b}.{name}.weight", r.mat(n_embd, n_embd))
-        w.add_tensor(f"{b}.{name}.bias", r.vec(n_embd))
-    # up: ggml [n_embd, n_ff], down: ggml [n_ff, n_embd] (this orientation is not "swapped")
-    w.add_tensor(f"{b}.ffn_up.weight", r.mat(n_ff, n_embd))
-    w.add_tensor(f"{b}.ffn_up.bias", r.vec(n_ff))
-    w.add_tensor(f"{b}.ffn_down.weight", r.mat(n_embd, n_ff))
-    w.add_tensor(f"{b}.ffn_down.bias", r.vec(n_embd))
+    for i in range(n_block):
+        b = f"v.blk.{i}"
+        for ln in ("ln1", "ln2"):
+            w.add_tensor(f"{b}.{ln}.weight", _ones(n_embd))
+            w.add_tensor(f"{b}.{ln}.bias", np.zeros(n_embd, np.float32))
+        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            w.add_tensor(f"{b}.{name}.weight", r.mat(n_embd, n_embd))
+            w.add_tensor(f"{b}.{name}.bias", r.vec(n_embd))
+        # up: ggml [n_embd, n_ff], down: ggml [n_ff, n_embd] (this orientation is not "swapped")
+        w.add_tensor(f"{b}.ffn_up.weight", r.mat(n_ff, n_embd))
+        w.add_tensor(f"{b}.ffn_up.bias", r.vec(n_ff))
+        w.add_tensor(f"{b}.ffn_down.weight", r.mat(n_embd, n_ff))
+        w.add_tensor(f"{b}.ffn_down.bias", r.vec(n_embd))
     w.add_tensor("mm.0.weight", r.mat(merged, merged))
     w.add_tensor("mm.0.bias", r.vec(merged))
     w.add_tensor("mm.2.weight", r.mat(target_n_embd, merged, std=0.5))
