@@ -87,7 +87,7 @@ _REASONS = (
     (("--spec-ngram-simple-",),
      "ngram-simple here is prompt lookup with keys of 2 to 4 tokens that copies a repetition past the history's "
      "end; the n-gram map types (ngram-map-k, ngram-map-k4v) take llama-server's sizes"),
-    (("--spec-draft-p-split", "--spec-synth-", "--spec-draft-backend-sampling", "-bs",
+    (("--spec-draft-p-split", "--spec-draft-backend-sampling", "-bs",
       "--backend-sampling", "--adaptive-"),
      "that speculative or sampling option is not implemented here"),
     (("--cache-prompt",), "prompt caching is chosen per request here (cache_prompt, on by default)"),

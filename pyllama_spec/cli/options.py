@@ -108,6 +108,20 @@ def _merge_spec_types(ctx, param, values):
         raise click.BadParameter(str(e), ctx=ctx, param=param) from None
 
 
+class _FloatList(click.ParamType):
+    """A comma-separated list of numbers, as llama-server's --spec-synth-rates: 1,0.75,0.5."""
+
+    name = "P0,P1,..."
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        try:
+            return tuple(float(p) for p in str(value).split(","))
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of numbers", param, ctx)
+
+
 class _LogitBias(click.ParamType):
     """-l TOKEN_ID(+/-)BIAS, as llama-server writes it: 15043+1, 15043-1."""
 
@@ -393,6 +407,12 @@ def model_options(f):
         click.option("--draft-tree", type=click.IntRange(0, 255), default=0, show_default=True,
                      help="verify a tree of up to N drafted tokens per step instead of one chain (DFlash, "
                           "one slot, --verify match): the same tokens, more accepted at --temp > 0"),
+        click.option("--spec-synth-rates", "synth_rates", type=_FloatList(), default=None, metavar="P0,P1,...",
+                     help="benchmarks only: keep drafted position i with this unconditional rate (one per drafted "
+                          "position, non-increasing) instead of verifying it; the text is not the model's"),
+        click.option("--spec-synth-len", "synth_len", type=float, default=None, metavar="L",
+                     help="benchmarks only: keep drafts at random for this mean accepted length, the target's own "
+                          "token included; the text is not the model's"),
         click.option("--verify", type=click.Choice(["match", "rejection"]), default="match", show_default=True,
                      help="acceptance at temperature > 0: rejection sampling, or llama.cpp's exact match"),
         click.option("-fa", "--flash-attn", type=click.Choice(["on", "off", "auto"]), default=None,
@@ -470,7 +490,8 @@ def _load_engine(o: dict):
         o = {**o, "use_mmap": mode in ("auto", "mmap", "mmap+mlock"), "use_mlock": "mlock" in mode}
     kwargs = dict(n_ctx=o["n_ctx"], n_batch=o["n_batch"], n_ubatch=min(o["n_ubatch"], o["n_batch"]),
                   n_gpu_layers=o["n_gpu_layers"], draft_max=o["draft_max"], draft_positions=o["draft_positions"],
-                  verify=o["verify"], draft_tree=o["draft_tree"], flash_attn=flash, mmproj_flash_attn=mmproj_flash,
+                  verify=o["verify"], draft_tree=o["draft_tree"], synth_rates=o.get("synth_rates") or (),
+                  synth_len=o.get("synth_len"), flash_attn=flash, mmproj_flash_attn=mmproj_flash,
                   n_threads=o["n_threads"],
                   n_threads_batch=o["n_threads_batch"], draft_n_gpu_layers=o["n_gpu_layers_draft"],
                   cache_type_k=o["cache_type_k"], cache_type_v=o["cache_type_v"],

@@ -98,9 +98,6 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "unit/test_router.py::test_router_chat_completion_stream[non-existent/model-False]": "serve without -m serves "
                                                                                          "the embedded pair, not a "
                                                                                          "router",
-    "unit/test_speculative.py::test_with_and_without_draft": "--spec-synth-rates (accepting drafts at random, for "
-                                                             "benchmarks) is accepted and ignored here",
-    "unit/test_speculative.py::test_synth_ignores_target_tokens": "--spec-synth-rates is accepted and ignored here",
     "unit/test_completion.py::test_n_probs_post_sampling": "post_sampling_probs at temperature > 0 is a 400 here: "
                                                            "the sampler's candidates are not read back yet",
     "unit/test_compat_anthropic.py::test_anthropic_empty_messages": "an empty messages list is a 400 here: there is "

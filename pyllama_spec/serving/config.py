@@ -15,6 +15,7 @@ from pyllama_spec.drafters.registry import (
     method,
     methods,
 )
+from pyllama_spec.speculative.synthetic import check_rates
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,11 @@ class EngineConfig:
     # At temperature > 0: llama.cpp's exact "match" (the default until rejection sampling's gain is
     # consistent: see bench/RESULTS.md), or "rejection" sampling.
     verify: str = "match"
+    # llama-server's --spec-synth-rates / --spec-synth-len, for benchmarks only: drafts kept at these
+    # rates (one per drafted position) or at this mean acceptance length, not by the target, so the
+    # text is not the model's (speculative/synthetic.py)
+    synth_rates: Sequence[float] = ()
+    synth_len: float | None = None
     flash_attn: bool | None = False
     # The projector's flash attention: None (auto, llama-server's default) where the target's stays off.
     # Speculative output stays target-only's whatever it is (the target and its drafts read the same
@@ -151,6 +157,7 @@ class EngineConfig:
             raise ValueError(f"n_parallel ({c.n_parallel}) cannot exceed n_batch ({c.n_batch}): every "
                              "slot's verify rows go in one target batch")
         _check_draft_tree(c)
+        _check_synthetic(c)
         return c
 
 
@@ -174,6 +181,8 @@ class LoadOptions(TypedDict, total=False):
     draft_positions: str
     draft_tree: int
     verify: str
+    synth_rates: Sequence[float]
+    synth_len: float | None
     flash_attn: bool | None
     mmproj_flash_attn: bool | None
     n_threads: int | None
@@ -261,3 +270,19 @@ def check_tree_settings(draft_max, verify: str) -> None:
     if verify == "rejection":
         raise ValueError('draft_tree verifies with the "match" rule; rejection sampling over a tree is '
                          'not implemented (pass draft_tree=0 or verify="match")')
+
+
+def _check_synthetic(c: EngineConfig) -> None:
+    """Synthetic acceptance's checks that need no drafter (the count of rates needs its draft length:
+    the Engine checks it once the drafter is made)."""
+    if not c.synth_rates and c.synth_len is None:
+        return
+    if c.synth_rates and c.synth_len is not None:
+        raise ValueError("synthetic acceptance length and rates are mutually exclusive (synth_len, synth_rates)")
+    check_rates([float(r) for r in c.synth_rates])
+    if method(c.spec_type) is None:
+        raise ValueError("synthetic acceptance (synth_rates, synth_len) needs a drafter: a spec_type other than "
+                         "'none'")
+    if c.draft_tree:
+        raise ValueError("synthetic acceptance keeps drafts of a chain at random; a draft tree is verified by the "
+                         "target's own tokens: set draft_tree=0 or leave synth_rates and synth_len out")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import warnings
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
@@ -52,6 +53,7 @@ from pyllama_spec.speculative.media import check_draft_projector
 from pyllama_spec.speculative.positions import SequencePositions
 from pyllama_spec.speculative import sequence
 from pyllama_spec.speculative.stats import GenerationStats
+from pyllama_spec.speculative.synthetic import conditional_probabilities, synthetic_rates
 
 if TYPE_CHECKING:  # (typing.Unpack from Python 3.11; the annotations are strings at run time)
     from typing_extensions import Unpack
@@ -163,6 +165,9 @@ class Engine:
         self.lora = EngineAdapters()
         #: The chat templates with the chat settings (serving/chat_template.py); made once the model is loaded.
         self.chat: ChatRenderer | None = None
+        #: Synthetic acceptance's chance of keeping each drafted position (speculative/synthetic.py: the
+        #: benchmark mode of --spec-synth-rates / --spec-synth-len), or () where drafts are verified.
+        self.synthetic_probs: tuple[float, ...] = ()
         plan = plan_load(config, self.method)
         self.config, self.placement, self.memory_estimate = plan.config, plan.placement, plan.memory_estimate
         self.model = Model(config.model, n_gpu_layers=config.n_gpu_layers, use_mmap=config.use_mmap,
@@ -171,6 +176,7 @@ class Engine:
         try:
             self.chat = ChatRenderer(self.model, _chat_settings(config))  # checks the template, as llama-server
             self._open()
+            self.synthetic_probs = self._synthetic_probs()
             #: The prompt's text, images and parts, with the fit check (serving/prompt_parts.py).
             self.prompts = PromptParts(self.model, self.projector, self.draft_projector, self.chat, self.ctx,
                                        config.n_parallel)
@@ -198,6 +204,16 @@ class Engine:
             self.resolve(RequestOptions(prompt=""))
         except (ValueError, TypeError) as e:
             raise ValueError(f"the sampling defaults are not valid: {e}") from None
+
+    def _synthetic_probs(self) -> tuple[float, ...]:
+        c = self.config
+        if not c.synth_rates and c.synth_len is None:
+            return ()
+        rates = synthetic_rates(c.synth_rates, c.synth_len, n_max=self.drafter.n_max if self.drafter else 0)
+        rates_text = ", ".join(f"{r:.6g}" for r in rates)
+        warnings.warn(f"synthetic speculative acceptance is on, for benchmarking: drafts are kept at random "
+                      f"(rates {rates_text}), so the generated text is not the model's", stacklevel=2)
+        return conditional_probabilities(rates)
 
     def _load_draft_model(self) -> Model:
         c = self.config

@@ -17,6 +17,7 @@ from pyllama_spec.serving.request import Request
 from pyllama_spec.speculative.draft_length import AdaptiveLength, FixedLength
 from pyllama_spec.speculative.generation import Generation
 from pyllama_spec.speculative.stats import GenerationStats
+from pyllama_spec.speculative.synthetic import SyntheticVerifier
 from pyllama_spec.speculative.verify import MatchVerifier, RejectionVerifier
 
 
@@ -61,8 +62,12 @@ class PreparedGeneration:
             self._sampler = Sampler(e.model, seed=r.seed, **dataclasses.asdict(params))
             # rejection sampling's numpy chain has no grammar or budget: a chat's constraint verifies by "match"
             rejection = r.draft.verify == "rejection" and not params.greedy and not params.chat_constrained
-            verifier = (RejectionVerifier(params, r.seed, e.model.n_vocab) if rejection
-                        else MatchVerifier(self._sampler))
+            if e.synthetic_probs:  # the benchmark mode: drafts kept at random (speculative/synthetic.py)
+                verifier = SyntheticVerifier(self._sampler, e.synthetic_probs, r.seed, frozenset(e.model.eog_tokens))
+            elif rejection:
+                verifier = RejectionVerifier(params, r.seed, e.model.n_vocab)
+            else:
+                verifier = MatchVerifier(self._sampler)
             # One cost of a step per engine: its slots share each step, and requests share the hardware.
             if r.draft.n_max == "auto":
                 length = AdaptiveLength(AdaptiveLength.START, e.drafter.n_max_limit, cost=e.step_cost)
