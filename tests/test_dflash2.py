@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import TINY_ENGINE
+from conftest import LLAMA_SERVER, N_THREADS, TINY_ENGINE, needs_llama_server
 
 import pyllama_spec
 import pyllama_spec.serving.engine
@@ -198,6 +198,39 @@ def _random_lattice(rng: np.random.Generator, n: int) -> np.ndarray:
         lattice[i, :K] = rng.choice(tiny.N_VOCAB, K, replace=False)
         lattice[i, K:K + K * K] = rng.standard_normal(K * K)
     return lattice
+
+
+@needs_llama_server
+def test_dflash2_drafts_and_accepts_what_llama_servers_draft_dflash_does(tiny_dflash2):
+    """On text, greedy, against llama-server's draft-dflash on the same files: the same text and the
+    same drafted and accepted counts, prompt by prompt (the lattice walk picks the same tokens)."""
+    from serving import LocalServer
+    from serving import http as post
+
+    from pyllama_spec.devtools.servers import running_server
+    from pyllama_spec.server import ServerSettings
+
+    def answers(url: str) -> list[tuple[str, int, int]]:
+        out = []
+        for prompt in ("Describe the picture now", "the quick brown fox", "one two three four five"):
+            status, body = post(url, "/completion", {"prompt": prompt, "n_predict": 64, "temperature": 0,
+                                                     "cache_prompt": False})
+            assert status == 200, body
+            out.append((body["content"], body["timings"]["draft_n"], body["timings"]["draft_n_accepted"]))
+        return out
+
+    m = tiny_dflash2
+    e = TINY_ENGINE
+    args = ["-m", str(m.target), "-md", str(m.draft), "--spec-type", "draft-dflash", "--spec-draft-n-max",
+            str(DRAFT_MAX), "-c", "2048", "-b", str(e["n_batch"]), "-ub", str(e["n_ubatch"]), "-np", "1",
+            "-t", str(N_THREADS), "-fa", "off", "--no-warmup"]
+    with running_server([str(LLAMA_SERVER), *args]) as url:
+        theirs = answers(url)
+    with _engine(m, draft=m.draft, n_ctx=2048) as engine, LocalServer(engine, ServerSettings()) as ours:
+        assert engine.drafter.config.is_dflash2
+        mine = answers(ours.url)
+    assert mine == theirs
+    assert sum(d for _, d, _ in mine) > 0 and sum(a for _, _, a in mine) > 0
 
 
 def test_read_lattice_walks_rows_and_predecessors_as_upstream():

@@ -79,6 +79,31 @@ def test_the_same_drafts_as_llama_server_on_the_same_file(spec_type, pair, stati
     assert sum(d for _, d, _ in mine) > 200 and sum(a for _, _, a in mine) > 100
 
 
+@needs_llama_server
+@pytest.mark.parametrize(("spec_type", "draft", "draft_max"), [
+    ("ngram-mod,draft-simple", "trained-draft-vlm.gguf", 5),
+    ("ngram-map-k,draft-dflash", "trained-draft.gguf", 7),
+    ("ngram-map-k4v,draft-eagle3", "trained-eagle3.gguf", 5),
+])
+def test_a_list_with_a_draft_type_drafts_what_llama_servers_does(spec_type, draft, draft_max, pair):
+    """An n-gram type first, then the draft file's type when it finds nothing (llama.cpp's priority
+    order): the same text, drafts and acceptance as llama-server's on the same files."""
+    from serving import LocalServer
+
+    from pyllama_spec.embedded import MODELS_DIR
+    from pyllama_spec.server import ServerSettings
+
+    args = ["-m", str(pair.target), "-md", str(MODELS_DIR / draft), "--spec-type", spec_type, "--spec-draft-n-max",
+            str(draft_max), "-c", "4096", "-np", "1", "-t", "2"]
+    with running_server([str(LLAMA_SERVER), *args, "-fa", "off", "--no-warmup"]) as url:
+        theirs = _answers(url)
+    with ps.load(pair.target, draft=MODELS_DIR / draft, spec_type=spec_type, draft_max=draft_max, n_ctx=4096,
+                 n_threads=2) as engine, LocalServer(engine, ServerSettings()) as ours:
+        mine = _answers(ours.url)
+    assert mine == theirs
+    assert sum(a for _, _, a in mine) > 300
+
+
 # --------------------------------------------------------------------------- lossless
 
 @pytest.mark.parametrize("spec_type", [*TYPES, "ngram-map-k4v,draft-dflash"])
