@@ -241,8 +241,11 @@ def canonical_spec_type(spec_type: str) -> str:
     ordered = sorted(chosen, key=lambda n: PRIORITY.index(n) if n in PRIORITY else len(PRIORITY))
     drafts = [n for n in ordered if not _BY_NAME[n].ngram_family]
     if len(drafts) > 1:
+        # llama-server accepts such a list but gives every draft type its one draft context: on the same
+        # files it answers 500 ("failed to process speculative batch"), aborts, or stops drafting
         raise ValueError(f"spec_type {spec_type!r} names {' and '.join(drafts)}: one method with a draft or head "
-                         "at a time (n-gram types may go before it)")
+                         "at a time (n-gram types may go before it); llama-server shares one draft context "
+                         "between such types, and fails on them")
     return ",".join(ordered)
 
 
