@@ -106,9 +106,13 @@ KNOWN_DIFFERENCES: dict[str, str] = {
                                                                             "projector is a 400 here (a 500 there)",
     "unit/test_compat_anthropic.py::test_anthropic_tool_result_with_image": "an image sent to a server without a "
                                                                             "projector is a 400 here (a 500 there)",
-    "unit/test_compat_oai_responses.py::test_responses_stream_with_llama_telemetry": "the Responses stream does "
-                                                                                     "not carry return_progress and "
-                                                                                     "timings_per_token yet",
+    "unit/test_compat_oai_responses.py::test_responses_stream_with_llama_telemetry": "a Responses stream cut by "
+                                                                                     "max_output_tokens ends with "
+                                                                                     "OpenAI's response.incomplete "
+                                                                                     "(status incomplete), where "
+                                                                                     "llama-server sends "
+                                                                                     "response.completed; its progress "
+                                                                                     "and per-token timings are sent",
 }
 
 
