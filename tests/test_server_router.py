@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -513,6 +514,118 @@ def test_a_model_that_ignores_sigterm_is_killed_after_its_stop_timeout(tmp_path)
         server.should_exit = True
         thread.join(timeout=30)
     assert not thread.is_alive()
+
+
+# --------------------------------------------------------------------------- reloading the preset
+
+
+def _reload(served: Served) -> httpx.Response:
+    """llama-server's reload: GET /models?reload=1 (any value) reads the preset file again."""
+    return httpx.get(served.url + "/models", params={"reload": "1"}, timeout=60)
+
+
+def _reload_preset(*sections: str) -> str:
+    return f"[*]\nthreads = {N_THREADS}\nctx-size = 1024\nno-warmup = true\n\n" + "".join(sections)
+
+
+def test_reload_removes_keeps_and_adds_models_as_the_preset_file_now_says(tiny_dense, tiny_hybrid, tmp_path):
+    path = tmp_path / "reload.ini"
+    path.write_text(_reload_preset(_section("a", model=tiny_dense.target),
+                                   _section("b", model=tiny_hybrid.target, alias="bee")))
+    served = Served(["--models-preset", str(path)], tmp_path)
+    try:
+        for name in ("a", "b"):
+            assert _post(served.url, "/models/load", {"model": name}).json() == {"success": True}
+            served.wait_status(name, "loaded")
+        a_pid, b_pid = _child_of_model(served.proc.pid, "a"), _child_of_model(served.proc.pid, "b")
+        # a removed; b kept (a new alias only: its process is the same); c added, and d, a Hub model
+        path.write_text(_reload_preset(_section("b", model=tiny_hybrid.target, alias="bee,bz"),
+                                       _section("c", model=tiny_dense.target),
+                                       _section("d", **{"hf-repo": "ggml-org/test-model-stories260K"})))
+        with httpx.stream("GET", served.url + "/models/sse", timeout=60) as events:
+            r = _reload(served)
+            assert r.status_code == 200, r.text
+            seen = [json.loads(ln[6:]) for ln in itertools.takewhile(lambda ln: "models_reload" not in ln,
+                                                                     events.iter_lines()) if ln.startswith("data: ")]
+        assert {"model": "a", "event": "status_change", "data": {"status": "unloaded", "exit_code": 0}} in seen
+        listed = {m["id"]: m for m in r.json()["data"]}
+        assert list(listed) == ["b", "c", "d"] and list(served.models()) == ["b", "c", "d"]
+        assert not _alive(a_pid), "the removed model's process still runs"
+        assert listed["b"]["status"]["value"] == "loaded" and listed["b"]["aliases"] == ["bee", "bz"]
+        assert _child_of_model(served.proc.pid, "b") == b_pid  # never restarted
+        assert listed["c"]["status"]["value"] == listed["d"]["status"]["value"] == "unloaded"
+        # requests follow the new list
+        r = _post(served.url, "/completion", {"model": "a", "prompt": "x", "n_predict": 2})
+        assert r.status_code == 400 and r.json()["error"]["message"] == "model 'a' not found"
+        for name in ("bz", "c"):
+            r = _post(served.url, "/completion", {"model": name, "prompt": "x", "n_predict": 2})
+            assert r.status_code == 200, r.text
+        r = _post(served.url, "/completion", {"model": "d", "prompt": "x", "n_predict": 2})
+        assert r.status_code == 500 and "nothing is downloaded here" in r.json()["error"]["message"]
+    finally:
+        served.stop()
+
+
+def test_a_preset_that_cannot_be_served_on_reload_is_a_500_and_the_models_stay(tiny_dense, tiny_hybrid, tmp_path):
+    path = tmp_path / "reload.ini"
+    good = _reload_preset(_section("a", model=tiny_dense.target),
+                          _section("b", model=tiny_hybrid.target))
+    path.write_text(good)
+    served = Served(["--models-preset", str(path)], tmp_path)
+    try:
+        assert _post(served.url, "/models/load", {"model": "b"}).json() == {"success": True}
+        served.wait_status("b", "loaded")
+        b_pid = _child_of_model(served.proc.pid, "b")
+        broken = {"[a\nmodel = x\n": "not an INI file", "[a]\nno-such-key = 1\n": "no-such-key",
+                  "[a]\nctx-size = 64\n": "gives no model file",
+                  _reload_preset(_section("a", model=tiny_dense.target, alias="b"),
+                                 _section("b", model=tiny_hybrid.target)): "alias 'b' of model 'a' is already the name"}
+        for text, message in broken.items():
+            path.write_text(text)
+            r = _reload(served)
+            assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+            assert message in r.json()["error"]["message"]
+            assert list(served.models()) == ["a", "b"]
+        path.unlink()
+        r = _reload(served)
+        assert r.status_code == 500 and "cannot read the preset file" in r.json()["error"]["message"]
+        # the server went on serving, b's process untouched; a good file is read again
+        assert _post(served.url, "/completion", {"model": "b", "prompt": "x", "n_predict": 2}).status_code == 200
+        assert _child_of_model(served.proc.pid, "b") == b_pid
+        path.write_text(good + _section("e", model=tiny_dense.target))
+        assert [m["id"] for m in _reload(served).json()["data"]] == ["a", "b", "e"]
+    finally:
+        served.stop()
+
+
+def test_a_reload_while_a_model_loads_keeps_it_or_restarts_it_with_the_new_arguments(tiny_dense, tmp_path):
+    path = tmp_path / "reload.ini"
+    path.write_text(_reload_preset(_section("a", model=tiny_dense.target)))
+    served = Served(["--models-preset", str(path)], tmp_path)
+    try:
+        # unchanged: the loading process is kept and finishes loading
+        assert _post(served.url, "/models/load", {"model": "a"}).json() == {"success": True}
+        pid = _until(lambda: next(iter(_children(served.proc.pid)), None), 10, "a's process")
+        r = _reload(served)
+        assert r.status_code == 200 and r.json()["data"][0]["status"]["value"] == "loading"
+        served.wait_status("a", "loaded")
+        assert _child_of_model(served.proc.pid, "a") == pid
+        # changed while a request waits for it to load: stopped, started again with the new
+        # arguments, and the request answered
+        assert _post(served.url, "/models/unload", {"model": "a"}).json() == {"success": True}
+        served.wait_status("a", "unloaded")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(_post, served.url, "/completion", {"model": "a", "prompt": "x", "n_predict": 2})
+            _until(lambda: served.status("a")["value"] == "loading", 30, "a loading")
+            path.write_text(_reload_preset(_section("a", model=tiny_dense.target, c=512)))
+            r = _reload(served)
+            assert r.status_code == 200, r.text
+            assert "failed" not in r.json()["data"][0]["status"]  # stopped by the reload, not crashed
+            assert answer.result(timeout=60).status_code == 200
+        args = served.status("a")["args"]
+        assert ("--ctx-size", "512") in zip(args, args[1:])  # the section's value, after [*]'s 1024
+    finally:
+        served.stop()
 
 
 # --------------------------------------------------------------------------- shutdown

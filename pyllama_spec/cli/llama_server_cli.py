@@ -264,6 +264,21 @@ def _names(value: str) -> tuple[str, ...]:
     return tuple(sorted({v.strip() for v in value.split(",") if v.strip()}))
 
 
+#: Keys that name a model to download (by llama-server's environment names).
+_DOWNLOAD_KEYS = ("LLAMA_ARG_HF_REPO", "LLAMA_ARG_MODEL_URL", "LLAMA_ARG_DOCKER_REPO")
+
+
+def _download_only(source: str, final: dict) -> str:
+    """The warning for a section with no model file: one that names a model to download is listed
+    (llama-server lists it before it is downloaded) and its load fails saying why; one that names
+    no model at all is a PresetError."""
+    key = next((k for f, (k, _) in final.items() if f.env in _DOWNLOAD_KEYS), None)
+    if key is None:
+        raise PresetError(f"{source} gives no model file (model = PATH): this server loads local files only")
+    return (f"{source} names a model to download ({key}) and no model file: it is listed, but loading it fails "
+            "(nothing is downloaded here; give model = PATH)")
+
+
 def router_presets(path: str | os.PathLike) -> list[RouterPreset]:
     """Every model of a preset file, by name, as llama-server's router reads it: the section's
     keys ([*] merged) as ``serve`` arguments, less the ones the router keeps (alias, tags,
@@ -286,7 +301,7 @@ def router_presets(path: str | os.PathLike) -> list[RouterPreset]:
         args, more = preset_args(kept, source)
         given = {f.env: v for f, (_, v) in final.items() if f.env}  # by environment name
         if given.get("LLAMA_ARG_MODEL") is None:
-            raise PresetError(f"{source} gives no model file (model = PATH): this server loads local files only")
+            warnings.append(_download_only(source, final))
         timeout = given.get("__PRESET_STOP_TIMEOUT")
         try:
             stop_timeout = DEFAULT_STOP_TIMEOUT if timeout is None else int(timeout)

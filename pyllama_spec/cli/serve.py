@@ -8,6 +8,7 @@ preset file a model served by name, in a ``serve`` process of its own (server/ro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -91,12 +92,13 @@ class LlamaServerCommand(ModelCommand):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         accepted = self.accepted(ctx)
         _flags_that_stop(ctx, [llama_server_cli.normalised(a) for a in args])
-        args, presets, preset_warnings = _preset_mode([llama_server_cli.normalised(a) for a in args])
+        args, preset, preset_warnings = _preset_mode([llama_server_cli.normalised(a) for a in args])
         args, warnings = llama_server_cli.translate(args, accepted)
         for w in [*preset_warnings, *warnings, *llama_server_cli.ignored_environment(accepted)]:
             err_console.print(f"[yellow]warning: {w}[/yellow]", soft_wrap=True)
-        if presets is not None:
-            ctx.meta[_ROUTER_PLAN] = RouterPlan(presets, _for_children(args, accepted))
+        if preset is not None:
+            path, presets = preset
+            ctx.meta[_ROUTER_PLAN] = RouterPlan(presets, _for_children(args, accepted), path)
         return super().parse_args(ctx, args)
 
 
@@ -109,10 +111,12 @@ _ROUTER_OWN = ("--host", "--port", "--api-key", "--api-key-file", "-a", "--alias
 @dataclasses.dataclass(frozen=True)
 class RouterPlan:
     """What a router serves: the preset's models, and the router's command-line arguments that
-    every model's process takes after its section's (so they override it, as in llama-server)."""
+    every model's process takes after its section's (so they override it, as in llama-server);
+    ``path``: the preset file, read again on GET /models?reload=1."""
 
     presets: list[llama_server_cli.RouterPreset]
     common_args: list[str]
+    path: str = ""
 
 
 def router_plan(ctx: click.Context) -> RouterPlan | None:
@@ -120,9 +124,9 @@ def router_plan(ctx: click.Context) -> RouterPlan | None:
     return ctx.meta.get(_ROUTER_PLAN)
 
 
-def _preset_mode(args: list[str]) -> tuple[list[str], list | None, list[str]]:
-    """``args`` without --models-preset FILE (or LLAMA_ARG_MODELS_PRESET), the file's models when
-    they make this a router (no -m: llama-server's rule, server.cpp), and warnings."""
+def _preset_mode(args: list[str]) -> tuple[list[str], tuple[str, list] | None, list[str]]:
+    """``args`` without --models-preset FILE (or LLAMA_ARG_MODELS_PRESET), the file and its models
+    when they make this a router (no -m: llama-server's rule, server.cpp), and warnings."""
     path, rest, i = os.environ.get("LLAMA_ARG_MODELS_PRESET"), [], 0
     while i < len(args):
         if args[i] == "--models-preset" and i + 1 < len(args):
@@ -143,7 +147,7 @@ def _preset_mode(args: list[str]) -> tuple[list[str], list | None, list[str]]:
         raise click.UsageError(str(e)) from None
     if not presets:
         raise click.UsageError(f"the preset file {path} has no models")
-    return rest, presets, [w for p in presets for w in p.warnings]
+    return rest, (path, presets), [w for p in presets for w in p.warnings]
 
 
 def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
@@ -304,17 +308,15 @@ def serve(host, port, api_key, api_key_file, alias, tags, parallel, max_queue, a
 def _serve_router(plan: RouterPlan, *, host: list[str], port: int, keys: list[str], models_max: int, autoload: bool,
                   max_body_bytes: int, body_timeout: float, origins) -> None:
     from pyllama_spec.server.router.app import create_router_app
-    from pyllama_spec.server.router.pool import ModelSpec, RouterSettings, input_modalities
+    from pyllama_spec.server.router.pool import RouterSettings
     from pyllama_spec.server.run import serve as serve_app
 
-    specs = [ModelSpec(name=p.name, args=llama_server_cli.last_spec_type_only((*p.args, *plan.common_args)),
-                       aliases=p.aliases, tags=p.tags, load_on_startup=p.load_on_startup, stop_timeout=p.stop_timeout,
-                       preset=p.ini, input_modalities=input_modalities(p.mmproj)) for p in plan.presets]
+    specs = _model_specs(plan.presets, plan.common_args)
     settings = RouterSettings(models_max=models_max, autoload=autoload, api_key=",".join(keys) or None,
                               max_body_bytes=max_body_bytes, body_timeout=body_timeout, router_port=port,
                               cors_origins=origins)
     try:
-        app = create_router_app(specs, settings)
+        app = create_router_app(specs, settings, read_again=functools.partial(_read_preset_again, plan))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     names = ", ".join(s.name + (" (on startup)" if s.load_on_startup else "") for s in specs)
@@ -327,6 +329,25 @@ def _serve_router(plan: RouterPlan, *, host: list[str], port: int, keys: list[st
     except OSError as e:  # an address that cannot be listened on (in use, not this machine's)
         err_console.print(f"[red]error:[/red] {e.strerror or e}")
         sys.exit(1)
+
+
+def _model_specs(presets: list[llama_server_cli.RouterPreset], common_args: list[str]) -> list:
+    """The router's models (pool.ModelSpec): each section's arguments, then the router's own."""
+    from pyllama_spec.server.router.pool import ModelSpec, input_modalities
+
+    return [ModelSpec(name=p.name, args=llama_server_cli.last_spec_type_only((*p.args, *common_args)),
+                      aliases=p.aliases, tags=p.tags, load_on_startup=p.load_on_startup, stop_timeout=p.stop_timeout,
+                      preset=p.ini, input_modalities=input_modalities(p.mmproj)) for p in presets]
+
+
+def _read_preset_again(plan: RouterPlan) -> list:
+    """The router's models as its preset file says now (GET /models?reload=1), with the same
+    command-line arguments as at start; a PresetError for a file that cannot be served. Its
+    warnings go to the log (the console's banner is long gone)."""
+    presets = llama_server_cli.router_presets(plan.path)
+    for w in (w for p in presets for w in p.warnings):
+        logging.getLogger("pyllama_spec.server.router").warning(w)
+    return _model_specs(presets, plan.common_args)
 
 
 def _csv(value: str | None) -> list[str]:

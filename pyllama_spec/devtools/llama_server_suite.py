@@ -93,8 +93,6 @@ KNOWN_DIFFERENCES: dict[str, str] = {
                                               "its router is --models-preset without -m",
     "unit/test_router.py::test_router_delete_model": "the router's Hub cache (downloads, deleting them) is not "
                                                      "here: nothing is downloaded",
-    "unit/test_router.py::test_router_reload_models": "POST /models/reload (reading the preset file again) is not "
-                                                      "implemented yet",
     "unit/test_router.py::test_router_chat_completion_stream[non-existent/model-False]": "serve without -m serves "
                                                                                          "the embedded pair, not a "
                                                                                          "router",

@@ -22,6 +22,11 @@ llama-server does (tools/server/server-models.cpp of the pin). The router loads 
 - the router checks the API key; each child takes a random key of its own that only the router
   knows, and listens on 127.0.0.1 only. A child whose router dies (its stdin closes) exits.
 
+- ``GET /models?reload=1`` reads the preset file again, as llama-server does: a model gone from
+  it disappears (stopped first if it runs), a running one whose section changed is stopped, an
+  unchanged one keeps running, a new one is listed unloaded; a file that cannot be served is a
+  500 and the models stay as they were. A request for a model waits while a reload stops models.
+
 Routes: ``GET /models`` and ``/v1/models`` (every model with its status), ``POST /models/load``,
 ``POST /models/unload``, ``GET /models/sse`` (status events), ``/health``, ``GET /props`` (the
 router's, or a model's with ``?model=``) and llama-server's model routes, proxied.

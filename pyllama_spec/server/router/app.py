@@ -3,8 +3,10 @@ events, /health, /props) and llama-server's model routes, proxied to the model a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -38,10 +40,13 @@ PROXIED_POST = ("/props", "/completion", "/completions", "/v1/completions", "/ch
 PROXIED_GET = ("/metrics", "/lora-adapters", "/slots")
 
 
-def create_router_app(specs: list[ModelSpec], settings: RouterSettings) -> Starlette:
+def create_router_app(specs: list[ModelSpec], settings: RouterSettings,
+                      read_again: Callable[[], list[ModelSpec]] | None = None) -> Starlette:
     """The router's ASGI app; its lifespan starts the load-on-startup models and stops every
     child on shutdown. Raises ValueError for a preset it cannot serve (alias clashes, more
-    load-on-startup models than --models-max)."""
+    load-on-startup models than --models-max). ``read_again``: the models as the preset file
+    says now, for GET /models?reload=1 (a ValueError for a file that cannot be served); None:
+    the models never change."""
     router = Router(specs, settings)
 
     def route(path: str, methods: list[str], handler) -> Route:
@@ -89,7 +94,21 @@ def create_router_app(specs: list[ModelSpec], settings: RouterSettings) -> Starl
     async def proxy_get(request: Request) -> Response:
         return proxied(request, find(request.query_params.get("model", "")), b"")
 
+    async def reload() -> None:
+        """Read the preset file again and serve what it says now (llama-server's GET
+        /models?reload=1). A file that cannot be read or served is a 500 with llama-server's
+        error type, and the models stay as they were."""
+        if read_again is None:
+            return
+        try:
+            specs = await asyncio.to_thread(read_again)  # file reads (GGUF headers too): off the event loop
+            await router.reload(specs)
+        except ValueError as e:  # a PresetError, or names that clash
+            raise APIError(500, str(e), type="server_error", code="preset_invalid") from None
+
     async def models(request: Request) -> Response:
+        if request.query_params.get("reload", ""):  # any value, as in llama-server
+            await reload()
         now = int(time.time())
         return JSONResponse({"data": [router.entry(m, now) for m in router.models.values()], "object": "list"})
 

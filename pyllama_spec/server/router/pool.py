@@ -71,6 +71,7 @@ class ModelState:
     last_used: float = 0.0
     requests: int = 0  # requests being proxied to it now
     info: dict = dataclasses.field(default_factory=dict)  # the child's /v1/models entry
+    removed: bool = False  # gone from the preset file (a reload): requests still holding it get a 400
 
     @property
     def running(self) -> bool:
@@ -94,12 +95,7 @@ class Router:
     def __init__(self, specs: list[ModelSpec], settings: RouterSettings) -> None:
         self.settings = settings
         self.models: dict[str, ModelState] = {s.name: ModelState(s) for s in sorted(specs, key=lambda s: s.name)}
-        self.names: dict[str, ModelState] = dict(self.models)
-        for m in self.models.values():
-            for alias in m.spec.aliases:
-                if self.names.get(alias, m) is not m:
-                    raise ValueError(f"alias '{alias}' of model '{m.spec.name}' is already the name of a model")
-                self.names[alias] = m
+        self.names: dict[str, ModelState] = {n: self.models[to] for n, to in _names(specs).items()}
         startup = [m for m in self.models.values() if m.spec.load_on_startup]
         if settings.models_max > 0 and len(startup) > settings.models_max:
             raise ValueError(f"number of models to load on startup ({len(startup)}) exceeds models_max "
@@ -108,7 +104,10 @@ class Router:
             m.args = command(settings.child_command, m.spec.args, m.spec.name, 0)
         self.closing = False
         self.client: httpx.AsyncClient | None = None
-        self._wanted: collections.OrderedDict[str, int] = collections.OrderedDict()  # waiting requests by model
+        # waiting requests by model (the state, not its name: a reload may replace a name's model)
+        self._wanted: collections.OrderedDict[ModelState, int] = collections.OrderedDict()
+        self.reloading = False  # a reload is stopping models: no model is started meanwhile
+        self._reload_lock = asyncio.Lock()  # one reload at a time
         self._changed: asyncio.Event | None = None  # made on the loop, by start()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._subscribers: set[_Subscriber] = set()
@@ -222,7 +221,7 @@ class Router:
     def _victim(self) -> ModelState | None:
         """The least recently used model that is loaded, idle, not stopping and not wanted."""
         idle = [m for m in self.models.values()
-                if m.status == LOADED and not m.requests and not m.stopping and m.spec.name not in self._wanted]
+                if m.status == LOADED and not m.requests and not m.stopping and m not in self._wanted]
         return min(idle, key=lambda m: m.last_used, default=None)
 
     def _make_room(self) -> None:
@@ -230,7 +229,7 @@ class Router:
         (llama-server's server_lru_sched::tick)."""
         if self.settings.models_max <= 0:
             return
-        needed = sum(1 for n in self._wanted if not self.models[n].running or self.models[n].stopping)
+        needed = sum(1 for w in self._wanted if not w.removed and (not w.running or w.stopping))
         stopping = sum(m.running and m.stopping for m in self.models.values())
         free = self.settings.models_max - self._n_running() + stopping
         while free < needed:
@@ -241,54 +240,66 @@ class Router:
             self._request_stop(victim)
             free += 1
 
-    def _first_waiting(self) -> str | None:
+    def _first_waiting(self) -> ModelState | None:
         """The model whose turn it is to start: the first wanted one that is not running."""
-        return next((n for n in self._wanted if not self.models[n].running), None)
+        return next((w for w in self._wanted if not w.running and not w.removed), None)
 
     async def ensure_ready(self, m: ModelState) -> None:
         """Return once ``m`` is loaded, starting it (and making room) if needed; raises the
         error its request gets when it cannot be loaded."""
         if m.status == LOADED and not m.stopping:
             return
-        name = m.spec.name
-        self._wanted[name] = self._wanted.get(name, 0) + 1
+        self._wanted[m] = self._wanted.get(m, 0) + 1
         started = seen_loading = False
+        spec = m.spec  # the arguments it is started with; a reload may change them
         try:
             while True:
                 if self.closing:
                     raise APIError(503, "the server is stopping", type="unavailable_error", code="stopping")
-                if not m.stopping:
+                if m.removed:
+                    raise not_found(m)
+                # during a reload nothing is judged or started: the preset is about to change
+                if not m.stopping and not self.reloading:
                     if m.status == LOADED:
                         return
                     if m.status == LOADING:
                         seen_loading = True
+                    elif (started or seen_loading) and m.spec is not spec:
+                        # a reload stopped it to change its arguments: start it again with the new ones
+                        started = seen_loading = False
+                        spec = m.spec
+                        continue
                     elif started or seen_loading:  # it was started and came back down
                         if m.failed:
                             raise load_failed(m)
                         raise not_running(m)
-                    elif self._first_waiting() == name and self._has_capacity():
+                    elif self._first_waiting() is m and self._has_capacity():
                         self._spawn(m)
                         started = True
                         continue
                 self._make_room()
                 await self._wait_change()
         finally:
-            self._wanted[name] -= 1
-            if not self._wanted[name]:
-                del self._wanted[name]
+            self._wanted[m] -= 1
+            if not self._wanted[m]:
+                del self._wanted[m]
             self._notify()  # a slot made for this request goes to the next one
 
     async def load(self, m: ModelState) -> None:
         """POST /models/load: start ``m`` (without waiting for it), first stopping the least
         recently used idle model if the limit is reached; 500 when every model is busy."""
+        await self._reload_done()
         if not self._has_capacity():
             victim = self._victim()
             if victim is not None:
                 self._request_stop(victim)
                 while victim.running and not self.closing:
                     await self._wait_change()
+            await self._reload_done()
         if self.closing:
             raise APIError(503, "the server is stopping", type="unavailable_error", code="stopping")
+        if m.removed:
+            raise APIError(404, "model is not found", type="not_found_error", code="model_not_found")
         if m.running:
             return  # started by a request meanwhile
         if not self._has_capacity():
@@ -311,6 +322,60 @@ class Router:
         finally:
             m.requests -= 1
             self._notify()
+
+    # ------------------------------------------------------------------ reload (GET /models?reload=1)
+
+    async def reload(self, specs: list[ModelSpec]) -> None:
+        """Serve ``specs`` (the preset file read again) as llama-server's load_models does on a
+        reload: a running model that is gone or whose arguments changed is stopped (and waited
+        for), a gone one disappears, a running unchanged one keeps running, a new one is added
+        unloaded (load-on-startup is not honoured, as there). Raises ValueError for names that
+        clash, before anything changes."""
+        new = {s.name: s for s in specs}
+        names = _names(specs)
+        async with self._reload_lock:
+            self.reloading = True
+            try:
+                outdated = [m for m in self.models.values()
+                            if m.running and not _same_process(m.spec, new.get(m.spec.name))]
+                for m in outdated:
+                    log.info("reload: stopping model %s (%s)", m.spec.name,
+                             "changed" if m.spec.name in new else "no longer in the preset")
+                    self._request_stop(m)
+                while any(m.running for m in outdated) and not self.closing:
+                    await self._wait_change()
+                if self.closing:
+                    raise APIError(503, "the server is stopping", type="unavailable_error", code="stopping")
+                self._replace_models(new, names)
+            finally:
+                self.reloading = False
+                self._notify()  # waiting requests go on with the new list
+        self._broadcast({"model": "*", "event": "models_reload"})
+
+    def _replace_models(self, new: dict[str, ModelSpec], names: dict[str, str]) -> None:
+        """The models become ``new``'s, keeping the state of each name still there. No await in
+        here: a request sees the old list or the new one, never a mix."""
+        models = {}
+        for name, spec in sorted(new.items()):
+            m = self.models.get(name) or ModelState(spec, args=command(self.settings.child_command, spec.args, name, 0))
+            if m.spec != spec:  # replaced only when changed: ensure_ready tells a change by identity
+                m.spec = spec
+                if not m.running:
+                    m.args = command(self.settings.child_command, spec.args, name, 0)
+            if not m.running:
+                m.exit_code, m.reason = 0, ""  # a model that failed may be loaded again (as in llama-server)
+            models[name] = m
+        for name, m in self.models.items():
+            m.removed = name not in models
+        log.info("reload: models %s", ", ".join(models) or "(none)")
+        self.models = models
+        self.names = {n: models[to] for n, to in names.items()}
+
+    async def _reload_done(self) -> None:
+        """Wait while a reload runs (llama-server's load() waits too): a model is started with
+        the arguments the preset file gives now."""
+        while self.reloading and not self.closing:
+            await self._wait_change()
 
     # ------------------------------------------------------------------ what routes show
 
@@ -340,7 +405,9 @@ class Router:
     # ------------------------------------------------------------------ events (GET /models/sse)
 
     def _event(self, m: ModelState, event: str, data: dict) -> None:
-        payload = {"model": m.spec.name, "event": event, "data": data}
+        self._broadcast({"model": m.spec.name, "event": event, "data": data})
+
+    def _broadcast(self, payload: dict) -> None:
         for s in list(self._subscribers):
             s.put(payload)
 
@@ -349,6 +416,26 @@ class Router:
         if self.closing:
             s.close()
         return s
+
+
+def _names(specs: list[ModelSpec]) -> dict[str, str]:
+    """Every name a request may use (a model's own, its aliases) -> the model's name; ValueError
+    when an alias is another model's name or alias."""
+    names = {s.name: s.name for s in specs}
+    for s in specs:
+        for alias in s.aliases:
+            if names.get(alias, s.name) != s.name:
+                raise ValueError(f"alias '{alias}' of model '{s.name}' is already the name of a model")
+            names[alias] = s.name
+    return names
+
+
+def _same_process(old: ModelSpec, new: ModelSpec | None) -> bool:
+    """Whether a running model of spec ``old`` may keep running under ``new``: the same section
+    but for its names and tags, which only the router reads (llama-server compares the options
+    less the alias)."""
+    return new is not None and (dataclasses.replace(old, aliases=(), tags=())
+                                == dataclasses.replace(new, aliases=(), tags=()))
 
 
 def input_modalities(mmproj: str | os.PathLike | None) -> tuple[str, ...]:
@@ -393,6 +480,11 @@ class _Subscriber:
 def load_failed(m: ModelState) -> APIError:
     return APIError(500, f"model name={m.spec.name} failed to load (exit code {m.exit_code})"
                     + (f": {m.reason}" if m.reason else ""), type="server_error", code="model_load_failed")
+
+
+def not_found(m: ModelState) -> APIError:
+    """A model removed by a reload while a request waited for it: as if it had never been there."""
+    return bad_request(f"model '{m.spec.name}' not found", "model", code="model_not_found")
 
 
 def not_running(m: ModelState) -> APIError:
