@@ -323,6 +323,32 @@ def test_post_sampling_probs_of_greedy_sampling_match(servers):
     assert s1 == s2 == 200 and a["completion_probabilities"] == b["completion_probabilities"]
 
 
+@pytest.mark.parametrize("sampling", [
+    {"temperature": 1.0},  # llama-server's chain: top-k 40, top-p 0.95, min-p 0.05
+    {"temperature": 0.7, "top_k": 0, "top_p": 0.8, "min_p": 0.0},
+])
+def test_post_sampling_probs_at_temperature_match_where_the_tokens_agree(servers, sampling):
+    """A position's probabilities after the chain depend on the tokens drawn before it: compared
+    while the entries agree (the first always: the same seed draws the same tokens here, as far as
+    llama-server lists them one by one; it joins the tokens of a character split between them)."""
+    body = {"prompt": PROMPT, "n_predict": 8, "n_probs": 10, "post_sampling_probs": True, "seed": 11,
+            "cache_prompt": False, **sampling}
+    (s1, a), (s2, b) = both(servers, "/completion", body)
+    assert s1 == s2 == 200
+    compared = []
+    for x, y in zip(a["completion_probabilities"], b["completion_probabilities"]):
+        if (x["id"], x["token"], x["bytes"]) != (y["id"], y["token"], y["bytes"]):
+            break
+        assert _close(x["prob"], y["prob"]), (x, y)
+        assert len(x["top_probs"]) == len(y["top_probs"]), (x, y)
+        for p, q in zip(x["top_probs"], y["top_probs"]):
+            assert _close(p["prob"], q["prob"]), (p, q)
+            assert p["id"] == q["id"] or _close(p["prob"], q["prob"])  # (two tied to float32 rounding)
+        compared.append(len(x["top_probs"]))
+    print("entries compared:", len(compared), "top_probs listed:", compared)
+    assert len(compared) >= 2 and max(compared) > 1  # a position where the chain kept several tokens
+
+
 @pytest.mark.parametrize("path", ["/embedding", "/embeddings", "/v1/embeddings", "/rerank", "/reranking",
                                   "/v1/rerank", "/v1/reranking"])
 def test_embedding_and_rerank_routes_are_refused_alike(servers, path):

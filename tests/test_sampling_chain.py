@@ -21,8 +21,9 @@ import pytest
 from conftest import N_THREADS, explain_child
 
 import pyllama_spec as ps
+from pyllama_spec.bindings.context import Context
 from pyllama_spec.bindings.grammar import GrammarError, check_grammar, json_schema_to_grammar
-from pyllama_spec.speculative.sampling import sampler_order, sampling_params
+from pyllama_spec.speculative.sampling import SamplingParams, distributions, sampler_order, sampling_params
 
 PROMPT = 'def read_config(path):\n    """Read a configuration file and return a dict."""\n'
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -120,6 +121,128 @@ def test_logprobs_sum_to_one_over_the_vocabulary(engine):
                                     engine.model.n_vocab <= 100 else 100)))
     top = piece.logprobs[0].top
     assert sum(math.exp(lp) for _, lp in top) <= 1 + 1e-6
+
+
+# --------------------------------------------------------------------------- post_sampling_probs
+
+
+def _post_sampling(engine, prompt, n_probs=5, **kw):
+    """(tokens, their TokenProb entries, pieces) of a generation with post_sampling_probs."""
+    pieces = list(engine.stream(prompt, logprobs=n_probs, post_sampling_probs=True, **kw))
+    return [t for p in pieces for t in p.tokens], [e for p in pieces for e in p.logprobs], pieces
+
+
+def _target_rows(engine, prompt_ids: list[int], tokens: list[int]) -> np.ndarray:
+    """The target's own logits (a context of its own, no draft) at each of ``tokens``: the row
+    after the prompt and the tokens before it."""
+    ids = [*prompt_ids, *tokens[:-1]]
+    outputs = np.zeros(len(ids), dtype=bool)
+    outputs[len(prompt_ids) - 1:] = True
+    with Context(engine.model, n_ctx=512, n_batch=512, n_ubatch=512, n_threads=N_THREADS) as ctx:
+        ctx.decode_tokens(ids, np.arange(len(ids)), outputs=outputs)
+        return np.array(ctx.output_logits(len(tokens)))
+
+
+@pytest.mark.parametrize("verify", ["match", "rejection"])
+@pytest.mark.parametrize("settings", [
+    dict(temperature=0.8),  # llama-server's chain (top-k 40, top-p 0.95, min-p 0.05) at 0.8
+    # no top-k (the chain's sort is bounded by top-p), penalties over the last 8 tokens, a bias
+    dict(temperature=1.5, top_k=0, top_p=0.9, min_p=0.0, repeat_penalty=1.3, frequency_penalty=0.2,
+         presence_penalty=0.1, penalty_last_n=8, logit_bias={32: -1.0}),
+])
+def test_post_sampling_probs_are_the_chain_on_each_tokens_target_row(engine, settings, verify):
+    """Every token's entry, drafted or not, is the numpy chain on the target's own logits at that
+    position (decoded again here, target alone), the penalties seeing the tokens before it."""
+    ids = [int(t) for t in engine.model.tokenize(PROMPT)]
+    tokens, entries, pieces = _post_sampling(engine, ids, max_tokens=24, seed=7, verify=verify, **settings)
+    assert pieces[-1].stats.prompt_tokens == len(ids)
+    assert len(entries) == len(tokens) >= 12
+    assert sum(p.from_draft for p in pieces) > 0  # tokens accepted from drafts have their entries too
+    params = sampling_params(dict(settings), n_ctx=2048, n_vocab=engine.model.n_vocab)
+    rows = _target_rows(engine, ids, tokens)
+    for i, (tok, e) in enumerate(zip(tokens, entries)):
+        want = distributions(rows[i][None], params, np.asarray(tokens[:i], dtype=np.int64))[0]
+        assert e.token == tok and tok in want.ids  # the sampled token is in the chain's support
+        assert e.prob == pytest.approx(want.prob_of(tok), abs=1e-3) and 0 < e.prob <= 1
+        n = min(5, len(want.ids))
+        assert [t for t, _ in e.top] == want.ids[:n].tolist(), i
+        assert [p for _, p in e.top] == pytest.approx(want.probs[:n].tolist(), abs=1e-3)
+
+
+def test_post_sampling_probs_follow_top_k_min_p_and_the_temperature(engine):
+    """The chain's own rules, checked without its code: top-k 3 leaves at most 3 tokens (then the
+    list sums to 1), min-p none below min_p x the best, and without a cut the probabilities are
+    softmax(logits / T): the raw log-probabilities' (the ordinary logprobs) raised to 1 / T."""
+    kw = dict(max_tokens=16, seed=3)
+    _, entries, _ = _post_sampling(engine, PROMPT, temperature=1.0, top_k=3, **kw)
+    assert any(len(e.top) == 3 for e in entries)
+    for e in entries:
+        assert len(e.top) <= 3 and sum(p for _, p in e.top) == pytest.approx(1.0)
+        assert e.token in [t for t, _ in e.top] and e.prob == dict(e.top)[e.token]
+    _, entries, _ = _post_sampling(engine, PROMPT, n_probs=20, temperature=1.0, top_k=0, top_p=1.0, min_p=0.3, **kw)
+    assert any(len(e.top) > 1 for e in entries)
+    for e in entries:
+        probs = [p for _, p in e.top]
+        assert min(probs) >= 0.3 * probs[0] - 1e-12
+        assert len(probs) == 20 or sum(probs) == pytest.approx(1.0)
+    first = next(iter(engine.stream(PROMPT, max_tokens=1, logprobs=20))).logprobs[0]  # raw softmax
+    raw = {t: math.exp(lp) for t, lp in first.top}
+    for t_ in (1.0, 0.5, 2.0):
+        e = _post_sampling(engine, PROMPT, n_probs=20, max_tokens=1, temperature=t_, top_k=0, top_p=1.0,
+                           min_p=0.0)[1][0]
+        assert [t for t, _ in e.top] == list(raw)  # the same order, nothing cut
+        z = sum(p ** (1 / t_) for p in raw.values()) / sum(p for _, p in e.top)  # the listed tokens' share
+        if t_ == 1.0:
+            assert z == pytest.approx(1.0, rel=1e-3)  # the softmax over the whole vocabulary itself
+        for t, p in e.top:
+            assert p == pytest.approx(raw[t] ** (1 / t_) / z, rel=1e-3), (t_, t)
+
+
+def test_post_sampling_probs_at_temperature_0_give_the_pick_alone(engine):
+    tokens, entries, _ = _post_sampling(engine, PROMPT, max_tokens=12, grammar='root ::= "x"+')
+    assert [(e.token, e.prob, e.top) for e in entries] == [(t, 1.0, ((t, 1.0),)) for t in tokens]
+
+
+@pytest.mark.parametrize("setting, name", [
+    (dict(grammar='root ::= "a"+'), "grammar"),
+    (dict(json_schema=SCHEMA), "grammar"),
+    (dict(mirostat=2), "mirostat"),
+    (dict(dry_multiplier=0.8), "dry_multiplier"),
+    (dict(samplers=["temperature", "top_k"]), "samplers"),
+])
+def test_post_sampling_probs_refuse_what_the_chain_cannot_reproduce(engine, setting, name):
+    with pytest.raises(ValueError, match=f"post_sampling_probs.*sets {name}"):
+        engine.generate(PROMPT, max_tokens=2, temperature=0.8, logprobs=2, post_sampling_probs=True, **setting)
+    # without it, or without probabilities asked, the same request runs
+    assert engine.generate(PROMPT, max_tokens=2, temperature=0.8, logprobs=2, **setting).tokens
+    assert engine.generate(PROMPT, max_tokens=2, temperature=0.8, post_sampling_probs=True, **setting).tokens
+
+
+@pytest.mark.parametrize("n_vocab", [300, 5000])
+def test_the_chain_without_top_k_sorts_only_what_it_can_keep_and_gives_the_whole_sorts_answer(n_vocab):
+    """Without top-k, top-p and min-p are found from a threshold (sampling._untruncated): the same
+    tokens, order and probabilities as sorting the whole row, here sorted whole (ties included)."""
+    rng = np.random.default_rng(n_vocab)
+    for _ in range(200):
+        x = rng.normal(size=n_vocab) * rng.choice([0.2, 1.0, 4.0])
+        if rng.random() < 0.3:
+            x = np.round(x, 1)  # ties, which stay in id order
+        if rng.random() < 0.3:
+            x[rng.integers(0, n_vocab, n_vocab // 3)] = -np.inf
+        params = SamplingParams(temperature=float(rng.choice([0.5, 1.0])), top_k=0,
+                                top_p=float(rng.choice([0.5, 0.9, 0.99, 1.0])), min_p=float(rng.choice([0.0, 0.0, 0.05])))
+        got = distributions(x[None], params)[0]
+        order = np.argsort(-x, kind="stable")
+        p1 = np.exp(x[order] - x[order[0]])
+        p1 /= p1.sum()
+        keep = p1 >= params.min_p * p1[0]
+        if params.top_p < 1.0:
+            keep &= np.cumsum(p1) - p1 < params.top_p  # the mass of the better tokens
+        keep[0] = True
+        v = x[order][keep] / params.temperature
+        want = np.exp(v - v.max())
+        assert got.ids.tolist() == order[keep].tolist()
+        np.testing.assert_allclose(got.probs, want / want.sum(), rtol=1e-9)
 
 
 def test_rejection_refuses_samplers_it_cannot_apply(engine):

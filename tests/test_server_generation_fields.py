@@ -315,9 +315,71 @@ def test_post_sampling_probs_of_greedy_sampling_give_the_pick_probability_one(se
     probs = out["completion_probabilities"]
     assert len(probs) == 8 and all(p["prob"] == 1.0 and p["top_probs"] == [
         {k: p[k] for k in ("id", "token", "bytes", "prob")}] for p in probs)
-    status, err = post(server, "/completion", greedy(prompt=PROMPT, n_probs=3, post_sampling_probs=True,
-                                                     temperature=0.7))
-    assert status == 400 and err["error"]["param"] == "post_sampling_probs"
+
+
+def _check_post_sampling_entry(e: dict, n_probs: int) -> None:
+    """llama.cpp's test_n_probs_post_sampling's checks, and the pick's own entry among the top."""
+    assert set(e) == {"id", "token", "bytes", "prob", "top_probs"} and 0 < e["prob"] <= 1
+    top = e["top_probs"]
+    assert all(set(t) == {"id", "token", "bytes", "prob"} and 0 < t["prob"] <= 1 for t in top)
+    assert 0 < len(top) <= n_probs and [t["prob"] for t in top] == sorted((t["prob"] for t in top), reverse=True)
+    assert len(top) == n_probs or sum(t["prob"] for t in top) == pytest.approx(1.0)
+    if e["id"] in [t["id"] for t in top]:
+        assert e["prob"] == next(t["prob"] for t in top if t["id"] == e["id"])
+    else:
+        assert len(top) == n_probs and e["prob"] <= top[-1]["prob"]
+
+
+def test_post_sampling_probs_at_temperature_are_given_for_every_token_drafted_or_not(server):
+    body = dict(prompt=PROMPT, n_predict=24, temperature=1.0, top_k=4, n_probs=6, post_sampling_probs=True, seed=5)
+    status, out = post(server, "/completion", body)
+    assert status == 200
+    probs = out["completion_probabilities"]
+    assert len(probs) == out["tokens_predicted"] == 24
+    for e in probs:
+        _check_post_sampling_entry(e, 6)
+        assert len(e["top_probs"]) <= 4  # top-k 4: the whole of what the chain keeps, summing to 1
+    # streamed: each step's chunk carries its tokens' entries, the accepted drafts' too
+    events = stream(server, "/completion", body)
+    steps = [ev for ev in events if ev.get("completion_probabilities")]
+    assert all(len(ev["completion_probabilities"]) == len(ev["pyllama_spec"]["tokens"]) for ev in steps)
+    assert any(t["draft"] for ev in steps for t in ev["pyllama_spec"]["tokens"])
+    streamed = [e for ev in steps for e in ev["completion_probabilities"]]
+    assert [e["id"] for e in streamed] == [e["id"] for e in probs]  # the seed's tokens again
+    for a, b in zip(streamed, probs):
+        _check_post_sampling_entry(a, 6)
+        assert a["prob"] == pytest.approx(b["prob"], abs=1e-3)
+        assert [t["prob"] for t in a["top_probs"]] == pytest.approx([t["prob"] for t in b["top_probs"]], abs=1e-3)
+    # the OpenAI routes write them in the same shape under logprobs.content
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0.9, "logprobs": True,
+            "top_logprobs": 3, "post_sampling_probs": True}
+    status, out = post(server, "/v1/chat/completions", chat)
+    assert status == 200
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"] > 0
+    for e in content:
+        _check_post_sampling_entry(e, 3)
+
+
+@pytest.mark.parametrize("path, extra, name", [
+    ("/completion", {"grammar": 'root ::= "a"+'}, "grammar"),
+    ("/completion", {"json_schema": {"type": "object"}}, "grammar"),
+    ("/completion", {"mirostat": 2}, "mirostat"),
+    ("/completion", {"typical_p": 0.5}, "typical_p"),
+    # a chat's response format: the template's grammar, known once the chat is rendered
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "grammar"),
+])
+def test_post_sampling_probs_at_temperature_refuse_what_the_chain_cannot_reproduce(server, path, extra, name):
+    body = {"prompt": PROMPT, "n_predict": 4, "temperature": 0.7, "n_probs": 3, "post_sampling_probs": True, **extra}
+    if path != "/completion":
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0.7, "logprobs": True,
+                "top_logprobs": 3, "post_sampling_probs": True, **extra}
+    status, err = post(server, path, body)
+    assert status == 400, err
+    message = err["error"]["message"]
+    assert "post_sampling_probs" in message and f"sets {name}" in message
+    status, _ = post(server, path, {**body, "post_sampling_probs": False})  # the probabilities before sampling
+    assert status == 200
 
 
 # --------------------------------------------------------------------------- other routes

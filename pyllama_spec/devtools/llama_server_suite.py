@@ -96,8 +96,6 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "unit/test_router.py::test_router_chat_completion_stream[non-existent/model-False]": "serve without -m serves "
                                                                                          "the embedded pair, not a "
                                                                                          "router",
-    "unit/test_completion.py::test_n_probs_post_sampling": "post_sampling_probs at temperature > 0 is a 400 here: "
-                                                           "the sampler's candidates are not read back yet",
     "unit/test_compat_anthropic.py::test_anthropic_empty_messages": "an empty messages list is a 400 here: there is "
                                                                     "nothing to answer",
     "unit/test_compat_anthropic.py::test_anthropic_vision_format_accepted": "an image sent to a server without a "

@@ -24,10 +24,8 @@ from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.llama_fields import (
     FinalFields,
     Progress,
-    check_post_sampling_probs,
     final_body,
     generation_settings,
-    post_sampling_entries,
     prompt_text,
     select_fields,
     wants,
@@ -52,7 +50,6 @@ async def answer(service: Service, request: Request, req: GenerationRequest) -> 
     """Run a parsed request (its jobs queued now) and answer it whole or as server-sent events.
     A chat is rendered and its jobs' Requests resolved first (``Service.prepare``: on a thread
     when a template, a schema or a long prompt can make that long)."""
-    check_post_sampling_probs(req, service.engine.config.sampling)
     await service.prepare(req)
     jobs = service.submit(req)
     if req.stream:
@@ -175,8 +172,8 @@ def _text(c: _Choice) -> str:
 
 
 def _probabilities(service: Service, req: GenerationRequest, logprobs) -> list[dict]:
-    entries = service.logprobs.entries(logprobs)
-    return post_sampling_entries(entries) if req.options.post_sampling_probs else entries
+    # (with post_sampling_probs the engine gave the probabilities after the chain: "prob", "top_probs")
+    return service.logprobs.entries(logprobs)
 
 
 async def _llama_final(service: Service, req: GenerationRequest, job: Job, index: int, c: _Choice,

@@ -13,9 +13,13 @@ Where this differs from llama-server:
 * a streamed chunk holds the tokens of one speculative step (llama-server: one token a chunk), with
   the step's ``pyllama_spec`` extension, also a token whose text is held back (half a character;
   llama-server streams no chunk for it);
-* ``post_sampling_probs``: every probability after the chain is exact for greedy sampling (the pick
-  has probability 1, as llama-server reports it); at temperature > 0 it is refused (400), as this
-  server does not read the sampler's candidates.
+* ``post_sampling_probs``: at temperature 0 the pick has probability 1 (as llama-server reports
+  it); above, the probabilities come from the numpy copy of the sampler chain on each emitted
+  token's own target row (speculative/logprobs.py), drafted tokens' too (llama-server lists none
+  for the tokens of a speculative step), the penalties seeing the tokens generated before each, as
+  this server's sampler does; a setting that copy does not apply
+  (a grammar or JSON schema, mirostat, DRY, XTC, typical-p, top-n-sigma, dynamic temperature, another
+  sampler order) is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -25,32 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from pyllama_spec.server.errors import bad_request
-from pyllama_spec.server.schema import GenerationRequest, ResponseOptions
+from pyllama_spec.server.schema import ResponseOptions
 from pyllama_spec.serving.request import Request
-from pyllama_spec.speculative.sampling import SamplingParams
-
-_DEFAULTS = SamplingParams()
-
-
-def check_post_sampling_probs(req: GenerationRequest, default_sampling: dict) -> None:
-    """A 400 for post_sampling_probs with probabilities asked at temperature > 0 (see the module)."""
-    params = req.params
-    if not (req.options.post_sampling_probs and params.logprobs):
-        return
-    if params.sampling.get("temperature", default_sampling.get("temperature", _DEFAULTS.temperature)) > 0:
-        raise bad_request("post_sampling_probs is given only for greedy sampling (temperature 0) here: this server "
-                          "does not read the sampler's candidates at temperature > 0; leave it out for the "
-                          "probabilities before sampling", "post_sampling_probs")
-
-
-def post_sampling_entries(entries: list[dict]) -> list[dict]:
-    """Greedy sampling's probabilities after the chain, from log-probability entries (logprobs.py):
-    the pick has probability 1 and is the only candidate left (llama-server drops those at 0)."""
-    def prob(e: dict) -> dict:
-        return {"id": e["id"], "token": e["token"], "bytes": e["bytes"], "prob": 1.0}
-
-    return [{**prob(e), "top_probs": [prob(e)] if e["top_logprobs"] else []} for e in entries]
 
 
 def generation_params(service, request: Request, stream: bool) -> dict:

@@ -5,7 +5,9 @@ writes it: ``{"id", "token", "bytes", "logprob", "top_logprobs": [{"id", "token"
 "logprob"}, ...]}``: ``token`` is the piece's text (a character cut off at its end dropped), ``bytes`` the
 piece's raw bytes (a token can hold part of a character). The chat and completion routes put
 the list under ``choices[i].logprobs.content`` (OpenAI's chat shape, which llama-server uses
-for both), /completion under ``completion_probabilities``.
+for both), /completion under ``completion_probabilities``. With ``post_sampling_probs`` the entries
+are TokenProb (the probabilities after the sampler chain), written as llama-server writes them then:
+``"prob"`` and ``"top_probs"`` (each ``{"id", "token", "bytes", "prob"}``) in place of the log-probabilities.
 
 Token pieces are read from the vocabulary (``Model.token_to_bytes``, read-only and safe
 beside a running generation) and kept: a response repeats the same few thousand tokens.
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import math
 import sys
+
+from pyllama_spec.speculative.logprobs import TokenProb
 
 #: llama-server writes log(0) as the lowest float (JSON has no -inf): the same here.
 _LOWEST = -sys.float_info.max
@@ -54,10 +58,18 @@ class LogprobFormatter:
         text, raw = self._piece(token)
         return {"id": token, "token": text, "bytes": raw, "logprob": _finite(logprob)}
 
+    def _probability(self, token: int, prob: float) -> dict:
+        text, raw = self._piece(token)
+        return {"id": token, "token": text, "bytes": raw, "prob": prob}
+
     def entries(self, logprobs) -> list[dict]:
         out = []
         for lp in logprobs:
-            entry = self._alternative(lp.token, lp.logprob)
-            entry["top_logprobs"] = [self._alternative(t, v) for t, v in lp.top]
+            if isinstance(lp, TokenProb):
+                entry = self._probability(lp.token, lp.prob)
+                entry["top_probs"] = [self._probability(t, p) for t, p in lp.top]
+            else:
+                entry = self._alternative(lp.token, lp.logprob)
+                entry["top_logprobs"] = [self._alternative(t, v) for t, v in lp.top]
             out.append(entry)
         return out

@@ -372,7 +372,8 @@ def _lora(body: dict, n_adapters: int) -> dict:
 
 def _llama_fields(body: dict) -> tuple[ResponseOptions, dict]:
     """llama-server's fields beyond OpenAI's, on every generation route: the response options, and
-    its line rules as Engine keywords (n_indent, t_max_predict_ms; absent or <= 0: off)."""
+    its line rules as Engine keywords (n_indent, t_max_predict_ms; absent or <= 0: off), with
+    post_sampling_probs (the engine computes those probabilities)."""
     fields = body.get("response_fields")
     if not (isinstance(fields, list) and all(isinstance(f, str) for f in fields)):
         fields = []  # llama-server reads a value of another type as none given
@@ -389,6 +390,8 @@ def _llama_fields(body: dict) -> tuple[ResponseOptions, dict]:
         args["n_indent"] = n_indent
     if t_max > 0:
         args["t_max_predict_ms"] = t_max
+    if options.post_sampling_probs:
+        args["post_sampling_probs"] = True
     return options, args
 
 

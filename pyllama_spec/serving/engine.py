@@ -317,7 +317,7 @@ class Engine:
         The options (``RequestOptions``' fields, serving/request.py): ``messages``, ``chat``,
         ``images``, ``max_tokens`` (128), ``seed``, ``stop``, ``cache_prompt`` (True), ``progress``,
         ``draft_max``, ``draft_min``, ``draft_positions``, ``verify``, ``draft_tree``,
-        ``chat_template_kwargs``, ``chat_options``, ``logprobs``, ``lora``, ``n_indent``,
+        ``chat_template_kwargs``, ``chat_options``, ``logprobs``, ``post_sampling_probs``, ``lora``, ``n_indent``,
         ``t_max_predict_ms``, and any sampler setting by name; each is described below.
 
         ``prompt`` is used as is, with ``MEDIA_MARKER`` where each image goes (or, as llama-server
@@ -350,7 +350,10 @@ class Engine:
         not given are the engine's ``sampling`` defaults (llama-server's --temp, ...). ``logprobs=N``
         gives each emitted token's log-probability under the target's
         own distribution (its raw logits, as llama-server's ``n_probs``), with the N most
-        likely tokens at that position (``Piece.logprobs``), drafted or not.
+        likely tokens at that position (``Piece.logprobs``), drafted or not; with
+        ``post_sampling_probs=True`` its probability after the sampler chain instead, with the
+        chain's N most likely tokens (llama-server's ``post_sampling_probs``; ``TokenProb``, see
+        speculative/logprobs.py: a ValueError for settings it cannot reproduce, such as a grammar).
 
         ``verify`` (default: the engine's, "match") decides acceptance at temperature > 0:
         "rejection" sampling follows the target's distribution exactly and accepts more;

@@ -16,6 +16,7 @@ from pyllama_spec.bindings.sampler import Sampler
 from pyllama_spec.serving.request import Request
 from pyllama_spec.speculative.draft_length import AdaptiveLength, FixedLength
 from pyllama_spec.speculative.generation import Generation
+from pyllama_spec.speculative.logprobs import check_post_sampling
 from pyllama_spec.speculative.stats import GenerationStats
 from pyllama_spec.speculative.synthetic import SyntheticVerifier
 from pyllama_spec.speculative.verify import MatchVerifier, RejectionVerifier
@@ -59,6 +60,9 @@ class PreparedGeneration:
             if chat is not None:  # the chat's grammar (else the caller's), its stop strings, its budget
                 params = dataclasses.replace(params, **chat.sampling())
                 stop = [*stop, *chat.additional_stops]
+            o = r.output
+            if o.post_sampling_probs and o.logprobs is not None:
+                check_post_sampling(params)  # with a chat's constraint, rendered only now (messages=)
             self._sampler = Sampler(e.model, seed=r.seed, **dataclasses.asdict(params))
             # rejection sampling's numpy chain has no grammar or budget: a chat's constraint verifies by "match"
             rejection = r.draft.verify == "rejection" and not params.greedy and not params.chat_constrained
@@ -73,13 +77,13 @@ class PreparedGeneration:
                 length = AdaptiveLength(AdaptiveLength.START, e.drafter.n_max_limit, cost=e.step_cost)
             else:
                 length = FixedLength(r.draft.n_max)
-            o = r.output
             return Generation(None, e.model, parts, verifier, stats, max_tokens=o.max_tokens,
                               stop=stop, draft_length=length, draft_min=r.draft.n_min,
                               cache_prompt=r.cache_prompt, progress=r.progress, draft_positions=r.draft.positions,
                               draft_tree=r.draft.tree, logprobs=o.logprobs, n_indent=o.n_indent,
                               t_max_predict_ms=o.t_max_predict_ms,
-                              special_tokens=e.single_tokens(params.preserved_tokens))
+                              special_tokens=e.single_tokens(params.preserved_tokens),
+                              post_sampling=params if o.post_sampling_probs else None)
         except BaseException:
             self.__exit__()
             raise

@@ -48,6 +48,7 @@ class RequestOptions:
     verify: str | None = None
     draft_tree: int | None = None
     logprobs: int | None = None
+    post_sampling_probs: bool = False  # logprobs as probabilities after the sampler chain (llama-server's)
     lora: Any = None  # [{"id": i, "scale": s}, ...]; None: the engine's global scales
     n_indent: int = 0
     t_max_predict_ms: float = 0
@@ -99,6 +100,8 @@ class OutputOptions:
     logprobs: int | None  # per emitted token: its log-probability and this many top alternatives
     n_indent: int  # llama-server's line rules (speculative/line_rules.py); 0: off
     t_max_predict_ms: float
+    #: with logprobs: each token's probability after the sampler chain instead (speculative/logprobs.py)
+    post_sampling_probs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

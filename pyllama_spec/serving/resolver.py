@@ -17,6 +17,7 @@ import numpy as np
 from pyllama_spec.serving.config import EngineConfig, check_tree_settings
 from pyllama_spec.serving.chat_template import ChatOptions, ChatParams, as_list
 from pyllama_spec.serving.request import DraftSettings, OutputOptions, PromptInput, Request, RequestOptions
+from pyllama_spec.speculative.logprobs import check_post_sampling
 from pyllama_spec.speculative.positions import DRAFT_POSITION_MODES
 from pyllama_spec.speculative.sampling import MAX_TOP_LOGPROBS, sampling_params
 from pyllama_spec.speculative.verify import VERIFY_RULES
@@ -87,6 +88,11 @@ class RequestResolver:
                                      or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS} (the most likely tokens "
                              f"listed at each position), got {logprobs!r}")
+        if not isinstance(o.post_sampling_probs, bool):
+            raise ValueError(f"post_sampling_probs must be a boolean, got {o.post_sampling_probs!r}")
+        if o.post_sampling_probs and logprobs is not None:  # a chat rendered already brings its constraint
+            check_post_sampling(dataclasses.replace(params, **o.chat.sampling()) if isinstance(o.chat, ChatParams)
+                                else params)
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
             raise ValueError(f"seed must be an integer, got {seed!r}")
         for name, v in (("n_indent", o.n_indent), ("t_max_predict_ms", o.t_max_predict_ms)):
@@ -94,7 +100,7 @@ class RequestResolver:
                 raise ValueError(f"{name} must be a number >= 0 (0: off), got {v!r}")
         output = OutputOptions(max_tokens=int(max_tokens), stop=(o.stop,) if isinstance(o.stop, str) else tuple(o.stop),
                                logprobs=None if logprobs is None else int(logprobs), n_indent=int(o.n_indent),
-                               t_max_predict_ms=float(o.t_max_predict_ms))
+                               t_max_predict_ms=float(o.t_max_predict_ms), post_sampling_probs=o.post_sampling_probs)
         return Request(prompt=prompt, sampling=params, seed=int(seed), draft=draft, output=output,
                        cache_prompt=o.cache_prompt, lora=None if o.lora is None else self._lora_scales(o.lora),
                        progress=o.progress, ignore_eos=ignore_eos, resolved_by=self)

@@ -31,7 +31,7 @@ from pyllama_spec.bindings.grammar import GrammarError
 from pyllama_spec.drafters import Drafter, DraftRequest, Proposal, TargetDecode
 from pyllama_spec.speculative.draft_length import StepCost, plan_lengths
 from pyllama_spec.speculative.line_rules import LineRules
-from pyllama_spec.speculative.logprobs import TokenLogprob, token_logprobs
+from pyllama_spec.speculative.logprobs import TokenLogprob, TokenProb, token_logprobs, token_post_sampling_probs
 from pyllama_spec.speculative.sequence import Sequence
 from pyllama_spec.speculative.stats import GenerationStats, Stopwatch
 from pyllama_spec.speculative.tree import TreeSeqs, build_tree
@@ -73,8 +73,9 @@ class Piece:
     from_draft: int = 0
     #: Tokens the drafter proposed in the step that produced this piece (0 for the first token).
     drafted: int = 0
-    #: With ``logprobs`` asked: one entry per token of ``tokens`` (speculative/logprobs.py).
-    logprobs: tuple[TokenLogprob, ...] = ()
+    #: With ``logprobs`` asked: one entry per token of ``tokens`` (speculative/logprobs.py): a
+    #: TokenLogprob, or with ``post_sampling_probs`` a TokenProb (the probabilities after the chain).
+    logprobs: tuple[TokenLogprob | TokenProb, ...] = ()
     ending: Ending | None = None
     #: On the pieces before the last: a copy of the stats at this step (the generation goes on).
     so_far: GenerationStats | None = None
@@ -109,10 +110,17 @@ class Generation:
                  max_tokens: int, stop: list[str], draft_length, draft_min: int, cache_prompt: bool = True,
                  progress: ProgressCallback | None = None, draft_positions: str = "target",
                  draft_tree: int = 0, logprobs: int | None = None, n_indent: int = 0,
-                 t_max_predict_ms: float = 0, special_tokens: frozenset[int] = frozenset()) -> None:
+                 t_max_predict_ms: float = 0, special_tokens: frozenset[int] = frozenset(),
+                 post_sampling=None) -> None:
         self.seq = seq  # None until a scheduler gives it a slot
         self.draft_tree = draft_tree  # > 0: verify a tree of up to this many drafted tokens (tree.py)
         self.logprobs = logprobs  # None: none; N: each token's log-probability and the N most likely
+        # the sampler's settings (SamplingParams) when the probabilities asked are those after its chain
+        self.post_sampling = post_sampling
+        # what the chain's penalties have seen: the tokens the verifier sampled or accepted so far
+        penalized = post_sampling is not None and logprobs is not None and post_sampling.penalized
+        last_n = post_sampling.penalty_last_n if penalized else 0
+        self._history = collections.deque(maxlen=last_n if last_n > 0 else None) if penalized else None
         self.draft_positions = draft_positions
         self.model = model
         self.parts = parts
@@ -213,10 +221,15 @@ class Generation:
         truncated = len(emit) >= fit
         if truncated:
             emit, finish = emit[:max(fit, 0)], "length"
-        if self.logprobs is not None and emit:
+        if self.logprobs is not None and emit and self.post_sampling is not None:
+            origin_logprobs = tuple(token_post_sampling_probs(self.seq.ctx, rows, emit, self.logprobs,
+                                                              self.post_sampling, self._history or ()))
+        elif self.logprobs is not None and emit:
             origin_logprobs = tuple(token_logprobs(self.seq.ctx, rows, emit, self.logprobs))
         else:
             origin_logprobs = ()
+        if self._history is not None:
+            self._history.extend(new_tokens)  # every token the sampler accepted, as its penalties see them
         texts, hit_stop = self.out.push_each(emit)
         if hit_stop and self.out.stopped_at < len(emit) - 1:
             truncated = False  # the stop string came first

@@ -442,7 +442,9 @@ def penalize(x: np.ndarray, params: SamplingParams, recent: np.ndarray | None) -
 
 def distributions(logits: np.ndarray, params: SamplingParams, recent: np.ndarray | None = None) -> list[Dist]:
     """The chain applied to each row of ``logits`` [n, n_vocab]; ``recent``: the tokens the
-    penalties see (the sequence's generated tokens so far)."""
+    penalties see (the sequence's generated tokens so far). Each row's tokens best first (ties by
+    id, without top-k). O(n_vocab) a row and a sort of the tokens top-k, top-p or min-p leave (all
+    of them when none of the three cuts)."""
     x = np.array(logits, dtype=np.float64, copy=True)
     n, n_vocab = x.shape
     if params.logit_bias:  # each entry adds, as llama.cpp's sampler applies them one by one
@@ -453,17 +455,57 @@ def distributions(logits: np.ndarray, params: SamplingParams, recent: np.ndarray
     x[~np.isfinite(x)] = -np.inf  # a -inf bias forbids a token outright
     on = set(params.samplers)
     k = params.top_k if "top_k" in on and 0 < params.top_k < n_vocab else n_vocab
-    if k < n_vocab:
-        ids = np.argpartition(-x, k - 1, axis=1)[:, :k]
-    else:
-        ids = np.broadcast_to(np.arange(n_vocab), (n, n_vocab))
+    if k == n_vocab:
+        return [_untruncated(row, params, on) for row in x]
+    ids = np.argpartition(-x, k - 1, axis=1)[:, :k]
     vals = np.take_along_axis(x, ids, axis=1)
     order = np.argsort(-vals, axis=1, kind="stable")  # candidates by logit, highest first
     ids, vals = np.take_along_axis(ids, order, axis=1), np.take_along_axis(vals, order, axis=1)
-    keep = np.ones_like(vals, dtype=bool)
     # top-p and min-p see the candidates' softmax at temperature 1, as llama.cpp's chain does.
     p1 = np.exp(vals - vals[:, :1])
     p1 /= p1.sum(axis=1, keepdims=True)
+    return _cut(ids, vals, p1, params, on)
+
+
+#: Without top-k, the most likely tokens first looked at for top-p's cut (then 4x as many, ...).
+_TOP_P_FIRST = 64
+
+
+def _untruncated(row: np.ndarray, params: SamplingParams, on: set) -> Dist:
+    """The chain on one row without top-k: the same as sorting the whole vocabulary, but only the
+    tokens that can pass top-p and min-p are sorted. Both keep the best tokens down to a cut, so
+    a threshold on exp(logit - max) found in O(n_vocab) (min-p's directly, top-p's from the best
+    64, 256, ... tokens until they hold its mass) bounds them; the chain's own tests then decide,
+    on those tokens, exactly as on the whole row (the thresholds keep a little margin)."""
+    n_vocab = len(row)
+    e = np.exp(row - row.max())  # the best token's is 1
+    z = e.sum()
+    floor = None  # every token the cut can keep has e >= floor
+    if np.isfinite(z):
+        if "min_p" in on and params.min_p > 0.0:
+            floor = min(params.min_p, 1.0) * (1.0 - 1e-9)
+        if "top_p" in on and params.top_p < 1.0:
+            c = _TOP_P_FIRST
+            while c < n_vocab:
+                at = np.partition(e, n_vocab - c)[n_vocab - c]  # the c-th largest
+                if floor is not None and at <= floor:
+                    break  # min-p cuts within these already
+                if e[e >= at].sum() >= (params.top_p + 1e-9) * z:  # a token below is past top-p's mass
+                    floor = at
+                    break
+                c *= 4
+    ids = np.arange(n_vocab) if floor is None else np.flatnonzero(e >= floor)
+    vals = row[ids]
+    order = np.argsort(-vals, kind="stable")  # ids ascending: ties stay in id order
+    ids, vals = ids[order], vals[order]
+    return _cut(ids[None], vals[None], (e[ids] / z)[None], params, on)[0]
+
+
+def _cut(ids: np.ndarray, vals: np.ndarray, p1: np.ndarray, params: SamplingParams, on: set) -> list[Dist]:
+    """Top-p, min-p and temperature on candidate rows ``ids`` [n, m] sorted by logit ``vals``,
+    highest first, ``p1`` their probabilities at temperature 1 (over every candidate, these and
+    any left out below them)."""
+    keep = np.ones_like(vals, dtype=bool)
     if "top_p" in on and params.top_p < 1.0:
         before = np.cumsum(p1, axis=1) - p1  # mass of the better candidates
         keep &= before < params.top_p
@@ -472,7 +514,7 @@ def distributions(logits: np.ndarray, params: SamplingParams, recent: np.ndarray
     keep[:, 0] = True  # min_keep = 1
     t = max(params.temperature, 1e-6) if "temperature" in on else 1.0
     out = []
-    for r in range(n):
+    for r in range(len(vals)):
         v = vals[r][keep[r]] / t
         p = np.exp(v - v.max())
         out.append(Dist(ids[r][keep[r]].astype(np.int64), p / p.sum()))

@@ -20,7 +20,6 @@ from pyllama_spec.server.generation import (
     first_translated,
     stream_objects,
 )
-from pyllama_spec.server.llama_fields import check_post_sampling_probs
 from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, ThreadRunner, off_loop
 from pyllama_spec.server.responses.convert import (
     ResponseHead,
@@ -96,7 +95,6 @@ async def _create(service: Service, store: ResponseStore, request: Request) -> R
 
     # images are decoded (and checked) while parsing, the earlier turns' too: off the event loop when large
     req = await off_loop(size + sum(t.size for t in history) > PARSE_ON_A_THREAD_ABOVE, parse)
-    check_post_sampling_probs(req, service.engine.config.sampling)
     head = ResponseHead(new_id("resp"), int(time.time()), service.settings.alias, request_echo(body))
 
     def save(output: list[dict]) -> None:
