@@ -83,7 +83,7 @@ _REASONS = (
     (("--cors-methods", "--cors-headers", "--cors-credentials", "--no-cors-credentials"),
      "only --cors-origins is read here (a preflight allows llama-server's default methods and the headers asked)"),
     (("--ssl-",), "TLS is not terminated here: put a proxy in front"),
-    (("--reuse-port", "--sse-ping-interval", "--sleep-idle-seconds"), "not configurable here"),
+    (("--reuse-port", "--sse-ping-interval"), "not configurable here"),
     (("--spec-ngram-simple-",),
      "ngram-simple here is prompt lookup with keys of 2 to 4 tokens that copies a repetition past the history's "
      "end; the n-gram map types (ngram-map-k, ngram-map-k4v) take llama-server's sizes"),

@@ -208,6 +208,10 @@ def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
               help="a folder for POST /slots/{id}?action=save|restore|erase: a slot's cache to a file and back")
 @click.option("--props", "endpoint_props", is_flag=True, default=False,
               help="accept POST /props (as in llama-server, no property can be changed yet)")
+@click.option("--sleep-idle-seconds", type=int, default=-1, show_default=True,
+              callback=lambda ctx, param, value: _sleep_seconds(value),
+              help="unload the model after this many seconds without a request, and load it again on the next "
+                   "request that needs it (/health, /props, /models and /metrics do not); -1: never")
 @click.option("--cors-origins", default="localhost", show_default=True,
               help="web pages that may send requests besides this server's own page: 'localhost' (pages served "
                    "from this machine), '*' (any site: llama-server's default), or origins separated by commas "
@@ -233,7 +237,7 @@ def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
 @click.option("--log-disable", is_flag=True, default=False, help="no log at all")
 def serve(host, port, api_key, api_key_file, alias, tags, parallel, max_queue, allowed_image_dir, max_images,
           max_image_pixels, max_request_pixels, max_body_mib, body_timeout, models_max, models_autoload, endpoint_slots, slot_save_path,
-          endpoint_props, cors_origins, log_verbose, log_verbosity, log_file, log_disable, **o):
+          endpoint_props, cors_origins, log_verbose, log_verbosity, log_file, log_disable, sleep_idle_seconds, **o):
     """OpenAI- and llama-server-compatible HTTP server (chat with images, speculative stats); takes
     llama-server's flags and --models-preset files. Needs the 'server' extra."""
     try:
@@ -289,7 +293,8 @@ def serve(host, port, api_key, api_key_file, alias, tags, parallel, max_queue, a
                               max_request_pixels=max_request_pixels, max_body_bytes=max_body_mib * 2**20,
                               allowed_image_dir=Path(allowed_image_dir) if allowed_image_dir else None,
                               body_timeout=body_timeout, endpoint_slots=endpoint_slots, endpoint_props=endpoint_props,
-                              slot_save_path=Path(slot_save_path) if slot_save_path else None, cors_origins=origins)
+                              slot_save_path=Path(slot_save_path) if slot_save_path else None, cors_origins=origins,
+                              sleep_idle_seconds=sleep_idle_seconds)
     mode = _speculative_mode(engine)
     slots = f"{parallel} slots of {engine.ctx.n_ctx_seq} tokens" if parallel > 1 else "1 slot"
     err_console.print(f"[bold]pyllama-spec serve[/bold] · {engine.model.path.name} as '{settings.alias}' · "
@@ -348,6 +353,16 @@ def _read_preset_again(plan: RouterPlan) -> list:
     for w in (w for p in presets for w in p.warnings):
         logging.getLogger("pyllama_spec.server.router").warning(w)
     return _model_specs(presets, plan.common_args)
+
+
+def _sleep_seconds(value: int) -> int:
+    """--sleep-idle-seconds as llama-server takes it: -1 (never) or at least 1."""
+    from pyllama_spec.server.sleep import check_seconds
+
+    try:
+        return check_seconds(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="'--sleep-idle-seconds'") from None
 
 
 def _csv(value: str | None) -> list[str]:

@@ -85,7 +85,6 @@ KNOWN_DIFFERENCES: dict[str, str] = {
     "unit/test_metrics.py::test_metrics_timings_are_finite[": "timings also carry per_position_acceptance, a list "
                                                               "(acceptance by draft position), beside llama-server's "
                                                               "numbers",
-    "unit/test_sleep.py::": "--sleep-idle-seconds (unloading the model when idle) is not implemented here",
     "unit/test_kv_keep_only_active.py::": "--cache-ram and --cache-idle-slots (host-memory prompt caches) are not "
                                           "implemented here; the tests read llama-server's debug log tags",
     "unit/test_compat_gcp.py::": "Vertex AI's prediction routes (AIP_MODE) are not served here",

@@ -10,7 +10,9 @@ count_tokens), ``responses/`` (OpenAI's /v1/responses and its input_tokens) and 
 ``--cors-origins`` does not allow is refused before any route sees it (``origins``).
 
 The app holds a ``Service`` (its ``Worker`` hands each generation to the engine's slot loop,
-which runs on a thread of its own) and never touches native objects itself. Build it with
+which runs on a thread of its own) and never touches native objects itself. With
+``--sleep-idle-seconds`` every route but a few (``sleep.ANSWERED_ASLEEP``) loads the model first
+when it sleeps, and keeps it loaded until its response is sent (``sleep.py``). Build it with
 ``create_app(engine, ServerSettings(...))`` and run it with any ASGI server (``pyllama-spec
 serve`` uses uvicorn).
 """
@@ -34,6 +36,7 @@ from pyllama_spec.server.header_names import CanonicalHeaderNames
 from pyllama_spec.server.origins import CrossSiteGuard
 from pyllama_spec.server.request_log import RequestLog
 from pyllama_spec.server.responses import routes as responses
+from pyllama_spec.server.sleep import ANSWERED_ASLEEP
 from pyllama_spec.server.service import (
     ERROR_HANDLERS,
     ServerSettings,
@@ -56,18 +59,30 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
     service = Service(engine, settings or ServerSettings())
 
     def route(path: str, methods: list[str], handler) -> Route:
+        answered_asleep = all((path, m) in ANSWERED_ASLEEP for m in methods)
+
         async def endpoint(request: Request) -> Response:
+            release = None
             try:
                 try:
                     service.check_key(request)
+                    if not answered_asleep:
+                        release = await service.sleep.hold()  # loads the model if it sleeps
                     response = await handler(request)
                 except APIError as e:
                     response = error_response(e)
                 except Exception as e:  # noqa: BLE001 - never a traceback to the client
                     response = error_response(engine_error(e))
-                service.metrics.count_request(path, response.status_code)
+                # The routes answered asleep are not counted: while asleep /metrics shows what it
+                # showed when the model was unloaded (as llama-server's), and they go on being polled.
+                if not answered_asleep:
+                    service.metrics.count_request(path, response.status_code)
+                if release is not None:  # a stream still reads the model after this returns
+                    response, release = _Held(response, release), None
                 return response
             finally:
+                if release is not None:
+                    release()
                 large_bodies.free(request)  # the handler's frame is gone: a large body's last holder is the request
 
         return Route(path, endpoint, methods=methods)
@@ -81,6 +96,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
         try:
             yield
         finally:
+            await service.sleep.stop()
             await off_loop(True, service.stop)  # it waits for the generations to end
 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers=ERROR_HANDLERS,
@@ -88,3 +104,17 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
                                 Middleware(CrossSiteGuard, policy=service.settings.cors_origins)])
     app.state.service = service
     return app
+
+
+class _Held:
+    """A response that keeps the model loaded (``IdleSleep.hold``) until it has been sent: a stream
+    formats its pieces with the model, and a client may read slowly."""
+
+    def __init__(self, response: Response, release) -> None:
+        self.response, self.release = response, release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.response(scope, receive, send)
+        finally:
+            self.release()

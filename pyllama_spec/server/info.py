@@ -26,10 +26,12 @@ PAGE_HEADERS = {
 
 
 def routes(service: Service) -> list[RouteSpec]:
+    asleep = {}  # /props's body as the model was unloaded (--sleep-idle-seconds), answered until it wakes
+    service.before_sleep.append(lambda: asleep.update(props=_props_body(service, is_sleeping=True)))
     return [
         *((p, ["GET"], lambda r: _models(service)) for p in ("/v1/models", "/models")),
         *((p, ["GET"], lambda r: _health(service)) for p in ("/health", "/v1/health")),
-        ("/props", ["GET"], lambda r: _props(service)),
+        ("/props", ["GET"], lambda r: _props(service, asleep)),
         ("/props", ["POST"], lambda r: _set_props(service, r)),
         ("/metrics", ["GET"], lambda r: _metrics(service)),
         ("/", ["GET"], lambda r: _page()),
@@ -79,14 +81,21 @@ async def _health(service: Service) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-async def _props(service: Service) -> Response:
+async def _props(service: Service, asleep: dict) -> Response:
     """llama-server's fields that apply (it also gives model_ftype and ui_settings: not read
     here), and this project's: ``default_generation_settings`` also holds ``max_tokens`` and the
-    ``speculative`` settings (the chat page reads them)."""
+    ``speculative`` settings (the chat page reads them). While the model sleeps, the body it had
+    when it was unloaded, with ``is_sleeping``: the engine is closed."""
+    if service.sleep.asleep:
+        return JSONResponse(asleep["props"])
+    return JSONResponse(_props_body(service, is_sleeping=False))
+
+
+def _props_body(service: Service, *, is_sleeping: bool) -> dict:
     f, d, settings = service.facts, service.engine.drafter, service.settings
     chat = service.engine.chat
     tool_use = {"chat_template_tool_use": chat.tool_use_source} if chat.use_jinja and chat.tool_use_source else {}
-    return JSONResponse({
+    return {
         **tool_use,
         "chat_template_caps": chat.caps,
         # this project's: how tools reach the model ("generic": the template cannot render them, so
@@ -105,7 +114,7 @@ async def _props(service: Service) -> Response:
         "endpoint_props": settings.endpoint_props,
         "endpoint_metrics": True,  # always served here
         "ui": True,  # the chat page at /
-        "is_sleeping": False,
+        "is_sleeping": is_sleeping,
         "cors_proxy_enabled": False,
         "default_generation_settings": {
             "params": generation_params(service, service.default_request, False),
@@ -115,7 +124,7 @@ async def _props(service: Service) -> Response:
                             "draft_positions": service.engine.positions.draft_positions,
                             "tree": service.engine.config.draft_tree},
         },
-    })
+    }
 
 
 async def _set_props(service: Service, request) -> Response:
@@ -136,9 +145,10 @@ async def _set_props(service: Service, request) -> Response:
 
 
 async def _metrics(service: Service) -> Response:
+    """Also while the model sleeps (no worker then, and the counts as they were when it was unloaded);
+    it does not wake it."""
     w = service.worker
-    loop = service.engine.slot_loop  # (counters the loop's thread adds to: a snapshot is enough)
-    steps, busy = loop.steps, sum(k * n for k, n in list(loop.slots_per_step.items()))
+    steps, busy = service.decode_counts()
     return PlainTextResponse(service.metrics.prometheus(queue_depth=w.queue_depth if w else 0,
                                                         running=w.running if w else 0,
                                                         slots=service.engine.config.n_parallel,

@@ -13,6 +13,9 @@ from pyllama_spec.speculative.stats import GenerationStats, StatsTotals
 class ServerMetrics:
     requests: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # (route, status)
     generations: StatsTotals = dataclasses.field(default_factory=StatsTotals)
+    # the generations since the last scrape: llama-server's throughput gauges are averages over this
+    # window, and each scrape starts a new one (its metrics buckets)
+    window: StatsTotals = dataclasses.field(default_factory=StatsTotals)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
     # embeddings (server/embeddings.py): prompt rows decoded and the decodes they took; no token sampled
     embedding_rows: int = 0
@@ -25,6 +28,7 @@ class ServerMetrics:
     def add_generation(self, stats: GenerationStats) -> None:
         with self._lock:
             self.generations.add(stats)
+            self.window.add(stats)
 
     def add_embeddings(self, rows: int, decodes: int) -> None:
         with self._lock:
@@ -40,7 +44,8 @@ class ServerMetrics:
                 lines.append(f"# TYPE pyllama_spec_{name} {kind}")
                 lines.extend(f"pyllama_spec_{name}{labels} {value:g}" for labels, value in samples)
 
-            metric("requests_total", "counter", "HTTP requests answered, by route and status",
+            metric("requests_total", "counter", "HTTP requests answered, by route and status (not /health, "
+                   "/models, GET /props, /metrics and the page, which are answered while the model sleeps)",
                    [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in sorted(self.requests.items())] or
                    [("", 0)])
             metric("prompt_tokens_total", "counter", "cache rows of the prompts", [("", g.prompt_rows)])
@@ -58,14 +63,15 @@ class ServerMetrics:
             metric("slots", "gauge", "sequence slots (-np)", [("", slots)])
             lines.extend(self._llama_server_series(queue_depth=queue_depth, running=running,
                                                    busy_per_decode=busy_per_decode))
+            self.window = StatsTotals()
             return "\n".join(lines) + "\n"
 
     def _llama_server_series(self, *, queue_depth: int, running: int, busy_per_decode: float) -> list[str]:
         """llama-server's own series (tools/server/server-task.cpp, to_metrics), under its names, so
         that a dashboard made for llama-server reads this server too. Its throughput gauges are
-        averages over its last interval; here they are over the server's life. An embedding's prompt
-        counts as processed prompt tokens and its decodes as decodes, as there."""
-        g = self.generations
+        averages over the generations since the previous scrape (``window``), as there. An embedding's
+        prompt counts as processed prompt tokens and its decodes as decodes, as there."""
+        g, w = self.generations, self.window
         counters = [
             ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens",
              g.prompt_rows_decoded + self.embedding_rows),
@@ -84,8 +90,8 @@ class ServerMetrics:
         ]
         gauges = [
             ("prompt_tokens_seconds", "Average prompt throughput in tokens/s",
-             g.prompt_rows_decoded / g.prefill_seconds if g.prefill_seconds else 0.0),
-            ("predicted_tokens_seconds", "Average generation throughput in tokens/s", g.tokens_per_second),
+             w.prompt_rows_decoded / w.prefill_seconds if w.prefill_seconds else 0.0),
+            ("predicted_tokens_seconds", "Average generation throughput in tokens/s", w.tokens_per_second),
             ("requests_processing", "Number of requests processing", running),
             ("requests_deferred", "Number of requests deferred", queue_depth),
             ("n_busy_slots_per_decode", "Average number of busy slots per llama_decode() call", busy_per_decode),

@@ -1,6 +1,7 @@
 """What every route shares: the settings, the engine's worker, the request limits, the facts
-the info routes answer with; the API-key check, reading a JSON body within its limits, and
-turning a generation's exception into the error its client sees.
+the info routes answer with, the model's sleep (``--sleep-idle-seconds``: server/sleep.py); the
+API-key check, reading a JSON body within its limits, and turning a generation's exception into the
+error its client sees.
 
 Routes live in their own modules (``chat_completions``, ``completions``, ``info``, ...), each
 with a ``routes(service)`` that ``app.create_app`` mounts.
@@ -38,6 +39,7 @@ from pyllama_spec.server import large_bodies
 from pyllama_spec.server.json_body import parse_json_body, takes_steps
 from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
 from pyllama_spec.server.origins import OriginPolicy
+from pyllama_spec.server.sleep import IdleSleep, give_back_memory
 from pyllama_spec.server.worker import Job, QueueFullError, Worker
 from pyllama_spec.serving.engine import Engine
 from pyllama_spec.serving.request import RequestOptions
@@ -73,6 +75,9 @@ class ServerSettings:
     # the web pages that may send requests (--cors-origins; server/origins.py): by default this server's
     # own page and pages served from localhost
     cors_origins: OriginPolicy = OriginPolicy()
+    # --sleep-idle-seconds: unload the model after this many seconds without a request, load it again
+    # on the next one (server/sleep.py); -1: never
+    sleep_idle_seconds: int = -1
 
 
 # Routes that need no API key: the health check, and the page (it holds no data; it asks for the
@@ -156,10 +161,28 @@ class Service:
     """What the routes share: the worker, settings, limits, counters."""
 
     def __init__(self, engine: Engine, settings: ServerSettings) -> None:
-        self.engine = engine
         self.settings = settings
         self.metrics = ServerMetrics()
         self.started = int(time.time())
+        self.worker: Worker | None = None  # made by start(): runs the jobs in the engine's slots
+        self.task_ids = itertools.count()  # llama-server's id_task of each generation (/slots)
+        #: The model's sleep (--sleep-idle-seconds). While asleep ``engine`` is closed and ``worker``
+        #: None; only the routes of sleep.ANSWERED_ASLEEP run, and read no native object.
+        self.sleep = IdleSleep(settings.sleep_idle_seconds, idle=self._idle, unload=self._unload, load=self._reload)
+        #: Called on the event loop as the model is unloaded, while it is still loaded: the routes
+        #: answered asleep keep what they need from it (info.py: /props's body).
+        self.before_sleep: list[Callable[[], None]] = []
+        self._decodes_before = (0, 0)  # decode steps and busy slots of the engines closed by a sleep
+        self._loaded: Engine | None = None  # the engine a wake loaded: this service closes it
+        self._bind(engine)
+
+    def _bind(self, engine: Engine) -> None:
+        """Serve ``engine``: what the routes read from it, read once (also on a new engine after a
+        sleep). The event loop never calls into native code while the slot loop generates."""
+        from pyllama_spec.serving.chat_template import MEDIA_MARKER
+
+        settings = self.settings
+        self.engine = engine
         drafter = engine.drafter
         self.limits = RequestLimits(
             max_tokens=settings.max_tokens, default_max_tokens=settings.default_max_tokens,
@@ -172,13 +195,8 @@ class Service:
                                allowed_dir=settings.allowed_image_dir))
         #: A request that gives nothing: the server's defaults, as /props shows them.
         self.default_request = engine.resolve(RequestOptions(prompt="", max_tokens=settings.default_max_tokens))
-        self.worker: Worker | None = None  # made by start(): runs the jobs in the engine's slots
-        self.task_ids = itertools.count()  # llama-server's id_task of each generation (/slots)
         self.logprobs = LogprobFormatter(engine.model)
-        # Facts the info routes answer with, read once here: the event loop never calls into
-        # native code while the slot loop generates.
-        from pyllama_spec.serving.chat_template import MEDIA_MARKER
-
+        # Facts the info routes answer with
         model, proj = engine.model, engine.projector
         self.facts = dict(n_ctx=engine.ctx.n_ctx, n_vocab=model.n_vocab, n_params=model.n_params,
                           size=model.size_bytes, model_path=str(model.path), chat_template=engine.chat.source,
@@ -188,11 +206,59 @@ class Service:
                           eos_token=_token_text(model, model.eos))
 
     def start(self) -> None:
+        """Start serving (on the event loop): the worker, and the idle clock when sleeping is on."""
         self.worker = Worker(self.engine, self.settings.max_queue, on_finished=self.metrics.add_generation)
+        self.sleep.start()
 
     def stop(self) -> None:
+        """Stop the worker (it waits for the generations to end) and close the engine a wake loaded
+        (the one given to the service belongs to its caller). After ``sleep.stop()``."""
         if self.worker is not None:
             self.worker.stop()
+        if self._loaded is not None:
+            self._loaded.close()
+
+    def decode_counts(self) -> tuple[int, int]:
+        """Target decode steps so far and the busy slots they served, over every engine this service
+        ran (a sleep closes one and a wake makes another)."""
+        steps, busy = self._decodes_before
+        if not self.sleep.asleep:
+            steps, busy = _add(steps, busy, self.engine)
+        return steps, busy
+
+    # ------------------------------------------------------------------ sleep (server/sleep.py)
+    def _idle(self) -> bool:
+        """No generation runs or waits."""
+        w = self.worker
+        return w is None or (w.queue_depth == 0 and w.running == 0)
+
+    async def _unload(self) -> None:
+        """Close the engine and stop its worker; raises only before anything is closed."""
+        for keep in self.before_sleep:
+            keep()
+        self._decodes_before = _add(*self._decodes_before, self.engine)
+        worker, engine, self.worker = self.worker, self.engine, None
+        await off_loop(True, _close, worker, engine)  # freeing the model's memory takes a while
+
+    async def _reload(self) -> None:
+        """The same engine again (its configuration as planned at the first load: the same context
+        size), with the LoRA scales POST /lora-adapters set (llama-server keeps them too)."""
+        old = self.engine
+        try:
+            engine = await off_loop(True, Engine, old.config)
+        except Exception as e:  # noqa: BLE001 - a file removed or changed, memory taken meanwhile
+            log.error("loading the model again after sleeping failed: %s", e)
+            raise APIError(500, f"the model could not be loaded again after sleeping (--sleep-idle-seconds): "
+                           f"{type(e).__name__}: {e}", type="server_error", code="model_reload_failed") from None
+        try:
+            if len(engine.lora) == len(old.lora):
+                engine.lora.scales = old.lora.scales
+            self._bind(engine)
+            self.worker = Worker(engine, self.settings.max_queue, on_finished=self.metrics.add_generation)
+        except BaseException:  # still asleep: the next request tries again
+            await off_loop(True, engine.close)
+            raise
+        self._loaded = engine
 
     def cancel_all(self) -> None:
         """Cancel every generation, running or waiting (the server is stopping: from a signal
@@ -250,6 +316,23 @@ class Service:
 
     def check_key(self, request: Request) -> None:
         check_api_key(request, self.settings.api_key)
+
+
+def _add(steps: int, busy: int, engine: Engine) -> tuple[int, int]:
+    """``steps`` and ``busy`` plus the engine's slot loop's decode steps and the busy slots they served."""
+    loop = engine.slot_loop  # (counters the loop's thread adds to: a snapshot is enough)
+    return steps + loop.steps, busy + sum(k * n for k, n in list(loop.slots_per_step.items()))
+
+
+def _close(worker: Worker | None, engine: Engine) -> None:
+    """Free a sleeping server's engine (on a thread). A failure is logged: the next request loads a new one."""
+    try:
+        if worker is not None:
+            worker.stop()
+        engine.close()
+    except Exception:  # noqa: BLE001
+        log.exception("closing the engine to sleep failed")
+    give_back_memory()
 
 
 def _token_text(model, token: int) -> str:
