@@ -272,6 +272,11 @@ def serve(host, port, api_key, api_key_file, alias, tags, parallel, max_queue, a
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="'--cors-origins'") from None
     keys = _api_keys(api_key, api_key_file)
+    vertex = _vertex_settings()
+    if vertex is not None and vertex.port != port:  # Vertex AI says where to listen (llama-server: the same)
+        err_console.print(f"[yellow]warning: AIP_MODE=PREDICTION: listening on AIP_HTTP_PORT {vertex.port}, "
+                          f"not --port {port}[/yellow]")
+        port = vertex.port
     plan = router_plan(click.get_current_context())
     if plan is not None:
         _serve_router(plan, host=hosts, port=port, keys=keys, models_max=models_max, autoload=models_autoload,
@@ -294,7 +299,7 @@ def serve(host, port, api_key, api_key_file, alias, tags, parallel, max_queue, a
                               allowed_image_dir=Path(allowed_image_dir) if allowed_image_dir else None,
                               body_timeout=body_timeout, endpoint_slots=endpoint_slots, endpoint_props=endpoint_props,
                               slot_save_path=Path(slot_save_path) if slot_save_path else None, cors_origins=origins,
-                              sleep_idle_seconds=sleep_idle_seconds)
+                              sleep_idle_seconds=sleep_idle_seconds, vertex=vertex)
     mode = _speculative_mode(engine)
     slots = f"{parallel} slots of {engine.ctx.n_ctx_seq} tokens" if parallel > 1 else "1 slot"
     err_console.print(f"[bold]pyllama-spec serve[/bold] · {engine.model.path.name} as '{settings.alias}' · "
@@ -304,10 +309,25 @@ def serve(host, port, api_key, api_key_file, alias, tags, parallel, max_queue, a
 
     with engine:
         try:
-            serve_app(create_app(engine, settings), host=hosts, port=port, log_level=uvicorn_level)
+            app = create_app(engine, settings)
+        except ValueError as e:  # AIP_PREDICT_ROUTE on a route already served
+            err_console.print(f"[red]error:[/red] {e}")
+            sys.exit(1)
+        try:
+            serve_app(app, host=hosts, port=port, log_level=uvicorn_level)
         except OSError as e:  # an address that cannot be listened on (in use, not this machine's)
             err_console.print(f"[red]error:[/red] {e.strerror or e}")
             sys.exit(1)
+
+
+def _vertex_settings():
+    """Vertex AI's settings from the environment (server/vertex.py), or None outside it."""
+    from pyllama_spec.server.vertex import VertexSettings
+
+    try:
+        return VertexSettings.from_environ()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
 
 
 def _serve_router(plan: RouterPlan, *, host: list[str], port: int, keys: list[str], models_max: int, autoload: bool,

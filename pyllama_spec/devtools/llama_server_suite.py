@@ -87,7 +87,6 @@ KNOWN_DIFFERENCES: dict[str, str] = {
                                                               "numbers",
     "unit/test_kv_keep_only_active.py::": "--cache-ram and --cache-idle-slots (host-memory prompt caches) are not "
                                           "implemented here; the tests read llama-server's debug log tags",
-    "unit/test_compat_gcp.py::": "Vertex AI's prediction routes (AIP_MODE) are not served here",
     "unit/test_router.py::test_router_props": "serve without -m serves the embedded pair (the first run's model); "
                                               "its router is --models-preset without -m",
     "unit/test_router.py::test_router_delete_model": "the router's Hub cache (downloads, deleting them) is not "

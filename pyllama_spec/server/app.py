@@ -28,7 +28,7 @@ from starlette.responses import Response
 from starlette.routing import Mount, Route
 
 from pyllama_spec.server import (chat_completions, completions, embeddings, infill, info, large_bodies, lora, slots,
-                                 tokens)
+                                 tokens, vertex)
 from pyllama_spec.server.anthropic import routes as anthropic
 from pyllama_spec.server.errors import APIError
 from pyllama_spec.server.offload import off_loop
@@ -43,6 +43,7 @@ from pyllama_spec.server.service import (
     Service,
     engine_error,
     error_response,
+    read_json,
 )
 from pyllama_spec.serving.engine import Engine
 
@@ -59,7 +60,8 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
     service = Service(engine, settings or ServerSettings())
 
     def route(path: str, methods: list[str], handler) -> Route:
-        answered_asleep = all((path, m) in ANSWERED_ASLEEP for m in methods)
+        vertex_health = service.settings.vertex.health_route if service.settings.vertex else None
+        answered_asleep = all((path, m) in ANSWERED_ASLEEP or (path, m) == (vertex_health, "GET") for m in methods)
 
         async def endpoint(request: Request) -> Response:
             release = None
@@ -87,7 +89,13 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
 
         return Route(path, endpoint, methods=methods)
 
-    routes = [route(*spec) for module in _ROUTE_MODULES for spec in module.routes(service)]
+    specs = [spec for module in _ROUTE_MODULES for spec in module.routes(service)]
+    if service.settings.vertex is not None:  # Vertex AI's prediction route, over the others (vertex.py)
+        async def read_body(request: Request):
+            return (await read_json(request, service.settings.max_body_bytes, service.settings.body_timeout))[0]
+
+        specs += vertex.routes(service.settings.vertex, specs, read_body, engine_error)
+    routes = [route(*spec) for spec in specs]
     routes.append(Mount("/static", app=info.static_files(), name="static"))
 
     @contextlib.asynccontextmanager

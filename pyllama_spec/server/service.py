@@ -40,6 +40,7 @@ from pyllama_spec.server.json_body import parse_json_body, takes_steps
 from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
 from pyllama_spec.server.origins import OriginPolicy
 from pyllama_spec.server.sleep import IdleSleep, give_back_memory
+from pyllama_spec.server.vertex import VertexSettings
 from pyllama_spec.server.worker import Job, QueueFullError, Worker
 from pyllama_spec.serving.engine import Engine
 from pyllama_spec.serving.request import RequestOptions
@@ -78,6 +79,8 @@ class ServerSettings:
     # --sleep-idle-seconds: unload the model after this many seconds without a request, load it again
     # on the next one (server/sleep.py); -1: never
     sleep_idle_seconds: int = -1
+    # Vertex AI's prediction protocol (server/vertex.py; the CLI reads it from AIP_MODE and AIP_*): None off
+    vertex: VertexSettings | None = None
 
 
 # Routes that need no API key: the health check, and the page (it holds no data; it asks for the
@@ -315,6 +318,9 @@ class Service:
         return jobs
 
     def check_key(self, request: Request) -> None:
+        v = self.settings.vertex
+        if v is not None and v.health_route and request.url.path == v.health_route:
+            return  # Vertex AI's health checks carry no key (llama-server asks one of them: they would fail)
         check_api_key(request, self.settings.api_key)
 
 

@@ -1,0 +1,157 @@
+"""Vertex AI's custom-container protocol, as llama-server serves it (its Google Cloud compatibility).
+
+With ``AIP_MODE=PREDICTION`` in the environment (Vertex AI sets it in a custom container):
+
+* ``POST $AIP_PREDICT_ROUTE`` (default ``/predict``) takes ``{"instances": [...]}``, at most 128, each
+  a route's JSON body plus ``"@requestFormat"``: the route as a path (``/v1/chat/completions``) or its
+  camelCase alias (``chatCompletions``: the path without ``/v1``, each ``/``, ``-`` or ``_`` starting
+  a capital). The instances run at once, each as its route answers it (``stream`` forced off), and
+  the answer is ``{"predictions": [...]}``: each route's JSON body in the instances' order, an error
+  object for an instance that failed (llama-server's per-instance errors; the request itself is 200);
+* ``GET $AIP_HEALTH_ROUTE``, when set, answers as ``/health``;
+* ``$AIP_HTTP_PORT`` (default 8080) is the port, over ``--port`` (the CLI warns when they differ).
+
+Every instance passes the predict request's headers on (its API key among them) and ends when the
+client of the predict request goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+from typing import Any, Callable, Mapping
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from pyllama_spec.server.errors import APIError, bad_request
+
+#: The most instances one prediction request may hold (llama-server's limit).
+MAX_INSTANCES = 128
+
+RouteSpec = tuple[str, list[str], Callable]
+
+
+@dataclasses.dataclass(frozen=True)
+class VertexSettings:
+    predict_route: str = "/predict"
+    health_route: str = ""  # "" : /health only
+    port: int = 8080
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] = os.environ) -> "VertexSettings | None":
+        """The settings Vertex AI gives a container, or None outside its prediction mode. ValueError
+        for a port that is not a number."""
+        if env.get("AIP_MODE", "") != "PREDICTION":
+            return None
+        port = env.get("AIP_HTTP_PORT") or "8080"
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"AIP_HTTP_PORT must be a port number, got {port!r}")
+        return cls(predict_route=_route(env.get("AIP_PREDICT_ROUTE")) or "/predict",
+                   health_route=_route(env.get("AIP_HEALTH_ROUTE")), port=int(port))
+
+
+def _route(value: str | None) -> str:
+    """An AIP_*_ROUTE value with its leading slash ("" when unset or empty)."""
+    if not value:
+        return ""
+    return value if value.startswith("/") else "/" + value
+
+
+def request_format(path: str) -> str:
+    """The camelCase name of a route: "/v1/chat/completions" -> "chatCompletions",
+    "/apply-template" -> "applyTemplate" (llama-server's path_to_gcp_format)."""
+    path = path.removeprefix("/v1") if len(path) > 3 else path
+    out, capital = [], False
+    for c in path.removeprefix("/"):
+        if c == ":" or c == "{":  # a path parameter ends it
+            break
+        if c in "/-_":
+            capital = True
+        else:
+            out.append(c.upper() if capital else c)
+            capital = False
+    return "".join(out)
+
+
+def routes(settings: VertexSettings, served: list[RouteSpec], read_body: Callable,
+           as_error: Callable[[Exception], APIError]) -> list[RouteSpec]:
+    """The prediction route (and the health alias) over the routes ``served``; ``read_body(request)``
+    reads a request's JSON body within the server's limits, ``as_error(e)`` is what the app answers
+    for an exception of a route. ValueError when AIP_PREDICT_ROUTE is a route already served
+    (llama-server refuses to start too)."""
+    handlers = {path: handler for path, _, handler in served}
+    if settings.predict_route in handlers:
+        raise ValueError(f"AIP_PREDICT_ROUTE={settings.predict_route} is a route this server already serves")
+    by_format: dict[str, Callable] = {}
+    for path, _, handler in served:
+        by_format.setdefault(request_format(path), handler)  # the first route of a name, as llama-server
+
+    async def predict(request: Request) -> Response:
+        body = await read_body(request)
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        instances = body.get("instances")
+        if not isinstance(instances, list):
+            raise bad_request("request body must include an array field named instances", "instances")
+        if len(instances) > MAX_INSTANCES:
+            raise bad_request(f"instances array exceeds maximum size of {MAX_INSTANCES}", "instances")
+        predictions = await asyncio.gather(*(_predict_one(request, i, handlers, by_format, as_error)
+                                             for i in instances))
+        return JSONResponse({"predictions": predictions})
+
+    out: list[RouteSpec] = [(settings.predict_route, ["POST"], predict)]
+    if settings.health_route and settings.health_route not in handlers:
+        out.append((settings.health_route, ["GET"], handlers["/health"]))
+    return out
+
+
+async def _predict_one(outer: Request, instance: Any, handlers: dict, by_format: dict, as_error: Callable) -> Any:
+    """One instance's answer: its route's JSON body, or an error object."""
+    if not isinstance(instance, dict):
+        return _error(bad_request("each instance must be a JSON object"))
+    name = instance.get("@requestFormat")
+    if not isinstance(name, str):
+        return _error(bad_request("each instance must include a string @requestFormat"))
+    handler = by_format.get(name) or handlers.get(name)
+    if handler is None:
+        return _error(bad_request(f"no handler registered for @requestFormat: {name}"))
+    payload = {k: v for k, v in instance.items() if k != "@requestFormat"}
+    if "stream" in payload:
+        payload["stream"] = False  # a prediction is one JSON value
+    try:
+        response = await handler(_inner_request(outer, json.dumps(payload).encode()))
+    except Exception as e:  # noqa: BLE001 - as the app answers it on the route itself
+        return _error(as_error(e))
+    if isinstance(response, StreamingResponse):
+        return _error(bad_request("predict route does not support streaming responses"))
+    if not response.body:
+        return None
+    try:
+        return json.loads(response.body)
+    except ValueError:
+        return response.body.decode("utf-8", errors="replace")
+
+
+def _error(e: APIError) -> dict:
+    return e.body()
+
+
+def _inner_request(outer: Request, body: bytes) -> Request:
+    """A POST with ``body`` and the outer request's headers. Once its body is read, it hears what
+    the outer request hears: the client's going away."""
+    headers = [(k, v) for k, v in outer.scope["headers"] if k.lower() not in (b"content-length", b"content-type")]
+    headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    scope = {**outer.scope, "method": "POST", "headers": headers, "query_string": b""}
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await outer.receive()
+
+    return Request(scope, receive)
