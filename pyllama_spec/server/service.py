@@ -39,7 +39,7 @@ from pyllama_spec.server import large_bodies
 from pyllama_spec.server.json_body import parse_json_body, takes_steps
 from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
 from pyllama_spec.server.origins import OriginPolicy
-from pyllama_spec.server.sleep import IdleSleep, give_back_memory
+from pyllama_spec.server.sleep import IdleSleep
 from pyllama_spec.server.vertex import VertexSettings
 from pyllama_spec.server.worker import Job, QueueFullError, Worker
 from pyllama_spec.serving.engine import Engine
@@ -335,10 +335,12 @@ def _close(worker: Worker | None, engine: Engine) -> None:
     try:
         if worker is not None:
             worker.stop()
-        engine.close()
+    except Exception:  # noqa: BLE001
+        log.exception("stopping the worker to sleep failed")
+    try:
+        engine.close(give_back_memory=True)
     except Exception:  # noqa: BLE001
         log.exception("closing the engine to sleep failed")
-    give_back_memory()
 
 
 def _token_text(model, token: int) -> str:

@@ -15,7 +15,6 @@ As in llama-server, N is at least 1, or -1 (the default): never.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import time
 from typing import Awaitable, Callable
@@ -150,16 +149,6 @@ class IdleSleep:
             except BaseException:
                 self.asleep = False  # unload() raises only before it changed anything
                 raise
-
-
-def give_back_memory() -> None:
-    """Return the heap pages that closing an engine freed to the OS: glibc keeps them in its arenas (one
-    per thread that allocated) otherwise, and the process would stay as large asleep. Nothing where
-    there is no glibc."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _seen(task: asyncio.Task) -> None:

@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from pyllama_spec.bindings.context import Context
+from pyllama_spec.bindings.heap import give_back_freed_pages
 from pyllama_spec.bindings.model import Model
 from pyllama_spec.bindings.mtmd import Projector
 from pyllama_spec.drafters import Drafter
@@ -276,18 +277,23 @@ class Engine:
                           for i in range(n_seq)]
 
     # ------------------------------------------------------------------ lifecycle
-    def close(self) -> None:
+    def close(self, *, give_back_memory: bool = False) -> None:
         """Free everything native. Waits for a step running on another thread; generations still
         running or suspended end (their streams raise ``ClosedError``), and the slot loop's thread
-        stops first."""
-        if self._loop is not None:
-            self._loop.stop()
-        for seq in self.sequences:
-            seq.close()
-        for obj in (self.drafter, self.projector, self.draft_projector, self.ctx, self.lora, self.draft_model,
-                    self.chat, self.model):
-            if obj is not None:
-                obj.close()
+        stops first. ``give_back_memory``: then return the freed heap pages to the OS (a process that
+        goes on without a model, as a sleeping server: bindings/heap.py), also when a close failed."""
+        try:
+            if self._loop is not None:
+                self._loop.stop()
+            for seq in self.sequences:
+                seq.close()
+            for obj in (self.drafter, self.projector, self.draft_projector, self.ctx, self.lora, self.draft_model,
+                        self.chat, self.model):
+                if obj is not None:
+                    obj.close()
+        finally:
+            if give_back_memory:
+                give_back_freed_pages()
 
     def __enter__(self) -> "Engine":
         return self
