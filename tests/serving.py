@@ -35,8 +35,9 @@ class LocalServer:
 
     @property
     def busy(self) -> int:
-        """Generations running now."""
-        return self.app.state.service.worker.running
+        """Generations running now (none while the server sleeps: it has no worker then)."""
+        worker = self.app.state.service.worker
+        return worker.running if worker is not None else 0
 
     def wait_idle(self, within: float) -> float:
         """Seconds until no generation runs; fails after ``within``."""
