@@ -607,7 +607,8 @@ def test_a_reload_while_a_model_loads_keeps_it_or_restarts_it_with_the_new_argum
         assert _post(served.url, "/models/load", {"model": "a"}).json() == {"success": True}
         pid = _until(lambda: next(iter(_children(served.proc.pid)), None), 10, "a's process")
         r = _reload(served)
-        assert r.status_code == 200 and r.json()["data"][0]["status"]["value"] == "loading"
+        # (loading, unless the child was quicker than this test: the process kept is what counts)
+        assert r.status_code == 200 and r.json()["data"][0]["status"]["value"] in ("loading", "loaded")
         served.wait_status("a", "loaded")
         assert _child_of_model(served.proc.pid, "a") == pid
         # changed while a request waits for it to load: stopped, started again with the new

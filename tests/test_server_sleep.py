@@ -66,7 +66,6 @@ def test_asleep_the_engine_is_closed_and_the_next_request_gets_the_same_answer(t
         with sleepy(engine) as server:
             service = server.app.state.service
             before = completion(server.url)
-            assert not is_sleeping(server.url)
             wait_asleep(server.url)
             # everything native is freed
             assert engine.model.closed and engine.ctx.closed and engine.projector.closed
@@ -82,8 +81,8 @@ def test_asleep_the_engine_is_closed_and_the_next_request_gets_the_same_answer(t
 
             after = completion(server.url)  # loads the same configuration again
             assert (after["content"], after["tokens"]) == (before["content"], before["tokens"])
-            assert not is_sleeping(server.url)
-            assert service.engine is not engine and not service.engine.model.closed
+            # (not "awake now": a stall of the idle time on a loaded machine would put it to sleep again)
+            assert service.engine is not engine
             assert service.engine.projector is not None and service.engine.drafter is not None
             assert service.engine.ctx.n_ctx == engine.config.n_ctx == 2048
             # counters go on over both engines
@@ -119,7 +118,6 @@ def test_two_requests_arriving_asleep_both_succeed_with_one_load(tiny_dense, mon
                 answers = list(pool.map(lambda _: completion(server.url), range(2)))
             assert len(loads) == 1
             assert [(a["content"], a["tokens"]) for a in answers] == [(before["content"], before["tokens"])] * 2
-            assert not is_sleeping(server.url)
     finally:
         engine.close()
 
@@ -151,8 +149,8 @@ def test_a_generation_longer_than_the_idle_time_is_not_interrupted(tiny_dense, s
                 answer = completion(server.url, body)
                 assert answer["tokens_predicted"] == 60 and answer["stop_type"] == "limit"
             took = time.monotonic() - start
+            # every token came (an unload under it would have ended it): never unloaded while it ran
             assert took > 2.5 * SLEEP, f"the generation took {took:.1f} s: too short to show anything"
-            assert not engine.model.closed  # never unloaded under it
             wait_asleep(server.url)  # and it sleeps once it is over
             assert engine.model.closed
     finally:
@@ -192,7 +190,6 @@ def test_lora_scales_set_by_post_outlive_a_sleep(tmp_path):
             wait_asleep(server.url)
             status, adapters = http(server.url, "/lora-adapters")  # needs the model: wakes it
             assert status == 200 and adapters[0]["scale"] == 0.25
-            assert not is_sleeping(server.url)
     finally:
         engine.close()
 
@@ -205,15 +202,16 @@ def _rss(pid: int) -> int:
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads /proc")
 def test_serve_gives_its_memory_back_while_asleep(tiny_dense, tmp_path):
-    """`pyllama-spec serve --sleep-idle-seconds 1` as a user starts it: a 131,072-token context holds a
-    128 MiB KV cache; asleep, the process is smaller by most of it, and awake again as large."""
+    """`pyllama-spec serve --sleep-idle-seconds 3` as a user starts it: a 131,072-token context holds a
+    128 MiB KV cache; asleep, the process is smaller by most of it, and awake again as large. (3 s: the
+    memory awake is read right after a request, which a stall of a loaded machine must not outlast.)"""
     from pyllama_spec.devtools.servers import stop, wait_healthy
 
     port, log = free_port(), tmp_path / "serve.log"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "pyllama_spec", "serve", "-m", str(tiny_dense.target),
-                                 "-c", "131072", "-t", "1", "--sleep-idle-seconds", str(SLEEP),
+                                 "-c", "131072", "-t", "1", "--sleep-idle-seconds", "3",
                                  "--port", str(port)], stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=REPO_ROOT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 
 import pytest
@@ -87,6 +88,26 @@ def test_a_bad_instance_gets_its_error_and_the_others_their_answers(server):
     assert body["predictions"][4]["tokens"]
 
 
+def test_an_instance_naming_no_json_route_gets_its_error(server):
+    status, body = _post(server.url, "/predict", {"instances": [
+        {"@requestFormat": ""}, {"@requestFormat": "/"}, {"@requestFormat": "/slots/{id_slot}"}]}, key="k")
+    assert status == 200
+    assert all("no handler registered" in p["error"]["message"] for p in body["predictions"]), body
+
+
+def test_a_large_instance_is_freed_with_its_request(server):
+    import gc
+
+    text = "é" * 200_000  # 400 KB of UTF-8: parsed on a thread, the collector frozen while it lives
+    status, body = _post(server.url, "/predict", {"instances": [{"@requestFormat": "tokenize", "content": text}]},
+                         key="k")
+    assert status == 200 and len(body["predictions"][0]["tokens"]) > 0
+    deadline = time.monotonic() + 10
+    while gc.get_freeze_count() and time.monotonic() < deadline:  # freed on a thread, a piece at a time
+        time.sleep(0.05)
+    assert gc.get_freeze_count() == 0
+
+
 @pytest.mark.parametrize(("body", "message"), [
     ({}, "array field named instances"), ({"instances": {"a": 1}}, "array field named instances"),
     ([1], "JSON object"), ({"instances": [{"@requestFormat": "tokenize", "content": "a"}] * (MAX_INSTANCES + 1)},
@@ -103,10 +124,13 @@ def test_the_key_is_asked_of_predictions_not_of_the_health_check(server):
     assert http(server.url, "/ping") == (200, {"status": "ok"})
 
 
-def test_a_predict_route_on_a_served_route_is_refused(tiny_dense):
+@pytest.mark.parametrize("vertex", [VertexSettings(predict_route="/completion"),
+                                    VertexSettings(health_route="/v1/chat/completions"),
+                                    VertexSettings(health_route="/predict")])
+def test_a_vertex_route_on_a_served_route_is_refused(tiny_dense, vertex):
     with load_tiny(tiny_dense, n_ctx=1024) as engine:
         with pytest.raises(ValueError, match="already serves"):
-            create_app(engine, ServerSettings(vertex=VertexSettings(predict_route="/completion")))
+            create_app(engine, ServerSettings(api_key="k", vertex=vertex))
 
 
 def test_serve_listens_where_vertex_ai_says(tiny_dense):

@@ -97,14 +97,14 @@ def test_rates_of_zero_give_target_only_tokens_and_rates_of_one_keep_every_draft
         assert len(r.tokens) == 40 and r.finish_reason == "length"
         # a grammar the kept drafts do not follow is not an error: the sampler took the target's tokens
         g = always.generate(PROMPT, max_tokens=6, grammar='root ::= "a"{5,5}')
-        assert len(g.tokens) <= 6
+        assert g.stats.drafted > 0 and g.stats.accepted == g.stats.drafted and g.tokens
 
 
 def test_a_seed_gives_the_same_decisions(pair):
     with pytest.warns(UserWarning):
         engine = _load(pair, synth_len=2.5)
     with engine:
-        runs = [engine.generate(PROMPT, max_tokens=48, temperature=0.7, seed=s) for s in (7, 7, 8)]
+        runs = [engine.generate(PROMPT, max_tokens=48, temperature=0.7, seed=7) for _ in range(2)]
     same = [(r.tokens, r.stats.drafted, r.stats.accepted) for r in runs]
     assert same[0] == same[1]
     assert 0 < runs[0].stats.accepted < runs[0].stats.drafted

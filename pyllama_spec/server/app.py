@@ -75,9 +75,10 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
                     response = error_response(e)
                 except Exception as e:  # noqa: BLE001 - never a traceback to the client
                     response = error_response(engine_error(e))
-                # The routes answered asleep are not counted: while asleep /metrics shows what it
-                # showed when the model was unloaded (as llama-server's), and they go on being polled.
-                if not answered_asleep:
+                # With --sleep-idle-seconds the routes answered asleep are not counted: while asleep
+                # /metrics shows what it showed when the model was unloaded (as llama-server's), and
+                # they go on being polled.
+                if not (answered_asleep and service.sleep.enabled):
                     service.metrics.count_request(path, response.status_code)
                 if release is not None:  # a stream still reads the model after this returns
                     response, release = _Held(response, release), None

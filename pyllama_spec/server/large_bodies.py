@@ -35,7 +35,7 @@ from pyllama_spec.server.offload import off_loop
 log = logging.getLogger(__name__)
 
 #: Where a request keeps its large bodies until ``free`` (the ASGI scope lives as long as the request).
-_KEY = "pyllama_spec.large_bodies"
+SCOPE_KEY = "pyllama_spec.large_bodies"
 
 
 class _CollectorPause:
@@ -99,14 +99,14 @@ async def parse(request: Request, raw: bytes) -> Any:
         collect = _PAUSE.parsing_ends(parsed)
     if collect:
         _on_a_thread(gc.collect)
-    request.scope.setdefault(_KEY, []).append(body)
+    request.scope.setdefault(SCOPE_KEY, []).append(body)
     return body
 
 
 def free(request: Request) -> None:
     """Once a route is done with ``request`` (its handler's frame gone): the large bodies ``parse`` kept
     for it are freed on a thread, a piece at a time."""
-    bodies = request.scope.pop(_KEY, None)
+    bodies = request.scope.pop(SCOPE_KEY, None)
     if bodies:
         _on_a_thread(_free, bodies)
 

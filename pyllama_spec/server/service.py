@@ -319,7 +319,7 @@ class Service:
 
     def check_key(self, request: Request) -> None:
         v = self.settings.vertex
-        if v is not None and v.health_route and request.url.path == v.health_route:
+        if v is not None and v.health_route and (request.url.path, request.method) == (v.health_route, "GET"):
             return  # Vertex AI's health checks carry no key (llama-server asks one of them: they would fail)
         check_api_key(request, self.settings.api_key)
 

@@ -11,8 +11,11 @@ With ``AIP_MODE=PREDICTION`` in the environment (Vertex AI sets it in a custom c
 * ``GET $AIP_HEALTH_ROUTE``, when set, answers as ``/health``;
 * ``$AIP_HTTP_PORT`` (default 8080) is the port, over ``--port`` (the CLI warns when they differ).
 
-Every instance passes the predict request's headers on (its API key among them) and ends when the
-client of the predict request goes away.
+Every instance passes the predict request's headers and query string on (its API key among them) and
+ends when the client of the predict request goes away. An instance names a route that answers JSON
+(not the page, not a route with a path parameter); each is its own request to its route, with that
+route's limits (the images of each, say). A router serves no prediction route: its models do not
+inherit these variables.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any, Callable, Mapping
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from pyllama_spec.server import large_bodies
 from pyllama_spec.server.errors import APIError, bad_request
 
 #: The most instances one prediction request may hold (llama-server's limit).
@@ -82,12 +86,17 @@ def routes(settings: VertexSettings, served: list[RouteSpec], read_body: Callabl
     reads a request's JSON body within the server's limits, ``as_error(e)`` is what the app answers
     for an exception of a route. ValueError when AIP_PREDICT_ROUTE is a route already served
     (llama-server refuses to start too)."""
-    handlers = {path: handler for path, _, handler in served}
-    if settings.predict_route in handlers:
+    served_paths = {path for path, _, _ in served}
+    if settings.predict_route in served_paths:
         raise ValueError(f"AIP_PREDICT_ROUTE={settings.predict_route} is a route this server already serves")
+    if settings.health_route in (*served_paths, settings.predict_route):
+        raise ValueError(f"AIP_HEALTH_ROUTE={settings.health_route} is a route this server already serves")
+    # What an instance may name: the routes answering JSON, without path parameters (the page at / and
+    # /slots/{id} are not), by path and by camelCase name (the first route of a name, as llama-server)
+    handlers = {path: handler for path, _, handler in served if path != "/" and "{" not in path}
     by_format: dict[str, Callable] = {}
-    for path, _, handler in served:
-        by_format.setdefault(request_format(path), handler)  # the first route of a name, as llama-server
+    for path, handler in handlers.items():
+        by_format.setdefault(request_format(path), handler)
 
     async def predict(request: Request) -> Response:
         body = await read_body(request)
@@ -103,7 +112,7 @@ def routes(settings: VertexSettings, served: list[RouteSpec], read_body: Callabl
         return JSONResponse({"predictions": predictions})
 
     out: list[RouteSpec] = [(settings.predict_route, ["POST"], predict)]
-    if settings.health_route and settings.health_route not in handlers:
+    if settings.health_route:
         out.append((settings.health_route, ["GET"], handlers["/health"]))
     return out
 
@@ -121,18 +130,24 @@ async def _predict_one(outer: Request, instance: Any, handlers: dict, by_format:
     payload = {k: v for k, v in instance.items() if k != "@requestFormat"}
     if "stream" in payload:
         payload["stream"] = False  # a prediction is one JSON value
+    # compact, characters as themselves: the instance's body is no larger than its part of the request's
+    body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
+    inner = _inner_request(outer, body)
     try:
-        response = await handler(_inner_request(outer, json.dumps(payload).encode()))
+        response = await handler(inner)
     except Exception as e:  # noqa: BLE001 - as the app answers it on the route itself
         return _error(as_error(e))
-    if isinstance(response, StreamingResponse):
+    finally:
+        large_bodies.free(inner)  # a large body the route parsed on a thread (as the app does per request)
+    raw = getattr(response, "body", None)
+    if isinstance(response, StreamingResponse) or not isinstance(raw, (bytes, bytearray)):
         return _error(bad_request("predict route does not support streaming responses"))
-    if not response.body:
+    if not raw:
         return None
     try:
-        return json.loads(response.body)
+        return json.loads(raw)
     except ValueError:
-        return response.body.decode("utf-8", errors="replace")
+        return raw.decode("utf-8", errors="replace")
 
 
 def _error(e: APIError) -> dict:
@@ -144,7 +159,8 @@ def _inner_request(outer: Request, body: bytes) -> Request:
     the outer request hears: the client's going away."""
     headers = [(k, v) for k, v in outer.scope["headers"] if k.lower() not in (b"content-length", b"content-type")]
     headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    scope = {**outer.scope, "method": "POST", "headers": headers, "query_string": b""}
+    scope = {k: v for k, v in outer.scope.items() if k != large_bodies.SCOPE_KEY}  # the outer body stays its own
+    scope.update(method="POST", headers=headers)  # the query string passed on, as llama-server
     sent = False
 
     async def receive() -> dict:

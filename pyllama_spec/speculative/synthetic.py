@@ -15,10 +15,12 @@ drafted tokens the target did not choose (llama-server warns the same).
   from a generator seeded with the request's seed (the same seed, the same decisions); a drafted
   end-of-generation token is never kept (it would end the text early).
 
-A kept draft token does not advance the grammar here either: the native sampler has already taken
-the target's own token at that row (llama-server's leaves its grammar where it was), so a grammar
-never refuses a step; the output is as invalid as the mode says. A draft tree is verified by
-llama.cpp's match rule (llama-server has no trees).
+Where this differs from llama-server: the native sampler here samples and takes the target's own token
+at each row in one call, so a kept draft token is not what its penalties and grammar saw (they follow
+the target's token; llama-server gives the penalties the kept draft token and leaves its grammar where
+it was). Either way a grammar never refuses a step and the output is as invalid as the mode says; what
+the mode measures, how many drafts a step keeps and what a step costs, does not depend on it. A draft tree is verified
+by llama.cpp's match rule (llama-server has no trees).
 """
 
 from __future__ import annotations

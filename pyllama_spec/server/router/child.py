@@ -25,11 +25,13 @@ log = logging.getLogger("pyllama_spec.server.router")
 ROUTER_ENV = "LLAMA_SERVER_ROUTER_PORT"
 #: Children listen here only, whatever address the router listens on.
 CHILD_HOST = "127.0.0.1"
-#: What a router's child must not inherit from its environment: the router's own settings, and
-#: the API key (each child gets one of its own).
+#: What a router's child must not inherit from its environment: the router's own settings, the
+#: API key (each child gets one of its own), and Vertex AI's (AIP_HTTP_PORT would move the child
+#: onto the router's port; the router is what Vertex AI talks to).
 _ROUTER_ONLY_ENV = ("LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE", "LLAMA_ARG_MODELS_PRESET", "LLAMA_ARG_MODELS_MAX",
                     "LLAMA_ARG_MODELS_AUTOLOAD", "LLAMA_ARG_MODELS_DIR", "LLAMA_ARG_HOST", "LLAMA_ARG_PORT",
-                    "LLAMA_ARG_ALIAS", "LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE")
+                    "LLAMA_ARG_ALIAS", "LLAMA_ARG_SSL_KEY_FILE", "LLAMA_ARG_SSL_CERT_FILE", "AIP_MODE", "AIP_HTTP_PORT",
+                    "AIP_HEALTH_ROUTE", "AIP_PREDICT_ROUTE")
 #: Lines of a child's output kept for the reason it failed.
 TAIL_LINES = 20
 _MAX_LINE = 64 * 1024  # a child's line longer than this is cut (the tail stays bounded)
