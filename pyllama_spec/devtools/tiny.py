@@ -527,6 +527,22 @@ def _clip_writer(name: str, projector_type: str, *, n_embd: int, n_ff: int, n_bl
     return w
 
 
+def _add_vision_norms(w: GGUFWriter, b: str, n_embd: int) -> None:
+    """A vision block's two layer norms (ones and zeros: nothing drawn)."""
+    for ln in ("ln1", "ln2"):
+        w.add_tensor(f"{b}.{ln}.weight", _ones(n_embd))
+        w.add_tensor(f"{b}.{ln}.bias", np.zeros(n_embd, np.float32))
+
+
+def _add_vision_ffn(w: GGUFWriter, r: "_Weights", b: str, n_embd: int, n_ff: int) -> None:
+    """A vision block's feed-forward, drawn in this order. up: ggml [n_embd, n_ff], down: ggml
+    [n_ff, n_embd] (this orientation is not "swapped")."""
+    w.add_tensor(f"{b}.ffn_up.weight", r.mat(n_ff, n_embd))
+    w.add_tensor(f"{b}.ffn_up.bias", r.vec(n_ff))
+    w.add_tensor(f"{b}.ffn_down.weight", r.mat(n_embd, n_ff))
+    w.add_tensor(f"{b}.ffn_down.bias", r.vec(n_embd))
+
+
 def _add_patch_embeddings(w: GGUFWriter, r: "_Weights", n_embd: int, patch: int) -> None:
     """Qwen-VL's temporal patch conv, split in two frames: two ggml [patch, patch, 3, n_embd] tensors."""
     for name in ("v.patch_embd.weight", "v.patch_embd.weight.1"):
@@ -576,17 +592,11 @@ def write_mmproj(path: str | Path, *, target_n_embd: int = 64, seed: int = 0,
     _add_patch_embeddings(w, r, n_embd, patch)
     for i in range(n_block):
         b = f"v.blk.{i}"
-        for ln in ("ln1", "ln2"):
-            w.add_tensor(f"{b}.{ln}.weight", _ones(n_embd))
-            w.add_tensor(f"{b}.{ln}.bias", np.zeros(n_embd, np.float32))
+        _add_vision_norms(w, b, n_embd)
         for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
             w.add_tensor(f"{b}.{name}.weight", r.mat(n_embd, n_embd))
             w.add_tensor(f"{b}.{name}.bias", r.vec(n_embd))
-        # up: ggml [n_embd, n_ff], down: ggml [n_ff, n_embd] (this orientation is not "swapped")
-        w.add_tensor(f"{b}.ffn_up.weight", r.mat(n_ff, n_embd))
-        w.add_tensor(f"{b}.ffn_up.bias", r.vec(n_ff))
-        w.add_tensor(f"{b}.ffn_down.weight", r.mat(n_embd, n_ff))
-        w.add_tensor(f"{b}.ffn_down.bias", r.vec(n_embd))
+        _add_vision_ffn(w, r, b, n_embd, n_ff)
     w.add_tensor("mm.0.weight", r.mat(merged, merged))
     w.add_tensor("mm.0.bias", r.vec(merged))
     w.add_tensor("mm.2.weight", r.mat(target_n_embd, merged, std=0.5))
@@ -615,17 +625,12 @@ def _write_qwen3vl_mmproj(path: Path, *, target_n_embd: int, seed: int,
     w.add_tensor("v.position_embd.weight", r.mat((image_size // patch) ** 2, n_embd, std=0.02, keep_f32=True))
     for il in range(n_block):
         b = f"v.blk.{il}"
-        for ln in ("ln1", "ln2"):
-            w.add_tensor(f"{b}.{ln}.weight", _ones(n_embd))
-            w.add_tensor(f"{b}.{ln}.bias", np.zeros(n_embd, np.float32))
+        _add_vision_norms(w, b, n_embd)
         w.add_tensor(f"{b}.attn_qkv.weight", r.mat(3 * n_embd, n_embd))
         w.add_tensor(f"{b}.attn_qkv.bias", r.vec(3 * n_embd))
         w.add_tensor(f"{b}.attn_out.weight", r.mat(n_embd, n_embd))
         w.add_tensor(f"{b}.attn_out.bias", r.vec(n_embd))
-        w.add_tensor(f"{b}.ffn_up.weight", r.mat(n_ff, n_embd))
-        w.add_tensor(f"{b}.ffn_up.bias", r.vec(n_ff))
-        w.add_tensor(f"{b}.ffn_down.weight", r.mat(n_embd, n_ff))
-        w.add_tensor(f"{b}.ffn_down.bias", r.vec(n_embd))
+        _add_vision_ffn(w, r, b, n_embd, n_ff)
         if il in deepstack_layers:
             # a merger of its own over the 2x2-merged block output: norm [128], fc1 [128, 128], fc2 [128, n]
             d = f"v.deepstack.{il}"
