@@ -97,7 +97,8 @@ def test_openai_client_chat_with_an_image_equals_engine_generate(served, referen
     assert t["predicted_n"] == r.usage.completion_tokens
     assert 0 <= t["draft_n_accepted"] <= t["draft_n"] and t["draft_n"] > 0
     assert t["prompt_n"] + t["cache_n"] == r.usage.prompt_tokens
-    assert len(t["per_position_acceptance"]) > 0 and t["mean_accepted_length"] >= 1.0
+    assert t["mean_accepted_length"] >= 1.0 and all(isinstance(v, (int, float)) for v in t.values())
+    assert len(r.model_extra["per_position_acceptance"]) > 0  # beside timings: it holds numbers only
 
 
 def test_openai_client_streamed_chat_equals_the_plain_answer(served, reference):

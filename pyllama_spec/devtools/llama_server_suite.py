@@ -82,9 +82,6 @@ KNOWN_DIFFERENCES: dict[str, str] = {
                                                  "could otherwise drive the server; --cors-origins '*' gives "
                                                  "llama-server's answers",
     "unit/test_metrics.py::test_metrics_disabled": "/metrics is always served here (llama-server needs --metrics)",
-    "unit/test_metrics.py::test_metrics_timings_are_finite[": "timings also carry per_position_acceptance, a list "
-                                                              "(acceptance by draft position), beside llama-server's "
-                                                              "numbers",
     "unit/test_kv_keep_only_active.py::": "--cache-ram and --cache-idle-slots (host-memory prompt caches) are not "
                                           "implemented here; the tests read llama-server's debug log tags",
     "unit/test_router.py::test_router_props": "serve without -m serves the embedded pair (the first run's model); "

@@ -118,7 +118,9 @@ async def _opening(objects: AsyncIterator[dict], request: Request) -> tuple[list
 
 
 def timings(stats) -> dict:
-    """llama-server's ``timings`` object, plus what it lacks (acceptance by draft position)."""
+    """llama-server's ``timings`` object, plus acceptance numbers it lacks. Every value is a number, as
+    there (clients total them, llama.cpp's tests check them): the list of acceptance by draft position
+    goes beside it (``acceptance_by_position``)."""
     prompt_n = stats.prompt_decoded
     prompt_ms, predicted_ms = stats.prefill_seconds * 1000, stats.decode_seconds * 1000
     steps = max(stats.generated_tokens - 1, 0)
@@ -137,10 +139,15 @@ def timings(stats) -> dict:
         "draft_n_accepted": stats.accepted,
         "acceptance_rate": stats.acceptance_rate,
         "mean_accepted_length": stats.mean_accepted_length,
-        "per_position_acceptance": stats.per_position_acceptance,
         "target_steps": stats.target_steps,
     }
     return out
+
+
+def acceptance_by_position(stats) -> dict:
+    """The fields an OpenAI-shaped final answer carries beside ``timings``: the acceptance at each draft
+    position (/completion keeps to llama-server's fields; /slots has it too)."""
+    return {"per_position_acceptance": list(stats.per_position_acceptance)}
 
 
 def speculation(piece) -> dict:
@@ -193,7 +200,7 @@ async def _llama_final(service: Service, req: GenerationRequest, job: Job, index
                          tokens=c.tokens if opts.return_tokens and not streamed else [], id_slot=id_slot,
                          model=service.settings.alias, prompt=prompt, has_new_line=c.has_new_line,
                          settings=settings)
-    body = final_body(fields, last, timings(last.stats))
+    body = final_body(fields, last, timings(last.stats))  # llama-server's fields and no other
     if not streamed:
         probs = await _final_logprobs(service, req, c)
         if probs:
@@ -337,7 +344,7 @@ async def complete_body(service: Service, req: GenerationRequest, jobs: list[Job
         out.append(choice)
     stats = [c.last.stats for c in choices]
     body = {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": out,
-            "usage": usage(stats, req.n), "timings": timings(stats[0])}
+            "usage": usage(stats, req.n), "timings": timings(stats[0]), **acceptance_by_position(stats[0])}
     if req.options.verbose:  # llama-server's debugging aid: the first choice as /completion answers it
         body["__verbose"] = await _llama_final(service, req, jobs[0], 0, choices[0], id_slot=jobs[0].slot)
     return body
@@ -498,6 +505,7 @@ async def stream_objects(service: Service, req: GenerationRequest, jobs: list[Jo
                     final_stats[i] = piece.stats
                     final = chunk(i, None, finish)
                     final["timings"] = timings(piece.stats)
+                    final.update(acceptance_by_position(piece.stats))
                     if req.options.verbose:  # llama-server's, on each choice's last chunk (content streamed)
                         final["__verbose"] = await _llama_final(service, req, jobs[i], i, _Choice(last=piece),
                                                                 id_slot=jobs[i].slot)
@@ -506,7 +514,8 @@ async def stream_objects(service: Service, req: GenerationRequest, jobs: list[Jo
             # the usage chunk carries the timings too, as llama-server's (the first choice's)
             yield {"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                    "usage": usage([final_stats[i] for i in sorted(final_stats)], req.n),
-                   "timings": timings(final_stats[min(final_stats)])}
+                   "timings": timings(final_stats[min(final_stats)]),
+                   **acceptance_by_position(final_stats[min(final_stats)])}
     finally:
         for job in jobs:
             job.cancel()  # the client went away (or the stream ended): stop generating within one step
