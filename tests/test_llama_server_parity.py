@@ -88,8 +88,11 @@ def _close(a: float, b: float) -> bool:
 
 def _same_or_tied(x: dict, y: dict, theirs: list[dict], key: str) -> bool:
     """Entry x (ours) and y (theirs, at the same rank) name the same token, or two tokens tied to
-    float32 rounding swapped places: x's token is elsewhere in their list with a value close to x's."""
-    return x["id"] == y["id"] or any(t["id"] == x["id"] and _close(t[key], x[key]) for t in theirs)
+    float32 rounding swapped places: x's token is elsewhere in their list with a value close to x's,
+    or (a tie across the list's end) not in their list, its value close to their last one's."""
+    if x["id"] == y["id"] or any(t["id"] == x["id"] and _close(t[key], x[key]) for t in theirs):
+        return True
+    return all(t["id"] != x["id"] for t in theirs) and _close(theirs[-1][key], x[key])
 
 
 def _same_logprobs(ours: list, theirs: list) -> None:

@@ -4,8 +4,9 @@ loads it again, others waiting for that one load (server/sleep.py). llama.cpp's 
 (tools/server/tests/unit/test_sleep.py: which routes wake it, /metrics while asleep) run in
 tests/test_llama_server_suite.py's suite.
 
-Timings hold on a loaded 2-core machine: a server sleeps 1 s after its last request, and the tests
-wait up to 30 s for that; a generation meant to outlast the sleep is checked to have taken long enough.
+Timings hold on a loaded 2-core machine: a server sleeps 1 s after its last request (3 s where a test
+reads the process right after one), the tests wait up to 30 s for that and never check "awake" right
+after a request; a generation meant to outlast the sleep is checked to have taken long enough.
 """
 
 from __future__ import annotations

@@ -88,6 +88,22 @@ def test_a_bad_instance_gets_its_error_and_the_others_their_answers(server):
     assert body["predictions"][4]["tokens"]
 
 
+def test_a_path_served_for_get_and_post_is_its_get_as_llama_server_dispatches_it(server):
+    status, body = _post(server.url, "/predict", {"instances": [{"@requestFormat": "props"},
+                                                                {"@requestFormat": "/props"}]}, key="k")
+    assert status == 200 and all("default_generation_settings" in p for p in body["predictions"]), body
+
+
+def test_a_lone_surrogate_in_an_instance_is_that_instances_business(server):
+    raw = b'{"instances": [{"@requestFormat": "tokenize", "content": "a\\ud800b"}, ' \
+          b'{"@requestFormat": "tokenize", "content": "ok"}]}'
+    req = urllib.request.Request(server.url + "/predict", raw, {"Content-Type": "application/json",
+                                                               "Authorization": "Bearer k"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        body = json.load(r)
+    assert r.status == 200 and len(body["predictions"]) == 2 and body["predictions"][1]["tokens"]
+
+
 def test_an_instance_naming_no_json_route_gets_its_error(server):
     status, body = _post(server.url, "/predict", {"instances": [
         {"@requestFormat": ""}, {"@requestFormat": "/"}, {"@requestFormat": "/slots/{id_slot}"}]}, key="k")
@@ -122,6 +138,12 @@ def test_the_key_is_asked_of_predictions_not_of_the_health_check(server):
     assert _post(server.url, "/predict", {"instances": []})[0] == 401
     assert _post(server.url, "/predict", {"instances": []}, key="k") == (200, {"predictions": []})
     assert http(server.url, "/ping") == (200, {"status": "ok"})
+
+
+def test_the_health_route_may_be_health_itself(tiny_dense):
+    with load_tiny(tiny_dense, n_ctx=1024) as engine:
+        for route in ("/health", "/v1/health"):
+            create_app(engine, ServerSettings(vertex=VertexSettings(health_route=route)))  # no alias, no error
 
 
 @pytest.mark.parametrize("vertex", [VertexSettings(predict_route="/completion"),

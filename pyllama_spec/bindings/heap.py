@@ -10,5 +10,5 @@ def give_back_freed_pages() -> None:
     so a process that closed its model would otherwise stay as large. Nothing where there is no glibc."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # (TypeError: CDLL(None) where there is no such call)
         pass

@@ -44,8 +44,9 @@ class ServerMetrics:
                 lines.append(f"# TYPE pyllama_spec_{name} {kind}")
                 lines.extend(f"pyllama_spec_{name}{labels} {value:g}" for labels, value in samples)
 
-            metric("requests_total", "counter", "HTTP requests answered, by route and status (not /health, "
-                   "/models, GET /props, /metrics and the page, which are answered while the model sleeps)",
+            metric("requests_total", "counter", "HTTP requests answered, by route and status (with "
+                   "--sleep-idle-seconds not /health, /models, GET /props, /metrics and the page, which are "
+                   "answered while the model sleeps)",
                    [(f'{{route="{r}",status="{s}"}}', n) for (r, s), n in sorted(self.requests.items())] or
                    [("", 0)])
             metric("prompt_tokens_total", "counter", "cache rows of the prompts", [("", g.prompt_rows)])

@@ -89,11 +89,16 @@ def routes(settings: VertexSettings, served: list[RouteSpec], read_body: Callabl
     served_paths = {path for path, _, _ in served}
     if settings.predict_route in served_paths:
         raise ValueError(f"AIP_PREDICT_ROUTE={settings.predict_route} is a route this server already serves")
-    if settings.health_route in (*served_paths, settings.predict_route):
-        raise ValueError(f"AIP_HEALTH_ROUTE={settings.health_route} is a route this server already serves")
+    health = settings.health_route if settings.health_route not in ("/health", "/v1/health") else ""
+    if health in (*served_paths, settings.predict_route):
+        raise ValueError(f"AIP_HEALTH_ROUTE={health} is a route this server already serves")
     # What an instance may name: the routes answering JSON, without path parameters (the page at / and
-    # /slots/{id} are not), by path and by camelCase name (the first route of a name, as llama-server)
-    handlers = {path: handler for path, _, handler in served if path != "/" and "{" not in path}
+    # /slots/{id} are not), by path and by camelCase name; the first route of a path or name, as
+    # llama-server (a path's GET comes before its POST: "props" reads the properties)
+    handlers: dict[str, Callable] = {}
+    for path, _, handler in served:
+        if path != "/" and "{" not in path:
+            handlers.setdefault(path, handler)
     by_format: dict[str, Callable] = {}
     for path, handler in handlers.items():
         by_format.setdefault(request_format(path), handler)
@@ -112,8 +117,8 @@ def routes(settings: VertexSettings, served: list[RouteSpec], read_body: Callabl
         return JSONResponse({"predictions": predictions})
 
     out: list[RouteSpec] = [(settings.predict_route, ["POST"], predict)]
-    if settings.health_route:
-        out.append((settings.health_route, ["GET"], handlers["/health"]))
+    if health:  # (/health itself needs no alias)
+        out.append((health, ["GET"], handlers["/health"]))
     return out
 
 
@@ -130,9 +135,7 @@ async def _predict_one(outer: Request, instance: Any, handlers: dict, by_format:
     payload = {k: v for k, v in instance.items() if k != "@requestFormat"}
     if "stream" in payload:
         payload["stream"] = False  # a prediction is one JSON value
-    # compact, characters as themselves: the instance's body is no larger than its part of the request's
-    body = json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode()
-    inner = _inner_request(outer, body)
+    inner = _inner_request(outer, _encoded(payload))
     try:
         response = await handler(inner)
     except Exception as e:  # noqa: BLE001 - as the app answers it on the route itself
@@ -148,6 +151,16 @@ async def _predict_one(outer: Request, instance: Any, handlers: dict, by_format:
         return json.loads(raw)
     except ValueError:
         return raw.decode("utf-8", errors="replace")
+
+
+def _encoded(payload: dict) -> bytes:
+    """An instance as its route's body: compact, characters as themselves, so no larger than its part
+    of the request (escaped where it holds a lone surrogate, which UTF-8 cannot carry)."""
+    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        return json.dumps(payload, separators=(",", ":")).encode()
 
 
 def _error(e: APIError) -> dict:
