@@ -42,6 +42,15 @@ def is_sleeping(url: str) -> bool:
     return props["is_sleeping"]
 
 
+def eventually(condition, what: str) -> None:
+    """``condition()`` becomes true within ASLEEP_WITHIN seconds: /props says "asleep" as the unload
+    begins, on a thread, and the engine is closed a moment later."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < ASLEEP_WITHIN, f"not {what} within {ASLEEP_WITHIN} s"
+        time.sleep(0.02)
+
+
 def wait_asleep(url: str) -> float:
     """Seconds until /props says the model sleeps (polling does not wake it)."""
     start = time.monotonic()
@@ -69,6 +78,7 @@ def test_asleep_the_engine_is_closed_and_the_next_request_gets_the_same_answer(t
             before = completion(server.url)
             wait_asleep(server.url)
             # everything native is freed
+            eventually(lambda: engine.model.closed, "closed")
             assert engine.model.closed and engine.ctx.closed and engine.projector.closed
             assert engine.draft_model.closed and engine.drafter.ctx.closed
             assert service.worker is None
@@ -153,7 +163,7 @@ def test_a_generation_longer_than_the_idle_time_is_not_interrupted(tiny_dense, s
             # every token came (an unload under it would have ended it): never unloaded while it ran
             assert took > 2.5 * SLEEP, f"the generation took {took:.1f} s: too short to show anything"
             wait_asleep(server.url)  # and it sleeps once it is over
-            assert engine.model.closed
+            eventually(lambda: engine.model.closed, "closed")
     finally:
         engine.close()
 
@@ -220,8 +230,8 @@ def test_serve_gives_its_memory_back_while_asleep(tiny_dense, tmp_path):
         before = completion(url)
         awake = _rss(proc.pid)
         wait_asleep(url)
+        eventually(lambda: awake - _rss(proc.pid) > 64 * 2**20, f"smaller by 64 MiB than {awake} bytes")
         asleep = _rss(proc.pid)
-        assert awake - asleep > 64 * 2**20, (awake, asleep)
         assert completion(url)["tokens"] == before["tokens"]
         assert _rss(proc.pid) - asleep > 64 * 2**20
     finally:
