@@ -20,7 +20,7 @@ import dataclasses
 
 import numpy as np
 
-from pyllama_spec.speculative.sampling import SamplingParams, distributions
+from pyllama_spec.speculative.sampling import SamplingParams, distributions_in_turn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +62,9 @@ def token_post_sampling_probs(ctx, rows: list[int], tokens: list[int], n_top: in
     the next decode; ``check_post_sampling(params)`` must have passed."""
     if params.greedy:  # llama-server's greedy sampler: the pick, alone
         return [TokenProb(int(t), 1.0, ((int(t), 1.0),) if n_top else ()) for t in tokens]
-    seen = np.asarray(list(history), dtype=np.int64) if params.penalized else None
+    dists = distributions_in_turn(np.stack([ctx.logits(r) for r in rows]), params, list(history), tokens)
     out = []
-    for i, (row, token) in enumerate(zip(rows, tokens)):
-        # (sampling.penalize keeps the last penalty_last_n)
-        recent = None if seen is None else np.concatenate([seen, np.asarray(tokens[:i], dtype=np.int64)])
-        dist = distributions(ctx.logits(row)[None, :], params, recent)[0]  # best first
+    for dist, token in zip(dists, tokens):  # each best first
         n = min(n_top, len(dist.ids))
         top = tuple((int(t), float(p)) for t, p in zip(dist.ids[:n], dist.probs[:n]) if p > 0.0)
         out.append(TokenProb(int(token), dist.prob_of(int(token)), top))

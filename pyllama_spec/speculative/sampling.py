@@ -467,6 +467,17 @@ def distributions(logits: np.ndarray, params: SamplingParams, recent: np.ndarray
     return _cut(ids, vals, p1, params, on)
 
 
+def distributions_in_turn(logits: np.ndarray, params: SamplingParams, seen, tokens) -> list[Dist]:
+    """The chain on consecutive rows of one sequence [n, n_vocab], as the native sampler takes their
+    tokens one at a time: row i's penalties see ``seen`` (the tokens before the first row; its last
+    penalty_last_n are enough) and then ``tokens[:i]``. All rows at once when nothing is penalized."""
+    if not params.penalized:
+        return distributions(logits, params)
+    seen, tokens = np.asarray(seen, dtype=np.int64), np.asarray(tokens, dtype=np.int64)
+    return [distributions(logits[i][None, :], params, np.concatenate([seen, tokens[:i]]))[0]
+            for i in range(len(logits))]
+
+
 #: Without top-k, the most likely tokens first looked at for top-p's cut (then 4x as many, ...).
 _TOP_P_FIRST = 64
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pyllama_spec.speculative.sampling import Dist
+from pyllama_spec.speculative.sampling import Dist, distributions_in_turn
 from pyllama_spec.speculative.tree import walk
 
 VERIFY_RULES = ("match", "rejection")
@@ -114,32 +114,28 @@ class RejectionVerifier:
                  biased: bool = False) -> None:
         import dataclasses
 
-        from pyllama_spec.speculative.sampling import distributions
-
         self.params = params
         self.draft_params = dataclasses.replace(params, temperature=params.temperature * draft_temperature_ratio)
         self.rng = np.random.default_rng(seed & 0xFFFFFFFF)
         self.n_vocab = n_vocab
         self.biased = biased  # test hook: see accept_by_rejection
         self.generated: list[int] = []  # what the penalties see (as the native sampler's history)
-        self._distributions = distributions
         self._q = None
+
+    def _seen(self, params) -> list[int]:
+        """The generated tokens the penalties see: the last penalty_last_n (all with -1), not copied whole."""
+        n = params.penalty_last_n
+        return self.generated[-n:] if n > 0 else self.generated
 
     def _dist(self, row: np.ndarray, before=(), params=None):
         """One row's distribution; the penalties see the generated tokens, then ``before``."""
         params = params or self.params
-        recent = None
-        if params.penalized:  # only the last penalty_last_n: the history is not copied whole per row
-            n = params.penalty_last_n if params.penalty_last_n > 0 else len(self.generated) + len(before)
-            recent = np.asarray([*self.generated[-n:], *before][-n:], dtype=np.int64)
-        return self._distributions(row[None, :], params, recent)[0]
+        return distributions_in_turn(row[None, :], params, [*self._seen(params), *before], ())[0]
 
     def _dists(self, logits: np.ndarray, before: list[int], params=None):
         """Row i sees before[:i] too, as the native sampler accepts tokens one at a time."""
         params = params or self.params
-        if not params.penalized:
-            return self._distributions(logits, params)  # all rows at once
-        return [self._dist(logits[i], before[:i], params) for i in range(len(logits))]
+        return distributions_in_turn(logits, params, self._seen(params), before)
 
     def first(self, ctx, row: int = -1) -> int:
         tok = self._dist(ctx.logits(row)).sample(self.rng)
