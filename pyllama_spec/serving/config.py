@@ -15,7 +15,7 @@ from pyllama_spec.drafters.registry import (
     method,
     methods,
 )
-from pyllama_spec.speculative.synthetic import check_rates
+from pyllama_spec.speculative.synthetic import check_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,9 +277,7 @@ def _check_synthetic(c: EngineConfig) -> None:
     the Engine checks it once the drafter is made)."""
     if not c.synth_rates and c.synth_len is None:
         return
-    if c.synth_rates and c.synth_len is not None:
-        raise ValueError("synthetic acceptance length and rates are mutually exclusive (synth_len, synth_rates)")
-    check_rates([float(r) for r in c.synth_rates])
+    check_settings([float(r) for r in c.synth_rates], c.synth_len)
     if method(c.spec_type) is None:
         raise ValueError("synthetic acceptance (synth_rates, synth_len) needs a drafter: a spec_type other than "
                          "'none'")

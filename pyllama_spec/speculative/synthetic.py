@@ -39,13 +39,11 @@ def synthetic_rates(rates: Sequence[float] = (), length: float | None = None, *,
     rates = [float(r) for r in rates]
     if not rates and length is None:
         return []
-    if rates and length is not None:
-        raise ValueError("synthetic acceptance length and rates are mutually exclusive")
+    check_settings(rates, length)
     if n_max <= 0:
         raise ValueError("synthetic acceptance requires at least one speculative token (a drafter and a draft "
                          "length of 1 or more)")
     if rates:
-        check_rates(rates)
         if len(rates) != n_max:
             raise ValueError(f"synthetic acceptance rates must contain {n_max} values (one per drafted "
                              f"position: the draft length), got {len(rates)}")
@@ -69,8 +67,10 @@ def synthetic_rates(rates: Sequence[float] = (), length: float | None = None, *,
     return [p ** (i + 1) for i in range(n_max)]
 
 
-def check_rates(rates: Sequence[float]) -> None:
-    """What can be checked before the draft length is known."""
+def check_settings(rates: Sequence[float], length: float | None) -> None:
+    """What can be checked before the draft length is known: rates or a length, each rate valid."""
+    if len(rates) and length is not None:
+        raise ValueError("synthetic acceptance length and rates are mutually exclusive (synth_len, synth_rates)")
     for i, r in enumerate(rates):
         if not math.isfinite(r) or not 0.0 <= r <= 1.0:
             raise ValueError(f"synthetic acceptance rates must be finite and within [0, 1], got {r}")
