@@ -177,6 +177,10 @@ class Service:
         self.before_sleep: list[Callable[[], None]] = []
         self._decodes_before = (0, 0)  # decode steps and busy slots of the engines closed by a sleep
         self._loaded: Engine | None = None  # the engine a wake loaded: this service closes it
+        #: The paths that need no API key: OPEN_PATHS, and Vertex AI's health route (its checks carry no key,
+        #: where llama-server asks one of them; only GET is served there: vertex.py refuses a served path).
+        v = settings.vertex
+        self.open_paths = OPEN_PATHS + ((v.health_route,) if v is not None and v.health_route else ())
         self._bind(engine)
 
     def _bind(self, engine: Engine) -> None:
@@ -318,10 +322,7 @@ class Service:
         return jobs
 
     def check_key(self, request: Request) -> None:
-        v = self.settings.vertex
-        if v is not None and v.health_route and (request.url.path, request.method) == (v.health_route, "GET"):
-            return  # Vertex AI's health checks carry no key (llama-server asks one of them: they would fail)
-        check_api_key(request, self.settings.api_key)
+        check_api_key(request, self.settings.api_key, self.open_paths)
 
 
 def _add(steps: int, busy: int, engine: Engine) -> tuple[int, int]:
@@ -348,10 +349,10 @@ def _token_text(model, token: int) -> str:
     return model.token_to_bytes(token, special=True).decode("utf-8", errors="replace") if token >= 0 else ""
 
 
-def check_api_key(request: Request, keys: str | None) -> None:
+def check_api_key(request: Request, keys: str | None, open_paths: tuple[str, ...] = OPEN_PATHS) -> None:
     """A 401 unless the request carries one of ``keys`` (comma-separated; None: no key needed)
     or asks for an open path (/health)."""
-    if keys is None or request.url.path in OPEN_PATHS:
+    if keys is None or request.url.path in open_paths:
         return
     # Authorization: Bearer <key>, or Anthropic's X-Api-Key: <key>, as llama-server reads them
     given = request.headers.get("authorization", "")
