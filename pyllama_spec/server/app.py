@@ -93,7 +93,7 @@ def create_app(engine: Engine, settings: ServerSettings | None = None) -> Starle
     specs = [spec for module in _ROUTE_MODULES for spec in module.routes(service)]
     if service.settings.vertex is not None:  # Vertex AI's prediction route, over the others (vertex.py)
         async def read_body(request: Request):
-            return (await read_json(request, service.settings.max_body_bytes, service.settings.body_timeout))[0]
+            return await read_json(request, service.settings.max_body_bytes, service.settings.body_timeout)
 
         specs += vertex.routes(service.settings.vertex, specs, read_body, engine_error)
     routes = [route(*spec) for spec in specs]

@@ -40,7 +40,7 @@ from pyllama_spec.server.json_body import parse_json_body, takes_steps
 from pyllama_spec.server.offload import PARSE_ON_A_THREAD_ABOVE, off_loop
 from pyllama_spec.server.origins import OriginPolicy
 from pyllama_spec.server.sleep import IdleSleep
-from pyllama_spec.server.vertex import VertexSettings
+from pyllama_spec.server.vertex import INSTANCE_BODY, VertexSettings
 from pyllama_spec.server.worker import Job, QueueFullError, Worker
 from pyllama_spec.serving.engine import Engine
 from pyllama_spec.serving.request import RequestOptions
@@ -127,7 +127,11 @@ async def read_json(request: Request, limit: int, timeout: float) -> tuple[Any, 
     """The request's JSON body and its size: at most ``limit`` bytes, all of it within ``timeout``
     seconds (a client sending its body a byte at a time holds nothing longer), parsed by
     ``parse_json_body`` (every way it can fail is a 400): a large body on a thread, where it takes
-    turns with the event loop, out of the collector's way and freed in pieces (``large_bodies``)."""
+    turns with the event loop, out of the collector's way and freed in pieces (``large_bodies``). A
+    request made by Vertex AI's prediction route carries its body parsed already (vertex.py)."""
+    given = request.scope.get(INSTANCE_BODY)
+    if given is not None:
+        return given
     raw = await read_body(request, limit, timeout)
     if len(raw) > PARSE_ON_A_THREAD_ABOVE:
         return await large_bodies.parse(request, raw), len(raw)

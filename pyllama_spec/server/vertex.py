@@ -14,7 +14,8 @@ With ``AIP_MODE=PREDICTION`` in the environment (Vertex AI sets it in a custom c
 Every instance passes the predict request's headers and query string on (its API key among them) and
 ends when the client of the predict request goes away. An instance names a route that answers JSON
 (not the page, not a route with a path parameter); each is its own request to its route, with that
-route's limits (the images of each, say). A router serves no prediction route: its models do not
+route's limits (the images of each, say), handed its part of the parsed prediction (never encoded and
+parsed again); a long answer is read back off the event loop. A router serves no prediction route: its models do not
 inherit these variables.
 """
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 from typing import Any, Callable, Mapping
 
@@ -31,11 +31,16 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from pyllama_spec.server import large_bodies
 from pyllama_spec.server.errors import APIError, bad_request
+from pyllama_spec.server.json_body import parse_json_body, takes_steps
+from pyllama_spec.server.offload import off_loop
 
 #: The most instances one prediction request may hold (llama-server's limit).
 MAX_INSTANCES = 128
 
 RouteSpec = tuple[str, list[str], Callable]
+#: Where an instance's request carries its body, parsed, and a bound of its size (the prediction's):
+#: service.read_json returns it, so an instance is neither encoded again nor parsed again.
+INSTANCE_BODY = "pyllama_spec.vertex.instance_body"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +88,7 @@ def request_format(path: str) -> str:
 def routes(settings: VertexSettings, served: list[RouteSpec], read_body: Callable,
            as_error: Callable[[Exception], APIError]) -> list[RouteSpec]:
     """The prediction route (and the health alias) over the routes ``served``; ``read_body(request)``
-    reads a request's JSON body within the server's limits, ``as_error(e)`` is what the app answers
+    reads a request's JSON body and its size within the server's limits, ``as_error(e)`` is what the app answers
     for an exception of a route. ValueError when AIP_PREDICT_ROUTE is a route already served
     (llama-server refuses to start too)."""
     served_paths = {path for path, _, _ in served}
@@ -104,7 +109,7 @@ def routes(settings: VertexSettings, served: list[RouteSpec], read_body: Callabl
         by_format.setdefault(request_format(path), handler)
 
     async def predict(request: Request) -> Response:
-        body = await read_body(request)
+        body, size = await read_body(request)
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
         instances = body.get("instances")
@@ -112,7 +117,7 @@ def routes(settings: VertexSettings, served: list[RouteSpec], read_body: Callabl
             raise bad_request("request body must include an array field named instances", "instances")
         if len(instances) > MAX_INSTANCES:
             raise bad_request(f"instances array exceeds maximum size of {MAX_INSTANCES}", "instances")
-        predictions = await asyncio.gather(*(_predict_one(request, i, handlers, by_format, as_error)
+        predictions = await asyncio.gather(*(_predict_one(request, i, size, handlers, by_format, as_error)
                                              for i in instances))
         return JSONResponse({"predictions": predictions})
 
@@ -122,8 +127,10 @@ def routes(settings: VertexSettings, served: list[RouteSpec], read_body: Callabl
     return out
 
 
-async def _predict_one(outer: Request, instance: Any, handlers: dict, by_format: dict, as_error: Callable) -> Any:
-    """One instance's answer: its route's JSON body, or an error object."""
+async def _predict_one(outer: Request, instance: Any, size: int, handlers: dict, by_format: dict,
+                       as_error: Callable) -> Any:
+    """One instance's answer: its route's JSON body, or an error object. ``size``: the prediction's body
+    size, which bounds the instance's (the route decides from it what to do off the event loop)."""
     if not isinstance(instance, dict):
         return _error(bad_request("each instance must be a JSON object"))
     name = instance.get("@requestFormat")
@@ -135,52 +142,30 @@ async def _predict_one(outer: Request, instance: Any, handlers: dict, by_format:
     payload = {k: v for k, v in instance.items() if k != "@requestFormat"}
     if "stream" in payload:
         payload["stream"] = False  # a prediction is one JSON value
-    inner = _inner_request(outer, _encoded(payload))
     try:
-        response = await handler(inner)
+        response = await handler(_inner_request(outer, payload, size))
     except Exception as e:  # noqa: BLE001 - as the app answers it on the route itself
         return _error(as_error(e))
-    finally:
-        large_bodies.free(inner)  # a large body the route parsed on a thread (as the app does per request)
     raw = getattr(response, "body", None)
     if isinstance(response, StreamingResponse) or not isinstance(raw, (bytes, bytearray)):
         return _error(bad_request("predict route does not support streaming responses"))
     if not raw:
         return None
-    try:
-        return json.loads(raw)
-    except ValueError:
+    try:  # a long answer (a million token ids) is read in steps, on a thread
+        return await off_loop(takes_steps(raw), parse_json_body, raw)
+    except APIError:
         return raw.decode("utf-8", errors="replace")
-
-
-def _encoded(payload: dict) -> bytes:
-    """An instance as its route's body: compact, characters as themselves, so no larger than its part
-    of the request (escaped where it holds a lone surrogate, which UTF-8 cannot carry)."""
-    text = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    try:
-        return text.encode()
-    except UnicodeEncodeError:
-        return json.dumps(payload, separators=(",", ":")).encode()
 
 
 def _error(e: APIError) -> dict:
     return e.body()
 
 
-def _inner_request(outer: Request, body: bytes) -> Request:
-    """A POST with ``body`` and the outer request's headers. Once its body is read, it hears what
-    the outer request hears: the client's going away."""
-    headers = [(k, v) for k, v in outer.scope["headers"] if k.lower() not in (b"content-length", b"content-type")]
-    headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    scope = {k: v for k, v in outer.scope.items() if k != large_bodies.SCOPE_KEY}  # the outer body stays its own
-    scope.update(method="POST", headers=headers)  # the query string passed on, as llama-server
-    sent = False
-
-    async def receive() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await outer.receive()
-
-    return Request(scope, receive)
+def _inner_request(outer: Request, payload: dict, size: int) -> Request:
+    """A POST carrying ``payload`` parsed (``INSTANCE_BODY``) with the outer request's headers: it
+    hears what the outer request hears, the client's going away. The payload is part of the outer
+    body, whose large-body bookkeeping stays the outer request's (the app frees it after this route)."""
+    scope = {k: v for k, v in outer.scope.items() if k != large_bodies.SCOPE_KEY}
+    scope["method"] = "POST"  # (the query string passed on, as llama-server)
+    scope[INSTANCE_BODY] = (payload, size)
+    return Request(scope, outer.receive)
