@@ -283,8 +283,14 @@ def test_stop_and_escape_end_a_long_answer_and_the_server_serves_the_next(tab, s
         tab.send("class Stack:", key="click" if how == "button" else "Enter")
         page.wait_for_selector(streaming, state="attached", timeout=30_000)  # text appears while it streams
         assert page.locator("#stop").is_enabled() and page.locator("#send").is_disabled()
+        # Let 2000 tokens reach the page first: the page once drew and scrolled at every event,
+        # each a layout of the whole answer, in a loop of reads that never gave the browser a
+        # turn, so past a thousand tokens a click waited for the whole answer (CI's click on
+        # Stop timed out after 30 s; 140 s frozen at 16000 tokens here).
+        page.wait_for_function("([sel, n]) => document.querySelectorAll(sel).length >= n", arg=[streaming, 2000],
+                               timeout=60_000)
         if how == "button":
-            page.click("#stop")
+            page.click("#stop", timeout=10_000)
         else:
             page.keyboard.press("Escape")
         tab.wait_for_answer("stopped", timeout=10_000)

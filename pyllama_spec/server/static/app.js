@@ -253,10 +253,20 @@ function takeEvents(buffer) {
   return [events, rest];
 }
 
+// Read the answer's events into `answer`. A stream that has more bytes waiting resolves each read
+// at once (a microtask), so a loop of reads never lets the page draw or take a click while the
+// server writes faster than the page reads: every SLICE_MS of reading, give the page a turn.
+const SLICE_MS = 12;
+
 async function readStream(res, answer) {
   const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
+  let sliceStart = performance.now();
   for (;;) {
+    if (performance.now() - sliceStart > SLICE_MS) {
+      await new Promise((resolve) => setTimeout(resolve, 0));
+      sliceStart = performance.now();
+    }
     const { value, done } = await reader.read();
     if (done) throw new Error("the stream ended before [DONE]");
     const [events, rest] = takeEvents(buffer + value);
@@ -277,12 +287,22 @@ async function readStream(res, answer) {
 
 // ----------------------------------------------------------------------------- one answer
 
+// One streamed answer. Text and steps arrive as often as the server writes them (thousands a
+// second on a fast pair); they are kept in `pending` and put on the page once a frame, so the
+// page lays out and scrolls once a frame however fast the answer comes.
 class Answer {
   constructor(li) {
     this.li = li;
     this.textEl = li.querySelector(".text");
     this.text = "";
-    this.steps = [];  // per streamed step: {drafted, accepted, tokens}
+    this.pending = [];  // [content, spec] not yet on the page
+    // Per draft position i: steps that drafted past i, and steps that kept past i; per
+    // k: steps that gave k + 1 tokens. Counted as steps arrive, so a frame's charts cost
+    // the draft length, not the answer's length.
+    this.drafted = [];
+    this.accepted = [];
+    this.tokensPerStep = [];
+    this.verifySteps = -1;  // the first step is the prompt's own token
     this.timings = null;
     this.finishReason = null;
     this.state = "streaming";
@@ -300,31 +320,56 @@ class Answer {
   }
 
   add(content, spec) {
-    keepingBottom(() => this.show(content, spec));
-    if (!this.drawQueued) {  // redraw the charts at most once a frame
+    this.text += content;
+    if (spec) this.count(spec);
+    this.pending.push([content, spec]);
+    if (!this.drawQueued) {
       this.drawQueued = true;
-      requestAnimationFrame(() => { this.drawQueued = false; keepingBottom(() => this.drawCharts()); });
+      requestAnimationFrame(() => this.draw());
     }
   }
 
-  show(content, spec) {
-    if (spec) {
-      let shown = "";
-      for (const tok of spec.tokens) {
-        shown += tok.text;
-        if (!tok.text) continue;  // a token whose text shows at a later token
-        const span = document.createElement("span");
-        span.className = tok.draft ? "tok draft" : "tok";
-        span.textContent = tok.text;
-        this.textEl.append(span);
-      }
-      // Text no token carried (held back until the end of the answer) is shown unshaded.
-      if (content.length > shown.length) this.textEl.append(content.slice(shown.length));
-      this.steps.push({ drafted: spec.drafted, accepted: spec.accepted, tokens: spec.tokens.length });
-    } else {
-      this.textEl.append(content);  // a server without the extension: plain text
+  // Put what arrived since the last frame on the page, in one change.
+  draw() {
+    this.drawQueued = false;
+    if (!this.pending.length) return;
+    const added = document.createDocumentFragment();
+    for (const [content, spec] of this.pending.splice(0)) this.show(added, content, spec);
+    keepingBottom(() => {
+      this.textEl.append(added);
+      this.drawCharts();
+    });
+  }
+
+  show(into, content, spec) {
+    if (!spec) {
+      into.append(content);  // a server without the extension: plain text
+      return;
     }
-    this.text += content;
+    let shown = "";
+    for (const tok of spec.tokens) {
+      shown += tok.text;
+      if (!tok.text) continue;  // a token whose text shows at a later token
+      const span = document.createElement("span");
+      span.className = tok.draft ? "tok draft" : "tok";
+      span.textContent = tok.text;
+      into.append(span);
+    }
+    // Text no token carried (held back until the end of the answer) is shown unshaded.
+    if (content.length > shown.length) into.append(content.slice(shown.length));
+  }
+
+  count(spec) {
+    // The first step is the prompt's own token (nothing drafted); every later one is a verify step.
+    this.verifySteps += 1;
+    if (!this.verifySteps) return;
+    for (let i = 0; i < spec.drafted; i++) this.drafted[i] = (this.drafted[i] || 0) + 1;
+    for (let i = 0; i < spec.accepted; i++) this.accepted[i] = (this.accepted[i] || 0) + 1;
+    const k = spec.tokens.length - 1;
+    if (k >= 0) {
+      while (this.tokensPerStep.length <= k) this.tokensPerStep.push(0);
+      this.tokensPerStep[k] += 1;
+    }
   }
 
   end(how, message) {
@@ -336,6 +381,7 @@ class Answer {
       : how === "stopped" ? "stopped" : "Error: " + message;
     this.stateEl.classList.toggle("error", how === "error");
     if (how === "error") this.stateEl.setAttribute("role", "alert");
+    this.draw();  // what arrived after the last frame (or all of it, in a tab not drawn meanwhile)
     keepingBottom(() => {
       this.drawCharts();
       if (this.timings) this.footer.replaceChildren(...timingsFooter(this.timings));
@@ -347,15 +393,9 @@ class Answer {
   }
 
   drawCharts() {
-    // The first step is the prompt's own token (nothing drafted); every later one is a verify step.
-    const steps = this.steps.slice(1);
-    if (!steps.length) return;
-    const longest = Math.max(0, ...steps.map((s) => s.drafted));
-    const drafted = [], accepted = [];
-    for (let i = 0; i < longest; i++) {
-      drafted.push(steps.filter((s) => s.drafted > i).length);
-      accepted.push(steps.filter((s) => s.accepted > i).length);
-    }
+    if (!this.verifySteps) return;
+    const drafted = Array.from(this.drafted, (n) => n || 0);
+    const accepted = drafted.map((_, i) => this.accepted[i] || 0);
     const rates = drafted.map((d, i) => (d ? accepted[i] / d : 0));
     const acceptance = barChart({
       title: "Acceptance by draft position",
@@ -363,8 +403,7 @@ class Answer {
       label: (i) => `draft position ${i + 1}: ${accepted[i]} of ${drafted[i]} accepted (${Math.round(rates[i] * 100)}%)`,
       top: "100%", empty: "nothing drafted",
     });
-    const widest = Math.max(1, ...steps.map((s) => s.tokens));
-    const counts = Array.from({ length: widest }, (_, k) => steps.filter((s) => s.tokens === k + 1).length);
+    const counts = this.tokensPerStep.length ? this.tokensPerStep : [0];
     const perStep = barChart({
       title: "Tokens per target step (bars: steps)",
       values: counts, max: Math.max(...counts),
