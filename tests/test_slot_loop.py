@@ -117,7 +117,9 @@ def test_a_request_cancelled_inside_its_image_prefill_leaves_its_slot_consistent
         assert all(isinstance(part, np.ndarray) for part in seq.cached)  # no media: its rows were cut
         assert seq.positions.n_rows == sum(len(part) for part in seq.cached)
         assert other.result().tokens == beside
-        again = engine.submit(PROMPTS[2], images=[image], max_tokens=24).result()
+        # in its own slot (the text kept is under a tenth of the prompt: without id_slot the least
+        # recently used slot, the other's, would take it)
+        again = engine.submit(PROMPTS[2], images=[image], max_tokens=24, id_slot=victim.slot).result()
         assert again.tokens == with_image
         assert again.stats.prompt_reused > 0  # the text before the image was kept
 

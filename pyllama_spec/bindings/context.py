@@ -104,6 +104,7 @@ class Context(NativeHandle):
                                   lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         params.swa_full = swa_full
         params.kv_unified = kv_unified  # one cache for all sequences (draft trees share its cells)
+        self.kv_unified = kv_unified
         params.embeddings = embeddings
         if pooling not in POOLING_TYPES:
             raise ValueError(f"pooling {pooling!r} is not a pooling type; use one of {', '.join(POOLING_TYPES)}")
@@ -477,6 +478,13 @@ class Memory:
     def pos_max(self, seq_id: int = 0) -> int:
         """Largest position held for the sequence, -1 when empty."""
         return lib.llama_memory_seq_pos_max(self._mem(), seq_id)
+
+    def seq_size(self, seq_id: int) -> int:
+        """The bytes ``save_seq`` would take for the sequence (llama_state_seq_get_size)."""
+        forget_native_problems()
+        size = lib.llama_state_seq_get_size(self._ctx.ptr, seq_id)
+        check_state(size, "llama_state_seq_get_size", role=self._ctx.role, seq_id=seq_id, size=0)
+        return size
 
     def save_seq(self, seq_id: int) -> bytes:
         """What the memory holds for one sequence (its KV cells with their positions, or its

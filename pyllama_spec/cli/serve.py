@@ -206,6 +206,11 @@ def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
               help="serve GET /slots: what each slot runs, its cache and its speculative state")
 @click.option("--slot-save-path", type=click.Path(file_okay=False, exists=True), default=None,
               help="a folder for POST /slots/{id}?action=save|restore|erase: a slot's cache to a file and back")
+@click.option("-cram", "--cache-ram", "cache_ram_mib", type=click.IntRange(min=-1), default=8192, show_default=True,
+              help="MiB of host memory for slots' caches a request would overwrite (another conversation on a "
+                   "busy slot), put back when a later prompt shares more with one (-1: no limit, 0: none)")
+@click.option("--cache-idle-slots/--no-cache-idle-slots", "cache_idle_slots", default=True, show_default=True,
+              help="copy every idle slot's cache there whenever a request starts (needs --cache-ram)")
 @click.option("--props", "endpoint_props", is_flag=True, default=False,
               help="accept POST /props (as in llama-server, no property can be changed yet)")
 @click.option("--sleep-idle-seconds", type=int, default=-1, show_default=True,

@@ -78,6 +78,12 @@ class EngineConfig:
     # llama.cpp's -np: sequences (slots) served at once, each with n_ctx / n_parallel cache rows;
     # above 1, generations run concurrently in the slot loop's thread (slot_loop.py, Engine.submit)
     n_parallel: int = 1
+    # llama-server's --cache-ram: MiB of host memory for slots' caches a request would otherwise
+    # overwrite, restored when a later prompt shares more with one of them (serving/prompt_cache.py);
+    # 0: none (the default here; serve's is llama-server's 8192), -1: no size limit. cache_idle_slots
+    # (--cache-idle-slots): also copy every idle slot there whenever a request starts.
+    cache_ram_mib: int = 0
+    cache_idle_slots: bool = True
     # Devices (devices.py; llama.cpp's --rpc, -dev, -devd, -sm, -ts, -mg): RPC servers' host:port, the
     # target's devices by name (None: llama.cpp's choice, remote ones first; "none": no offload), the
     # draft's (None: this machine's), the split mode, a proportion per device, the main device.
@@ -151,6 +157,9 @@ class EngineConfig:
             pass  # the method's own length: plan_drafts gives it
         elif dm != "auto" and (isinstance(dm, bool) or not isinstance(dm, int) or dm < 0):
             raise ValueError(f'draft_max must be an integer >= 0 or "auto", got {dm!r}')
+        if isinstance(c.cache_ram_mib, bool) or not isinstance(c.cache_ram_mib, int) or c.cache_ram_mib < -1:
+            raise ValueError(f"cache_ram_mib must be an integer >= -1 (MiB; 0: no prompt cache, -1: no limit), "
+                             f"got {c.cache_ram_mib!r}")
         if isinstance(c.n_parallel, bool) or not isinstance(c.n_parallel, int) or c.n_parallel < 1:
             raise ValueError(f"n_parallel must be an integer >= 1, got {c.n_parallel!r}")
         if c.n_parallel > c.n_batch:
@@ -196,6 +205,8 @@ class LoadOptions(TypedDict, total=False):
     use_mlock: bool
     mmproj_offload: bool | None
     n_parallel: int
+    cache_ram_mib: int
+    cache_idle_slots: bool
     rpc_servers: Sequence[str] | str
     devices: Sequence[str] | str | None
     device_draft: Sequence[str] | str | None

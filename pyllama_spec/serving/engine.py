@@ -44,6 +44,7 @@ from pyllama_spec.serving.load_plan import plan_drafts, plan_load
 from pyllama_spec.serving.lora import EngineAdapters, lora_specs
 from pyllama_spec.serving.prepared import PreparedGeneration
 from pyllama_spec.serving.chat_template import ChatOptions, ChatParams, ChatRenderer, ChatSettings
+from pyllama_spec.serving.prompt_cache import PromptCache
 from pyllama_spec.serving.prompt_parts import PromptParts
 from pyllama_spec.serving.request import Request, RequestOptions
 from pyllama_spec.serving.resolver import EngineLimits, RequestResolver
@@ -196,7 +197,9 @@ class Engine:
         self._loop = SlotLoop(sequences=self.sequences, ctx=self.ctx, drafter=self.drafter, projector=self.projector,
                               step_cost=self._step_cost, lora=self.lora,
                               prepare=lambda request: PreparedGeneration(self, request),
-                              threaded=config.n_parallel > 1)
+                              threaded=config.n_parallel > 1,
+                              prompt_cache=PromptCache(config.cache_ram_mib, self.ctx.n_ctx) if config.cache_ram_mib
+                              else None, cache_idle_slots=config.cache_idle_slots)
 
     def _check_defaults(self) -> None:
         """The load's sampling defaults and chat template, tried once so that a bad one fails the

@@ -5,8 +5,10 @@ An engine loaded with ``n_parallel=N`` has N sequences in its target context (an
 drafter). Each turn of the loop:
 
 1. runs slot operations (save, restore, erase) whose slot is free, and admits waiting requests
-   into free slots (the free slot whose cache shares the longest prefix with the prompt, so a
-   conversation's next turn lands where its last one is);
+   into free slots (the free slot whose cache shares the longest prefix with the prompt, if more
+   than a tenth of it, so a conversation's next turn lands where its last one is; else the least
+   recently used). With a prompt cache (``--cache-ram``, prompt_cache.py), a slot about to lose
+   most of its cache copies it there first, and takes back the saved prompt nearest the new one;
 2. advances the prefilling slots one slice each in turn (text: up to n_batch rows; an image:
    one slice of its rows once encoded) until n_batch prompt rows were decoded this turn, so
    requests that arrive together start together, and a long prefill does not stall the others;
@@ -38,6 +40,7 @@ slices), leaving its slot's cache consistent for the next prompt.
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 from concurrent import futures
 import threading
@@ -46,11 +49,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from pyllama_spec.errors import ClosedError, EngineBusyError, GenerationCancelledError
+from pyllama_spec.serving.prompt_cache import SLOT_PROMPT_SIMILARITY, PromptCache, prompt_rows, takes_cache_update
 from pyllama_spec.speculative.generation import Generation, Piece, Result, speculative_step
 from pyllama_spec.speculative.media import encode_media
 
 if TYPE_CHECKING:
     from pyllama_spec.serving.request import Request
+
+log = logging.getLogger("pyllama_spec.prompt_cache")
 
 #: Why a submission was cancelled, when not by its own ``cancel()``.
 _SUPERSEDED = ("this stream was superseded by a newer generation on the same engine: its cache changed under "
@@ -201,12 +207,24 @@ class SlotLoop:
     engine's LoRA adapters (serving/lora.py). ``threaded``: start the loop's own thread now.
     """
 
-    def __init__(self, *, sequences, ctx, drafter, projector, step_cost, prepare, lora, threaded: bool) -> None:
+    def __init__(self, *, sequences, ctx, drafter, projector, step_cost, prepare, lora, threaded: bool,
+                 prompt_cache: PromptCache | None = None, cache_idle_slots: bool = False) -> None:
         self._sequences, self._ctx, self._drafter, self._projector = sequences, ctx, drafter, projector
         self._step_cost, self._prepare, self._lora = step_cost, prepare, lora
+        self._prompt_cache = prompt_cache  # slots' caches kept in host memory (prompt_cache.py)
+        self._cache_idle_slots = cache_idle_slots and prompt_cache is not None
+        if prompt_cache is not None:
+            limit = f"{prompt_cache.limit_bytes >> 20} MiB" if prompt_cache.limit_bytes else "no size limit"
+            log.debug("prompt cache: on, %s", limit)
+        if self._cache_idle_slots:
+            # llama-server's tag for this, which its tests read in its debug log
+            log.debug("idle slots will be saved to the prompt cache%s upon starting a new task "
+                      "(__TEST_TAG_CACHE_IDLE_SLOTS_ENABLED__)", " and cleared" if ctx.kv_unified else "")
         self._cond = threading.Condition()
         self._pending: collections.deque[Submission] = collections.deque()
         self._slots: list[_Running | None] = [None] * len(sequences)
+        self._admissions = 0
+        self._last_used = [0] * len(sequences)  # per slot: the admission count when it was last taken
         self._stopping = False
         self._closed = False
         self._reset_requested: threading.Event | None = None
@@ -549,13 +567,11 @@ class SlotLoop:
             try:
                 gen = prepared.__enter__()
                 seqs = self._sequences
-                if sub.id_slot >= 0:
-                    best = sub.id_slot
-                else:
-                    best = (max(free, key=lambda i: (seqs[i].prefix_length(gen.parts), -i)) if gen.cache_prompt
-                            else free[0])
+                best = sub.id_slot if sub.id_slot >= 0 else self._pick_slot(free, gen)
                 gen.seq = seqs[best]
                 scales = self._lora.scales_for(sub.request.lora)
+                if self._prompt_cache is not None and gen.cache_prompt:
+                    self._swap_through_cache(gen, scales, named_slot=sub.id_slot >= 0)
                 self._lora.use(gen.seq, scales)  # a prompt cached under other adapters is not reused
             except BaseException as e:
                 prepared.__exit__(None, None, None)
@@ -565,6 +581,48 @@ class SlotLoop:
                 continue
             sub.slot = best
             self._slots[best] = _Running(sub, prepared, gen, scales)
+            self._admissions += 1
+            self._last_used[best] = self._admissions
+            if self._cache_idle_slots:
+                self._save_idle_slots()
+
+    def _pick_slot(self, free: list[int], gen: Generation) -> int:
+        """llama-server's choice of a free slot: the one whose cache holds most of the prompt, if
+        that is more than a tenth of it; else the least recently used (so a new conversation does
+        not take the slot of one that was just served)."""
+        if gen.cache_prompt:
+            seqs = self._sequences
+            shared, best = max(((seqs[i].prefix_length(gen.parts), i) for i in free), key=lambda t: (t[0], -t[1]))
+            if shared / max(prompt_rows(gen.parts), 1) > SLOT_PROMPT_SIMILARITY:
+                return best
+        return min(free, key=lambda i: (self._last_used[i], i))
+
+    def _swap_through_cache(self, gen: Generation, scales: tuple[float, ...], named_slot: bool) -> None:
+        """When the slot ``gen`` takes would lose most of its cache to the prompt: copy the cache
+        into the prompt cache, and put back the saved prompt that shares most with this one."""
+        seq, cache = gen.seq, self._prompt_cache
+        if not takes_cache_update(seq, gen.parts, named_slot):
+            return
+        log.debug("updating prompt cache: slot %d holds %d rows, %d of them the prompt's", seq.seq_id,
+                  seq.positions.n_rows, seq.prefix_length(gen.parts))
+        cache.save(seq, self._lora.cached_scales(seq.seq_id))
+        if cache.load(seq, gen.parts, scales, gen.draft_positions):
+            self._lora.mark_cached(seq.seq_id, scales)
+        cache.trim()
+
+    def _save_idle_slots(self) -> None:
+        """Copy every idle slot's cache into the prompt cache (llama-server's --cache-idle-slots);
+        in a unified cache, then free its cells for the busy slots."""
+        for i, running in enumerate(self._slots):
+            if running is not None:
+                continue
+            seq = self._sequences[i]
+            if self._prompt_cache.save(seq, self._lora.cached_scales(seq.seq_id)):
+                # llama-server's tag for this, which its tests read in its debug log
+                log.debug("slot %d: saved idle slot to the prompt cache (__TEST_TAG_CACHE_IDLE_SLOT__)", i)
+                self._prompt_cache.trim()
+            if self._ctx.kv_unified:
+                seq.reset()
 
     def _drop_cancelled(self) -> None:
         for i, running in enumerate(self._slots):

@@ -279,8 +279,7 @@ class Sequence:
 
     def prefix_length(self, parts: list) -> int:
         """Rows of ``parts`` this sequence's cache already holds (to pick the best slot for a prompt)."""
-        i, j = common_prefix(self.cached, parts)
-        return sum(len(c) if isinstance(c, np.ndarray) else c.n_tokens for c in self.cached[:i]) + j
+        return shared_rows(self.cached, parts)
 
     def _remember_text(self, tokens: np.ndarray) -> None:
         if self.cached and isinstance(self.cached[-1], np.ndarray):
@@ -289,7 +288,14 @@ class Sequence:
             self.cached.append(tokens.copy())
 
 
-def common_prefix(cached: list, parts: list) -> tuple[int, int]:
+def shared_rows(cached, parts) -> int:
+    """Cache rows of the longest prefix ``cached`` and ``parts`` share (whole media items count
+    their rows; a media item shared in part is not shared)."""
+    i, j = common_prefix(cached, parts)
+    return sum(len(c) if isinstance(c, np.ndarray) else c.n_tokens for c in cached[:i]) + j
+
+
+def common_prefix(cached, parts) -> tuple[int, int]:
     """(i, j): the first i parts match whole, and the first j tokens of part i (text) too."""
     for i, (c, p) in enumerate(zip(cached, parts)):
         if isinstance(c, np.ndarray) and isinstance(p, np.ndarray):

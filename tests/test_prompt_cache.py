@@ -1,0 +1,123 @@
+"""The prompt cache in host memory (llama-server's --cache-ram; serving/prompt_cache.py), as users
+meet it: conversations that take turns on fewer slots than there are conversations, through the
+Python API and `serve`; checked against the same requests on an engine without it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from conftest import N_THREADS
+
+import pyllama_spec as ps
+from pyllama_spec.devtools import tiny
+
+#: Conversations that share nothing, long enough that a reprocessed prompt shows.
+CODE = ("def parse(lines):\n    out = []\n    for line in lines:\n        if line.startswith('#'):\n"
+        "            continue\n        out.append(line.split(','))\n    return out\n\n")
+OTHER = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+THIRD = "import os\nimport sys\n\n\ndef main(argv):\n    for name in sorted(os.listdir(argv[1])):\n"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return ps.embedded_models()
+
+
+def _load(pair, **kw):
+    return ps.load(pair.target, mmproj=pair.mmproj, draft=pair.draft, n_threads=N_THREADS, **kw)
+
+
+def test_a_conversation_taken_up_again_after_another_reuses_its_prompt_image_and_all(pair):
+    image = tiny.draw_demo_image(224)
+    runs = {}
+    for mib in (0, 64):
+        with _load(pair, cache_ram_mib=mib) as engine:
+            first = engine.generate(CODE * 3, images=[image], max_tokens=24)
+            other = engine.generate(OTHER, max_tokens=24)
+            again = engine.generate(CODE * 3, images=[image], max_tokens=24)
+            runs[mib] = first, other, again
+    (first, other, again), (c_first, c_other, c_again) = runs[0], runs[64]
+    # the same text with the cache as without (the restored slot's drafter starts afresh: lossless)
+    assert [r.tokens for r in runs[0]] == [r.tokens for r in runs[64]]
+    assert again.stats.prompt_reused == 0  # one slot, another conversation in between: all decoded again
+    # with the cache, all but the last prompt token (decoded again for its logits), image rows too
+    assert c_again.stats.prompt_reused == c_first.stats.prompt_tokens - 1
+    assert c_again.stats.prompt_decoded == 1
+
+
+def test_the_oldest_saved_conversations_go_first_when_the_cache_is_full(pair, caplog):
+    # ~540 bytes a cache row on the embedded target: 1 MiB holds two conversations of ~800 rows, not three
+    conversations = [CODE * 5, OTHER * 10, THIRD * 8]
+    with _load(pair, cache_ram_mib=1) as engine:
+        rows = []
+        for text in conversations:
+            rows.append(engine.generate(text, max_tokens=8).stats.prompt_tokens + 8)
+        seq = engine.sequences[0]
+        per_row = seq.ctx.memory.seq_size(0) / seq.positions.n_rows
+        assert (rows[0] + rows[1]) * per_row < 2**20 < sum(rows) * per_row  # the premise
+        # The cache holds the first two (the third is in the slot); the fourth request, the second
+        # conversation again, restores it, putting the third in the cache and dropping the first.
+        assert engine.generate(conversations[1], max_tokens=8).stats.prompt_reused >= rows[1] - 9
+        assert engine.generate(conversations[0], max_tokens=8).stats.prompt_reused == 0
+        # a conversation larger than the whole cache is not saved, and says so
+        with caplog.at_level(logging.WARNING, logger="pyllama_spec.prompt_cache"):
+            engine.generate(CODE * 14, max_tokens=8)
+            engine.generate(OTHER, max_tokens=8)
+        assert "more than the cache's 1 MiB: not saved" in caplog.text
+        assert engine.generate(CODE * 14, max_tokens=8).stats.prompt_reused == 0
+
+
+def test_a_new_conversation_takes_the_least_recently_used_slot_not_one_that_shares_a_token(pair):
+    """llama-server's choice: the slot whose cache holds more than a tenth of the prompt, else the
+    least recently used; before, a slot sharing one token beat an empty one."""
+    with _load(pair, n_parallel=2) as engine:
+        first = engine.submit(CODE * 2, max_tokens=8)
+        first.result()
+        other = engine.submit("def " + OTHER, max_tokens=8)  # shares "def" with the first: under a tenth
+        other.result()
+        assert other.slot != first.slot
+        back = engine.submit(CODE * 2 + "def main():\n", max_tokens=8)
+        assert back.result().stats.prompt_reused > 0 and back.slot == first.slot
+
+
+def test_idle_slots_are_saved_so_a_slot_taken_by_another_conversation_comes_back(pair):
+    """With --cache-idle-slots (on with a cache) every idle slot is copied into the cache when a
+    request starts; a conversation whose slot was since overwritten is restored from there."""
+    with _load(pair, n_parallel=2, cache_ram_mib=64) as engine:
+        first = engine.submit(CODE * 3, max_tokens=8)
+        first.result()
+        engine.submit(OTHER * 3, max_tokens=8).result()  # the other slot (least recently used)
+        # a third conversation on the first's slot (named), then the first again, on any slot
+        engine.submit(THIRD * 3, max_tokens=8, id_slot=first.slot).result()
+        again = engine.submit(CODE * 3, max_tokens=8)
+        assert again.result().stats.prompt_reused == first.result().stats.prompt_tokens - 1
+
+
+def test_cache_ram_is_checked_at_load(pair):
+    with pytest.raises(ValueError, match="cache_ram_mib must be an integer >= -1"):
+        _load(pair, cache_ram_mib=-2)
+
+
+def test_serve_keeps_conversations_in_host_memory_by_default_as_llama_server(pair):
+    """`serve` with llama-server's default --cache-ram (8192 MiB) on one slot: a chat taken up again
+    after another answers from its cached prompt (timings.cache_n); --cache-ram 0 turns it off."""
+    from serving import cli_server, http
+
+    def chat(base, text):
+        status, body = http(base, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": text}], "max_tokens": 8, "temperature": 0})
+        assert status == 200, body
+        return body
+
+    cached = {}
+    for flags in ((), ("--cache-ram", "0")):
+        with cli_server("-t", str(N_THREADS), *flags) as base:
+            first = chat(base, CODE * 3)
+            chat(base, OTHER)
+            again = chat(base, CODE * 3)
+            assert again["choices"][0]["message"] == first["choices"][0]["message"]
+            cached[flags] = (first["timings"]["prompt_n"], again["timings"]["cache_n"])
+    prompt_n, cache_n = cached[()]
+    assert cache_n == prompt_n - 1  # all but the last prompt token, decoded again for its logits
+    assert cached[("--cache-ram", "0")][1] < prompt_n / 10  # only the chat template's opening, shared by both
