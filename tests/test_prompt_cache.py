@@ -121,3 +121,11 @@ def test_serve_keeps_conversations_in_host_memory_by_default_as_llama_server(pai
     prompt_n, cache_n = cached[()]
     assert cache_n == prompt_n - 1  # all but the last prompt token, decoded again for its logits
     assert cached[("--cache-ram", "0")][1] < prompt_n / 10  # only the chat template's opening, shared by both
+
+
+def test_reset_cache_forgets_the_saved_conversations_too(pair):
+    with _load(pair, cache_ram_mib=64) as engine:
+        engine.generate(CODE * 3, max_tokens=8)
+        engine.generate(OTHER, max_tokens=8)  # CODE's cache goes to host memory
+        engine.reset_cache()
+        assert engine.generate(CODE * 3, max_tokens=8).stats.prompt_reused == 0

@@ -470,7 +470,8 @@ class Engine:
         return min(idle, key=lambda i: self.sequences[i].n_cached_rows, default=0)
 
     def reset_cache(self) -> None:
-        """Forget the cached prompt(s) of the idle slots: the next generation decodes everything again."""
+        """Forget the cached prompt(s) of the idle slots, and the prompt cache in host memory (``cache_ram_mib``):
+        the next generation decodes everything again."""
         self._loop.reset_all()
 
     # ------------------------------------------------------------------ the prompt

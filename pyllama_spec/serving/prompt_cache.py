@@ -158,6 +158,9 @@ class PromptCache:
                   best.rows, seq.seq_id, 100 * best_sim)
         return True
 
+    def clear(self) -> None:
+        self.entries.clear()
+
     def trim(self) -> None:
         """Drop the oldest entries past the limits (llama-server's ``update``)."""
         while self.entries and self.limit_bytes and self.size > self.limit_bytes:

@@ -518,6 +518,8 @@ class SlotLoop:
             for seq, running in zip(self._sequences, self._slots):
                 if running is None:
                     seq.reset()
+            if self._prompt_cache is not None:
+                self._prompt_cache.clear()  # nothing decoded before comes back
             reset.set()
         self._run_slot_ops()
         self._admit()
