@@ -67,3 +67,12 @@ def test_chain_drafters_alternates_rounds_and_counts_the_same_drafts_as_llama_se
     eagle3 = [r for r in rounds if r["method"] == "EAGLE3"]
     assert all(r["drafted"][0] == r["drafted"][1] > 0 for r in eagle3)  # the same drafts on both engines
     assert "| EAGLE3 | 7 |" in text and "here / llama-server, per round" in text
+
+
+def test_prompt_cache_bench_decodes_fewer_rows_with_the_cache_and_the_same_text():
+    out = _run(["bench/prompt_cache.py", "--conversations", "2", "--turns", "2", "--max-tokens", "8",
+                "--repeats", "1"])
+    rows = {line.split("|")[1].strip(): int(line.split("|")[2].split("/")[1])
+            for line in out.splitlines() if line.startswith("| ") and "MiB" in line}
+    assert rows["256 MiB"] < rows["0 MiB"], out
+    assert out.rstrip().endswith("same text: True"), out
