@@ -81,17 +81,67 @@ def test_a_new_conversation_takes_the_least_recently_used_slot_not_one_that_shar
         assert back.result().stats.prompt_reused > 0 and back.slot == first.slot
 
 
-def test_idle_slots_are_saved_so_a_slot_taken_by_another_conversation_comes_back(pair):
-    """With --cache-idle-slots (on with a cache) every idle slot is copied into the cache when a
-    request starts; a conversation whose slot was since overwritten is restored from there."""
-    with _load(pair, n_parallel=2, cache_ram_mib=64) as engine:
-        first = engine.submit(CODE * 3, max_tokens=8)
-        first.result()
-        engine.submit(OTHER * 3, max_tokens=8).result()  # the other slot (least recently used)
-        # a third conversation on the first's slot (named), then the first again, on any slot
-        engine.submit(THIRD * 3, max_tokens=8, id_slot=first.slot).result()
-        again = engine.submit(CODE * 3, max_tokens=8)
-        assert again.result().stats.prompt_reused == first.result().stats.prompt_tokens - 1
+def test_any_saved_conversation_comes_back_not_only_the_oldest(pair):
+    """A, B, C, then B and A again on one slot: each restored from wherever it sits in the cache
+    (restoring one that was not the oldest once failed the request)."""
+    conversations = [CODE * 3, OTHER * 3, THIRD * 3]
+    with _load(pair, cache_ram_mib=64) as engine:
+        first = [engine.generate(text, max_tokens=8) for text in conversations]
+        for k in (1, 0, 2):
+            again = engine.generate(conversations[k], max_tokens=8)
+            assert again.stats.prompt_reused == first[k].stats.prompt_tokens - 1, k
+            assert again.tokens == first[k].tokens
+
+
+def test_a_request_that_names_its_slot_goes_through_the_cache_too(pair):
+    """llama-server's rule: a named slot holding another conversation is saved before it is
+    overwritten, and the named request's own saved prompt put back."""
+    with _load(pair, n_parallel=2, cache_ram_mib=64, cache_idle_slots=False) as engine:
+        first = engine.submit(CODE * 3, max_tokens=8, id_slot=0).result()
+        engine.submit(OTHER * 3, max_tokens=8, id_slot=0).result()
+        again = engine.submit(CODE * 3, max_tokens=8, id_slot=0).result()
+        assert again.stats.prompt_reused == first.stats.prompt_tokens - 1
+
+
+def test_idle_slots_are_copied_into_the_cache_when_a_request_starts(pair, caplog):
+    for idle in (True, False):
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="pyllama_spec.prompt_cache"):
+            with _load(pair, n_parallel=2, cache_ram_mib=64, cache_idle_slots=idle) as engine:
+                first = engine.submit(CODE * 3, max_tokens=8)
+                first.result()
+                engine.submit(OTHER * 3, max_tokens=8).result()  # the other slot; the first's is idle
+                engine.submit(OTHER * 3 + "x = 1\n", max_tokens=8).result()  # the first's held already
+        copies = [r.getMessage() for r in caplog.records if "saved idle slot" in r.getMessage()]
+        assert copies == ([f"slot {first.slot}: saved idle slot to the prompt cache "
+                           "(__TEST_TAG_CACHE_IDLE_SLOT__)"] if idle else [])
+
+
+def test_a_cache_fault_costs_the_request_its_reuse_not_its_answer(pair, monkeypatch, caplog):
+    from pyllama_spec.serving.prompt_cache import PromptCache
+
+    with _load(pair, cache_ram_mib=64) as engine:
+        expected = engine.generate(CODE * 3, max_tokens=8).tokens
+        engine.generate(OTHER, max_tokens=8)
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("a fault in the cache")
+
+        monkeypatch.setattr(PromptCache, "load", broken)
+        with caplog.at_level(logging.ERROR, logger="pyllama_spec.prompt_cache"):
+            again = engine.generate(CODE * 3, max_tokens=8)
+        assert again.tokens == expected and again.stats.prompt_reused == 0
+        assert "prompt cache: failed on slot 0; the slot starts empty" in caplog.text
+
+
+def test_closing_the_engine_gives_the_cache_back(pair):
+    engine = _load(pair, cache_ram_mib=64)
+    engine.generate(CODE * 3, max_tokens=8)
+    engine.generate(OTHER, max_tokens=8)
+    cache = engine._loop._prompt_cache
+    assert cache.size > 0 and len(cache.entries) == 1
+    engine.close()
+    assert cache.size == 0 and not cache.entries
 
 
 def test_cache_ram_is_checked_at_load(pair):

@@ -9,9 +9,10 @@ alternates between conversations, or a harness that runs many on one slot, pays 
 prompt once, as with llama-server (``server_prompt_cache`` in tools/server/server-task.cpp,
 whose rules this follows):
 
-* an entry is taken when a slot would keep less than half of what it holds, or when the prompt
+* an entry is taken when a slot would keep less than half of what it holds, when the prompt
   shares too little with any slot for one to be picked by it (llama-server's
-  ``--slot-prompt-similarity``, 0.1) and it did not name its slot;
+  ``--slot-prompt-similarity``, 0.1: the least recently used slot is taken), or when a slot the
+  request names holds something else;
 * a slot's cache already held whole by an entry is not copied again; entries held whole by the
   new copy go;
 * an entry is loaded only when it keeps more of its own rows and more of the prompt than the
@@ -21,9 +22,10 @@ whose rules this follows):
   (the context's size, raised to what the size limit holds at the entries' mean size per row).
 
 With ``cache_idle_slots`` (llama-server's default) every idle slot is copied here when a request
-starts, so a slot another request takes later can be restored; where the target's cache is
-unified (one pool of cells), the idle slots are then cleared to give their cells to the busy
-ones, as llama-server does.
+starts, so a slot another request takes later can be restored. (llama-server also empties them
+when its cache is one pool for every slot, ``--kv-unified``, which is not implemented here.)
+A recurrent or hybrid target's state cannot be cut back, so for one an entry is loaded only when
+the prompt extends all of it.
 
 What this does not keep: the drafter's state. A restored slot's drafter starts from the rows
 decoded after the restore (``Sequence.restore_state``): its first drafts see less of the
@@ -54,7 +56,7 @@ MIB = 1 << 20
 SLOT_PROMPT_SIMILARITY = 0.1
 
 
-@dataclass
+@dataclass(eq=False)  # an entry is itself (its parts are numpy arrays: no == between them)
 class Entry:
     saved: SavedSequence
     lora_scales: tuple[float, ...]
@@ -72,7 +74,8 @@ def prompt_rows(parts) -> int:
 
 class PromptCache:
     """Saved slot caches, oldest first, within ``limit_mib`` MiB (-1: no limit) and ``limit_rows``
-    cache rows (0: no limit; raised to what the size limit holds)."""
+    cache rows (0: no limit; raised to what the size limit holds). Not thread-safe: the slot
+    loop's turn uses it."""
 
     def __init__(self, limit_mib: int, limit_rows: int) -> None:
         if limit_mib == 0:
@@ -80,14 +83,21 @@ class PromptCache:
         self.limit_bytes = 0 if limit_mib < 0 else limit_mib * MIB
         self.limit_rows = limit_rows
         self.entries: collections.deque[Entry] = collections.deque()
+        self.size = 0  # bytes of all entries
+        self.rows = 0  # cache rows of all entries
 
-    @property
-    def size(self) -> int:
-        return sum(e.size for e in self.entries)
+    def _add(self, entry: Entry) -> None:
+        self.entries.append(entry)
+        self.size += entry.size
+        self.rows += entry.rows
 
-    @property
-    def rows(self) -> int:
-        return sum(e.rows for e in self.entries)
+    def _drop(self, entry: Entry) -> None:
+        self.entries.remove(entry)
+        self.size -= entry.size
+        self.rows -= entry.rows
+
+    def _drop_oldest(self) -> None:
+        self._drop(self.entries[0])
 
     # ------------------------------------------------------------------ the two operations
     def save(self, seq: "Sequence", lora_scales: tuple[float, ...]) -> bool:
@@ -96,22 +106,26 @@ class PromptCache:
         cached = seq.cached
         if not cached:
             return False
-        rows = seq.positions.n_rows
+        rows, mode = seq.positions.n_rows, seq.positions.draft_positions
+        held_whole = []  # entries the new one holds whole: of no more use once it is in
         for e in self.entries:
-            if e.lora_scales == lora_scales and shared_rows(e.saved.parts, cached) == rows:
+            if e.lora_scales != lora_scales or e.saved.draft_positions != mode:
+                continue
+            shared = shared_rows(e.saved.parts, cached)
+            if shared == rows:
                 return False  # (llama-server: "prompt is already in the cache")
+            if shared == e.rows:
+                held_whole.append(e)
         try:
             size = seq.ctx.memory.seq_size(seq.seq_id)
             if self.limit_bytes and size > self.limit_bytes:
                 log.warning("prompt cache: slot %d's %d rows take %.1f MiB, more than the cache's %.0f MiB: "
                             "not saved", seq.seq_id, rows, size / MIB, self.limit_bytes / MIB)
                 return False
-            # entries the new one holds whole are of no more use
-            self.entries = collections.deque(
-                e for e in self.entries
-                if not (e.lora_scales == lora_scales and shared_rows(e.saved.parts, cached) == e.rows))
+            for e in held_whole:
+                self._drop(e)
             while self.entries and self.limit_bytes and self.size + size > self.limit_bytes:
-                self.entries.popleft()
+                self._drop_oldest()
             saved = seq.save_state()
         except KVMemoryError as e:  # this context cannot save the sequence: the request goes on without
             log.warning("prompt cache: slot %d could not be saved: %s", seq.seq_id, e)
@@ -122,7 +136,7 @@ class PromptCache:
                         seq.seq_id, self.limit_bytes / MIB)
             self.trim()
             return False
-        self.entries.append(Entry(saved, tuple(lora_scales), rows))
+        self._add(Entry(saved, tuple(lora_scales), rows))
         log.debug("prompt cache: saved slot %d, %d rows, %.2f MiB", seq.seq_id, rows, size / MIB)
         return True
 
@@ -136,18 +150,21 @@ class PromptCache:
         best_keep = lcp / have if have else -1.0  # an empty slot: any entry is better
         best_sim = lcp / n_new
         best: Entry | None = None
+        # A recurrent state cannot be cut back: an entry it would have to cut (one holding more
+        # than the prompt shares with it) would be restored only to be reset.
+        whole_only = seq.ctx.model.is_recurrent
         for e in self.entries:
             if e.lora_scales != lora_scales or e.saved.draft_positions != draft_positions:
                 continue
             shared = shared_rows(e.saved.parts, parts)
             keep, sim = shared / max(e.rows, 1), shared / n_new
-            if keep < 0.25:
+            if keep < 0.25 or (whole_only and not shared == e.rows < n_new):
                 continue  # don't spend a large entry on a small prefix
             if keep > best_keep and sim > best_sim:
                 best, best_keep, best_sim = e, keep, sim
         if best is None:
             return False
-        self.entries.remove(best)
+        self._drop(best)
         try:
             seq.restore_state(best.saved)
         except KVMemoryError as e:
@@ -160,25 +177,26 @@ class PromptCache:
 
     def clear(self) -> None:
         self.entries.clear()
+        self.size = self.rows = 0
 
     def trim(self) -> None:
         """Drop the oldest entries past the limits (llama-server's ``update``)."""
         while self.entries and self.limit_bytes and self.size > self.limit_bytes:
-            self.entries.popleft()
+            self._drop_oldest()
         per_row = max(1.0, self.size / max(1, self.rows))
         limit_rows = max(self.limit_rows, int(self.limit_bytes / per_row)) if self.limit_bytes else self.limit_rows
         while self.entries and limit_rows and self.rows > limit_rows:
-            self.entries.popleft()
+            self._drop_oldest()
         log.debug("prompt cache: %d prompts, %d rows, %.2f MiB", len(self.entries), self.rows, self.size / MIB)
 
 
 def takes_cache_update(seq: "Sequence", parts: list, named_slot: bool) -> bool:
     """Whether a request for ``parts`` taking ``seq`` goes through the cache (llama-server's
     ``update_cache`` in get_available_slot): when the slot would keep less than half of what it
-    holds, or when the prompt is too unlike the slot's cache to have picked it and the request
-    did not name its slot."""
+    holds; when the prompt is too unlike the slot's cache to have picked it and the request did
+    not name its slot (the least recently used slot); and when a named slot holds something else."""
     have = seq.positions.n_rows
     lcp = seq.prefix_length(parts)
     if have and lcp / max(prompt_rows(parts), 1) > SLOT_PROMPT_SIMILARITY:
         return lcp / have < 0.5
-    return not named_slot
+    return bool(have) if named_slot else True

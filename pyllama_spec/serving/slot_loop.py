@@ -218,13 +218,13 @@ class SlotLoop:
             log.debug("prompt cache: on, %s", limit)
         if self._cache_idle_slots:
             # llama-server's tag for this, which its tests read in its debug log
-            log.debug("idle slots will be saved to the prompt cache%s upon starting a new task "
-                      "(__TEST_TAG_CACHE_IDLE_SLOTS_ENABLED__)", " and cleared" if ctx.kv_unified else "")
+            log.debug("idle slots will be saved to the prompt cache upon starting a new task "
+                      "(__TEST_TAG_CACHE_IDLE_SLOTS_ENABLED__)")
         self._cond = threading.Condition()
         self._pending: collections.deque[Submission] = collections.deque()
         self._slots: list[_Running | None] = [None] * len(sequences)
-        self._admissions = 0
-        self._last_used = [0] * len(sequences)  # per slot: the admission count when it was last taken
+        self._admissions = 0  # admissions and releases so far: the clock of _last_used
+        self._last_used = [0] * len(sequences)  # per slot: when it was last released
         self._stopping = False
         self._closed = False
         self._reset_requested: threading.Event | None = None
@@ -572,7 +572,7 @@ class SlotLoop:
                 best = sub.id_slot if sub.id_slot >= 0 else self._pick_slot(free, gen)
                 gen.seq = seqs[best]
                 scales = self._lora.scales_for(sub.request.lora)
-                if self._prompt_cache is not None and gen.cache_prompt:
+                if self._prompt_cache is not None:
                     self._swap_through_cache(gen, scales, named_slot=sub.id_slot >= 0)
                 self._lora.use(gen.seq, scales)  # a prompt cached under other adapters is not reused
             except BaseException as e:
@@ -583,8 +583,6 @@ class SlotLoop:
                 continue
             sub.slot = best
             self._slots[best] = _Running(sub, prepared, gen, scales)
-            self._admissions += 1
-            self._last_used[best] = self._admissions
             if self._cache_idle_slots:
                 self._save_idle_slots()
 
@@ -601,30 +599,39 @@ class SlotLoop:
 
     def _swap_through_cache(self, gen: Generation, scales: tuple[float, ...], named_slot: bool) -> None:
         """When the slot ``gen`` takes would lose most of its cache to the prompt: copy the cache
-        into the prompt cache, and put back the saved prompt that shares most with this one."""
+        into the prompt cache, and put back the saved prompt that shares most with this one (not
+        for a request that reuses no cache: it decodes its prompt whole anyway). The cache never
+        fails the request: on any error the slot starts empty."""
         seq, cache = gen.seq, self._prompt_cache
-        if not takes_cache_update(seq, gen.parts, named_slot):
-            return
-        log.debug("updating prompt cache: slot %d holds %d rows, %d of them the prompt's", seq.seq_id,
-                  seq.positions.n_rows, seq.prefix_length(gen.parts))
-        cache.save(seq, self._lora.cached_scales(seq.seq_id))
-        if cache.load(seq, gen.parts, scales, gen.draft_positions):
-            self._lora.mark_cached(seq.seq_id, scales)
-        cache.trim()
+        try:
+            if not takes_cache_update(seq, gen.parts, named_slot):
+                return
+            log.debug("updating prompt cache: slot %d holds %d rows, %d of them the prompt's", seq.seq_id,
+                      seq.positions.n_rows, seq.prefix_length(gen.parts))
+            cache.save(seq, self._lora.cached_scales(seq.seq_id))
+            if gen.cache_prompt and cache.load(seq, gen.parts, scales, gen.draft_positions):
+                self._lora.mark_cached(seq.seq_id, scales)
+            cache.trim()
+        except Exception:  # noqa: BLE001 - a cache fault costs this request its reuse, nothing more
+            log.exception("prompt cache: failed on slot %d; the slot starts empty", seq.seq_id)
+            seq.reset()
 
     def _save_idle_slots(self) -> None:
-        """Copy every idle slot's cache into the prompt cache (llama-server's --cache-idle-slots);
-        in a unified cache, then free its cells for the busy slots."""
+        """Copy every idle slot's cache into the prompt cache (llama-server's --cache-idle-slots), so
+        that a conversation whose slot another one takes later comes back from there. (llama-server
+        also empties the idle slots when its cache is one pool for every slot, --kv-unified, to
+        give their cells to the busy ones; here each slot has its own share.)"""
         for i, running in enumerate(self._slots):
             if running is not None:
                 continue
             seq = self._sequences[i]
-            if self._prompt_cache.save(seq, self._lora.cached_scales(seq.seq_id)):
-                # llama-server's tag for this, which its tests read in its debug log
-                log.debug("slot %d: saved idle slot to the prompt cache (__TEST_TAG_CACHE_IDLE_SLOT__)", i)
-                self._prompt_cache.trim()
-            if self._ctx.kv_unified:
-                seq.reset()
+            try:
+                if self._prompt_cache.save(seq, self._lora.cached_scales(seq.seq_id)):
+                    # llama-server's tag for this, which its tests read in its debug log
+                    log.debug("slot %d: saved idle slot to the prompt cache (__TEST_TAG_CACHE_IDLE_SLOT__)", i)
+                    self._prompt_cache.trim()
+            except Exception:  # noqa: BLE001 - the slot keeps its cache; only the copy is missing
+                log.exception("prompt cache: could not save idle slot %d", i)
 
     def _drop_cancelled(self) -> None:
         for i, running in enumerate(self._slots):
@@ -737,6 +744,8 @@ class SlotLoop:
     def _finish(self, i: int, kind: str, value: Any = None) -> None:
         running = self._slots[i]
         self._slots[i] = None
+        self._admissions += 1  # least recently used counts from the release, as llama-server's t_last_used
+        self._last_used[i] = self._admissions
         try:
             if running.encoding is not None:
                 try:  # its chunk must outlive the encode that reads it
@@ -763,5 +772,7 @@ class SlotLoop:
         for op in ops:
             if op.future.set_running_or_notify_cancel():
                 op.future.set_exception(ClosedError("the engine closed before the slot was free"))
+        if self._prompt_cache is not None:
+            self._prompt_cache.clear()  # its memory goes with the engine (a server asleep gives it back)
         if self._reset_requested is not None:
             self._reset_requested.set()

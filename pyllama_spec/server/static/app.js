@@ -255,19 +255,21 @@ function takeEvents(buffer) {
 
 // Read the answer's events into `answer`. A stream that has more bytes waiting resolves each read
 // at once (a microtask), so a loop of reads never lets the page draw or take a click while the
-// server writes faster than the page reads: every SLICE_MS of reading, give the page a turn.
+// server writes faster than the page reads: after SLICE_MS of work on events, give the page a
+// turn (not in a hidden tab, where timers wait a second or more and nothing is drawn anyway).
 const SLICE_MS = 12;
 
 async function readStream(res, answer) {
   const reader = res.body.pipeThrough(new TextDecoderStream()).getReader();
   let buffer = "";
-  let sliceStart = performance.now();
+  let working = 0;  // ms spent on events since the page last had a turn
   for (;;) {
-    if (performance.now() - sliceStart > SLICE_MS) {
+    if (working > SLICE_MS && !document.hidden) {
       await new Promise((resolve) => setTimeout(resolve, 0));
-      sliceStart = performance.now();
+      working = 0;
     }
     const { value, done } = await reader.read();
+    const started = performance.now();
     if (done) throw new Error("the stream ended before [DONE]");
     const [events, rest] = takeEvents(buffer + value);
     buffer = rest;
@@ -282,6 +284,7 @@ async function readStream(res, answer) {
       if (choice && choice.finish_reason) answer.finishReason = choice.finish_reason;
       if (chunk.timings) answer.timings = chunk.timings;
     }
+    working += performance.now() - started;
   }
 }
 
@@ -362,7 +365,7 @@ class Answer {
   count(spec) {
     // The first step is the prompt's own token (nothing drafted); every later one is a verify step.
     this.verifySteps += 1;
-    if (!this.verifySteps) return;
+    if (this.verifySteps <= 0) return;  // no verify step yet (-1: not even the first token)
     for (let i = 0; i < spec.drafted; i++) this.drafted[i] = (this.drafted[i] || 0) + 1;
     for (let i = 0; i < spec.accepted; i++) this.accepted[i] = (this.accepted[i] || 0) + 1;
     const k = spec.tokens.length - 1;
@@ -393,7 +396,7 @@ class Answer {
   }
 
   drawCharts() {
-    if (!this.verifySteps) return;
+    if (this.verifySteps <= 0) return;  // no verify step yet (-1: not even the first token)
     const drafted = Array.from(this.drafted, (n) => n || 0);
     const accepted = drafted.map((_, i) => this.accepted[i] || 0);
     const rates = drafted.map((d, i) => (d ? accepted[i] / d : 0));
