@@ -179,3 +179,21 @@ def test_reset_cache_forgets_the_saved_conversations_too(pair):
         engine.generate(OTHER, max_tokens=8)  # CODE's cache goes to host memory
         engine.reset_cache()
         assert engine.generate(CODE * 3, max_tokens=8).stats.prompt_reused == 0
+
+
+def test_a_hybrid_target_takes_back_a_conversation_that_goes_on(tiny_hybrid, caplog):
+    """A recurrent state cannot be cut back: a saved conversation is put back when the prompt goes
+    on from all of it (the next turn of a chat), never to be cut and thrown away."""
+    from conftest import load_tiny
+
+    with load_tiny(tiny_hybrid, draft=None, cache_ram_mib=64) as engine:
+        first = engine.generate(CODE * 2, max_tokens=8)
+        engine.generate(OTHER, max_tokens=8)
+        with caplog.at_level(logging.DEBUG, logger="pyllama_spec.prompt_cache"):
+            same = engine.generate(CODE * 2, max_tokens=8)  # would need the entry cut back: not loaded
+        assert same.stats.prompt_reused == 0 and same.tokens == first.tokens
+        assert "restored" not in caplog.text  # (restored, it would have been reset at once, and lost)
+        engine.generate(OTHER, max_tokens=8)
+        # the next turn: the prompt, the answer (as tokens: this toy writes bytes of no text), more
+        go_on = engine.generate([CODE * 2, *same.tokens, "\ndef main():\n"], max_tokens=8)
+        assert go_on.stats.prompt_reused >= first.stats.prompt_tokens
