@@ -127,7 +127,7 @@ def test_a_cache_fault_costs_the_request_its_reuse_not_its_answer(pair, monkeypa
         def broken(*args, **kwargs):
             raise RuntimeError("a fault in the cache")
 
-        monkeypatch.setattr(PromptCache, "load", broken)
+        monkeypatch.setattr(PromptCache, "best_for", broken)
         with caplog.at_level(logging.ERROR, logger="pyllama_spec.prompt_cache"):
             again = engine.generate(CODE * 3, max_tokens=8)
         assert again.tokens == expected and again.stats.prompt_reused == 0

@@ -104,6 +104,7 @@ class Context(NativeHandle):
                                   lib.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         params.swa_full = swa_full
         params.kv_unified = kv_unified  # one cache for all sequences (draft trees share its cells)
+        self.kv_unified = kv_unified  # every sequence may use n_ctx cells of the one pool
         params.embeddings = embeddings
         if pooling not in POOLING_TYPES:
             raise ValueError(f"pooling {pooling!r} is not a pooling type; use one of {', '.join(POOLING_TYPES)}")

@@ -211,6 +211,9 @@ def _for_children(args: list[str], accepted: dict[str, int]) -> list[str]:
                    "busy slot), put back when a later prompt shares more with one (-1: no limit, 0: none)")
 @click.option("--cache-idle-slots/--no-cache-idle-slots", "cache_idle_slots", default=True, show_default=True,
               help="copy every idle slot's cache there whenever a request starts (needs --cache-ram)")
+@click.option("-kvu/-no-kvu", "--kv-unified/--no-kv-unified", "kv_unified", default=False, show_default=True,
+              help="one pool of ctx-size cache cells for every slot (a prompt may use all of it) instead of "
+                   "ctx-size / np per slot; idle slots give their cells up first")
 @click.option("--props", "endpoint_props", is_flag=True, default=False,
               help="accept POST /props (as in llama-server, no property can be changed yet)")
 @click.option("--sleep-idle-seconds", type=int, default=-1, show_default=True,

@@ -82,10 +82,6 @@ KNOWN_DIFFERENCES: dict[str, str] = {
                                                  "could otherwise drive the server; --cors-origins '*' gives "
                                                  "llama-server's answers",
     "unit/test_metrics.py::test_metrics_disabled": "/metrics is always served here (llama-server needs --metrics)",
-    "unit/test_kv_keep_only_active.py::": "--kv-unified (one pool of cells for every slot) is not implemented here: "
-                                          "each slot has ctx-size / np rows, and the tests' 287-token prompt does not "
-                                          "fit the 256 of each of 2 slots (a 400); the prompt cache they test "
-                                          "(--cache-ram, --cache-idle-slots) is (tests/test_prompt_cache.py)",
     "unit/test_router.py::test_router_props": "serve without -m serves the embedded pair (the first run's model); "
                                               "its router is --models-preset without -m",
     "unit/test_router.py::test_router_delete_model": "the router's Hub cache (downloads, deleting them) is not "

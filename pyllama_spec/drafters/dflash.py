@@ -179,7 +179,8 @@ class DFlashDrafter:
         ubatch = max(n_ubatch, config.block_size * n_seq)
         self.ctx = Context(draft_model, n_ctx=target_ctx.n_ctx, n_batch=ubatch, n_ubatch=ubatch, n_seq_max=n_seq,
                            n_threads=n_threads, flash_attn=flash_attn, swa_full=swa_full, type_k=type_k, type_v=type_v,
-                           ctx_other=target_ctx, role="draft")
+                           ctx_other=target_ctx, role="draft",
+                           kv_unified=target_ctx.kv_unified)
         self.ctx.enable_draft_embeddings(True, masked=not config.is_dflash2)
         self._has_confidence = dspark and "conf_proj.weight" in _tensors(draft_model)
         self.ctx.set_causal_attn(config.causal)

@@ -93,7 +93,8 @@ def make(setup) -> "DraftModelDrafter":
     return DraftModelDrafter(setup.draft_model, n_ctx=setup.n_ctx, n_max=setup.n_max, n_seq=setup.n_seq,
                              n_min=setup.n_min, n_max_limit=setup.pairing.limit, n_batch=setup.n_batch,
                              n_threads=setup.n_threads, flash_attn=setup.flash_attn,
-                             projector=setup.draft_projector, **setup.cache_types)
+                             projector=setup.draft_projector, kv_unified=setup.target_ctx.kv_unified,
+                             **setup.cache_types)
 
 
 class DraftModelDrafter:
@@ -106,14 +107,15 @@ class DraftModelDrafter:
     def __init__(self, draft_model: Model, *, n_ctx: int, n_max: int, n_min: int = 0, n_max_limit: int = DRAFT_TOKEN_LIMIT,
                  n_seq: int = 1, n_batch: int = 512, n_threads: int | None = None,
                  flash_attn: bool | None = False, type_k: str = "f16", type_v: str = "f16",
-                 projector=None) -> None:
+                 projector=None, kv_unified: bool = False) -> None:
         self.n_max_limit = n_max_limit
         self.n_max = max(1, min(n_max, n_max_limit))
         self.n_min = min(n_min, self.n_max)
         #: The draft model's own projector (not owned: the engine closes it); None for a text-only draft.
         self.projector = projector
         self.ctx = Context(draft_model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_seq_max=n_seq,
-                           n_threads=n_threads, flash_attn=flash_attn, type_k=type_k, type_v=type_v, role="draft")
+                           n_threads=n_threads, flash_attn=flash_attn, type_k=type_k, type_v=type_v, role="draft",
+                           kv_unified=kv_unified)
         self._batch = Batch(self.ctx)
         # A vision draft's media items per sequence, in order: (first draft position, the rows the draft
         # holds for it minus the target's). Their sum stays <= 0: the draft never needs more rows.

@@ -263,7 +263,8 @@ class Eagle3Drafter:
         batch = max(n_batch, n_seq * (self.n_max_limit + 1))
         self.ctx = Context(draft_model, n_ctx=target_ctx.n_ctx, n_batch=batch, n_ubatch=max(n_ubatch, n_seq),
                            n_seq_max=n_seq, n_threads=n_threads, flash_attn=flash_attn, type_k=type_k,
-                           type_v=type_v, ctx_other=target_ctx, role="draft")
+                           type_v=type_v, ctx_other=target_ctx, role="draft",
+                           kv_unified=target_ctx.kv_unified)
         # the encoder's output (g) and the decoder's pre-norm output (the next step's g)
         self.ctx.enable_draft_embeddings(True, masked=True)
         self._batch = Batch(self.ctx)

@@ -147,7 +147,7 @@ class MTPDrafter:
         # As llama-server: the head's cache holds as many positions per sequence as the target's.
         self.ctx = Context(model, n_ctx=target_ctx.n_ctx, n_batch=n_batch, n_ubatch=n_ubatch, n_seq_max=n_seq,
                            n_threads=n_threads, flash_attn=flash_attn, type_k=type_k, type_v=type_v,
-                           mtp=True, role="draft")
+                           mtp=True, role="draft", kv_unified=target_ctx.kv_unified)
         self.ctx.enable_draft_embeddings(True, masked=True)  # the head's own hidden state, per drafted row
         self._batch = Batch(self.ctx)
         n_embd = model.n_embd

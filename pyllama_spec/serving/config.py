@@ -84,6 +84,10 @@ class EngineConfig:
     # (--cache-idle-slots): also copy every idle slot there whenever a request starts.
     cache_ram_mib: int = 0
     cache_idle_slots: bool = True
+    # llama-server's --kv-unified: one pool of n_ctx cache cells for every slot, each slot taking
+    # what it needs (a prompt may use the whole context) instead of n_ctx / n_parallel of its own.
+    # The slot loop shares the cells out (slot_loop.py: idle slots give theirs up first).
+    kv_unified: bool = False
     # Devices (devices.py; llama.cpp's --rpc, -dev, -devd, -sm, -ts, -mg): RPC servers' host:port, the
     # target's devices by name (None: llama.cpp's choice, remote ones first; "none": no offload), the
     # draft's (None: this machine's), the split mode, a proportion per device, the main device.
@@ -207,6 +211,7 @@ class LoadOptions(TypedDict, total=False):
     n_parallel: int
     cache_ram_mib: int
     cache_idle_slots: bool
+    kv_unified: bool
     rpc_servers: Sequence[str] | str
     devices: Sequence[str] | str | None
     device_draft: Sequence[str] | str | None

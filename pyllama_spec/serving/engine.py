@@ -246,7 +246,7 @@ class Engine:
         draft_max, n_rs_seq, n_seq = drafts.draft_max, drafts.n_rs_seq, c.n_parallel
         # A draft tree gives every leaf a sequence id of its own, sharing the cells of one cache.
         self.ctx = Context(self.model, n_ctx=c.n_ctx, n_batch=c.n_batch, n_ubatch=c.n_ubatch, n_rs_seq=n_rs_seq,
-                           n_seq_max=n_seq + c.draft_tree, kv_unified=c.draft_tree > 0,
+                           n_seq_max=n_seq + c.draft_tree, kv_unified=c.kv_unified or c.draft_tree > 0,
                            n_threads=c.n_threads, n_threads_batch=c.n_threads_batch, type_k=c.cache_type_k,
                            type_v=c.cache_type_v, flash_attn=c.flash_attn, pooling=c.pooling, role="target")
         if c.mmproj:

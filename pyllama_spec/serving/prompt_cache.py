@@ -22,8 +22,9 @@ whose rules this follows):
   (the context's size, raised to what the size limit holds at the entries' mean size per row).
 
 With ``cache_idle_slots`` (llama-server's default) every idle slot is copied here when a request
-starts, so a slot another request takes later can be restored. (llama-server also empties them
-when its cache is one pool for every slot, ``--kv-unified``, which is not implemented here.)
+starts, so a slot another request takes later can be restored; where the slots share one pool
+of cells (``--kv-unified``) they are then emptied, their cells going to the busy slots, as
+llama-server does.
 A recurrent or hybrid target's state cannot be cut back, so for one an entry is loaded only when
 the prompt extends all of it.
 
@@ -140,10 +141,9 @@ class PromptCache:
         log.debug("prompt cache: saved slot %d, %d rows, %.2f MiB", seq.seq_id, rows, size / MIB)
         return True
 
-    def load(self, seq: "Sequence", parts: list, lora_scales: tuple[float, ...], draft_positions: str) -> bool:
-        """Put into ``seq`` the entry that keeps more of ``parts`` and of itself than ``seq`` does
-        (True), or leave ``seq`` as it is (False). When the target refuses the entry's memory
-        (KVMemoryError), the entry is dropped and ``seq`` left empty."""
+    def best_for(self, seq: "Sequence", parts: list, lora_scales: tuple[float, ...],
+                 draft_positions: str) -> Entry | None:
+        """The entry that keeps more of ``parts`` and of itself than ``seq`` does, if any."""
         n_new = max(prompt_rows(parts), 1)
         have = seq.positions.n_rows
         lcp = seq.prefix_length(parts)
@@ -162,17 +162,19 @@ class PromptCache:
                 continue  # don't spend a large entry on a small prefix
             if keep > best_keep and sim > best_sim:
                 best, best_keep, best_sim = e, keep, sim
-        if best is None:
-            return False
-        self._drop(best)
+        return best
+
+    def restore(self, seq: "Sequence", entry: Entry) -> bool:
+        """Put ``entry`` into ``seq`` (it leaves the cache); False when the target refuses its memory
+        (KVMemoryError: the entry is dropped and ``seq`` left empty)."""
+        self._drop(entry)
         try:
-            seq.restore_state(best.saved)
+            seq.restore_state(entry.saved)
         except KVMemoryError as e:
             log.warning("prompt cache: slot %d refused a saved prompt of %d rows (%s): dropped",
-                        seq.seq_id, best.rows, e)
+                        seq.seq_id, entry.rows, e)
             return False
-        log.debug("prompt cache: restored %d rows into slot %d (%.0f%% of the prompt)",
-                  best.rows, seq.seq_id, 100 * best_sim)
+        log.debug("prompt cache: restored %d rows into slot %d", entry.rows, seq.seq_id)
         return True
 
     def clear(self) -> None:

@@ -8,7 +8,13 @@ drafter). Each turn of the loop:
    into free slots (the free slot whose cache shares the longest prefix with the prompt, if more
    than a tenth of it, so a conversation's next turn lands where its last one is; else the least
    recently used). With a prompt cache (``--cache-ram``, prompt_cache.py), a slot about to lose
-   most of its cache copies it there first, and takes back the saved prompt nearest the new one;
+   most of its cache copies it there first, and takes back the saved prompt nearest the new one.
+   Where the slots share one pool of n_ctx cells (``kv_unified``, llama-server's --kv-unified)
+   instead of n_ctx / N each, the pool is shared out before every decode: idle slots give their
+   cells up first (least recently used first); a prefill slice waits for cells while other
+   slots decode, and when none decodes a slot holding part of its prompt gives it back to read
+   it again later; when the decoding slots cannot each have a cell for their next token, the
+   one holding the most ends as at the end of its own context (finish_reason "length");
 2. advances the prefilling slots one slice each in turn (text: up to n_batch rows; an image:
    one slice of its rows once encoded) until n_batch prompt rows were decoded this turn, so
    requests that arrive together start together, and a long prefill does not stall the others;
@@ -212,6 +218,8 @@ class SlotLoop:
         self._sequences, self._ctx, self._drafter, self._projector = sequences, ctx, drafter, projector
         self._step_cost, self._prepare, self._lora = step_cost, prepare, lora
         self._prompt_cache = prompt_cache  # slots' caches kept in host memory (prompt_cache.py)
+        # --kv-unified: the slots share one pool of n_ctx cells, shared out before every decode
+        self._shared_cells = ctx.kv_unified and len(sequences) > 1
         self._cache_idle_slots = cache_idle_slots and prompt_cache is not None
         if prompt_cache is not None:
             limit = f"{prompt_cache.limit_bytes >> 20} MiB" if prompt_cache.limit_bytes else "no size limit"
@@ -609,7 +617,14 @@ class SlotLoop:
             log.debug("updating prompt cache: slot %d holds %d rows, %d of them the prompt's", seq.seq_id,
                       seq.positions.n_rows, seq.prefix_length(gen.parts))
             cache.save(seq, self._lora.cached_scales(seq.seq_id))
-            if gen.cache_prompt and cache.load(seq, gen.parts, scales, gen.draft_positions):
+            best = cache.best_for(seq, gen.parts, scales, gen.draft_positions) if gen.cache_prompt else None
+            # in a shared pool the entry needs its cells (the slot's own go when it is replaced)
+            if best is not None and self._shared_cells and \
+                    self._free_cells(best.rows - seq.positions.n_rows, keep=seq.seq_id) < best.rows - seq.positions.n_rows:
+                log.debug("prompt cache: no room in the shared cache to restore %d rows into slot %d",
+                          best.rows, seq.seq_id)
+                best = None
+            if best is not None and cache.restore(seq, best):
                 self._lora.mark_cached(seq.seq_id, scales)
             cache.trim()
         except Exception:  # noqa: BLE001 - a cache fault costs this request its reuse, nothing more
@@ -618,9 +633,9 @@ class SlotLoop:
 
     def _save_idle_slots(self) -> None:
         """Copy every idle slot's cache into the prompt cache (llama-server's --cache-idle-slots), so
-        that a conversation whose slot another one takes later comes back from there. (llama-server
-        also empties the idle slots when its cache is one pool for every slot, --kv-unified, to
-        give their cells to the busy ones; here each slot has its own share.)"""
+        that a conversation whose slot another one takes later comes back from there; where the
+        slots share one pool of cells (--kv-unified), empty them, their cells going to the busy
+        slots, as llama-server does."""
         for i, running in enumerate(self._slots):
             if running is not None:
                 continue
@@ -632,6 +647,74 @@ class SlotLoop:
                     self._prompt_cache.trim()
             except Exception:  # noqa: BLE001 - the slot keeps its cache; only the copy is missing
                 log.exception("prompt cache: could not save idle slot %d", i)
+                continue
+            if self._shared_cells:
+                seq.reset()  # as llama-server with --kv-unified: its cells go to the busy slots
+
+    # ------------------------------------------------------------------ one pool of cells (--kv-unified)
+    def _cells_free(self) -> int:
+        return self._ctx.n_ctx - sum(seq.positions.n_rows for seq in self._sequences)
+
+    def _free_cells(self, needed: int, keep: int = -1) -> int:
+        """Empty idle slots but ``keep``, least recently used first, until ``needed`` cells of the
+        shared pool are free (each copied into the prompt cache first, when there is one); the
+        cells free."""
+        free = self._cells_free()
+        idle = sorted((i for i, r in enumerate(self._slots)
+                       if r is None and i != keep and self._sequences[i].positions.n_rows),
+                      key=lambda i: self._last_used[i])
+        for i in idle:
+            if free >= needed:
+                break
+            seq = self._sequences[i]
+            if self._prompt_cache is not None:
+                try:
+                    self._prompt_cache.save(seq, self._lora.cached_scales(seq.seq_id))
+                    self._prompt_cache.trim()
+                except Exception:  # noqa: BLE001 - only the copy is lost
+                    log.exception("prompt cache: could not save idle slot %d", i)
+            free += seq.positions.n_rows
+            log.debug("slot %d: idle, its %d cells given to the busy slots", i, seq.positions.n_rows)
+            seq.reset()
+        return free
+
+    def _fits_prefill(self, i: int) -> bool:
+        """Whether slot i's next prefill slice has cells in the shared pool (with one left for each
+        decoding slot's next token), idle slots emptied for it if need be. Else it waits for the
+        decoding slots to give cells back; and when no slot decodes (the prompts being read hold
+        the pool between them), a slot that holds part of its prompt starts it again later, so
+        that another gets in whole (one always does: every prompt fits n_ctx alone)."""
+        running = self._slots[i]
+        seq = running.gen.seq
+        rows_left = max(1, prompt_rows(running.gen.parts) - seq.prefix_length(running.gen.parts))
+        decoding = sum(1 for r in self._slots if r is not None and r.decoding)
+        need = min(self._ctx.n_batch, rows_left) + decoding
+        if self._free_cells(need) >= need:
+            return True
+        if not decoding and seq.positions.n_rows:
+            log.debug("slot %d: the shared cache is held by the prompts being read: its %d rows go, it reads "
+                      "its prompt again later", i, seq.positions.n_rows)
+            if running.prefill is not None:
+                self._close_prefill(i, running)
+                running.prefill = None
+            seq.reset()
+        return False
+
+    def _share_cells(self, active: list) -> list:
+        """Share the pool's free cells among the decoding slots for one step: each its next token's,
+        the rest evenly for drafts. Where the pool cannot give each slot one cell, the slots holding
+        the most end as at the end of their own context (finish_reason "length")."""
+        n_draft = getattr(self._drafter, "n_max", 0) if self._drafter is not None else 0
+        free = self._free_cells(len(active) * (1 + n_draft))
+        while active and free < len(active):
+            i, r = max(active, key=lambda t: t[1].gen.seq.positions.n_rows)
+            active.remove((i, r))
+            log.debug("slot %d: the shared cache is full: it ends at %d rows", i, r.gen.seq.positions.n_rows)
+            self._deliver(i, r.gen.stop_for_room())
+            free = self._free_cells(len(active))
+        for _, r in active:
+            r.gen.cells_for_step = 1 + (free - len(active)) // len(active)
+        return active
 
     def _drop_cancelled(self) -> None:
         for i, running in enumerate(self._slots):
@@ -649,6 +732,8 @@ class SlotLoop:
         while budget > 0:
             waiting = [i for i, r in enumerate(self._slots)  # cancelled ones are dropped next turn
                        if r is not None and not r.decoding and not r.submission.cancelled and not r.waits_for_encode]
+            if self._shared_cells:
+                waiting = [i for i in waiting if self._fits_prefill(i)]
             if not waiting:
                 return
             i = waiting[self._turn_index % len(waiting)]
@@ -701,6 +786,8 @@ class SlotLoop:
 
     def _step(self) -> None:
         active = [(i, r) for i, r in enumerate(self._slots) if r is not None and r.decoding and not r.gen.finished]
+        if self._shared_cells and active:
+            active = self._share_cells(active)
         # One target decode runs under one set of LoRA scales: as llama-server batches only slots
         # whose adapters are equal, the slots of each set step together, one set after another.
         by_lora: dict[tuple[float, ...], list] = {}

@@ -140,6 +140,9 @@ class Generation:
         self._t0 = time.perf_counter()
         self._t1 = self._t0  # when decoding started
         self._prefill_split = (0.0, 0.0)  # target / draft seconds spent in prefill
+        # Cache cells the next step may take, where slots share one pool (set by the slot loop before
+        # each step; None: only this sequence's own n_ctx bounds it)
+        self.cells_for_step: int | None = None
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, n_batch: int, projector=None, encode_async=None) -> Iterator[Future | None]:
@@ -186,7 +189,21 @@ class Generation:
 
     def _room(self) -> int:
         """Cache rows left for drafts after the next token's."""
-        return self.seq.n_ctx - self.seq.positions.n_rows - 1
+        room = self.seq.n_ctx - self.seq.positions.n_rows - 1
+        return room if self.cells_for_step is None else min(room, self.cells_for_step - 1)
+
+    def stop_for_room(self) -> Piece:
+        """End here because the cache cells the slots share are all taken (the slot loop's call,
+        between steps): finish_reason "length", ``truncated``, as at the end of a slot's own
+        context. Its last piece: what the sampler held back, and the stats."""
+        self.finished = True
+        stats = self.stats
+        stats.decode_seconds = time.perf_counter() - self._t1
+        stats.decode_target_seconds = stats.target_seconds - self._prefill_split[0]
+        stats.decode_draft_seconds = stats.draft_seconds - self._prefill_split[1]
+        rest = self.out.flush()
+        return Piece(rest, (), "length", stats, token_texts=(), from_draft=0, drafted=0, logprobs=(),
+                     ending=self._ending("limit", truncated=True))
 
     def draft_limit(self, n_batch_share: int) -> int:
         """The most this generation may draft in the next step: its tokens left, its cache rows
