@@ -10,6 +10,7 @@ from pyllama_spec.embedded import embedded_models
 from pyllama_spec.errors import (
     ChatTemplateError,
     ClosedError,
+    ContextFullError,
     ContextOverflowError,
     DecodeError,
     EngineBusyError,
@@ -54,7 +55,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "ClosedError", "ContextOverflowError", "DecodeError", "EngineBusyError",
+    "ClosedError", "ContextFullError", "ContextOverflowError", "DecodeError", "EngineBusyError",
     "GenerationCancelledError", "GenerationStats", "ChatTemplateError", "ImageError", "IncompatibleModelsError", "InsufficientMemoryError",
     "KVMemoryError", "ModelFileError", "NativeCallError", "NativeLibraryError", "ProjectorError",
     "PyllamaError", "RemoteDeviceError", "TrainingLengthWarning", "embedded_models", *_LAZY,

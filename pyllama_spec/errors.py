@@ -45,6 +45,11 @@ class ContextOverflowError(PyllamaError, ValueError):
         self.n_prompt_tokens, self.n_ctx = n_prompt_tokens, n_ctx
 
 
+class ContextFullError(PyllamaError, RuntimeError):
+    """The cache cells the slots share (``kv_unified``) are all taken: this generation could not go on.
+    Its message says "Context size has been exceeded", as llama-server's does."""
+
+
 class TrainingLengthWarning(UserWarning):
     """A context longer than the target was trained for (llama.cpp's "possible training context
     overflow"): its positions past the training length were never trained, and text there may degrade."""

@@ -23,6 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from pyllama_spec.errors import (
+    ContextFullError,
     ContextOverflowError,
     GenerationCancelledError,
     ImageError,
@@ -115,6 +116,8 @@ def engine_error(e: BaseException) -> APIError:
         return bad_request(str(e), "messages", code="invalid_image")
     if isinstance(e, GenerationCancelledError):
         return APIError(503, str(e), type="server_error", code="cancelled")
+    if isinstance(e, ContextFullError):  # as llama-server: a 500 saying "Context size has been exceeded"
+        return APIError(500, str(e), type="server_error", code="context_full")
     if isinstance(e, NativeCallError):
         return APIError(500, str(e), type="server_error", code="native_error")
     if isinstance(e, ValueError):

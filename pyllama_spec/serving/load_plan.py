@@ -45,23 +45,24 @@ def plan_load(config: EngineConfig, method: Method | None) -> LoadPlan:
     n_ctx_train = int(info.metadata.get(f"{info.arch}.context_length", 0) or 0)
     if c.n_ctx == 0 and n_ctx_train:  # llama.cpp's -c 0: the model's training length
         c = dataclasses.replace(c, n_ctx=n_ctx_train)
-    per_slot = c.n_ctx // c.n_parallel  # each slot's positions start at 0
+    # each slot's positions start at 0; in one pool for every slot (kv_unified) a slot may take it all
+    per_slot = c.n_ctx if c.kv_unified else c.n_ctx // c.n_parallel
     if n_ctx_train and per_slot > n_ctx_train:
-        slots = "" if c.n_parallel == 1 else f" per slot ({c.n_parallel} slots share n_ctx {c.n_ctx})"
+        slots = "" if c.n_parallel == 1 or c.kv_unified else f" per slot ({c.n_parallel} slots share n_ctx {c.n_ctx})"
+        fitting = n_ctx_train if c.kv_unified else n_ctx_train * c.n_parallel  # the n_ctx that keeps within it
         if "position_embd.weight" in info.tensors:
             # learned absolute positions (BERT, GPT-2, ...): a row past the table would abort in ggml's
             # get_rows, so the context is cut to the table (the default -c 4096 on a 512-row BERT too)
             warnings.warn(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} tokens, "
                           f"{info.arch}.context_length), and its positions are a learned table of that many rows: "
-                          f"n_ctx is {n_ctx_train * c.n_parallel} (-c {n_ctx_train * c.n_parallel})",
-                          TrainingLengthWarning, stacklevel=4)
-            c = dataclasses.replace(c, n_ctx=n_ctx_train * c.n_parallel)
+                          f"n_ctx is {fitting} (-c {fitting})", TrainingLengthWarning, stacklevel=4)
+            c = dataclasses.replace(c, n_ctx=fitting)
         else:
             # RoPE: llama.cpp warns and goes on ("possible training context overflow"), and so does
             # llama-server: a context longer than training is the user's call, which the warning informs
             warnings.warn(f"n_ctx {per_slot}{slots} is above the target's training length ({n_ctx_train} tokens, "
                           f"{info.arch}.context_length): positions past it were never trained, and text there may "
-                          f"degrade; n_ctx={n_ctx_train * c.n_parallel} (-c {n_ctx_train * c.n_parallel}) or "
+                          f"degrade; n_ctx={fitting} (-c {fitting}) or "
                           "n_ctx=0 (-c 0) keeps within it", TrainingLengthWarning, stacklevel=4)
     placement = devices.plan(c, draft_uses_target_head=bool(method and method.uses_target_head))
     est = estimate_memory(c, method)

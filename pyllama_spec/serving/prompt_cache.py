@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -59,7 +59,7 @@ SLOT_PROMPT_SIMILARITY = 0.1
 
 @dataclass(eq=False)  # an entry is itself (its parts are numpy arrays: no == between them)
 class Entry:
-    saved: SavedSequence
+    saved: SavedSequence = field(repr=False)  # (its memory may be hundreds of MB)
     lora_scales: tuple[float, ...]
     rows: int
 
@@ -163,6 +163,9 @@ class PromptCache:
             if keep > best_keep and sim > best_sim:
                 best, best_keep, best_sim = e, keep, sim
         return best
+
+    def holds(self, entry: Entry) -> bool:
+        return any(e is entry for e in self.entries)
 
     def restore(self, seq: "Sequence", entry: Entry) -> bool:
         """Put ``entry`` into ``seq`` (it leaves the cache); False when the target refuses its memory

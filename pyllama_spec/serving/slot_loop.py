@@ -11,10 +11,10 @@ drafter). Each turn of the loop:
    most of its cache copies it there first, and takes back the saved prompt nearest the new one.
    Where the slots share one pool of n_ctx cells (``kv_unified``, llama-server's --kv-unified)
    instead of n_ctx / N each, the pool is shared out before every decode: idle slots give their
-   cells up first (least recently used first); a prefill slice waits for cells while other
+   cells up first (least recently used first); a prompt waits until all of it has cells while other
    slots decode, and when none decodes a slot holding part of its prompt gives it back to read
    it again later; when the decoding slots cannot each have a cell for their next token, the
-   one holding the most ends as at the end of its own context (finish_reason "length");
+   prompts being read give theirs back, then the answer holding the most fails (ContextFullError);
 2. advances the prefilling slots one slice each in turn (text: up to n_batch rows; an image:
    one slice of its rows once encoded) until n_batch prompt rows were decoded this turn, so
    requests that arrive together start together, and a long prefill does not stall the others;
@@ -54,7 +54,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from pyllama_spec.errors import ClosedError, EngineBusyError, GenerationCancelledError
+from pyllama_spec.errors import ClosedError, ContextFullError, EngineBusyError, GenerationCancelledError
 from pyllama_spec.serving.prompt_cache import SLOT_PROMPT_SIMILARITY, PromptCache, prompt_rows, takes_cache_update
 from pyllama_spec.speculative.generation import Generation, Piece, Result, speculative_step
 from pyllama_spec.speculative.media import encode_media
@@ -218,8 +218,10 @@ class SlotLoop:
         self._sequences, self._ctx, self._drafter, self._projector = sequences, ctx, drafter, projector
         self._step_cost, self._prepare, self._lora = step_cost, prepare, lora
         self._prompt_cache = prompt_cache  # slots' caches kept in host memory (prompt_cache.py)
-        # --kv-unified: the slots share one pool of n_ctx cells, shared out before every decode
-        self._shared_cells = ctx.kv_unified and len(sequences) > 1
+        # --kv-unified: the slots share one pool of n_ctx cells, shared out before every decode (a
+        # recurrent target's state is no pool of cells: each sequence has its own)
+        model = ctx.model
+        self._shared_cells = ctx.kv_unified and len(sequences) > 1 and (model.is_hybrid or not model.is_recurrent)
         self._cache_idle_slots = cache_idle_slots and prompt_cache is not None
         if prompt_cache is not None:
             limit = f"{prompt_cache.limit_bytes >> 20} MiB" if prompt_cache.limit_bytes else "no size limit"
@@ -583,6 +585,11 @@ class SlotLoop:
                 if self._prompt_cache is not None:
                     self._swap_through_cache(gen, scales, named_slot=sub.id_slot >= 0)
                 self._lora.use(gen.seq, scales)  # a prompt cached under other adapters is not reused
+                if self._shared_cells:  # what the prompt does not keep frees its cells now, not at its first slice
+                    if gen.cache_prompt:
+                        gen.seq.keep_prefix(gen.parts)
+                    else:
+                        gen.seq.reset()
             except BaseException as e:
                 prepared.__exit__(None, None, None)
                 sub._emit("error", e)  # a bad request fails alone
@@ -618,12 +625,14 @@ class SlotLoop:
                       seq.positions.n_rows, seq.prefix_length(gen.parts))
             cache.save(seq, self._lora.cached_scales(seq.seq_id))
             best = cache.best_for(seq, gen.parts, scales, gen.draft_positions) if gen.cache_prompt else None
-            # in a shared pool the entry needs its cells (the slot's own go when it is replaced)
-            if best is not None and self._shared_cells and \
-                    self._free_cells(best.rows - seq.positions.n_rows, keep=seq.seq_id) < best.rows - seq.positions.n_rows:
-                log.debug("prompt cache: no room in the shared cache to restore %d rows into slot %d",
-                          best.rows, seq.seq_id)
-                best = None
+            if best is not None and self._shared_cells:
+                # the entry needs its cells (the slot's own go when it is replaced), and the decoding
+                # slots one each; emptying idle slots saves them into the cache, which may drop it
+                need = best.rows - seq.positions.n_rows + self._n_decoding()
+                if self._free_cells(need, keep=seq.seq_id) < need or not cache.holds(best):
+                    log.debug("prompt cache: no room in the shared cache to restore %d rows into slot %d",
+                              best.rows, seq.seq_id)
+                    best = None
             if best is not None and cache.restore(seq, best):
                 self._lora.mark_cached(seq.seq_id, scales)
             cache.trim()
@@ -653,16 +662,23 @@ class SlotLoop:
 
     # ------------------------------------------------------------------ one pool of cells (--kv-unified)
     def _cells_free(self) -> int:
-        return self._ctx.n_ctx - sum(seq.positions.n_rows for seq in self._sequences)
+        return self._ctx.n_ctx - sum(seq.positions.n_rows + seq.media_rows_in for seq in self._sequences)
+
+    def _n_decoding(self) -> int:
+        return sum(1 for r in self._slots if r is not None and r.decoding)
 
     def _free_cells(self, needed: int, keep: int = -1) -> int:
         """Empty idle slots but ``keep``, least recently used first, until ``needed`` cells of the
-        shared pool are free (each copied into the prompt cache first, when there is one); the
-        cells free."""
+        shared pool are free (each copied into the prompt cache first, when there is one), unless
+        all of them together would not free enough; the cells free."""
         free = self._cells_free()
+        if free >= needed:
+            return free
         idle = sorted((i for i, r in enumerate(self._slots)
                        if r is None and i != keep and self._sequences[i].positions.n_rows),
                       key=lambda i: self._last_used[i])
+        if free + sum(self._sequences[i].positions.n_rows for i in idle) < needed:
+            return free  # emptying them would not do: keep their caches
         for i in idle:
             if free >= needed:
                 break
@@ -678,39 +694,54 @@ class SlotLoop:
             seq.reset()
         return free
 
+    def _restart_prefill(self, i: int) -> None:
+        """Slot i gives back the cells of the part of its prompt read so far, to read it all again later."""
+        running = self._slots[i]
+        log.debug("slot %d: its %d rows read so far give way; it reads its prompt again later", i,
+                  running.gen.seq.positions.n_rows + running.gen.seq.media_rows_in)
+        if running.prefill is not None:
+            self._close_prefill(i, running)  # (a media item cut short removes its rows)
+            running.prefill = None
+        running.gen.seq.reset()
+
     def _fits_prefill(self, i: int) -> bool:
-        """Whether slot i's next prefill slice has cells in the shared pool (with one left for each
-        decoding slot's next token), idle slots emptied for it if need be. Else it waits for the
-        decoding slots to give cells back; and when no slot decodes (the prompts being read hold
-        the pool between them), a slot that holds part of its prompt starts it again later, so
+        """Whether slot i's prompt may go on being read: while other slots decode, only if the whole
+        rest of it has cells (with one for each decoding slot's next token), so that a prompt
+        never holds cells an answer needs; when none decodes, its next slice. Idle slots are
+        emptied for it if need be. When no slot decodes and the prompts being read hold the pool
+        between them, a slot holding part of its prompt gives it back to read again later, so
         that another gets in whole (one always does: every prompt fits n_ctx alone)."""
         running = self._slots[i]
         seq = running.gen.seq
         rows_left = max(1, prompt_rows(running.gen.parts) - seq.prefix_length(running.gen.parts))
-        decoding = sum(1 for r in self._slots if r is not None and r.decoding)
-        need = min(self._ctx.n_batch, rows_left) + decoding
+        decoding = self._n_decoding()
+        need = rows_left + decoding if decoding else min(self._ctx.n_batch, rows_left)
         if self._free_cells(need) >= need:
             return True
-        if not decoding and seq.positions.n_rows:
-            log.debug("slot %d: the shared cache is held by the prompts being read: its %d rows go, it reads "
-                      "its prompt again later", i, seq.positions.n_rows)
-            if running.prefill is not None:
-                self._close_prefill(i, running)
-                running.prefill = None
-            seq.reset()
+        if not decoding and seq.positions.n_rows + seq.media_rows_in:
+            self._restart_prefill(i)
         return False
 
     def _share_cells(self, active: list) -> list:
         """Share the pool's free cells among the decoding slots for one step: each its next token's,
-        the rest evenly for drafts. Where the pool cannot give each slot one cell, the slots holding
-        the most end as at the end of their own context (finish_reason "length")."""
+        the rest evenly for drafts. Where the pool cannot give each slot one cell, the prompts being
+        read give theirs back first; then the slot holding the most fails (ContextFullError,
+        llama-server's "Context size has been exceeded", which fails every slot there)."""
         n_draft = getattr(self._drafter, "n_max", 0) if self._drafter is not None else 0
         free = self._free_cells(len(active) * (1 + n_draft))
+        if free < len(active):
+            for j, r in enumerate(self._slots):
+                if r is not None and not r.decoding and r.gen.seq.positions.n_rows + r.gen.seq.media_rows_in:
+                    self._restart_prefill(j)
+            free = self._free_cells(len(active))
         while active and free < len(active):
             i, r = max(active, key=lambda t: t[1].gen.seq.positions.n_rows)
             active.remove((i, r))
-            log.debug("slot %d: the shared cache is full: it ends at %d rows", i, r.gen.seq.positions.n_rows)
-            self._deliver(i, r.gen.stop_for_room())
+            rows = r.gen.seq.positions.n_rows
+            r.gen.seq.reset()
+            self._finish(i, "error", ContextFullError(
+                f"Context size has been exceeded: the {self._ctx.n_ctx} cache cells the {len(self._sequences)} slots "
+                f"share (--kv-unified) are full; this answer held {rows} of them"))
             free = self._free_cells(len(active))
         for _, r in active:
             r.gen.cells_for_step = 1 + (free - len(active)) // len(active)

@@ -192,19 +192,6 @@ class Generation:
         room = self.seq.n_ctx - self.seq.positions.n_rows - 1
         return room if self.cells_for_step is None else min(room, self.cells_for_step - 1)
 
-    def stop_for_room(self) -> Piece:
-        """End here because the cache cells the slots share are all taken (the slot loop's call,
-        between steps): finish_reason "length", ``truncated``, as at the end of a slot's own
-        context. Its last piece: what the sampler held back, and the stats."""
-        self.finished = True
-        stats = self.stats
-        stats.decode_seconds = time.perf_counter() - self._t1
-        stats.decode_target_seconds = stats.target_seconds - self._prefill_split[0]
-        stats.decode_draft_seconds = stats.draft_seconds - self._prefill_split[1]
-        rest = self.out.flush()
-        return Piece(rest, (), "length", stats, token_texts=(), from_draft=0, drafted=0, logprobs=(),
-                     ending=self._ending("limit", truncated=True))
-
     def draft_limit(self, n_batch_share: int) -> int:
         """The most this generation may draft in the next step: its tokens left, its cache rows
         left, its share of the target batch (0 without a drafter)."""

@@ -86,6 +86,8 @@ class Sequence:
         self.seq_id = seq_id
         self.positions = SequencePositions(draft_positions)
         self.cached: list = []  # int32 token arrays (text) and CachedMedia, in cache order
+        #: Rows of a media item being decoded, in the cache already (its positions move at its end)
+        self.media_rows_in = 0
         self._alone = n_seq == 1  # the only sequence of its context: a reset may clear everything
         self._batch = None  # for media slices, made at the first image
         #: The cache rows this sequence may use: its share of the context (n_ctx / n_seq).
@@ -174,15 +176,18 @@ class Sequence:
                                       embeddings=embd[s:e])  # a view: free for drafters that do not read it
                     with Stopwatch(stats, "draft_seconds"):
                         self.drafter.process(TargetDecode([rows], self.ctx))
+                self.media_rows_in = e
                 yield e
         except BaseException:
             # Stopped inside the chunk (cancelled between slices, or a slice failed): the positions
             # never moved, so cut both caches back to where the chunk started.
+            self.media_rows_in = 0
             self.ctx.memory.remove(self.seq_id, p.pos_next, -1)
             if self.drafter is not None:
                 self.drafter.forget(self.seq_id, p.pos_next, p.draft_pos_next)
             raise
         draft_n_pos = None if twin is None else twin.n_pos
+        self.media_rows_in = 0
         p.advance_media(chunk.n_tokens, chunk.n_pos, draft_n_pos)
         self.cached.append(CachedMedia(chunk.id, chunk.n_tokens, chunk.n_pos, draft_n_pos))
 
@@ -196,6 +201,7 @@ class Sequence:
     def reset(self) -> None:
         """Forget everything: the next prompt is decoded from position 0."""
         self.cached = []
+        self.media_rows_in = 0
         if self._alone:
             self.ctx.memory.clear()
         else:
