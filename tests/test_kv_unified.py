@@ -6,23 +6,11 @@ Every answer is checked against the same request alone on a one-slot engine of t
 from __future__ import annotations
 
 import pytest
-from conftest import N_THREADS
+# the conversations, and the embedded pair's fixture and loader, of the prompt cache's tests
+from test_prompt_cache import CODE, OTHER, _load, pair  # noqa: F401 - pair is a fixture
 
 import pyllama_spec as ps
 from pyllama_spec.devtools import tiny
-
-CODE = ("def parse(lines):\n    out = []\n    for line in lines:\n        if line.startswith('#'):\n"
-        "            continue\n        out.append(line.split(','))\n    return out\n\n")
-OTHER = "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return ps.embedded_models()
-
-
-def _load(pair, **kw):
-    return ps.load(pair.target, mmproj=pair.mmproj, draft=pair.draft, n_threads=N_THREADS, **kw)
 
 
 def _alone(pair, prompt, n_ctx, max_tokens):
