@@ -35,7 +35,7 @@ import numpy as np
 from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap
 from pyllama_spec.errors import ContextOverflowError, ImageError
 from pyllama_spec.serving.prompt_parts import EMPTY_PROMPT
-from pyllama_spec.speculative.sequence import Sequence
+from pyllama_spec.speculative.sequence import Sequence, rows_of
 from pyllama_spec.speculative.stats import GenerationStats
 
 
@@ -206,7 +206,7 @@ class EmbeddingJob:
             if str(err) == EMPTY_PROMPT:
                 raise ValueError("Input content cannot be empty") from None
             raise
-        n_rows = _rows(parts)
+        n_rows = rows_of(parts)
         if not self.sliceable and n_rows > ctx.n_ubatch:
             raise _too_large(str(n_rows), ctx.n_ubatch)
         return parts
@@ -247,7 +247,7 @@ class EmbeddingJob:
             ctx.set_embeddings(False)
             own.close()
             seq.reset()  # its memory held this prompt's rows; the slot starts empty
-        return Embedding(self._pool(pooling, slices), _rows(parts), pooling, len(slices))
+        return Embedding(self._pool(pooling, slices), rows_of(parts), pooling, len(slices))
 
     def _pool(self, pooling: str, slices: list[tuple[int, np.ndarray]]) -> np.ndarray:
         if pooling == "none":  # a vector per row, not normalised (as llama-server)
@@ -284,7 +284,3 @@ def _too_large(n_tokens: str, n_ubatch: int) -> ValueError:
     # llama-server's words (its clients look for "too large"): an encoder sees a prompt within one ubatch only
     return ValueError(f"input ({n_tokens} tokens) is too large to process. increase the physical batch size "
                       f"(current batch size: {n_ubatch})")
-
-
-def _rows(parts: list) -> int:
-    return sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)

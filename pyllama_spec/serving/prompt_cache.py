@@ -41,10 +41,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from pyllama_spec.errors import KVMemoryError
-from pyllama_spec.speculative.sequence import SavedSequence, shared_rows
+from pyllama_spec.speculative.sequence import SavedSequence, rows_of, shared_rows
 
 if TYPE_CHECKING:
     from pyllama_spec.speculative.sequence import Sequence
@@ -66,11 +64,6 @@ class Entry:
     @property
     def size(self) -> int:
         return len(self.saved.memory)
-
-
-def prompt_rows(parts) -> int:
-    """Cache rows ``parts`` take (a text token one, a media item its rows)."""
-    return sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
 
 
 class PromptCache:
@@ -144,7 +137,7 @@ class PromptCache:
     def best_for(self, seq: "Sequence", parts: list, lora_scales: tuple[float, ...],
                  draft_positions: str) -> Entry | None:
         """The entry that keeps more of ``parts`` and of itself than ``seq`` does, if any."""
-        n_new = max(prompt_rows(parts), 1)
+        n_new = max(rows_of(parts), 1)
         have = seq.positions.n_rows
         lcp = seq.prefix_length(parts)
         best_keep = lcp / have if have else -1.0  # an empty slot: any entry is better
@@ -202,6 +195,6 @@ def takes_cache_update(seq: "Sequence", parts: list, named_slot: bool) -> bool:
     not name its slot (the least recently used slot); and when a named slot holds something else."""
     have = seq.positions.n_rows
     lcp = seq.prefix_length(parts)
-    if have and lcp / max(prompt_rows(parts), 1) > SLOT_PROMPT_SIMILARITY:
+    if have and lcp / max(rows_of(parts), 1) > SLOT_PROMPT_SIMILARITY:
         return lcp / have < 0.5
     return bool(have) if named_slot else True

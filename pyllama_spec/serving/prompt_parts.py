@@ -17,6 +17,7 @@ from pyllama_spec.errors import ContextOverflowError, ImageError
 from pyllama_spec.serving.chat_template import ChatOptions, ChatParams
 from pyllama_spec.serving.request import PromptInput
 from pyllama_spec.speculative.media import pair_with_draft
+from pyllama_spec.speculative.sequence import rows_of
 
 # Counting a long prompt's tokens piece by piece before tokenizing it whole (see
 # PromptParts.refuse_a_prompt_that_cannot_fit): above this many bytes per context row, in pieces of
@@ -83,7 +84,7 @@ class PromptParts:
             raise ValueError(EMPTY_PROMPT)
         if to_generate and not isinstance(parts[-1], np.ndarray):
             raise ValueError("the prompt must end with text after the last image")
-        rows = sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
+        rows = rows_of(parts)
         if rows + to_generate > self.ctx.n_ctx_seq:
             raise self.overflow(f"{rows} cache rows", rows, to_generate=to_generate)
         return parts

@@ -55,9 +55,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from pyllama_spec.errors import ClosedError, ContextFullError, EngineBusyError, GenerationCancelledError
-from pyllama_spec.serving.prompt_cache import SLOT_PROMPT_SIMILARITY, PromptCache, prompt_rows, takes_cache_update
+from pyllama_spec.serving.prompt_cache import SLOT_PROMPT_SIMILARITY, PromptCache, takes_cache_update
 from pyllama_spec.speculative.generation import Generation, Piece, Result, speculative_step
 from pyllama_spec.speculative.media import encode_media
+from pyllama_spec.speculative.sequence import rows_of
 
 if TYPE_CHECKING:
     from pyllama_spec.serving.request import Request
@@ -608,7 +609,7 @@ class SlotLoop:
         if gen.cache_prompt:
             seqs = self._sequences
             shared, best = max(((seqs[i].prefix_length(gen.parts), i) for i in free), key=lambda t: (t[0], -t[1]))
-            if shared / max(prompt_rows(gen.parts), 1) > SLOT_PROMPT_SIMILARITY:
+            if shared / max(rows_of(gen.parts), 1) > SLOT_PROMPT_SIMILARITY:
                 return best
         return min(free, key=lambda i: (self._last_used[i], i))
 
@@ -621,8 +622,7 @@ class SlotLoop:
         try:
             if not takes_cache_update(seq, gen.parts, named_slot):
                 return
-            log.debug("updating prompt cache: slot %d holds %d rows, %d of them the prompt's", seq.seq_id,
-                      seq.positions.n_rows, seq.prefix_length(gen.parts))
+            log.debug("updating prompt cache: slot %d holds %d rows", seq.seq_id, seq.positions.n_rows)
             cache.save(seq, self._lora.cached_scales(seq.seq_id))
             best = cache.best_for(seq, gen.parts, scales, gen.draft_positions) if gen.cache_prompt else None
             if best is not None and self._shared_cells:
@@ -713,7 +713,7 @@ class SlotLoop:
         that another gets in whole (one always does: every prompt fits n_ctx alone)."""
         running = self._slots[i]
         seq = running.gen.seq
-        rows_left = max(1, prompt_rows(running.gen.parts) - seq.prefix_length(running.gen.parts))
+        rows_left = max(1, rows_of(running.gen.parts) - seq.prefix_length(running.gen.parts))
         decoding = self._n_decoding()
         need = rows_left + decoding if decoding else min(self._ctx.n_batch, rows_left)
         if self._free_cells(need) >= need:

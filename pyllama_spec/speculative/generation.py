@@ -32,7 +32,7 @@ from pyllama_spec.drafters import Drafter, DraftRequest, Proposal, TargetDecode
 from pyllama_spec.speculative.draft_length import StepCost, plan_lengths
 from pyllama_spec.speculative.line_rules import LineRules
 from pyllama_spec.speculative.logprobs import TokenLogprob, TokenProb, token_logprobs, token_post_sampling_probs
-from pyllama_spec.speculative.sequence import Sequence
+from pyllama_spec.speculative.sequence import Sequence, rows_of
 from pyllama_spec.speculative.stats import GenerationStats, Stopwatch
 from pyllama_spec.speculative.tree import TreeSeqs, build_tree
 
@@ -159,7 +159,7 @@ class Generation:
         stats.prompt_reused = seq.positions.n_rows
         if self.progress:  # the rows the cache already holds, of the whole prompt's
             self.progress("cache", stats.prompt_reused,
-                          stats.prompt_reused + sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in todo))
+                          stats.prompt_reused + rows_of(todo))
         for rows_left in prefill_parts(seq, todo, stats, n_batch, projector, self.progress, encode_async):
             if isinstance(rows_left, Future):
                 yield rows_left
@@ -312,7 +312,7 @@ def prefill_parts(seq: Sequence, parts: list, stats: GenerationStats, n_batch: i
     With ``encode_async(chunk) -> Future`` (a scheduler's encoder thread), a media chunk's encode
     runs there: until it is done this yields the Future (nothing decoded), so other sequences
     keep decoding meanwhile."""
-    total = sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
+    total = rows_of(parts)
     done = 0
     for i, part in enumerate(parts):
         if isinstance(part, np.ndarray):

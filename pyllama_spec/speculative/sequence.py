@@ -96,7 +96,7 @@ class Sequence:
     @property
     def n_cached_rows(self) -> int:
         """The cache rows of what the sequence holds (a snapshot: safe to read from another thread)."""
-        return sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in list(self.cached))
+        return rows_of(list(self.cached))
 
     # ------------------------------------------------------------------ rows
     def text_rows(self, tokens: np.ndarray, row_offset: int = 0) -> TargetRows:
@@ -294,11 +294,16 @@ class Sequence:
             self.cached.append(tokens.copy())
 
 
+def rows_of(parts) -> int:
+    """Cache rows ``parts`` take: a text token one, a media item its rows (``n_tokens``)."""
+    return sum(len(p) if isinstance(p, np.ndarray) else p.n_tokens for p in parts)
+
+
 def shared_rows(cached, parts) -> int:
     """Cache rows of the longest prefix ``cached`` and ``parts`` share (whole media items count
     their rows; a media item shared in part is not shared)."""
     i, j = common_prefix(cached, parts)
-    return sum(len(c) if isinstance(c, np.ndarray) else c.n_tokens for c in cached[:i]) + j
+    return rows_of(cached[:i]) + j
 
 
 def common_prefix(cached, parts) -> tuple[int, int]:

@@ -365,7 +365,7 @@ class Answer {
   count(spec) {
     // The first step is the prompt's own token (nothing drafted); every later one is a verify step.
     this.verifySteps += 1;
-    if (this.verifySteps <= 0) return;  // no verify step yet (-1: not even the first token)
+    if (this.verifySteps === 0) return;  // the prompt's own token: nothing to count
     for (let i = 0; i < spec.drafted; i++) this.drafted[i] = (this.drafted[i] || 0) + 1;
     for (let i = 0; i < spec.accepted; i++) this.accepted[i] = (this.accepted[i] || 0) + 1;
     const k = spec.tokens.length - 1;
