@@ -76,3 +76,9 @@ def test_prompt_cache_bench_decodes_fewer_rows_with_the_cache_and_the_same_text(
             for line in out.splitlines() if line.startswith("| ") and "MiB" in line}
     assert rows["256 MiB"] < rows["0 MiB"], out
     assert out.rstrip().endswith("same text: True"), out
+
+
+def test_drafting_off_bench_runs_every_method_against_target_only():
+    out = _run(["bench/drafting_off.py", "--prompts", "2", "--max-tokens", "8", "--repeats", "1"])
+    rows = [line for line in out.splitlines() if line.startswith("| embedded |")]
+    assert len(rows) == 5, out  # every method; each output was checked against target-only's

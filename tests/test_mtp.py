@@ -255,6 +255,8 @@ def test_the_heads_cache_holds_a_row_for_every_row_the_target_holds_after_an_ima
         for prompt, max_tokens in ((IMAGE_PROMPT, 24), (LONG_AFTER, 40)):
             result = engine.generate(prompt, images=[big_image], max_tokens=max_tokens, temperature=0)
             assert result.stats.accepted > 0
+            # the last step drafted nothing (one token was left): the head is shown its row when next used
+            engine.sequences[0].show_drafter()
             head, target, p = engine.drafter.ctx.memory, engine.ctx.memory, engine.positions
             assert p.n_rows > p.pos_next  # the image's rows outnumber its positions
             assert _cells_held(head) == _cells_held(target) == p.n_rows
@@ -304,6 +306,7 @@ def test_a_build_without_the_state_setter_leaves_media_rows_out_and_stays_lossle
         engine.drafter.writes_media = False
         engine.drafter.trace = []
         got = engine.generate(IMAGE_PROMPT, images=[big_image], max_tokens=24, temperature=0)
+        engine.sequences[0].show_drafter()  # the last step's row, held for the head's next use
         trace = engine.drafter.trace
         head, p = engine.drafter.ctx.memory, engine.positions
         assert _cells_held(head) == p.n_rows - BIG_IMAGE_N_TOKENS  # a hole where the image is
@@ -557,6 +560,7 @@ def test_every_picture_shape_is_lossless_and_the_head_holds_the_targets_rows(cas
         expected = plain.generate(prompt, images=[image], max_tokens=16, temperature=0)
     with _load(models, draft_max=draft_max, **kw) as spec:
         got = spec.generate(prompt, images=[image], max_tokens=16, temperature=0)
+        spec.sequences[0].show_drafter()  # the last step's row, held for the head's next use
         p = spec.positions
         assert spec.ctx.memory.pos_max() == spec.drafter.ctx.memory.pos_max() == p.pos_next - 1
         assert _cells_held(spec.drafter.ctx.memory) == _cells_held(spec.ctx.memory) == p.n_rows

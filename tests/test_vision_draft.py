@@ -96,6 +96,7 @@ def test_a_picture_the_draft_cuts_into_more_rows_than_the_target_is_read_as_text
     with _vision(tiny_dense, vlm) as spec:
         got = spec.generate(prompt, images=[big_image], max_tokens=16)
         assert spec.drafter.media_skipped == 1
+        spec.sequences[0].show_drafter()  # the last step's row, held for the draft's next use
         # its positions still move by its own grid: 28 for the picture, not the target's 24
         p = spec.positions
         assert p.pos_next - p.draft_pos_next == BIG_IMAGE_N_POS - 28

@@ -69,6 +69,7 @@ class Context(NativeHandle):
         self._borrowers: weakref.WeakSet[Context] = weakref.WeakSet()  # contexts whose ctx_other is this one
         self._token_batch: Batch | None = None
         self._layer_inputs: set[int] = set()
+        self._recorded_layers: frozenset[int] = frozenset()  # the same, for readers on hot paths
         self._draft_embeddings = False
         self._draft_embeddings_masked = True
         self._lora: tuple[tuple[LoraAdapter, float], ...] = ()  # what set_lora set: kept alive here
@@ -410,7 +411,13 @@ class Context(NativeHandle):
                     f"layer {lid} does not exist in the {self.role} model ({self.model.n_layer} layers)")
             lib.pyllama_set_embeddings_layer_inp(self.ptr, lid, enable)
             (self._layer_inputs.add if enable else self._layer_inputs.discard)(lid)
+        self._recorded_layers = frozenset(self._layer_inputs)
         self.last_decode_rows = 0  # nothing recorded for these layers until the next decode
+
+    @property
+    def recorded_layers(self) -> frozenset[int]:
+        """The layers whose inputs every decode records (``enable_layer_inputs``)."""
+        return self._recorded_layers
 
     def layer_input(self, lid: int, n_rows: int) -> np.ndarray:
         """Input of layer ``lid`` for the first n_rows rows of the last decode: float32 [n_rows, n_embd].
@@ -432,6 +439,11 @@ class Context(NativeHandle):
         lib.pyllama_set_embeddings_nextn(self.ptr, enable, masked)
         self._draft_embeddings = enable
         self._draft_embeddings_masked = masked
+
+    @property
+    def records_draft_embeddings(self) -> bool:
+        """Whether every decode keeps the output embeddings (``enable_draft_embeddings``)."""
+        return self._draft_embeddings
 
     def draft_embeddings(self, n_rows: int) -> np.ndarray:
         """A DFlash draft's output embeddings of the first n_rows rows of the last decode,

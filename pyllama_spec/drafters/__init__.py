@@ -8,7 +8,9 @@ A drafter serves ``n_seq`` sequences (one per slot; see sequence.py), named by `
   verify rows of every slot), and what the target computed for them (``features``).
   DFlash injects the target's features here, MTP writes each token (and each media row, by its
   ``embeddings``) with the target's hidden state of the row before it (``hidden``), n-gram
-  records tokens;
+  records tokens. The rows of a step that drafted nothing may reach ``process`` later, joined
+  with the next ones in one call (``Sequence.hold_for_drafter``), always before anything else
+  is asked of the drafter for that sequence;
 * ``draft(requests)``: one ``Proposal`` per ``DraftRequest``, made together (one draft
   decode for all slots where the method allows): up to n_max tokens following
   ``id_last``, which sits at the request's position (none when fewer than n_min are
@@ -36,7 +38,7 @@ hands it over in the ``TargetDecode``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple, Protocol, Sequence, runtime_checkable
+from typing import Any, Iterator, NamedTuple, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -134,6 +136,71 @@ class TargetDecode:
         if self._source is None:
             raise ValueError("this TargetDecode carries no hidden states (made without the target's context)")
         return np.array(self._source.draft_embeddings(self.n_decoded)[rows.decoded_rows()])
+
+
+    def hold(self, rows: TargetRows) -> "HeldRows":
+        """``rows`` (text rows of this decode) with a copy of what the target computed for them
+        (every recorded layer's input, the final hidden state when kept), so that a drafter can be
+        shown them after the target's next decodes (``joined``)."""
+        at = rows.decoded_rows()
+        src, n = self._source, self.n_decoded
+        layers = {} if src is None else {lid: src.layer_input(lid, n)[at].copy() for lid in src.recorded_layers}
+        hidden = None if src is None or not src.records_draft_embeddings else src.draft_embeddings(n)[at].copy()
+        if rows.row_offset or rows.row_index is not None:  # (dataclasses.replace is dear on a hot path)
+            rows = dataclasses.replace(rows, row_offset=0, row_index=None)
+        return HeldRows(rows, layers, hidden)
+
+    @classmethod
+    def joined(cls, held: Sequence["HeldRows"], max_rows: int) -> Iterator["TargetDecode"]:
+        """Held text rows of one sequence, contiguous and in order, as decodes of at most
+        ``max_rows`` rows each (what a drafter's context takes in one batch)."""
+        if not held:
+            return
+        first = held[0].rows
+        positions = np.concatenate([h.rows.positions for h in held], axis=1)
+        tokens = np.concatenate([h.rows.tokens for h in held])
+        layers = {lid: np.concatenate([h.layers[lid] for h in held]) for lid in held[0].layers}
+        hidden = None if held[0].hidden is None else np.concatenate([h.hidden for h in held])
+        for s in range(0, len(tokens), max(1, max_rows)):
+            e = min(s + max_rows, len(tokens))
+            rows = dataclasses.replace(first, positions=positions[:, s:e], tokens=tokens[s:e],
+                                       first_draft_pos=first.first_draft_pos + s)  # a text row: one position
+            yield cls([rows], _HeldOutputs({lid: a[s:e] for lid, a in layers.items()},
+                                           None if hidden is None else hidden[s:e]))
+
+
+class HeldRows(NamedTuple):
+    """Text rows the target decoded and a drafter has not been shown yet (``TargetDecode.hold``):
+    the rows (laid out from row 0) and what the target computed for them, by layer and final."""
+
+    rows: TargetRows
+    layers: dict[int, np.ndarray]
+    hidden: np.ndarray | None
+
+    def head(self, pos: int) -> "HeldRows":
+        """The rows before target position ``pos`` (a cut through them)."""
+        n = int(np.searchsorted(self.rows.section0, pos))
+        if n == self.rows.n_rows:
+            return self
+        return HeldRows(dataclasses.replace(self.rows, positions=self.rows.positions[:, :n], tokens=self.rows.tokens[:n]),
+                        {lid: a[:n] for lid, a in self.layers.items()}, None if self.hidden is None else self.hidden[:n])
+
+
+class _HeldOutputs:
+    """What ``TargetDecode`` reads from the target's context, for held rows: copies, not views."""
+
+    def __init__(self, layers: dict[int, np.ndarray], hidden: np.ndarray | None) -> None:
+        self._layers, self._hidden = layers, hidden
+
+    def layer_input(self, lid: int, n_rows: int) -> np.ndarray:
+        if lid not in self._layers:
+            raise ValueError(f"layer {lid} inputs were not recorded when these rows were decoded")
+        return self._layers[lid][:n_rows]
+
+    def draft_embeddings(self, n_rows: int) -> np.ndarray:
+        if self._hidden is None:
+            raise ValueError("the final hidden states were not kept when these rows were decoded")
+        return self._hidden[:n_rows]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -368,6 +368,12 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
     asked = [r for r in requests if r is not None]
     made: list[Proposal] = []
     if asked:
+        for g in gens:  # rows held by steps that drafted nothing: the drafter sees them first
+            if g.seq.holds_rows:
+                t = time.perf_counter()
+                g.seq.show_drafter()
+                g.stats.draft_seconds += time.perf_counter() - t
+                start += time.perf_counter() - t  # catching up on earlier steps: not this step's cost
         t = time.perf_counter()
         made = drafter.draft(asked)
         for g, r in zip(gens, requests):  # a shared call costs every generation that waited for it
@@ -393,7 +399,15 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
     for rows in verify_rows:
         batch.add_tokens(rows.tokens, rows.section0, outputs=True, seq_id=rows.seq_id)
     ctx.decode(batch)  # verify: logits on every row
-    if drafter is not None:
+    if drafter is not None and not asked:  # no draft in this step: its rows wait for the next one that drafts
+        t_draft = time.perf_counter()
+        decode = TargetDecode(verify_rows, ctx)
+        for g, rows in zip(gens, verify_rows):
+            g.seq.hold_for_drafter(decode, rows)
+        for g in gens:
+            g.stats.draft_seconds += time.perf_counter() - t_draft
+        t_target = t_draft - t
+    elif drafter is not None:
         t_draft = time.perf_counter()
         drafter.process(TargetDecode(verify_rows, ctx))
         for g in gens:

@@ -10,6 +10,10 @@ three in the one safe order: decide the new end (positions), then cut the target
 and tell the drafter where the sequence now ends (``forget``). Rows decoded elsewhere (a
 verify step in generation.py) are kept or cut by ``commit``.
 
+The drafter may lag behind the target by the rows of steps that drafted nothing
+(``hold_for_drafter``): they are shown to it in one batch before it is next used for this
+sequence (``show_drafter``), or dropped with what they belong to by a reset.
+
 Two other places remove rows, never this sequence's own: a drafter drops the rows of its
 draft blocks from its own draft context once it has read them; and a tree step
 (``generation._tree_step``) shares this sequence's cells into temporary leaf sequences
@@ -26,7 +30,7 @@ from typing import Iterator
 import numpy as np
 
 from pyllama_spec.bindings.context import Context
-from pyllama_spec.drafters import DraftMedia, Drafter, TargetDecode, TargetRows
+from pyllama_spec.drafters import DraftMedia, Drafter, HeldRows, TargetDecode, TargetRows
 from pyllama_spec.errors import KVMemoryError
 from pyllama_spec.speculative.media import EncodedMedia, encode_media
 from pyllama_spec.speculative.positions import SequencePositions, is_pinned
@@ -92,6 +96,7 @@ class Sequence:
         self._batch = None  # for media slices, made at the first image
         #: The cache rows this sequence may use: its share of the context (n_ctx / n_seq).
         self.n_ctx = ctx.n_ctx_seq
+        self._held: list[HeldRows] = []  # rows in the target's cache the drafter has not been shown yet
 
     @property
     def n_cached_rows(self) -> int:
@@ -106,10 +111,35 @@ class Sequence:
         return TargetRows(pos[None, :], False, p.draft_pos_next, tokens=np.asarray(tokens, dtype=np.int32),
                           seq_id=self.seq_id, row_offset=row_offset, draft_positions=p.draft_positions)
 
+    # ------------------------------------------------------------------ the drafter's view
+    def hold_for_drafter(self, decode: TargetDecode, rows: TargetRows) -> None:
+        """Keep text ``rows`` of the target's last decode (about to be committed whole) for the drafter,
+        instead of showing them now. A step that drafted nothing need not pay a drafter decode for
+        its one row (on a CPU that costs more than the target's step): the rows are shown in one
+        batch before the drafter next works for this sequence, so a run of such steps costs one
+        drafter decode. The drafter's state ends up the same as if each had been shown at once."""
+        self._held.append(decode.hold(rows))
+
+    @property
+    def holds_rows(self) -> bool:
+        """Whether rows wait to be shown to the drafter (``hold_for_drafter``)."""
+        return bool(self._held)
+
+    def show_drafter(self) -> None:
+        """Show the drafter the rows held for it, in order (batches of the target's n_batch)."""
+        if not self._held:
+            return
+        held, self._held = self._held, []  # gone also if the drafter fails: the caller resets the sequence
+        for decode in TargetDecode.joined(held, self.ctx.n_batch):
+            self.drafter.process(decode)
+
     # ------------------------------------------------------------------ changing it
     def decode_text(self, tokens: np.ndarray, outputs, stats: GenerationStats) -> None:
         """Decode prompt text at pos_next.. into the target, show it to the drafter, and keep it."""
         rows = self.text_rows(tokens)
+        if self._held:
+            with Stopwatch(stats, "draft_seconds"):
+                self.show_drafter()
         with Stopwatch(stats, "target_seconds"):
             self.ctx.decode_tokens(tokens, rows.section0, outputs=outputs, seq_id=self.seq_id)
         if self.drafter is not None:
@@ -144,6 +174,9 @@ class Sequence:
         draft's projector) is encoded with it (speculative/media.py) and handed to the drafter with the
         first slice; the draft's positions then move by the twin's n_pos, not the target's."""
         p = self.positions
+        if self._held:
+            with Stopwatch(stats, "draft_seconds"):
+                self.show_drafter()
         if embd is None:
             with Stopwatch(stats, "target_seconds"):
                 embd = encode_media(projector, chunk)
@@ -207,6 +240,7 @@ class Sequence:
         else:
             self.ctx.memory.remove(self.seq_id, -1, -1)
         self.positions.reset()
+        self._held = []
         if self.drafter is not None:
             self.drafter.forget(self.seq_id, 0, 0)
 
@@ -276,6 +310,8 @@ class Sequence:
             return list(parts)
         self.positions.truncate(pos)
         if self.drafter is not None:
+            self._held = [h.head(pos) for h in self._held if h.rows.section0[0] < pos]  # what the cut keeps
+            self.show_drafter()
             self.drafter.forget(self.seq_id, pos, self.positions.draft_pos_next)
         self.cached = keep
         rest = list(parts[i:])
