@@ -197,3 +197,27 @@ def test_a_hybrid_target_takes_back_a_conversation_that_goes_on(tiny_hybrid, cap
         # the next turn: the prompt, the answer (as tokens: this toy writes bytes of no text), more
         go_on = engine.generate([CODE * 2, *same.tokens, "\ndef main():\n"], max_tokens=8)
         assert go_on.stats.prompt_reused >= first.stats.prompt_tokens
+
+
+def test_with_one_pool_of_cells_the_idle_slots_give_theirs_up_before_a_saved_prompt_comes_back(pair, monkeypatch):
+    """llama.cpp reads every cell up to the last one used: a saved prompt put back while the idle slots
+    still held their rows went above them and stayed there once they were emptied, and every later
+    decode of that answer read the whole span (1.5x the target's step on the embedded pair)."""
+    from pyllama_spec.serving.prompt_cache import PromptCache
+
+    held_at_restore = []
+    restore = PromptCache.restore
+
+    def recording(self, seq, entry):
+        others = [s for s in engine.sequences if s is not seq]
+        held_at_restore.append(sum(s.positions.n_rows for s in others))
+        return restore(self, seq, entry)
+
+    monkeypatch.setattr(PromptCache, "restore", recording)
+    conversations = [CODE * 3, OTHER * 3, THIRD * 3]
+    with _load(pair, n_parallel=2, kv_unified=True, cache_ram_mib=64, cache_idle_slots=True) as engine:
+        first = [engine.generate(text, max_tokens=8) for text in conversations]
+        again = [engine.generate(text, max_tokens=8) for text in conversations]
+    assert [r.tokens for r in again] == [r.tokens for r in first]
+    assert held_at_restore and held_at_restore == [0] * len(held_at_restore)
+    assert all(r.stats.prompt_reused == f.stats.prompt_tokens - 1 for r, f in zip(again, first))
