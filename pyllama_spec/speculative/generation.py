@@ -372,8 +372,9 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
             if g.seq.holds_rows:
                 t = time.perf_counter()
                 g.seq.show_drafter()
-                g.stats.draft_seconds += time.perf_counter() - t
-                start += time.perf_counter() - t  # catching up on earlier steps: not this step's cost
+                caught_up = time.perf_counter() - t
+                g.stats.draft_seconds += caught_up
+                start += caught_up  # catching up on earlier steps: not this step's cost
         t = time.perf_counter()
         made = drafter.draft(asked)
         for g, r in zip(gens, requests):  # a shared call costs every generation that waited for it
