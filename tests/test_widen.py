@@ -8,7 +8,10 @@ tests take seconds; the construction is the same at the bench size (1024 / 12 / 
   order with an f32 KV cache; through llama.cpp's default f16 KV cache about 1e-4 of the scale);
 * its greedy continuations equal the trained target's, for text and after an image;
 * the widened DFlash pair is lossless and accepts what the trained pair accepts;
-* shapes, metadata, dtypes and the cache.
+* the widened EAGLE3 draft with the widened target is lossless and proposes what the trained EAGLE3
+  draft proposes with the trained target: the same tokens at every draft, logits to summation order
+  with f32 caches;
+* shapes, metadata, dtypes and the cache; bad inputs refused.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from pyllama_spec.bindings.context import Context
 from pyllama_spec.bindings.model import Model
 from pyllama_spec.devtools import tiny, widen
 from pyllama_spec.embedded import MODELS_DIR, PROMPT
+from pyllama_spec.errors import IncompatibleModelsError
 from pyllama_spec.gguf.reader import read_gguf, read_tensor
+from pyllama_spec.gguf.writer import GGUFWriter
 
 TRAINED = ps.embedded_models()
 SMALL = dict(n_embd=256, n_layer=6, n_ff=512, dtype="f32")
@@ -31,6 +36,7 @@ READ_CONFIG = ('def read_config(path):\n    """Read a configuration file and ret
                '            if not line or line.startswith("#"):\n                continue\n')
 CASES = {"text": (PROMPT, False), "text2": (READ_CONFIG, False), "image": ("<__media__>\n" + READ_CONFIG, True)}
 MAX_TOKENS = 48
+EAGLE3 = MODELS_DIR / "trained-eagle3.gguf"
 BLACK = np.zeros((672, 672, 3), np.uint8)
 
 
@@ -125,3 +131,140 @@ def test_bad_widths_are_refused(tiny_dir):
         widen.widen_trained_pair(tiny_dir, n_embd=128)  # 2 heads of 64: fewer than the trained 4
     with pytest.raises(ValueError):
         widen.widen_trained_pair(tiny_dir, n_embd=256, n_layer=3)
+
+
+# ----------------------------------------------------------------------------- EAGLE3
+
+
+@pytest.fixture(scope="module")
+def wide_eagle3(tiny_dir):
+    return widen.widen_trained_eagle3(tiny_dir, n_embd=SMALL["n_embd"], n_ff=SMALL["n_ff"], dtype=SMALL["dtype"])
+
+
+def _eagle3_run(target, mmproj, draft, draft_max: int | None, kv: str):
+    """Greedy results for CASES (EAGLE3, or target-only when ``draft_max`` is None) and every
+    proposal the drafter made, in order: (tokens, a copy of its logits)."""
+    proposals = []
+    with ps.load(target, mmproj=mmproj, draft=draft if draft_max else None,
+                 spec_type="draft-eagle3" if draft_max else "none", draft_max=draft_max or 7, n_threads=N_THREADS,
+                 cache_type_k=kv, cache_type_v=kv) as engine:
+        if draft_max:
+            draft_fn = engine.drafter.draft
+
+            def recording(requests):
+                out = draft_fn(requests)
+                proposals.extend((list(p.tokens), None if p.logits is None else np.array(p.logits)) for p in out)
+                return out
+
+            engine.drafter.draft = recording
+        results = {name: engine.generate(p, images=[BLACK] if img else [], max_tokens=MAX_TOKENS, temperature=0.0,
+                                         cache_prompt=False) for name, (p, img) in CASES.items()}
+    return results, proposals
+
+
+@pytest.mark.parametrize("draft_max,kv,rel", [(3, "f16", 1e-3), (7, "f16", 1e-3), (7, "f32", 1e-5)])
+def test_widened_eagle3_is_lossless_and_proposes_what_the_trained_one_proposes(wide, wide_eagle3, target_only,
+                                                                                draft_max, kv, rel):
+    ours, ours_p = _eagle3_run(wide.target, wide.mmproj, wide_eagle3, draft_max, kv)
+    theirs, theirs_p = _eagle3_run(TRAINED.target, TRAINED.mmproj, EAGLE3, draft_max, kv)
+    alone = target_only["wide"] if kv == "f16" else _eagle3_run(wide.target, wide.mmproj, None, None, kv)[0]
+    for name in CASES:
+        assert ours[name].tokens == alone[name].tokens, name  # lossless
+        assert ours[name].tokens == theirs[name].tokens, name
+        a, b = ours[name].stats, theirs[name].stats
+        assert a.drafted > 0 and a.mean_accepted_length > 1.5, (name, a.as_dict())
+        assert (a.drafted, a.accepted, a.target_steps) == (b.drafted, b.accepted, b.target_steps), name
+    # every draft: the same tokens, and the draft's logits over the vocabulary (f16 caches round
+    # the K/V of the two drafts apart by about 1e-4 of the scale)
+    assert [t for t, _ in ours_p] == [t for t, _ in theirs_p] and sum(len(t) for t, _ in ours_p) > 20
+    for (tokens, x), (_, y) in zip(ours_p, theirs_p):
+        if tokens:
+            assert x.shape == y.shape == (len(tokens), x.shape[1])
+            assert np.abs(x - y).max() <= rel * float(np.abs(y).max())
+
+
+def test_widened_eagle3_shapes_metadata_and_cache(tiny_dir, wide_eagle3):
+    e = read_gguf(wide_eagle3)
+    m = e.metadata
+    assert (m["eagle3.embedding_length"], m["eagle3.target_hidden_size"], m["eagle3.feed_forward_length"]) == \
+        (256, 256, 512)
+    assert (m["eagle3.attention.head_count"], m["eagle3.attention.head_count_kv"], m["eagle3.attention.key_length"],
+            m["eagle3.rope.dimension_count"]) == (4, 2, 64, 64)
+    assert list(m["eagle3.target_layers"]) == [1, 2, 3] and "eagle3.rope.dimension_sections" not in m
+    assert e.tensors["fc.weight"].dims == (3 * 256, 256) and e.tensors["blk.0.attn_q.weight"].dims == (2 * 256, 256)
+    assert "token_embd.weight" not in e.tensors and "output.weight" not in e.tensors  # the target's, as trained
+    t = read_gguf(EAGLE3)
+    q_t, q_w = read_tensor(t, "blk.0.attn_q.weight"), read_tensor(e, "blk.0.attn_q.weight")
+    # plain (NORM) rope rotates adjacent dims: dim 2i + 1 of trained head 1 is dim 4 * 2i + 1 of wide head 1,
+    # q scaled by s_h = 2; the attention input is [embedding | g]: trained column 64 + c is wide column 256 + c
+    assert np.array_equal(q_w[64 + 8 * 3 + 1, :64], 2 * q_t[16 + 2 * 3 + 1, :64])
+    assert np.array_equal(q_w[64 + 8 * 3 + 1, 256:256 + 64], 2 * q_t[16 + 2 * 3 + 1, 64:])
+    assert not q_w[64 + 8 * 3 + 2].any() and not q_w[:, 64:256].any() and not q_w[:, 256 + 64:].any()
+    k_t, k_w = read_tensor(t, "blk.0.attn_k.weight"), read_tensor(e, "blk.0.attn_k.weight")
+    assert np.array_equal(k_w[64 + 8 * 5, 256:256 + 64], k_t[16 + 2 * 5, 64:])  # K unscaled
+    fc_t, fc_w = read_tensor(t, "fc.weight"), read_tensor(e, "fc.weight")
+    assert np.array_equal(fc_w[:64, 2 * 256:2 * 256 + 64], fc_t[:, 2 * 64:]) and not fc_w[64:].any()
+    # norms over the residual (s_r = 2 at 256) divided by s_r; attn_output / ffn_down times s_r
+    for name, scale, at in (("attn_norm_2", 0.5, np.s_[:64]), ("ffn_down", 2.0, np.s_[:64, :256])):
+        w_, t_ = read_tensor(e, f"blk.0.{name}.weight"), read_tensor(t, f"blk.0.{name}.weight")
+        assert np.array_equal(w_[at], t_ * scale)
+    with Model(wide_eagle3, role="draft") as d:
+        assert d.n_params == 3 * 256 * 256 + 2 * 256 * (4 * 64 + 2 * 2 * 64) + 256 * 4 * 64 + 3 * 256 * 512 + 4 * 256
+    mtime = wide_eagle3.stat().st_mtime_ns
+    again = widen.widen_trained_eagle3(tiny_dir, n_embd=256, n_ff=512, dtype="f32")
+    assert again == wide_eagle3 and wide_eagle3.stat().st_mtime_ns == mtime
+    half = read_gguf(widen.widen_trained_eagle3(tiny_dir, n_embd=256, n_ff=512, dtype="f16"))
+    assert half.tensors["fc.weight"].type_name == "F16" and half.tensors["blk.0.attn_q.weight"].type_name == "F16"
+    assert half.tensors["blk.0.attn_norm.weight"].type_name == "F32"
+
+
+def _eagle3_variant(path, *, drop=(), add_tensors=None, overrides=None, add_values=None):
+    """The trained EAGLE3 draft with tensors dropped / added and keys changed / added."""
+    info = read_gguf(EAGLE3)
+    w = GGUFWriter()
+    widen._copy_metadata(w, info, overrides or {})
+    for key, (vtype, value) in (add_values or {}).items():
+        w.add_value(key, vtype, value)
+    for name in info.tensors:
+        if name not in drop:
+            w.add_tensor(name, read_tensor(info, name))
+    for name, x in (add_tensors or {}).items():
+        w.add_tensor(name, x)
+    w.write(path)
+    return path
+
+
+def test_bad_eagle3_inputs_are_refused(tmp_path, wide, wide_eagle3):
+    from pyllama_spec.gguf.reader import ValueType
+
+    target = MODELS_DIR / "trained-target.gguf"
+    write = lambda src, tgt=target, **kw: widen.write_widened_eagle3(  # noqa: E731
+        tmp_path / "out.gguf", src, tgt, **dict(dict(n_embd=256, n_ff=512, dtype="f32"), **kw))
+    with pytest.raises(ValueError, match="expected a 'eagle3' file"):
+        write(MODELS_DIR / "trained-draft.gguf")  # a DFlash draft
+    with pytest.raises(ValueError, match="n_embd must be"):
+        write(EAGLE3, n_embd=200)
+    with pytest.raises(ValueError, match="fewer than the trained"):
+        write(EAGLE3, n_embd=128)  # 2 heads of 64: fewer than the trained 4
+    with pytest.raises(ValueError, match="n_ff 128 below the trained 256"):
+        write(EAGLE3, n_ff=128)
+    with pytest.raises(ValueError, match="target_hidden_size"):
+        write(_eagle3_variant(tmp_path / "hidden.gguf", overrides={"eagle3.target_hidden_size": 128}))
+    with pytest.raises(ValueError, match="target_layers"):
+        write(_eagle3_variant(tmp_path / "layers.gguf", overrides={"eagle3.target_layers": [1, 2, 4]}))
+    with pytest.raises(ValueError, match="norm_before_residual"):
+        write(_eagle3_variant(tmp_path / "nbr.gguf",
+                              add_values={"eagle3.norm_before_residual": (ValueType.BOOL, True)}))
+    with pytest.raises(ValueError, match="token_embd"):
+        write(_eagle3_variant(tmp_path / "embd.gguf", add_tensors={
+            "token_embd.weight": read_tensor(read_gguf(target), "token_embd.weight")}))
+    with pytest.raises(ValueError, match="do not know how to pad|does not know how to pad"):
+        write(_eagle3_variant(tmp_path / "extra.gguf",
+                              add_tensors={"blk.0.attn_q_norm.weight": np.ones(16, np.float32)}))
+    assert not (tmp_path / "out.gguf").exists()
+    # the widened draft pairs only with a target of its width: the loader says so before any context
+    with pytest.raises(IncompatibleModelsError, match="target_hidden_size is 256"):
+        ps.load(TRAINED.target, draft=wide_eagle3, spec_type="draft-eagle3", n_threads=N_THREADS)
+    with pytest.raises(IncompatibleModelsError, match="target_hidden_size is 64"):
+        ps.load(wide.target, draft=EAGLE3, spec_type="draft-eagle3", n_threads=N_THREADS)
+

@@ -12,7 +12,8 @@ It is a benchmark fixture, not a better model: nothing is learned, the extra wid
 carry zeros.
 
 How the function is kept (checked against the pinned llama.cpp: ``src/models/hunyuan-vl.cpp``,
-``src/models/dflash.cpp``, ``ggml_mrope_cache_init`` / ``rotate_pairs`` in ggml-cpu):
+``src/models/dflash.cpp``, ``src/models/eagle3.cpp``, ``ggml_mrope_cache_init`` /
+``ggml_rope_cache_init`` / ``rotate_pairs`` in ggml-cpu):
 
 * residual: the trained 64 dims are wide dims 0..63, scaled by ``s_r = sqrt(n_embd / 64)``
   (4 at 1024): the token embedding, the merger's output (image rows) and every layer's output
@@ -39,6 +40,16 @@ How the function is kept (checked against the pinned llama.cpp: ``src/models/hun
 * draft: the same padding; its ``fc`` (3 x n_embd -> n_embd) holds each trained 64 x 64 block
   at the matching wide block; it reads target layers (1, 2, 3) as trained.
 * mmproj: the vision tower as trained (f32), the merger's last projection padded to n_embd.
+* EAGLE3 (``widen_trained_eagle3``: ``trained-eagle3.gguf``, for the widened target; checked
+  against ``src/models/eagle3.cpp``): it borrows the target's token embedding (s_r times the
+  trained rows) and output head, and its residual starts at the raw ``g`` (the ``fc`` output, or
+  the previous step's pre-norm output).  ``fc`` unscaled (g is s_r times the trained g), every
+  norm divided by s_r (``attn_norm``, ``attn_norm_2``, ``ffn_norm``, ``output_norm``), so the
+  [embedding | g] input of Q/K/V is the trained one, at columns 0..63 and n_embd..n_embd+63;
+  ``attn_output`` and ``ffn_down`` times s_r.  There are no q/k norms: Q alone is scaled by s_h
+  (q.k is s_h times the trained one, cancelled by the attention scale; K and V, so the cache,
+  as trained).  Its rope is LLAMA_ROPE_TYPE_NORM, which rotates adjacent pairs (2i, 2i + 1) at
+  ``base^(-2i / n_rot)``: trained pair i goes to wide pair k * i (dims 2ki, 2ki + 1).
 
 All the scale factors are powers of two at widths 256 and 1024, so they are exact in f32 and
 f16.  In f32 the wide pair gives the trained logits up to summation order (about 1e-6); in f16
@@ -62,12 +73,14 @@ from pyllama_spec.gguf.writer import GGUFWriter
 
 #: Bump when the written files change (cache names carry it).
 WIDEN_VERSION = 1
+#: The trained EAGLE3 draft beside the pair (``widen_trained_eagle3``).
+EAGLE3 = "trained-eagle3.gguf"
 
 
 class _Layout:
     """Where trained rows/columns go in the wide tensors, and the two scales."""
 
-    def __init__(self, t: GGUFInfo, *, n_embd: int, n_ff: int):
+    def __init__(self, t: GGUFInfo, *, n_embd: int, n_ff: int, adjacent_pairs: bool = False):
         arch = t.arch
         m = t.metadata
         self.n_embd_t = int(m[f"{arch}.embedding_length"])
@@ -90,7 +103,10 @@ class _Layout:
         self.res = np.arange(self.n_embd_t)  # trained residual dims -> wide dims 0..n_embd_t-1
         half_t, half_w = self.hd_t // 2, self.hd // 2
         d = np.arange(self.hd_t)
-        self.head_map = np.where(d < half_t, self.k * d, self.k * (d - half_t) + half_w)  # dim in a head
+        if adjacent_pairs:  # LLAMA_ROPE_TYPE_NORM: pair i = dims (2i, 2i + 1)
+            self.head_map = 2 * self.k * (d // 2) + d % 2
+        else:  # NeoX / M-RoPE: pair i = dims (i, i + half)
+            self.head_map = np.where(d < half_t, self.k * d, self.k * (d - half_t) + half_w)  # dim in a head
 
     def head_rows(self, n_heads: int) -> np.ndarray:
         """Wide row of each trained row of a [n_heads x head_dim] projection output."""
@@ -157,7 +173,7 @@ def _attention_overrides(arch: str, L: _Layout, *, n_layer: int, n_ff: int, sect
             f"{arch}.rope.dimension_sections": [int(s) * L.k for s in sections]}
 
 
-def _check_trained(info: GGUFInfo, arch: str) -> None:
+def _check_trained(info: GGUFInfo, arch: str, *, sections: bool = True) -> None:
     if info.arch != arch:
         raise ValueError(f"{info.path}: expected a {arch!r} file, got {info.arch!r}")
     bad = [t.name for t in info.tensors.values() if t.ggml_type not in (0, 1)]
@@ -166,8 +182,11 @@ def _check_trained(info: GGUFInfo, arch: str) -> None:
     hd = info.metadata[f"{arch}.attention.key_length"]
     if info.metadata[f"{arch}.rope.dimension_count"] != hd:
         raise ValueError(f"{info.path}: rope must span the head")
-    if int(np.sum(info.metadata[f"{arch}.rope.dimension_sections"])) != hd // 2:
+    if sections and int(np.sum(info.metadata[f"{arch}.rope.dimension_sections"])) != hd // 2:
         raise ValueError(f"{info.path}: rope sections must cover the head's {hd // 2} pairs")
+    scaling = info.metadata.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":  # YaRN's correction dims depend on the rope's width
+        raise ValueError(f"{info.path}: rope scaling {scaling!r}; widen.py keeps rope frequencies only without it")
 
 
 def write_widened_target(path: Path, trained: Path, *, n_embd: int, n_layer: int, n_ff: int, dtype: str) -> Path:
@@ -225,6 +244,92 @@ def write_widened_draft(path: Path, trained: Path, trained_target: Path, *, n_em
     for name in ("enc.output_norm.weight", "output_norm.weight"):
         w.add_tensor(name, _pad((L.n_embd,), np.float32, L.res, value=read_tensor(info, name) / np.float32(L.s_r)))
     _add_layers(w, info, L, n_layer=n_layer, n_ff_t=n_ff_t, n_ff=n_ff, mat=mat)
+    _check_all_padded(info, w, trained)
+    w.write(path)
+    return path
+
+
+def _check_eagle3(info: GGUFInfo, target: GGUFInfo) -> None:
+    """What write_widened_eagle3's construction assumes of the trained EAGLE3 draft and its target."""
+    _check_trained(info, "eagle3", sections=False)  # a plain 1-D rope
+    m, ta = info.metadata, target.arch
+    n_embd_t, n_layer_tgt = int(target.metadata[f"{ta}.embedding_length"]), int(target.metadata[f"{ta}.block_count"])
+    if int(m["eagle3.embedding_length"]) != n_embd_t or int(m.get("eagle3.target_hidden_size", 0)) != n_embd_t:
+        raise ValueError(f"{info.path}: the draft's width ({m['eagle3.embedding_length']}) and target_hidden_size "
+                         f"({m.get('eagle3.target_hidden_size')}) must both be its target's n_embd ({n_embd_t})")
+    layers = [int(x) for x in m.get("eagle3.target_layers", [])]
+    if len(layers) != 3 or not all(0 <= x < n_layer_tgt for x in layers):
+        # layer n_layer would be the target's final hidden state, which a deeper (widened) target
+        # does not have at that index
+        raise ValueError(f"{info.path}: eagle3.target_layers {layers} must be three layers of the trained "
+                         f"target's {n_layer_tgt}")
+    if int(m["eagle3.block_count"]) != 1:
+        raise ValueError(f"{info.path}: an eagle3 draft has one decoder layer")
+    for key in ("eagle3.norm_before_residual", "eagle3.norm_before_fc"):
+        if m.get(key):  # the residual would carry the normed g (not s_r times the trained one)
+            raise ValueError(f"{info.path}: {key} is set; widen.py pads only the plain EAGLE3 graph")
+    own = [n for n in ("token_embd.weight", "output.weight", "d2t") if n in info.tensors]
+    if own:
+        raise ValueError(f"{info.path}: widen.py pads a draft that borrows its target's token embedding and "
+                         f"output head, not one with {own}")
+
+
+def write_widened_eagle3(path: Path, trained: Path, trained_target: Path, *, n_embd: int, n_ff: int,
+                         dtype: str) -> Path:
+    """The trained EAGLE3 draft padded to ``n_embd`` (its target: ``write_widened_target``'s at the same
+    ``n_embd``): the same drafts from the widened target as the trained draft makes from the trained one.
+
+    As src/models/eagle3.cpp computes it (no q/k norms, LLAMA_ROPE_TYPE_NORM rope, the target's
+    token embedding and output head, the residual starting at the raw ``g``): ``fc`` unscaled (it
+    reads target layer inputs s_r times the trained ones, so g is s_r times the trained g); every
+    norm weight divided by s_r (``attn_norm`` over the target's embedding rows, which are s_r
+    times the trained ones; ``attn_norm_2`` over g; ``ffn_norm``; ``output_norm``), so the
+    [embedding | g] pair that Q/K/V read is the trained one, at columns 0..63 and n_embd..n_embd+63;
+    Q alone scaled by s_h (q.k is then s_h times the trained one, which the wider head's 1/sqrt(64)
+    cancels) with K and V as trained, so the KV cache holds the trained values; adjacent rope pairs
+    (2i, 2i + 1) go to wide pair k*i, the same frequency; ``attn_output`` and ``ffn_down`` scaled by
+    s_r, so the residual, the pre-norm output (the next step's g) included, is s_r times the trained.
+    """
+    info = read_gguf(trained, "trained EAGLE3 draft")
+    target = read_gguf(trained_target, "trained target")
+    _check_eagle3(info, target)
+    arch, m = info.arch, info.metadata
+    n_ff_t = int(m[f"{arch}.feed_forward_length"])
+    if n_ff < n_ff_t:
+        raise ValueError(f"EAGLE3 n_ff {n_ff} below the trained {n_ff_t}")
+    L, mat = _Layout(info, n_embd=n_embd, n_ff=n_ff, adjacent_pairs=True), tiny._np_dtype(dtype)
+    w = GGUFWriter()
+    over = _attention_overrides(arch, L, n_layer=1, n_ff=n_ff, sections=[])
+    del over[f"{arch}.rope.dimension_sections"]
+    over.update({"eagle3.target_hidden_size": L.n_embd,
+                 "general.name": f"widened-{m.get('general.name', arch)}-{n_embd}"})
+    _copy_metadata(w, info, over)
+    f32, res, n_t = np.float32, L.res, L.n_embd_t
+    t = lambda name: read_tensor(info, name)  # noqa: E731
+    fc_t = t("fc.weight")  # numpy (n_embd_t, 3 * n_embd_t): the three layers' inputs side by side
+    w.add_tensor("fc.weight", _pad((L.n_embd, 3 * L.n_embd), mat, res, np.concatenate([j * L.n_embd + res
+                                                                                         for j in range(3)]), fc_t))
+    w.add_tensor("output_norm.weight", _pad((L.n_embd,), f32, res, value=t("output_norm.weight") / f32(L.s_r)))
+    p = "blk.0"
+    pair = np.concatenate([res, L.n_embd + res])  # [embedding | g]: trained columns 0..2n_t-1
+    assert t(f"{p}.attn_q.weight").shape[1] == 2 * n_t
+    qrows, kvrows = L.head_rows(L.n_head_t), L.head_rows(L.n_kv_t)
+    q_out, kv_out = L.n_head * L.hd, L.n_kv * L.hd
+    norm = lambda name: _pad((L.n_embd,), f32, res, value=t(f"{p}.{name}.weight") / f32(L.s_r))  # noqa: E731
+    w.add_tensor(f"{p}.attn_norm.weight", norm("attn_norm"))  # over the target's token embedding rows
+    w.add_tensor(f"{p}.attn_norm_2.weight", norm("attn_norm_2"))  # over g
+    w.add_tensor(f"{p}.attn_q.weight", _pad((q_out, 2 * L.n_embd), mat, qrows, pair,
+                                            t(f"{p}.attn_q.weight") * f32(L.s_h)))
+    w.add_tensor(f"{p}.attn_k.weight", _pad((kv_out, 2 * L.n_embd), mat, kvrows, pair, t(f"{p}.attn_k.weight")))
+    w.add_tensor(f"{p}.attn_v.weight", _pad((kv_out, 2 * L.n_embd), mat, kvrows, pair, t(f"{p}.attn_v.weight")))
+    w.add_tensor(f"{p}.attn_output.weight", _pad((L.n_embd, q_out), mat, res, qrows,
+                                                 t(f"{p}.attn_output.weight") * f32(L.s_r)))
+    ff_t = np.arange(n_ff_t)
+    w.add_tensor(f"{p}.ffn_norm.weight", norm("ffn_norm"))
+    w.add_tensor(f"{p}.ffn_gate.weight", _pad((n_ff, L.n_embd), mat, ff_t, res, t(f"{p}.ffn_gate.weight")))
+    w.add_tensor(f"{p}.ffn_up.weight", _pad((n_ff, L.n_embd), mat, ff_t, res, t(f"{p}.ffn_up.weight")))
+    w.add_tensor(f"{p}.ffn_down.weight", _pad((L.n_embd, n_ff), mat, res, ff_t,
+                                              t(f"{p}.ffn_down.weight") * f32(L.s_r)))
     _check_all_padded(info, w, trained)
     w.write(path)
     return path
@@ -296,3 +401,26 @@ def widen_trained_pair(folder: str | Path, *, trained: str | Path = MODELS_DIR, 
         tiny._write_atomic(lambda p: write_widened_draft(p, src.draft, src.target, n_embd=n_embd, n_ff=draft_n_ff,
                                                          dtype=dtype), models.draft)
     return models
+
+
+def widen_trained_eagle3(folder: str | Path, *, trained: str | Path = MODELS_DIR, n_embd: int = 1024,
+                         n_ff: int = 2816, dtype: str = "f16") -> Path:
+    """Write (or reuse) the trained EAGLE3 draft (``trained-eagle3.gguf`` in ``trained``) widened to
+    ``n_embd`` in ``folder``: the draft for ``widen_trained_pair``'s target at the same ``n_embd``
+    (any ``n_layer``: it reads target layers 1, 2, 3), proposing what the trained draft proposes with
+    the trained target (``write_widened_eagle3``; in f16 up to the rounding the module docstring
+    describes). ``n_ff`` is the draft's (default the pair's 2816: 17,043,456 parameters at n_embd 1024).
+
+    Named ``widened-eagle3-{hash}.gguf`` by a hash of the parameters, ``WIDEN_VERSION`` and the
+    trained target's and draft's bytes (``tiny.cached_file``), written atomically, reused by a
+    second call.
+    """
+    trained = Path(trained)
+    src, tgt = trained / EAGLE3, trained / TARGET
+    tiny._np_dtype(dtype)
+    params = dict(kind="widened-eagle3", trained=_digest([tgt, src]), n_embd=n_embd, n_ff=n_ff, dtype=dtype)
+
+    def write(path, **_):
+        write_widened_eagle3(path, src, tgt, n_embd=n_embd, n_ff=n_ff, dtype=dtype)
+
+    return tiny.cached_file(folder, "widened-eagle3", WIDEN_VERSION, params, write)
