@@ -199,3 +199,62 @@ def test_a_cut_shows_only_the_held_rows_before_it_and_a_failed_catch_up_leaves_n
         again = engine.generate(PROMPT + r.text, max_tokens=12, temperature=0)
         assert again.tokens == plain.generate(PROMPT + r.text, max_tokens=12, temperature=0).tokens
         assert again.stats.drafted > 0
+
+
+def _failing_once(engine):
+    process, calls = engine.drafter.process, []
+
+    def fail_once(decode):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the drafter failed")
+        return process(decode)
+
+    engine.drafter.process = fail_once
+
+
+def test_a_drafter_failing_on_held_rows_at_a_cut_leaves_the_slot_usable():
+    """A prompt that cuts through an answer shows the held rows before it; when the drafter fails there,
+    the slot starts over (with --kv-unified the cut happens at admission; the facade's eval cuts too)."""
+    target, kw = METHODS["draft-dflash"]
+    with ps.load(target, spec_type="draft-dflash", draft_max=3, n_parallel=2, kv_unified=True, **kw,
+                 **ENGINE) as engine, ps.load(target, spec_type="none", **ENGINE) as plain:
+        first = engine.generate(PROMPT, max_tokens=12, temperature=0, draft_max=0)  # its rows held
+        seq = next(s for s in engine.sequences if s.holds_rows)
+        _failing_once(engine)
+        with pytest.raises(RuntimeError, match="the drafter failed"):
+            engine.generate(PROMPT + first.text[:6] + " zzz qqq", max_tokens=8, temperature=0)
+        assert seq.n_cached_rows == seq.positions.n_rows == 0 and not seq.holds_rows
+        again = engine.generate(PROMPT + first.text + " and more", max_tokens=8, temperature=0)
+        assert again.tokens == plain.generate(PROMPT + first.text + " and more", max_tokens=8, temperature=0).tokens
+
+    from pyllama_spec.serving.token_steps import TokenSteps
+
+    target, kw = METHODS["draft-eagle3"]
+    with ps.load(target, spec_type="draft-eagle3", draft_max=3, **kw, **ENGINE) as engine:
+        engine.generate(PROMPT, max_tokens=12, temperature=0, draft_max=0)
+        tokens = np.concatenate(engine.sequences[0].cached)
+        steps = TokenSteps(engine)
+        _failing_once(engine)
+        with pytest.raises(RuntimeError, match="the drafter failed"):
+            steps.eval(tokens[:-6], [1, 2])
+        steps.eval(tokens, [3])  # the sequence started over: it decodes them all again
+
+
+def test_a_long_run_without_drafts_holds_at_most_a_batch_and_auto_counts_the_catch_up(monkeypatch):
+    monkeypatch.setattr(generation, "plan_lengths", lambda rules, limits: [0] * len(limits))
+    target, kw = METHODS["draft-eagle3"]
+    most = []
+    hold = Sequence.hold_for_drafter
+
+    def watching(seq, decode, rows):
+        hold(seq, decode, rows)
+        most.append(seq.held_rows)
+
+    monkeypatch.setattr(Sequence, "hold_for_drafter", watching)
+    with ps.load(target, spec_type="draft-eagle3", draft_max="auto", **kw, **ENGINE) as engine:
+        r = engine.generate(PROMPT, max_tokens=200, temperature=0)
+        assert r.stats.drafted == 0 and r.stats.target_steps >= 150
+        assert max(most) == generation.HELD_ROWS_MAX  # shown in a batch once a batch is held
+        cost = engine.step_cost
+        assert cost.plain is not None and cost.plain > cost._plain  # each plain step's share of the catch-ups

@@ -206,14 +206,14 @@ def test_with_one_pool_of_cells_the_idle_slots_give_theirs_up_before_a_saved_pro
     from pyllama_spec.serving.prompt_cache import PromptCache
 
     held_at_restore = []
-    restore = PromptCache.restore
+    load = PromptCache.load
 
     def recording(self, seq, entry):
         others = [s for s in engine.sequences if s is not seq]
         held_at_restore.append(sum(s.positions.n_rows for s in others))
-        return restore(self, seq, entry)
+        return load(self, seq, entry)
 
-    monkeypatch.setattr(PromptCache, "restore", recording)
+    monkeypatch.setattr(PromptCache, "load", recording)
     conversations = [CODE * 3, OTHER * 3, THIRD * 3]
     with _load(pair, n_parallel=2, kv_unified=True, cache_ram_mib=64, cache_idle_slots=True) as engine:
         first = [engine.generate(text, max_tokens=8) for text in conversations]
@@ -221,3 +221,16 @@ def test_with_one_pool_of_cells_the_idle_slots_give_theirs_up_before_a_saved_pro
     assert [r.tokens for r in again] == [r.tokens for r in first]
     assert held_at_restore and held_at_restore == [0] * len(held_at_restore)
     assert all(r.stats.prompt_reused == f.stats.prompt_tokens - 1 for r, f in zip(again, first))
+
+
+@pytest.mark.parametrize("kv_unified", [False, True])
+def test_saving_the_idle_slots_never_drops_the_prompt_a_request_is_taking_back(pair, kv_unified):
+    """llama-server's order: the saved prompt a request takes is chosen (and leaves the cache) before
+    the idle slots are copied in, so their copies cannot push it out of a full cache."""
+    with _load(pair, n_parallel=2, kv_unified=kv_unified, cache_ram_mib=1, cache_idle_slots=True) as engine:
+        first = engine.generate(CODE * 5, max_tokens=8)  # slot 0
+        engine.generate(OTHER * 10, max_tokens=8)  # slot 1; slot 0 copied as idle
+        engine.generate(THIRD * 8, max_tokens=8)  # slot 0; slot 1 copied: the cache holds CODE and OTHER
+        again = engine.generate(CODE * 5, max_tokens=8)  # slot 1, the least recently used
+        assert again.stats.prompt_reused == first.stats.prompt_tokens - 1
+        assert again.tokens == first.tokens

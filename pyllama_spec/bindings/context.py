@@ -68,8 +68,7 @@ class Context(NativeHandle):
         self._other = ctx_other  # keeps the borrowed context alive as long as this one
         self._borrowers: weakref.WeakSet[Context] = weakref.WeakSet()  # contexts whose ctx_other is this one
         self._token_batch: Batch | None = None
-        self._layer_inputs: set[int] = set()
-        self._recorded_layers: frozenset[int] = frozenset()  # the same, for readers on hot paths
+        self._layer_inputs: frozenset[int] = frozenset()
         self._draft_embeddings = False
         self._draft_embeddings_masked = True
         self._lora: tuple[tuple[LoraAdapter, float], ...] = ()  # what set_lora set: kept alive here
@@ -410,14 +409,13 @@ class Context(NativeHandle):
                 raise IncompatibleModelsError(
                     f"layer {lid} does not exist in the {self.role} model ({self.model.n_layer} layers)")
             lib.pyllama_set_embeddings_layer_inp(self.ptr, lid, enable)
-            (self._layer_inputs.add if enable else self._layer_inputs.discard)(lid)
-        self._recorded_layers = frozenset(self._layer_inputs)
+            self._layer_inputs = self._layer_inputs | {lid} if enable else self._layer_inputs - {lid}
         self.last_decode_rows = 0  # nothing recorded for these layers until the next decode
 
     @property
     def recorded_layers(self) -> frozenset[int]:
         """The layers whose inputs every decode records (``enable_layer_inputs``)."""
-        return self._recorded_layers
+        return self._layer_inputs
 
     def layer_input(self, lid: int, n_rows: int) -> np.ndarray:
         """Input of layer ``lid`` for the first n_rows rows of the last decode: float32 [n_rows, n_embd].

@@ -8,9 +8,10 @@ A drafter serves ``n_seq`` sequences (one per slot; see sequence.py), named by `
   verify rows of every slot), and what the target computed for them (``features``).
   DFlash injects the target's features here, MTP writes each token (and each media row, by its
   ``embeddings``) with the target's hidden state of the row before it (``hidden``), n-gram
-  records tokens. The rows of a step that drafted nothing may reach ``process`` later, joined
-  with the next ones in one call (``Sequence.hold_for_drafter``), always before anything else
-  is asked of the drafter for that sequence;
+  records tokens. The rows of steps that drafted nothing may reach ``process`` later, several
+  steps' rows in one call (``Sequence.hold_for_drafter``), before the drafter drafts for that
+  sequence or is shown its next rows; a ``forget`` may come while rows are held (they are
+  dropped with it);
 * ``draft(requests)``: one ``Proposal`` per ``DraftRequest``, made together (one draft
   decode for all slots where the method allows): up to n_max tokens following
   ``id_last``, which sits at the request's position (none when fewer than n_min are
@@ -137,7 +138,6 @@ class TargetDecode:
             raise ValueError("this TargetDecode carries no hidden states (made without the target's context)")
         return np.array(self._source.draft_embeddings(self.n_decoded)[rows.decoded_rows()])
 
-
     def hold(self, rows: TargetRows) -> "HeldRows":
         """``rows`` (text rows of this decode) with a copy of what the target computed for them
         (every recorded layer's input, the final hidden state when kept), so that a drafter can be
@@ -161,8 +161,9 @@ class TargetDecode:
         tokens = np.concatenate([h.rows.tokens for h in held])
         layers = {lid: np.concatenate([h.layers[lid] for h in held]) for lid in held[0].layers}
         hidden = None if held[0].hidden is None else np.concatenate([h.hidden for h in held])
-        for s in range(0, len(tokens), max(1, max_rows)):
-            e = min(s + max_rows, len(tokens))
+        step = max(1, max_rows)
+        for s in range(0, len(tokens), step):
+            e = min(s + step, len(tokens))
             rows = dataclasses.replace(first, positions=positions[:, s:e], tokens=tokens[s:e],
                                        first_draft_pos=first.first_draft_pos + s)  # a text row: one position
             yield cls([rows], _HeldOutputs({lid: a[s:e] for lid, a in layers.items()},

@@ -24,7 +24,10 @@ whose rules this follows):
 With ``cache_idle_slots`` (llama-server's default) every idle slot is copied here when a request
 starts, so a slot another request takes later can be restored; where the slots share one pool
 of cells (``--kv-unified``) they are then emptied, their cells going to the busy slots, as
-llama-server does.
+llama-server does. The entry a request takes is chosen first (and taken out of the cache), as
+llama-server chooses it, but loaded into the slot after the idle slots were emptied: in one pool
+of cells its rows then go low, not above the idle slots' (llama.cpp's attention reads every cell
+up to the last one used).
 A recurrent or hybrid target's state cannot be cut back, so for one an entry is loaded only when
 the prompt extends all of it.
 
@@ -160,10 +163,18 @@ class PromptCache:
     def holds(self, entry: Entry) -> bool:
         return any(e is entry for e in self.entries)
 
-    def restore(self, seq: "Sequence", entry: Entry) -> bool:
-        """Put ``entry`` into ``seq`` (it leaves the cache); False when the target refuses its memory
-        (KVMemoryError: the entry is dropped and ``seq`` left empty)."""
+    def take(self, entry: Entry) -> Entry:
+        """Take ``entry`` out of the cache, to ``load`` it into a slot (later saves cannot drop it)."""
         self._drop(entry)
+        return entry
+
+    def put_back(self, entry: Entry) -> None:
+        """An entry taken and not loaded after all: back into the cache, as the newest."""
+        self._add(entry)
+
+    def load(self, seq: "Sequence", entry: Entry) -> bool:
+        """Put a taken ``entry`` into ``seq``; False when the target refuses its memory (KVMemoryError:
+        the entry is gone and ``seq`` left empty)."""
         try:
             seq.restore_state(entry.saved)
         except KVMemoryError as e:

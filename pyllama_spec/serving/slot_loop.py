@@ -55,10 +55,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from pyllama_spec.errors import ClosedError, ContextFullError, EngineBusyError, GenerationCancelledError
-from pyllama_spec.serving.prompt_cache import SLOT_PROMPT_SIMILARITY, PromptCache, takes_cache_update
+from pyllama_spec.serving.prompt_cache import SLOT_PROMPT_SIMILARITY, Entry, PromptCache, takes_cache_update
 from pyllama_spec.speculative.generation import Generation, Piece, Result, speculative_step
 from pyllama_spec.speculative.media import encode_media
-from pyllama_spec.speculative.sequence import rows_of
+from pyllama_spec.speculative.sequence import Sequence, rows_of
 
 if TYPE_CHECKING:
     from pyllama_spec.serving.request import Request
@@ -583,13 +583,15 @@ class SlotLoop:
                 best = sub.id_slot if sub.id_slot >= 0 else self._pick_slot(free, gen)
                 gen.seq = seqs[best]
                 scales = self._lora.scales_for(sub.request.lora)
-                if self._cache_idle_slots:
-                    # (before a saved prompt is put back into the slot: in one pool of cells its rows then go
-                    # low in the cache, not above the idle slots' rows, and a decode's attention reads every
-                    # cell up to the last one used, 3x the work of a compact pool measured on the embedded pair)
-                    self._save_idle_slots(keep=best)
+                taken = None
                 if self._prompt_cache is not None:
-                    self._swap_through_cache(gen, scales, named_slot=sub.id_slot >= 0)
+                    taken = self._swap_through_cache(gen, scales, named_slot=sub.id_slot >= 0)
+                if self._cache_idle_slots:
+                    self._save_idle_slots(keep=best)
+                if taken is not None:
+                    # (after the idle slots gave their cells up: in one pool its rows then go low, not above
+                    # theirs, where every decode of the answer would read the span: 1.5x the target's step)
+                    self._load_from_cache(gen.seq, taken, scales)
                 self._lora.use(gen.seq, scales)  # a prompt cached under other adapters is not reused
                 if self._shared_cells:  # what the prompt does not keep frees its cells now, not at its first slice
                     if gen.cache_prompt:
@@ -616,30 +618,41 @@ class SlotLoop:
                 return best
         return min(free, key=lambda i: (self._last_used[i], i))
 
-    def _swap_through_cache(self, gen: Generation, scales: tuple[float, ...], named_slot: bool) -> None:
+    def _swap_through_cache(self, gen: Generation, scales: tuple[float, ...], named_slot: bool) -> Entry | None:
         """When the slot ``gen`` takes would lose most of its cache to the prompt: copy the cache
-        into the prompt cache, and put back the saved prompt that shares most with this one (not
-        for a request that reuses no cache: it decodes its prompt whole anyway). The cache never
-        fails the request: on any error the slot starts empty."""
+        into the prompt cache, and take out the saved prompt that shares most with this one (not
+        for a request that reuses no cache: it decodes its prompt whole anyway), to load into the
+        slot (``_load_from_cache``). The cache never fails the request: on any error the slot starts
+        empty."""
         seq, cache = gen.seq, self._prompt_cache
         try:
             if not takes_cache_update(seq, gen.parts, named_slot):
-                return
+                return None
             log.debug("updating prompt cache: slot %d holds %d rows", seq.seq_id, seq.positions.n_rows)
             cache.save(seq, self._lora.cached_scales(seq.seq_id))
             best = cache.best_for(seq, gen.parts, scales, gen.draft_positions) if gen.cache_prompt else None
+            if best is not None:
+                cache.take(best)
             if best is not None and self._shared_cells:
-                # the entry needs its cells (the slot's own go when it is replaced), and the decoding
-                # slots one each; emptying idle slots saves them into the cache, which may drop it
+                # the entry needs its cells (the slot's own go when it is replaced), and the decoding slots one each
                 need = best.rows - seq.positions.n_rows + self._n_decoding()
-                if self._free_cells(need, keep=seq.seq_id) < need or not cache.holds(best):
+                if self._free_cells(need, keep=seq.seq_id) < need:
                     log.debug("prompt cache: no room in the shared cache to restore %d rows into slot %d",
                               best.rows, seq.seq_id)
+                    cache.put_back(best)
                     best = None
-            if best is not None and cache.restore(seq, best):
-                self._lora.mark_cached(seq.seq_id, scales)
             cache.trim()
+            return best
         except Exception:  # noqa: BLE001 - a cache fault costs this request its reuse, nothing more
+            log.exception("prompt cache: failed on slot %d; the slot starts empty", seq.seq_id)
+            seq.reset()
+            return None
+
+    def _load_from_cache(self, seq: Sequence, entry: Entry, scales: tuple[float, ...]) -> None:
+        try:
+            if self._prompt_cache.load(seq, entry):
+                self._lora.mark_cached(seq.seq_id, scales)
+        except Exception:  # noqa: BLE001 - as above
             log.exception("prompt cache: failed on slot %d; the slot starts empty", seq.seq_id)
             seq.reset()
 

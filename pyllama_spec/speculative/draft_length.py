@@ -15,8 +15,9 @@ right and cheap rows (a large model on a GPU) lengthen them. For its first three
 explores from a draft of 3 with HF transformers' schedule (two more after a fully accepted
 block, one fewer after a rejection).
 
-Where no length pays, it drafts nothing: a step without a draft skips the drafter's call, so
-its time is measured apart (``StepCost.plain``, the target's decode of one token), and when
+Where no length pays, it drafts nothing: a step without a draft skips the drafter's calls (its
+row is shown to the drafter later, in a batch), so its time is measured apart (``StepCost.plain``,
+the target's decode of one token and its row's share of that batch), and when
 one token a step at that cost beats every drafting length the rule stops drafting. So that it
 can find out when drafting pays again (the text turns repetitive, a picture's answer begins),
 it probes with a draft of ``START`` after ``PROBE_AFTER`` steps without, then after twice as many, up
@@ -54,12 +55,24 @@ class StepCost:
 
     def __init__(self) -> None:
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
-        self.plain: float | None = None  # seconds of a step that drafted nothing (a decaying mean)
+        self._plain: float | None = None  # seconds of a step that drafted nothing (a decaying mean)
+        self._catch_up = 0.0  # seconds the drafter takes later for such a step's row (a decaying mean)
+
+    @property
+    def plain(self) -> float | None:
+        """What a step that drafts nothing costs: its own time, and its row's share of the drafter's
+        later catch-up (``Sequence.show_drafter``); None until one was timed."""
+        return None if self._plain is None else self._plain + self._catch_up
 
     def update_plain(self, seconds: float) -> None:
         """A step without a draft call: the target's decode of its one token and what is around it."""
         if seconds > 0:
-            self.plain = seconds if self.plain is None else self.DECAY * self.plain + (1 - self.DECAY) * seconds
+            self._plain = seconds if self._plain is None else self.DECAY * self._plain + (1 - self.DECAY) * seconds
+
+    def update_catch_up(self, rows: int, seconds: float) -> None:
+        """The drafter was shown ``rows`` held by steps that drafted nothing, in ``seconds``."""
+        if rows > 0 and seconds > 0:
+            self._catch_up = self.DECAY * self._catch_up + (1 - self.DECAY) * seconds / rows
 
     def update(self, rows: int, seconds: float) -> None:
         if seconds <= 0:

@@ -7,7 +7,8 @@ A ``Generation`` runs on one ``Sequence``: it prefills the prompt slice by slice
 1. the drafter proposes a block for every generation that drafts (one draft call);
 2. the target decodes every generation's ``[id_last, d1..dk]`` in one batch, each at its
    own sequence's ``pos_next``;
-3. the drafter sees those rows (DFlash injects their features);
+3. the drafter sees those rows (DFlash injects their features); where no generation drafted,
+   each sequence holds them for its drafter's next use instead (``Sequence.hold_for_drafter``);
 4. each verifier accepts the longest prefix its sampler agrees with, plus the target's
    own next token, and the sequence commits what was kept (sequence.py).
 
@@ -35,6 +36,11 @@ from pyllama_spec.speculative.logprobs import TokenLogprob, TokenProb, token_log
 from pyllama_spec.speculative.sequence import Sequence, rows_of
 from pyllama_spec.speculative.stats import GenerationStats, Stopwatch
 from pyllama_spec.speculative.tree import TreeSeqs, build_tree
+
+#: The most rows a sequence holds for its drafter (steps that drafted nothing: ``Sequence.hold_for_drafter``)
+#: before they are shown in one batch: it bounds the copies a slot keeps (64 x the recorded layers x n_embd
+#: floats: 5 MiB for five layers of 4096), and one drafter decode of 64 rows costs far less than 64 of one.
+HELD_ROWS_MAX = 64
 
 ProgressCallback = Callable[[str, int, int], None]
 
@@ -367,14 +373,15 @@ def speculative_step(ctx, drafter: Drafter | None, gens: list[Generation],
     requests = [g.draft_request(n) for g, n in zip(gens, lengths)]
     asked = [r for r in requests if r is not None]
     made: list[Proposal] = []
+    for g in gens:  # rows held by steps that drafted nothing: shown before a draft, or once a batch is held
+        if g.seq.holds_rows and (asked or g.seq.held_rows >= HELD_ROWS_MAX):
+            t = time.perf_counter()
+            rows = g.seq.show_drafter(g.stats)
+            caught_up = time.perf_counter() - t
+            start += caught_up  # the earlier steps' cost, not this one's: the plain steps' share it is
+            if step_cost is not None:
+                step_cost.update_catch_up(rows, caught_up)
     if asked:
-        for g in gens:  # rows held by steps that drafted nothing: the drafter sees them first
-            if g.seq.holds_rows:
-                t = time.perf_counter()
-                g.seq.show_drafter()
-                caught_up = time.perf_counter() - t
-                g.stats.draft_seconds += caught_up
-                start += caught_up  # catching up on earlier steps: not this step's cost
         t = time.perf_counter()
         made = drafter.draft(asked)
         for g, r in zip(gens, requests):  # a shared call costs every generation that waited for it

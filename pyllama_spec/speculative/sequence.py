@@ -11,8 +11,9 @@ and tell the drafter where the sequence now ends (``forget``). Rows decoded else
 verify step in generation.py) are kept or cut by ``commit``.
 
 The drafter may lag behind the target by the rows of steps that drafted nothing
-(``hold_for_drafter``): they are shown to it in one batch before it is next used for this
-sequence (``show_drafter``), or dropped with what they belong to by a reset.
+(``hold_for_drafter``): they are shown to it in batches before it is next used for this
+sequence (``show_drafter``: before a draft, a prompt's rows, a cut, which keeps only those
+before it), or dropped by a reset.
 
 Two other places remove rows, never this sequence's own: a drafter drops the rows of its
 draft blocks from its own draft context once it has read them; and a tree step
@@ -115,31 +116,42 @@ class Sequence:
     def hold_for_drafter(self, decode: TargetDecode, rows: TargetRows) -> None:
         """Keep text ``rows`` of the target's last decode (about to be committed whole) for the drafter,
         instead of showing them now. A step that drafted nothing need not pay a drafter decode for
-        its one row (on a CPU that costs more than the target's step): the rows are shown in one
-        batch before the drafter next works for this sequence, so a run of such steps costs one
-        drafter decode. The drafter's state ends up the same as if each had been shown at once."""
+        its one row (on a CPU that costs more than the target's step): the rows are shown in
+        batches before the drafter next works for this sequence (``show_drafter``), so a run of
+        such steps costs a drafter decode per batch, and the drafter then holds what it would
+        have held had each been shown at once."""
         self._held.append(decode.hold(rows))
 
     @property
+    def held_rows(self) -> int:
+        """Rows waiting to be shown to the drafter (``hold_for_drafter``)."""
+        return sum(h.rows.n_rows for h in self._held)
+
+    @property
     def holds_rows(self) -> bool:
-        """Whether rows wait to be shown to the drafter (``hold_for_drafter``)."""
         return bool(self._held)
 
-    def show_drafter(self) -> None:
-        """Show the drafter the rows held for it, in order (batches of the target's n_batch)."""
+    def show_drafter(self, stats: GenerationStats | None = None) -> int:
+        """Show the drafter the rows held for it, in order, in batches of the target's n_batch (timed
+        into ``stats.draft_seconds`` when given); the rows shown. A drafter that fails here leaves
+        its state for this sequence unknown: the sequence is reset, then the error raised."""
         if not self._held:
-            return
-        held, self._held = self._held, []  # gone also if the drafter fails: the caller resets the sequence
-        for decode in TargetDecode.joined(held, self.ctx.n_batch):
-            self.drafter.process(decode)
+            return 0
+        held, self._held = self._held, []
+        try:
+            with Stopwatch(stats, "draft_seconds"):
+                for decode in TargetDecode.joined(held, self.ctx.n_batch):
+                    self.drafter.process(decode)
+        except BaseException:
+            self.reset()
+            raise
+        return sum(h.rows.n_rows for h in held)
 
     # ------------------------------------------------------------------ changing it
     def decode_text(self, tokens: np.ndarray, outputs, stats: GenerationStats) -> None:
         """Decode prompt text at pos_next.. into the target, show it to the drafter, and keep it."""
         rows = self.text_rows(tokens)
-        if self._held:
-            with Stopwatch(stats, "draft_seconds"):
-                self.show_drafter()
+        self.show_drafter(stats)
         with Stopwatch(stats, "target_seconds"):
             self.ctx.decode_tokens(tokens, rows.section0, outputs=outputs, seq_id=self.seq_id)
         if self.drafter is not None:
@@ -174,9 +186,7 @@ class Sequence:
         draft's projector) is encoded with it (speculative/media.py) and handed to the drafter with the
         first slice; the draft's positions then move by the twin's n_pos, not the target's."""
         p = self.positions
-        if self._held:
-            with Stopwatch(stats, "draft_seconds"):
-                self.show_drafter()
+        self.show_drafter(stats)
         if embd is None:
             with Stopwatch(stats, "target_seconds"):
                 embd = encode_media(projector, chunk)
@@ -303,6 +313,9 @@ class Sequence:
             return list(parts)
         keep = self.cached[:i] + ([self.cached[i][:j]] if j else [])
         pos = sum(len(c) if isinstance(c, np.ndarray) else c.n_pos for c in keep)
+        if self._held:  # those before the cut, before anything is cut (a failure here resets the sequence)
+            self._held = [h.head(pos) for h in self._held if h.rows.section0[0] < pos]
+            self.show_drafter()
         try:
             self.ctx.memory.remove(self.seq_id, pos, -1)
         except KVMemoryError:
@@ -310,8 +323,6 @@ class Sequence:
             return list(parts)
         self.positions.truncate(pos)
         if self.drafter is not None:
-            self._held = [h.head(pos) for h in self._held if h.rows.section0[0] < pos]  # what the cut keeps
-            self.show_drafter()
             self.drafter.forget(self.seq_id, pos, self.positions.draft_pos_next)
         self.cached = keep
         rest = list(parts[i:])

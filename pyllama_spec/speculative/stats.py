@@ -152,9 +152,9 @@ class StatsTotals:
 
 
 class Stopwatch:
-    """Adds the time spent inside a ``with`` block to one field of a GenerationStats."""
+    """Adds the time spent inside a ``with`` block to one field of a GenerationStats (if not None)."""
 
-    def __init__(self, stats: GenerationStats, field: str) -> None:
+    def __init__(self, stats: GenerationStats | None, field: str) -> None:
         self.stats = stats
         self.field = field
 
@@ -163,4 +163,5 @@ class Stopwatch:
         return self
 
     def __exit__(self, *exc) -> None:
-        setattr(self.stats, self.field, getattr(self.stats, self.field) + time.perf_counter() - self.t0)
+        if self.stats is not None:  # (None: a block nobody times)
+            setattr(self.stats, self.field, getattr(self.stats, self.field) + time.perf_counter() - self.t0)
