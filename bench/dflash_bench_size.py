@@ -13,7 +13,7 @@ Every round sends each prompt to every engine; the engine order reverses every o
 Prompts: three held-out-style Python prefixes and (unless --no-image) the demo test card
 (672x672: 576 image rows over 24 positions) before the second one.
 
-How the numbers are computed:
+How the numbers are computed (bench/bench_size.py, shared with bench/eagle3_bench_size.py):
 
 - decode tok/s: per round and prompt kind (text = the three text prompts pooled), generated
   tokens / decode seconds by each engine's own timer (pyllama-spec: ``stats.decode_seconds``,
@@ -40,8 +40,6 @@ How the numbers are computed:
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -50,106 +48,20 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-import httpx  # noqa: E402
-from concurrent_chats import ServerProcess, free_port  # noqa: E402
+import bench_size as bs  # noqa: E402
 
 import pyllama_spec as ps  # noqa: E402
 from pyllama_spec import native_build  # noqa: E402
-from pyllama_spec.devtools import widen
+from pyllama_spec.devtools import widen  # noqa: E402
 from pyllama_spec.devtools.benchmark import demo_png  # noqa: E402
-from pyllama_spec.embedded import PROMPT  # noqa: E402
 
-# held-out-style code prefixes (tests/test_trained_pair.py's and the embedded demo prompt)
-READ_CONFIG = ('def read_config(path):\n    """Read a configuration file and return a dict."""\n'
-               '    result = {}\n    with open(path) as f:\n        for line in f:\n            line = line.strip()\n'
-               '            if not line or line.startswith("#"):\n                continue\n')
-OPT_STRINGS = ("        # one short option and one long option, either of which\n"
-               "        # could be None.\n        opts = [opt for opt in opts if opt]\n        if not opts:\n"
-               "            raise TypeError(\"at least one option string must be supplied\")\n        return opts\n\n"
-               "    def _set_opt_strings(self, opts):\n        for ")
-TEXT_PROMPTS = {"class Counter": PROMPT, "read_config": READ_CONFIG, "optparse": OPT_STRINGS}
-IMAGE_PROMPT = ps.MEDIA_MARKER + "\n" + READ_CONFIG
-CTX = dict(n_ctx=2048, n_batch=512, n_ubatch=512)
-
-
-class Local:
-    """pyllama-spec in this process."""
-
-    kind = "pyllama-spec"
-
-    def __init__(self, files, draft_max: int) -> None:
-        self.engine = ps.load(files.target, mmproj=files.mmproj, draft=files.draft if draft_max else None,
-                              spec_type="dflash" if draft_max else "none", draft_max=draft_max or 7, n_threads=1,
-                              flash_attn=False, **CTX)
-
-    def run(self, prompt: str, image: bytes | None, max_tokens: int) -> dict:
-        r = self.engine.generate(prompt, images=[image] if image else [], max_tokens=max_tokens, temperature=0.0,
-                                 cache_prompt=False)
-        s = r.stats
-        return dict(tokens=r.tokens, n=s.generated_tokens, decode_s=s.decode_seconds, prefill_s=s.prefill_seconds,
-                    drafted=s.drafted, accepted=s.accepted, steps=s.target_steps,
-                    target_s=s.decode_target_seconds, draft_s=s.decode_draft_seconds)
-
-    def close(self) -> None:
-        self.engine.close()
-
-
-class Remote:
-    """llama-server -np 1 on the same files."""
-
-    kind = "llama-server"
-
-    def __init__(self, files, draft_max: int) -> None:
-        port = free_port()
-        args = [str(native_build.find_llama_server()), "-m", str(files.target), "--mmproj", str(files.mmproj),
-                "-c", str(CTX["n_ctx"]), "-b", str(CTX["n_batch"]), "-ub", str(CTX["n_ubatch"]), "-t", "1",
-                "-fa", "off", "--host", "127.0.0.1", "--port", str(port), "-np", "1", "--no-warmup", "-ngl", "0"]
-        if draft_max:
-            args += ["-md", str(files.draft), "--spec-type", "draft-dflash", "--spec-draft-n-max", str(draft_max),
-                     "--spec-draft-n-min", "0", "-td", "1", "-ngld", "0"]
-        self.server = ServerProcess("llama-server" + (f" dflash {draft_max}" if draft_max else ""), args, port)
-        self.marker = httpx.get(self.server.url + "/props", timeout=10).json().get("media_marker", ps.MEDIA_MARKER)
-
-    def run(self, prompt: str, image: bytes | None, max_tokens: int) -> dict:
-        import base64
-
-        body = {"n_predict": max_tokens, "temperature": 0.0, "top_k": 1, "samplers": ["top_k"],
-                "cache_prompt": False, "return_tokens": True}
-        body["prompt"] = prompt if image is None else {
-            "prompt_string": prompt.replace(ps.MEDIA_MARKER, self.marker),
-            "multimodal_data": [base64.b64encode(image).decode()]}
-        out = httpx.post(self.server.url + "/completion", json=body, timeout=600).json()
-        t = out["timings"]
-        return dict(tokens=out.get("tokens", []), n=int(t["predicted_n"]), decode_s=t["predicted_ms"] / 1e3,
-                    prefill_s=t["prompt_ms"] / 1e3, drafted=int(t.get("draft_n", 0)),
-                    accepted=int(t.get("draft_n_accepted", 0)), steps=None, target_s=None, draft_s=None)
-
-    def close(self) -> None:
-        self.server.close()
-
-
-def _pool(samples: list[dict]) -> dict:
-    """Sums over the samples of one engine, round and prompt kind."""
-    keys = ("n", "decode_s", "prefill_s", "drafted", "accepted", "steps", "target_s", "draft_s")
-    out = {k: (None if samples[0][k] is None else sum(x[k] for x in samples)) for k in keys}
-    out["count"] = len(samples)
-    return out
-
-
-def _mal(p: dict) -> float:
-    """Tokens per target step of the generation phase: 1 + accepted / steps."""
-    if p["steps"]:
-        return 1 + p["accepted"] / p["steps"]
-    # llama-server: each generation's first token comes from the prefill, then greedy steps of
-    # accepted + 1 tokens, so steps = tokens - accepted - generations
-    steps = p["n"] - p["accepted"] - p["count"]
-    return 1 + p["accepted"] / steps if steps > 0 else 1.0
+SPEC_TYPE = "draft-dflash"  # "dflash" is its alias
 
 
 def _trained_tokens(prompts: dict, image: bytes | None, max_tokens: int) -> dict:
     """The trained (64-wide, f32) target's greedy tokens for the same prompts."""
     m = ps.embedded_models()
-    with ps.load(m.target, mmproj=m.mmproj, n_threads=1, flash_attn=False, **CTX) as e:
+    with ps.load(m.target, mmproj=m.mmproj, n_threads=1, flash_attn=False, **bs.CTX) as e:
         return {name: e.generate(p, images=[image] if img else [], max_tokens=max_tokens, temperature=0.0,
                                  cache_prompt=False).tokens for name, (p, img) in prompts.items()}
 
@@ -166,103 +78,19 @@ def main() -> int:
     started = time.monotonic()
     files = widen.widen_trained_pair(native_build.cache_root() / "tiny-models", dtype=args.dtype)
     image = None if args.no_image else demo_png(672)
-    prompts = {name: (p, False) for name, p in TEXT_PROMPTS.items()}
-    if image is not None:
-        prompts["image + read_config"] = (IMAGE_PROMPT, True)
-    kind_of = {name: "image" if img else "text" for name, (_, img) in prompts.items()}
+    prompts = bs.prompt_set(image)
     draft_maxes = [int(x) for x in args.draft_max.split(",") if x.strip()]
-    engines: dict[str, object] = {}
-    samples: dict[str, list[dict]] = {}
-    try:
-        for cls in (Local, Remote):
-            for dm in [0, *draft_maxes]:
-                name = f"{cls.kind} " + (f"dflash {dm}" if dm else "target-only")
-                engines[name] = cls(files, dm)
-                samples[name] = []
-        with ps.Model(files.target) as mt, ps.Model(files.draft, role="draft") as md:
-            n_params = {"target": mt.n_params, "draft": md.n_params}
-        for name, e in engines.items():
-            e.run(READ_CONFIG[:40], None, 8)  # warm-up, not measured
-        for rnd in range(args.repeats):
-            order = list(engines.items()) if rnd % 2 == 0 else list(reversed(list(engines.items())))
-            for pname, (p, img) in prompts.items():
-                for name, e in order:
-                    s = e.run(p, image if img else None, args.max_tokens)
-                    samples[name].append(dict(s, round=rnd, prompt=pname, kind=kind_of[pname]))
-            print(f"round {rnd + 1}/{args.repeats} done ({time.monotonic() - started:.0f} s)", file=sys.stderr)
-    finally:
-        for e in engines.values():
-            e.close()
+    n_params = bs.param_counts(files, "draft")
+    samples = bs.measure(files, SPEC_TYPE, draft_maxes, prompts, image, args.repeats, args.max_tokens, started)
     trained = _trained_tokens(prompts, image, args.max_tokens)
+    rows = bs.pool_rows(samples, SPEC_TYPE, draft_maxes, args.repeats)
+    fidelity = bs.fidelity(trained, samples)
 
-    reference = {x["prompt"]: x["tokens"] for x in samples["pyllama-spec target-only"] if x["round"] == 0}
-    kinds = list(dict.fromkeys(kind_of.values()))
-    # per engine and kind: one pooled record per round
-    pooled = {name: {k: [_pool([x for x in xs if x["kind"] == k and x["round"] == r]) for r in range(args.repeats)]
-                     for k in kinds} for name, xs in samples.items()}
-    rows: dict[str, dict] = {}
-    for name, by_kind in pooled.items():
-        for k, rounds in by_kind.items():
-            tps = sorted(p["n"] / p["decode_s"] for p in rounds)
-            xs = [x for x in samples[name] if x["kind"] == k]
-            allp = _pool(xs)
-            row = dict(engine=name, kind=k, tps_min=tps[0], tps_median=statistics.median(tps), tps_max=tps[-1],
-                       drafted=allp["drafted"], accepted=allp["accepted"],
-                       acceptance=allp["accepted"] / allp["drafted"] if allp["drafted"] else 0.0,
-                       mal=_mal(allp), tokens=allp["n"],
-                       same_tokens=all(x["tokens"] == reference[x["prompt"]] for x in xs),
-                       prefill_ms_median=statistics.median(p["prefill_s"] / p["count"] for p in rounds) * 1e3)
-            if rounds[0]["steps"]:
-                per_step = lambda f: statistics.median(p[f] / p["steps"] for p in rounds)  # noqa: E731
-                row.update(t_target_ms=per_step("target_s") * 1e3, t_draft_ms=per_step("draft_s") * 1e3,
-                           t_python_ms=statistics.median((p["decode_s"] - p["target_s"] - p["draft_s"]) / p["steps"]
-                                                         for p in rounds) * 1e3)
-            rows[f"{name} / {k}"] = row
-    for k in kinds:
-        t1 = rows[f"pyllama-spec target-only / {k}"]["t_target_ms"]
-        for side in ("pyllama-spec", "llama-server"):
-            base = rows[f"{side} target-only / {k}"]["tps_median"]
-            for dm in [0, *draft_maxes]:
-                r = rows[f"{side} " + (f"dflash {dm}" if dm else "target-only") + f" / {k}"]
-                r["x_target_only"] = r["tps_median"] / base
-                if dm:
-                    ps_row = rows[f"pyllama-spec dflash {dm} / {k}"]
-                    r["ideal_x"] = r["mal"] * t1 / (ps_row["t_target_ms"] + ps_row["t_draft_ms"])
-                    r["efficiency"] = r["x_target_only"] / r["ideal_x"]
-    fidelity = {}
-    for pname in prompts:
-        a, b = trained[pname], reference[pname]
-        first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        fidelity[pname] = dict(equal=a == b, first_difference=None if a == b else first, n=len(b))
-
-    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     print(f"\nwidened trained pair ({args.dtype}): target {n_params['target']:,} and draft {n_params['draft']:,} "
           f"parameters ({files.target.name}); {args.repeats} rounds x {len(prompts)} prompts x {args.max_tokens} tokens, greedy, 1 thread\n")
-    print("| engine | prompts | decode tok/s min / median / max | x its target-only | acceptance | MAL | "
-          "ideal x | efficiency | same tokens |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows.values():
-        print(f"| {r['engine']} | {r['kind']} | {r['tps_min']:.1f} / {r['tps_median']:.1f} / {r['tps_max']:.1f} | "
-              f"{r['x_target_only']:.2f} | {r['acceptance']:.3f} | {r['mal']:.2f} | {f(r.get('ideal_x'), '.2f')} | "
-              f"{f(r.get('efficiency'), '.2f')} | {r['same_tokens']} |")
-    print("\npyllama-spec step times (median over rounds, ms per target step):\n")
-    print("| engine | prompts | target (t1 or verify) | draft | Python | prefill ms per prompt |")
-    print("|---|---|---|---|---|---|")
-    for r in rows.values():
-        if "t_target_ms" in r:
-            print(f"| {r['engine']} | {r['kind']} | {r['t_target_ms']:.2f} | {r['t_draft_ms']:.2f} | "
-                  f"{r['t_python_ms']:.2f} | {r['prefill_ms_median']:.0f} |")
-    print("\nfidelity (widened target-only tokens vs the trained 64-wide pair's): "
-          + "; ".join(f"{k}: {'equal' if v['equal'] else 'first difference at ' + str(v['first_difference'])} "
-                      f"({v['n']} tokens)" for k, v in fidelity.items()))
-    elapsed = time.monotonic() - started
-    print(f"\nwall time {elapsed:.0f} s")
-    result = dict(settings=dict(vars(args), out=str(args.out), files={k: str(v) for k, v in vars(files).items()},
-                                n_params=n_params, ctx=CTX, threads=1),
-                  rows=rows, fidelity=fidelity, elapsed_s=elapsed,
-                  samples={name: [{k: v for k, v in x.items() if k != "tokens"} for x in xs]
-                           for name, xs in samples.items()})
-    args.out.write_text(json.dumps(result, indent=1))
+    bs.print_tables(rows)
+    bs.print_fidelity(fidelity, "the trained 64-wide pair's")
+    bs.write_results(args, files, n_params, rows, fidelity, samples, started)
     return 0
 
 
