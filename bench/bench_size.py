@@ -1,7 +1,8 @@
-"""What bench/dflash_bench_size.py and bench/eagle3_bench_size.py share: the prompts, the engines
-(pyllama-spec in this process and llama-server -np 1, target-only or with a draft of one spec type),
-the warm-up and the interleaved rounds, the rows pooled per engine and prompt kind (x target-only,
-ideal x, efficiency), the fidelity against the trained 64-wide target, the two tables and the JSON.
+"""What bench/dflash_bench_size.py, bench/eagle3_bench_size.py and bench/draft_model_bench_size.py share:
+the prompts, the engines (pyllama-spec in this process and llama-server -np 1, target-only or with a draft
+of one spec type), the warm-up and the interleaved rounds, the rows pooled per engine and prompt kind
+(x target-only, ideal x, efficiency), the fidelity against the trained 64-wide target, the two tables and
+the JSON.
 How the numbers are computed is told in bench/dflash_bench_size.py's docstring.
 """
 

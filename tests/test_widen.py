@@ -11,6 +11,9 @@ tests take seconds; the construction is the same at the bench size (1024 / 12 / 
 * the widened EAGLE3 draft with the widened target is lossless and proposes what the trained EAGLE3
   draft proposes with the trained target: the same tokens at every draft, logits to summation order
   with f32 caches;
+* the widened draft model (``trained-draft-vlm.gguf``, 48 wide, GQA ratio 3, as ``draft-simple``)
+  beside the widened target is lossless and proposes what the trained draft model proposes beside
+  the trained target;
 * shapes, metadata, dtypes and the cache; bad inputs refused.
 """
 
@@ -141,12 +144,12 @@ def wide_eagle3(tiny_dir):
     return widen.widen_trained_eagle3(tiny_dir, n_embd=SMALL["n_embd"], n_ff=SMALL["n_ff"], dtype=SMALL["dtype"])
 
 
-def _eagle3_run(target, mmproj, draft, draft_max: int | None, kv: str):
-    """Greedy results for CASES (EAGLE3, or target-only when ``draft_max`` is None) and every
-    proposal the drafter made, in order: (tokens, a copy of its logits)."""
+def _eagle3_run(target, mmproj, draft, draft_max: int | None, kv: str, spec_type: str = "draft-eagle3"):
+    """Greedy results for CASES (``spec_type``, EAGLE3 by default, or target-only when ``draft_max``
+    is None) and every proposal the drafter made, in order: (tokens, a copy of its logits)."""
     proposals = []
     with ps.load(target, mmproj=mmproj, draft=draft if draft_max else None,
-                 spec_type="draft-eagle3" if draft_max else "none", draft_max=draft_max or 7, n_threads=N_THREADS,
+                 spec_type=spec_type if draft_max else "none", draft_max=draft_max or 7, n_threads=N_THREADS,
                  cache_type_k=kv, cache_type_v=kv) as engine:
         if draft_max:
             draft_fn = engine.drafter.draft
@@ -268,3 +271,79 @@ def test_bad_eagle3_inputs_are_refused(tmp_path, wide, wide_eagle3):
     with pytest.raises(IncompatibleModelsError, match="target_hidden_size is 64"):
         ps.load(wide.target, draft=EAGLE3, spec_type="draft-eagle3", n_threads=N_THREADS)
 
+
+
+# ----------------------------------------------------------------------------- draft model (draft-simple)
+
+DRAFT_MODEL = MODELS_DIR / widen.DRAFT_MODEL
+SMALL_DM = dict(n_embd=192, n_ff=256, dtype="f32")  # 3 heads of 64 / 1 KV head (ratio 3), s_r = s_h = 2
+
+
+@pytest.fixture(scope="module")
+def wide_draft_model(tiny_dir):
+    return widen.widen_trained_draft_model(tiny_dir, **SMALL_DM)
+
+
+@pytest.mark.parametrize("draft_max,kv,rel", [(3, "f16", 1e-3), (7, "f16", 1e-3), (7, "f32", 1e-5)])
+def test_widened_draft_model_is_lossless_and_proposes_what_the_trained_one_proposes(wide, wide_draft_model,
+                                                                                    target_only, draft_max, kv, rel):
+    ours, ours_p = _eagle3_run(wide.target, wide.mmproj, wide_draft_model, draft_max, kv, "draft-simple")
+    theirs, theirs_p = _eagle3_run(TRAINED.target, TRAINED.mmproj, DRAFT_MODEL, draft_max, kv, "draft-simple")
+    alone = target_only["wide"] if kv == "f16" else _eagle3_run(wide.target, wide.mmproj, None, None, kv)[0]
+    for name in CASES:
+        assert ours[name].tokens == alone[name].tokens, name  # lossless
+        assert ours[name].tokens == theirs[name].tokens, name
+        a, b = ours[name].stats, theirs[name].stats
+        assert a.drafted > 0, (name, a.as_dict())
+        assert (a.drafted, a.accepted, a.target_steps) == (b.drafted, b.accepted, b.target_steps), name
+    assert [t for t, _ in ours_p] == [t for t, _ in theirs_p] and sum(len(t) for t, _ in ours_p) > 20
+    for (tokens, x), (_, y) in zip(ours_p, theirs_p):
+        if tokens and x is not None and y is not None:
+            assert x.shape == y.shape
+            assert np.abs(x - y).max() <= rel * float(np.abs(y).max())
+
+
+def test_widened_draft_model_shapes_metadata_and_cache(tiny_dir, wide_draft_model):
+    e = read_gguf(wide_draft_model)
+    m = e.metadata
+    assert (m["hunyuan_vl.embedding_length"], m["hunyuan_vl.block_count"], m["hunyuan_vl.feed_forward_length"]) == \
+        (192, 2, 256)
+    assert (m["hunyuan_vl.attention.head_count"], m["hunyuan_vl.attention.head_count_kv"],
+            m["hunyuan_vl.attention.key_length"], m["hunyuan_vl.rope.dimension_count"]) == (3, 1, 64, 64)
+    assert list(m["hunyuan_vl.rope.dimension_sections"]) == [8, 12, 12, 0]
+    t = read_gguf(DRAFT_MODEL)
+    q_t, q_w = read_tensor(t, "blk.0.attn_q.weight"), read_tensor(e, "blk.0.attn_q.weight")
+    # NeoX/M-RoPE pairs (i, i + 8) of a trained head of 16 go to (4 i, 32 + 4 i) of the wide head; q times s_h = 2
+    assert np.array_equal(q_w[2 * 64 + 4 * 3, :48], 2 * q_t[2 * 16 + 3, :])
+    assert np.array_equal(q_w[2 * 64 + 32 + 4 * 2, :48], 2 * q_t[2 * 16 + 8 + 2, :])
+    assert not q_w[:, 48:].any() and not q_w[2 * 64 + 1].any()
+    k_t, k_w = read_tensor(t, "blk.1.attn_k.weight"), read_tensor(e, "blk.1.attn_k.weight")
+    assert k_w.shape == (64, 192) and np.array_equal(k_w[4 * 5, :48], 2 * k_t[5, :])
+    emb_t, emb_w = read_tensor(t, "token_embd.weight"), read_tensor(e, "token_embd.weight")
+    assert np.array_equal(emb_w[:, :48], 2 * emb_t) and not emb_w[:, 48:].any()  # s_r = 2
+    assert np.array_equal(read_tensor(e, "output_norm.weight")[:48], read_tensor(t, "output_norm.weight") / 2)
+    with Model(wide_draft_model, role="draft") as d:
+        per_layer = 192 * (3 * 64 + 2 * 64) + 3 * 64 * 192 + 3 * 192 * 256 + 2 * 192 + 2 * 64
+        assert d.n_params == 2 * 269 * 192 + 192 + 2 * per_layer
+    mtime = wide_draft_model.stat().st_mtime_ns
+    again = widen.widen_trained_draft_model(tiny_dir, **SMALL_DM)
+    assert again == wide_draft_model and wide_draft_model.stat().st_mtime_ns == mtime
+    half = read_gguf(widen.widen_trained_draft_model(tiny_dir, **dict(SMALL_DM, dtype="f16")))
+    assert [half.tensors[n].type_name for n in ("blk.0.attn_q.weight", "token_embd.weight",
+                                                "blk.0.attn_norm.weight")] == ["F16", "F16", "F32"]
+
+
+def test_bad_draft_model_widths_are_refused(tmp_path):
+    for kw, match in ((dict(n_embd=256), "times a power of 4"),  # 256 / 48 is no integer
+                      (dict(n_embd=384), "times a power of 4"),  # 8: the residual scale would be sqrt(8)
+                      (dict(n_embd=768, n_head=24, n_head_kv=8), "head dim 32"),  # q/k scale sqrt(2)
+                      (dict(n_embd=768, n_head=12, n_head_kv=6), "GQA ratio"),
+                      (dict(n_embd=192, n_ff=128), "n_ff 128 below the trained 2 / 192"),
+                      (dict(n_embd=192, n_layer=1, n_ff=256), "n_layer 1 / n_ff 256 below")):
+        with pytest.raises(ValueError, match=match):
+            widen.widen_trained_draft_model(tmp_path, **kw)
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(ValueError, match="both n_head and n_head_kv"):
+        widen.write_widened_hunyuan_vl(tmp_path / "out.gguf", DRAFT_MODEL, n_embd=768, n_layer=2, n_ff=256,
+                                       dtype="f32", n_head=12)
+    assert not (tmp_path / "out.gguf").exists()

@@ -40,6 +40,12 @@ How the function is kept (checked against the pinned llama.cpp: ``src/models/hun
 * draft: the same padding; its ``fc`` (3 x n_embd -> n_embd) holds each trained 64 x 64 block
   at the matching wide block; it reads target layers (1, 2, 3) as trained.
 * mmproj: the vision tower as trained (f32), the merger's last projection padded to n_embd.
+* draft model (``widen_trained_draft_model``: ``trained-draft-vlm.gguf``, a 48-wide 2-layer
+  ``hunyuan_vl`` with 3 query heads / 1 KV head of 16, used as ``draft-simple``): the target's
+  construction (``write_widened_hunyuan_vl``) with explicit heads, since ``tiny._geometry`` makes
+  only GQA ratio 2: by default n_embd 768 = 12 heads of 64 / 4 KV heads (ratio 3, query head h
+  still reads KV head h // 3), s_r = sqrt(768 / 48) = 4, s_h = 2; widths are 48 times a power of 4
+  so that both scales stay powers of two.
 * EAGLE3 (``widen_trained_eagle3``: ``trained-eagle3.gguf``, for the widened target; checked
   against ``src/models/eagle3.cpp``): it borrows the target's token embedding (s_r times the
   trained rows) and output head, and its residual starts at the raw ``g`` (the ``fc`` output, or
@@ -80,15 +86,22 @@ EAGLE3 = "trained-eagle3.gguf"
 class _Layout:
     """Where trained rows/columns go in the wide tensors, and the two scales."""
 
-    def __init__(self, t: GGUFInfo, *, n_embd: int, n_ff: int, adjacent_pairs: bool = False):
+    def __init__(self, t: GGUFInfo, *, n_embd: int, n_ff: int, adjacent_pairs: bool = False,
+                 n_head: int | None = None, n_head_kv: int | None = None):
+        """``n_head`` / ``n_head_kv`` None: ``tiny._geometry(n_embd)``'s heads (ratio 2); given (both):
+        heads of ``n_embd // n_head``, with both scales required to be powers of two."""
         arch = t.arch
         m = t.metadata
         self.n_embd_t = int(m[f"{arch}.embedding_length"])
         self.n_head_t = int(m[f"{arch}.attention.head_count"])
         self.n_kv_t = int(m[f"{arch}.attention.head_count_kv"])
         self.hd_t = int(m[f"{arch}.attention.key_length"])
-        g = tiny._geometry(n_embd)
-        self.n_embd, self.n_head, self.n_kv, self.hd = g.n_embd, g.n_head, g.n_head_kv, g.head_dim
+        if n_head is None and n_head_kv is None:
+            g = tiny._geometry(n_embd)
+            self.n_embd, self.n_head, self.n_kv, self.hd = g.n_embd, g.n_head, g.n_head_kv, g.head_dim
+        else:
+            self.n_embd, self.n_head, self.n_kv, self.hd = _explicit_geometry(
+                n_embd, n_head, n_head_kv, n_embd_t=self.n_embd_t, hd_t=self.hd_t)
         self.n_ff = n_ff
         if self.n_embd < self.n_embd_t or self.n_head < self.n_head_t or self.n_kv < self.n_kv_t:
             raise ValueError(f"n_embd {n_embd} gives {self.n_head} heads / {self.n_kv} KV heads of {self.hd}: "
@@ -111,6 +124,34 @@ class _Layout:
     def head_rows(self, n_heads: int) -> np.ndarray:
         """Wide row of each trained row of a [n_heads x head_dim] projection output."""
         return (np.arange(n_heads)[:, None] * self.hd + self.head_map[None, :]).reshape(-1)
+
+
+def _power_of_four(num: int, den: int) -> bool:
+    """num / den is 4^j (j >= 0): its square root, a scale, is a power of two (exact in f32 and f16)."""
+    if num % den:
+        return False
+    r = num // den
+    return r & (r - 1) == 0 and r.bit_length() % 2 == 1
+
+
+def _explicit_geometry(n_embd: int, n_head: int | None, n_head_kv: int | None, *, n_embd_t: int,
+                       hd_t: int) -> tuple[int, int, int, int]:
+    """(n_embd, n_head, n_head_kv, head_dim) for explicit head counts, checked: heads of
+    n_embd // n_head, n_head a multiple of n_head_kv, and both scales (sqrt(n_embd / n_embd_t),
+    sqrt(head_dim / hd_t)) powers of two."""
+    if n_head is None or n_head_kv is None:
+        raise ValueError("give both n_head and n_head_kv, or neither")
+    if n_embd <= 0 or not _power_of_four(n_embd, n_embd_t):
+        raise ValueError(f"n_embd {n_embd} must be the trained {n_embd_t} times a power of 4 (1, 4, 16, ...): the "
+                         "residual scale sqrt(n_embd / trained) must be a power of two")
+    if n_head <= 0 or n_head_kv <= 0 or n_embd % n_head or n_head % n_head_kv:
+        raise ValueError(f"n_embd {n_embd} / n_head {n_head} / n_head_kv {n_head_kv}: n_embd must be a multiple "
+                         "of n_head and n_head a multiple of n_head_kv")
+    hd = n_embd // n_head
+    if not _power_of_four(hd, hd_t):
+        raise ValueError(f"head dim {hd} (n_embd {n_embd} / {n_head} heads) must be the trained {hd_t} times a "
+                         "power of 4: the q/k scale sqrt(head dim / trained) must be a power of two")
+    return n_embd, n_head, n_head_kv, hd
 
 
 def _copy_metadata(w: GGUFWriter, info: GGUFInfo, overrides: dict) -> None:
@@ -190,13 +231,25 @@ def _check_trained(info: GGUFInfo, arch: str, *, sections: bool = True) -> None:
 
 
 def write_widened_target(path: Path, trained: Path, *, n_embd: int, n_layer: int, n_ff: int, dtype: str) -> Path:
-    info = read_gguf(trained, "trained target")
+    """The trained target padded to ``n_embd`` (``tiny._geometry``'s heads), ``n_layer``, ``n_ff``."""
+    return write_widened_hunyuan_vl(path, trained, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, dtype=dtype)
+
+
+def write_widened_hunyuan_vl(path: Path, trained: Path, *, n_embd: int, n_layer: int, n_ff: int, dtype: str,
+                             n_head: int | None = None, n_head_kv: int | None = None,
+                             what: str = "trained target") -> Path:
+    """Any trained ``hunyuan_vl`` file (a target, or a draft model used with ``draft-simple``) padded to
+    ``n_embd``, ``n_layer``, ``n_ff``: the same logits (module docstring). ``n_head`` / ``n_head_kv``
+    None: ``tiny._geometry(n_embd)``'s heads (GQA ratio 2); given: heads of ``n_embd // n_head``,
+    the trained GQA ratio kept and both scales powers of two (``_Layout``)."""
+    info = read_gguf(trained, what)
     _check_trained(info, "hunyuan_vl")
     arch, m = info.arch, info.metadata
     n_layer_t, n_ff_t = int(m[f"{arch}.block_count"]), int(m[f"{arch}.feed_forward_length"])
     if n_layer < n_layer_t or n_ff < n_ff_t:
         raise ValueError(f"n_layer {n_layer} / n_ff {n_ff} below the trained {n_layer_t} / {n_ff_t}")
-    L, mat = _Layout(info, n_embd=n_embd, n_ff=n_ff), tiny._np_dtype(dtype)
+    L = _Layout(info, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv)
+    mat = tiny._np_dtype(dtype)
     w = GGUFWriter()
     over = _attention_overrides(arch, L, n_layer=n_layer, n_ff=n_ff, sections=m[f"{arch}.rope.dimension_sections"])
     over["general.name"] = f"widened-{m.get('general.name', arch)}-{n_embd}x{n_layer}"
@@ -424,3 +477,52 @@ def widen_trained_eagle3(folder: str | Path, *, trained: str | Path = MODELS_DIR
         write_widened_eagle3(path, src, tgt, n_embd=n_embd, n_ff=n_ff, dtype=dtype)
 
     return tiny.cached_file(folder, "widened-eagle3", WIDEN_VERSION, params, write)
+
+
+#: The trained draft model beside the pair (``widen_trained_draft_model``: a 48-wide, 2-layer
+#: ``hunyuan_vl`` of the target's vocabulary, 3 query heads / 1 KV head of 16, used as ``draft-simple``).
+DRAFT_MODEL = "trained-draft-vlm.gguf"
+
+
+def widen_trained_draft_model(folder: str | Path, *, trained: str | Path = MODELS_DIR, n_embd: int = 768,
+                              n_head: int | None = None, n_head_kv: int | None = None, n_layer: int | None = None,
+                              n_ff: int = 2048, dtype: str = "f16") -> Path:
+    """Write (or reuse) the trained draft model (``trained-draft-vlm.gguf`` in ``trained``, without its
+    optional projector) widened by zero padding in ``folder``: as ``spec_type="draft-simple"`` beside
+    ``widen_trained_pair``'s target it proposes what the trained draft model proposes beside the
+    trained target (it reads nothing of the target, so any target width; in f16 up to the rounding
+    the module docstring describes).
+
+    Same construction as the target's (``write_widened_hunyuan_vl``) with explicit heads: by default
+    n_embd 768 = 12 heads of 64 with 4 KV heads (the trained GQA ratio 3; ``n_head`` default
+    n_embd // 64, ``n_head_kv`` default n_head / 3), residual scale sqrt(768 / 48) = 4, head scale
+    sqrt(64 / 16) = 2, ``n_layer`` default the trained 2, ``n_ff`` 2048, f16 matrices.  ``n_embd`` must
+    be 48 times a power of 4 (192, 768, 3072) so that both scales are powers of two.
+
+    Named ``widened-draft-model-{hash}.gguf`` by a hash of the parameters, ``WIDEN_VERSION`` and the
+    trained draft's bytes (``tiny.cached_file``), written atomically, reused by a second call.
+    """
+    src = Path(trained) / DRAFT_MODEL
+    tiny._np_dtype(dtype)
+    info = read_gguf(src, "trained draft model")
+    _check_trained(info, "hunyuan_vl")
+    m = info.metadata
+    n_head_t, n_kv_t = int(m["hunyuan_vl.attention.head_count"]), int(m["hunyuan_vl.attention.head_count_kv"])
+    if n_head is None:
+        n_head = n_embd // 64 if n_embd % 64 == 0 else 0
+    if n_head_kv is None:
+        n_head_kv = n_head * n_kv_t // n_head_t if n_head * n_kv_t % n_head_t == 0 else 0
+    n_layer_t, n_ff_t = int(m["hunyuan_vl.block_count"]), int(m["hunyuan_vl.feed_forward_length"])
+    n_layer = n_layer_t if n_layer is None else n_layer
+    if n_layer < n_layer_t or n_ff < n_ff_t:
+        raise ValueError(f"draft model n_layer {n_layer} / n_ff {n_ff} below the trained {n_layer_t} / {n_ff_t}")
+    # the checks, before naming a file (a bad width leaves nothing behind)
+    _Layout(info, n_embd=n_embd, n_ff=n_ff, n_head=n_head, n_head_kv=n_head_kv)
+    params = dict(kind="widened-draft-model", trained=_digest([src]), n_embd=n_embd, n_head=n_head,
+                  n_head_kv=n_head_kv, n_layer=n_layer, n_ff=n_ff, dtype=dtype)
+
+    def write(path, **_):
+        write_widened_hunyuan_vl(path, src, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff, dtype=dtype, n_head=n_head,
+                                 n_head_kv=n_head_kv, what="trained draft model")
+
+    return tiny.cached_file(folder, "widened-draft-model", WIDEN_VERSION, params, write)
