@@ -14,6 +14,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -252,6 +253,42 @@ def print_fidelity(fid: dict[str, dict], trained: str) -> None:
                       f"({v['n']} tokens)" for k, v in fid.items()))
 
 
+def trained_runs(draft: Path, spec_type: str, prompts: dict, image: bytes | None, max_tokens: int,
+                 draft_maxes: list[int]) -> dict:
+    """The trained files (the embedded 64-wide target with ``draft``, f32) on the same prompts, per draft
+    max (0: target-only): each prompt's tokens and drafted / accepted counts."""
+    m = ps.embedded_models()
+    files = SimpleNamespace(target=m.target, mmproj=m.mmproj, draft=draft)
+    out = {}
+    for dm in [0, *draft_maxes]:
+        engine = Local(files, dm, spec_type)
+        try:
+            out[dm] = {name: engine.run(p, image if img else None, max_tokens) for name, (p, img) in prompts.items()}
+        finally:
+            engine.close()
+    return out
+
+
+def compare_drafts(samples: dict, trained: dict, spec_type: str, draft_maxes: list[int]) -> dict:
+    """Per draft max: (drafted, accepted) of the widened and the trained draft, round 0, all prompts,
+    and whether they are equal prompt by prompt."""
+    drafts = {}
+    for dm in draft_maxes:
+        ours = [x for x in samples[engine_name("pyllama-spec", spec_type, dm)] if x["round"] == 0]
+        theirs = [trained[dm][x["prompt"]] for x in ours]
+        drafts[dm] = dict(widened=[sum(x["drafted"] for x in ours), sum(x["accepted"] for x in ours)],
+                          trained=[sum(x["drafted"] for x in theirs), sum(x["accepted"] for x in theirs)],
+                          equal_per_prompt=all((x["drafted"], x["accepted"]) == (y["drafted"], y["accepted"])
+                                               for x, y in zip(ours, theirs)))
+    return drafts
+
+
+def print_drafts(drafts: dict, trained: str) -> None:
+    print(f"drafted / accepted, widened vs {trained} (round 0, all prompts): "
+          + "; ".join(f"draft max {dm}: {v['widened'][0]} / {v['widened'][1]} vs {v['trained'][0]} / "
+                      f"{v['trained'][1]}{'' if v['equal_per_prompt'] else ' (differs)'}" for dm, v in drafts.items()))
+
+
 def write_results(args, files, n_params: dict, rows: dict, fid: dict, samples: dict, started: float,
                   **extra) -> None:
     """Prints the wall time and writes the JSON to args.out: settings, rows, fidelity, extra (in order),
@@ -264,3 +301,47 @@ def write_results(args, files, n_params: dict, rows: dict, fid: dict, samples: d
                   samples={name: [{k: v for k, v in x.items() if k != "tokens"} for x in xs]
                            for name, xs in samples.items()})
     args.out.write_text(json.dumps(result, indent=1))
+
+
+def add_options(ap, what: str, out: str) -> None:
+    """The options every bench-size script takes (``what``: the drafts' name in the help)."""
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--draft-max", default="3,7,15", help=f"comma-separated {what} draft lengths")
+    ap.add_argument("--no-image", action="store_true", help="text prompts only")
+    ap.add_argument("--dtype", default="f16", choices=["f16", "f32"])
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / out, help="JSON results")
+
+
+def compare_widened_draft(args, *, spec_type: str, widened_draft, trained_draft: Path, label: str,
+                          trained_label: str, key: str) -> int:
+    """The widened 142M target with a widened draft (``widened_draft(folder, dtype)`` writes or finds it)
+    against target-only, here and on llama-server, then the trained pair (``trained_draft``) on the same
+    prompts: the tables, the widened target's fidelity, and the drafts compared; the JSON written."""
+    from pyllama_spec.devtools import widen
+    from pyllama_spec.devtools.benchmark import demo_png
+
+    if native_build.find_llama_server() is None:
+        print("llama-server is not built: python build.py --tools", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    folder = native_build.cache_root() / "tiny-models"
+    pair = widen.widen_trained_pair(folder, dtype=args.dtype)
+    files = SimpleNamespace(target=pair.target, mmproj=pair.mmproj, draft=widened_draft(folder, args.dtype))
+    image = None if args.no_image else demo_png(672)
+    prompts = prompt_set(image)
+    draft_maxes = [int(x) for x in args.draft_max.split(",") if x.strip()]
+    n_params = param_counts(files, key)
+    samples = measure(files, spec_type, draft_maxes, prompts, image, args.repeats, args.max_tokens, started)
+    trained = trained_runs(trained_draft, spec_type, prompts, image, args.max_tokens, draft_maxes)
+    rows = pool_rows(samples, spec_type, draft_maxes, args.repeats)
+    fid = fidelity({name: r["tokens"] for name, r in trained[0].items()}, samples)
+    drafts = compare_drafts(samples, trained, spec_type, draft_maxes)
+    print(f"\nwidened trained target + {label} ({args.dtype}): target {n_params['target']:,} and {label} "
+          f"{n_params[key]:,} parameters ({files.target.name}, {files.draft.name}); {args.repeats} rounds "
+          f"x {len(prompts)} prompts x {args.max_tokens} tokens, greedy, 1 thread\n")
+    print_tables(rows)
+    print_fidelity(fid, "the trained 64-wide target's")
+    print_drafts(drafts, trained_label)
+    write_results(args, files, n_params, rows, fid, samples, started, drafts=drafts)
+    return 0

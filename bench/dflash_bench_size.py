@@ -68,12 +68,7 @@ def _trained_tokens(prompts: dict, image: bytes | None, max_tokens: int) -> dict
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--draft-max", default="3,7,15", help="comma-separated DFlash draft lengths")
-    ap.add_argument("--no-image", action="store_true", help="text prompts only")
-    ap.add_argument("--dtype", default="f16", choices=["f16", "f32"])
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "dflash_bench_size.json", help="JSON results")
+    bs.add_options(ap, "DFlash", "dflash_bench_size.json")
     args = ap.parse_args()
     started = time.monotonic()
     files = widen.widen_trained_pair(native_build.cache_root() / "tiny-models", dtype=args.dtype)

@@ -45,9 +45,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
-from types import SimpleNamespace
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -55,81 +53,18 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import bench_size as bs  # noqa: E402
 
-import pyllama_spec as ps  # noqa: E402
-from pyllama_spec import native_build  # noqa: E402
 from pyllama_spec.devtools import widen  # noqa: E402
-from pyllama_spec.devtools.benchmark import demo_png  # noqa: E402
 from pyllama_spec.embedded import MODELS_DIR  # noqa: E402
-
-SPEC_TYPE = "draft-eagle3"
-
-
-def _trained(prompts: dict, image: bytes | None, max_tokens: int, draft_maxes: list[int]) -> dict:
-    """The trained (64-wide, f32) pair on the same prompts: target-only tokens, and EAGLE3's tokens
-    and drafted / accepted counts at each draft max."""
-    m = ps.embedded_models()
-    files = SimpleNamespace(target=m.target, mmproj=m.mmproj, draft=MODELS_DIR / widen.EAGLE3)
-    out = {}
-    for dm in [0, *draft_maxes]:
-        engine = bs.Local(files, dm, SPEC_TYPE)
-        try:
-            out[dm] = {name: engine.run(p, image if img else None, max_tokens) for name, (p, img) in prompts.items()}
-        finally:
-            engine.close()
-    return out
-
-
-def _drafts(samples: dict, trained: dict, draft_maxes: list[int]) -> dict:
-    """Per draft max: (drafted, accepted) of the widened and the trained EAGLE3, round 0, all prompts,
-    and whether they are equal prompt by prompt."""
-    drafts = {}
-    for dm in draft_maxes:
-        ours = [x for x in samples[bs.engine_name("pyllama-spec", SPEC_TYPE, dm)] if x["round"] == 0]
-        theirs = [trained[dm][x["prompt"]] for x in ours]
-        drafts[dm] = dict(widened=[sum(x["drafted"] for x in ours), sum(x["accepted"] for x in ours)],
-                          trained=[sum(x["drafted"] for x in theirs), sum(x["accepted"] for x in theirs)],
-                          equal_per_prompt=all((x["drafted"], x["accepted"]) == (y["drafted"], y["accepted"])
-                                               for x, y in zip(ours, theirs)))
-    return drafts
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--draft-max", default="3,7,15", help="comma-separated EAGLE3 draft lengths")
-    ap.add_argument("--no-image", action="store_true", help="text prompts only")
-    ap.add_argument("--dtype", default="f16", choices=["f16", "f32"])
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "eagle3_bench_size.json", help="JSON results")
+    bs.add_options(ap, "EAGLE3", "eagle3_bench_size.json")
     args = ap.parse_args()
-    if native_build.find_llama_server() is None:
-        print("llama-server is not built: python build.py --tools", file=sys.stderr)
-        return 2
-    started = time.monotonic()
-    folder = native_build.cache_root() / "tiny-models"
-    pair = widen.widen_trained_pair(folder, dtype=args.dtype)
-    files = SimpleNamespace(target=pair.target, mmproj=pair.mmproj, draft=widen.widen_trained_eagle3(folder,
-                                                                                                      dtype=args.dtype))
-    image = None if args.no_image else demo_png(672)
-    prompts = bs.prompt_set(image)
-    draft_maxes = [int(x) for x in args.draft_max.split(",") if x.strip()]
-    n_params = bs.param_counts(files, "eagle3")
-    samples = bs.measure(files, SPEC_TYPE, draft_maxes, prompts, image, args.repeats, args.max_tokens, started)
-    trained = _trained(prompts, image, args.max_tokens, draft_maxes)
-    rows = bs.pool_rows(samples, SPEC_TYPE, draft_maxes, args.repeats)
-    fidelity = bs.fidelity({name: r["tokens"] for name, r in trained[0].items()}, samples)
-    drafts = _drafts(samples, trained, draft_maxes)
-
-    print(f"\nwidened trained target + EAGLE3 ({args.dtype}): target {n_params['target']:,} and EAGLE3 "
-          f"{n_params['eagle3']:,} parameters ({files.target.name}, {files.draft.name}); {args.repeats} rounds x "
-          f"{len(prompts)} prompts x {args.max_tokens} tokens, greedy, 1 thread\n")
-    bs.print_tables(rows)
-    bs.print_fidelity(fidelity, "the trained 64-wide target's")
-    print("drafted / accepted, widened vs trained 64-wide EAGLE3 (round 0, all prompts): "
-          + "; ".join(f"draft max {dm}: {v['widened'][0]} / {v['widened'][1]} vs {v['trained'][0]} / "
-                      f"{v['trained'][1]}{'' if v['equal_per_prompt'] else ' (differs)'}" for dm, v in drafts.items()))
-    bs.write_results(args, files, n_params, rows, fidelity, samples, started, drafts=drafts)
-    return 0
+    return bs.compare_widened_draft(
+        args, spec_type="draft-eagle3", trained_draft=MODELS_DIR / widen.EAGLE3, label="EAGLE3",
+        trained_label="the trained 64-wide EAGLE3", key="eagle3",
+        widened_draft=lambda folder, dtype: widen.widen_trained_eagle3(folder, dtype=dtype))
 
 
 if __name__ == "__main__":
