@@ -21,13 +21,7 @@ bench/RESULTS.md).
 
 How the numbers are computed (bench/bench_size.py, as for bench/dflash_bench_size.py):
 
-- decode tok/s: per round and prompt kind (text = the three text prompts pooled), generated
-  tokens / decode seconds by each engine's own timer (pyllama-spec: ``stats.decode_seconds``,
-  prefill excluded; llama-server: ``timings.predicted_n`` / ``predicted_ms``); min / median / max
-  over the rounds. "x target-only" is the ratio of the medians, each engine against its own
-  target-only.
-- mean accepted length (MAL): tokens per target step = 1 + accepted / steps (pyllama-spec's
-  target steps; llama-server: steps = tokens - accepted - generations).
+- decode tok/s and the mean accepted length (MAL) as there (its docstring says how);
 - step times (pyllama-spec, pooled per round, median over rounds): one-token decode t1 =
   target-only ``decode_target_seconds / target_steps``; verify tv = EAGLE3's
   ``decode_target_seconds / target_steps``; draft td = ``decode_draft_seconds / target_steps``
