@@ -152,22 +152,28 @@ class TargetDecode:
 
     @classmethod
     def joined(cls, held: Sequence["HeldRows"], max_rows: int) -> Iterator["TargetDecode"]:
-        """Held text rows of one sequence, contiguous and in order, as decodes of at most
-        ``max_rows`` rows each (what a drafter's context takes in one batch)."""
-        if not held:
-            return
-        first = held[0].rows
-        positions = np.concatenate([h.rows.positions for h in held], axis=1)
-        tokens = np.concatenate([h.rows.tokens for h in held])
-        layers = {lid: np.concatenate([h.layers[lid] for h in held]) for lid in held[0].layers}
-        hidden = None if held[0].hidden is None else np.concatenate([h.hidden for h in held])
-        step = max(1, max_rows)
-        for s in range(0, len(tokens), step):
-            e = min(s + step, len(tokens))
-            rows = dataclasses.replace(first, positions=positions[:, s:e], tokens=tokens[s:e],
-                                       first_draft_pos=first.first_draft_pos + s)  # a text row: one position
-            yield cls([rows], _HeldOutputs({lid: a[s:e] for lid, a in layers.items()},
-                                           None if hidden is None else hidden[s:e]))
+        """Held text rows of one sequence, contiguous and in order, as decodes of whole held items
+        of at most ``max_rows`` rows together (what a drafter's context takes in one batch; an item
+        is one step's rows, never more than a batch). Each decode starts at its first item's own
+        draft position."""
+        chunk: list[HeldRows] = []
+        n = 0  # rows in chunk
+        for h in held:
+            if chunk and n + h.rows.n_rows > max_rows:
+                yield cls._join(chunk)
+                chunk, n = [], 0
+            chunk.append(h)
+            n += h.rows.n_rows
+        if chunk:
+            yield cls._join(chunk)
+
+    @classmethod
+    def _join(cls, chunk: Sequence["HeldRows"]) -> "TargetDecode":
+        rows = dataclasses.replace(chunk[0].rows, positions=np.concatenate([h.rows.positions for h in chunk], axis=1),
+                                   tokens=np.concatenate([h.rows.tokens for h in chunk]))
+        layers = {lid: np.concatenate([h.layers[lid] for h in chunk]) for lid in chunk[0].layers}
+        hidden = None if chunk[0].hidden is None else np.concatenate([h.hidden for h in chunk])
+        return cls([rows], _HeldOutputs(layers, hidden))
 
 
 class HeldRows(NamedTuple):

@@ -160,13 +160,9 @@ class PromptCache:
                 best, best_keep, best_sim = e, keep, sim
         return best
 
-    def holds(self, entry: Entry) -> bool:
-        return any(e is entry for e in self.entries)
-
-    def take(self, entry: Entry) -> Entry:
+    def take(self, entry: Entry) -> None:
         """Take ``entry`` out of the cache, to ``load`` it into a slot (later saves cannot drop it)."""
         self._drop(entry)
-        return entry
 
     def put_back(self, entry: Entry) -> None:
         """An entry taken and not loaded after all: back into the cache, as the newest."""

@@ -664,17 +664,25 @@ class SlotLoop:
         for i, running in enumerate(self._slots):
             if running is not None or i == keep:
                 continue
-            seq = self._sequences[i]
-            try:
-                if self._prompt_cache.save(seq, self._lora.cached_scales(seq.seq_id)):
-                    # llama-server's tag for this, which its tests read in its debug log
-                    log.debug("slot %d: saved idle slot to the prompt cache (__TEST_TAG_CACHE_IDLE_SLOT__)", i)
-                    self._prompt_cache.trim()
-            except Exception:  # noqa: BLE001 - the slot keeps its cache; only the copy is missing
-                log.exception("prompt cache: could not save idle slot %d", i)
-                continue
-            if self._shared_cells:
-                seq.reset()  # as llama-server with --kv-unified: its cells go to the busy slots
+            saved = self._copy_to_cache(i)
+            if saved:  # llama-server's tag for this, which its tests read in its debug log
+                log.debug("slot %d: saved idle slot to the prompt cache (__TEST_TAG_CACHE_IDLE_SLOT__)", i)
+            if saved is not None and self._shared_cells:
+                self._sequences[i].reset()  # as llama-server with --kv-unified: its cells go to the busy slots
+
+    def _copy_to_cache(self, i: int) -> bool | None:
+        """Copy idle slot i's cache into the prompt cache: True when copied (the cache then trimmed),
+        False when there was nothing new to copy, None when the copy failed (logged: the slot keeps
+        its cache, only the copy is missing)."""
+        seq = self._sequences[i]
+        try:
+            saved = self._prompt_cache.save(seq, self._lora.cached_scales(seq.seq_id))
+            if saved:
+                self._prompt_cache.trim()
+            return saved
+        except Exception:  # noqa: BLE001
+            log.exception("prompt cache: could not save idle slot %d", i)
+            return None
 
     # ------------------------------------------------------------------ one pool of cells (--kv-unified)
     def _cells_free(self) -> int:
@@ -700,11 +708,7 @@ class SlotLoop:
                 break
             seq = self._sequences[i]
             if self._prompt_cache is not None:
-                try:
-                    self._prompt_cache.save(seq, self._lora.cached_scales(seq.seq_id))
-                    self._prompt_cache.trim()
-                except Exception:  # noqa: BLE001 - only the copy is lost
-                    log.exception("prompt cache: could not save idle slot %d", i)
+                self._copy_to_cache(i)  # (a failed copy loses only the copy: the cells are needed)
             free += seq.positions.n_rows
             log.debug("slot %d: idle, its %d cells given to the busy slots", i, seq.positions.n_rows)
             seq.reset()
