@@ -49,7 +49,7 @@ def engine_name(kind: str, spec_type: str, draft_max: int) -> str:
 
 class Local:
     """pyllama-spec in this process: target-only with draft_max 0, else with ``files.draft`` as
-    ``spec_type`` (llama.cpp's name: "draft-dflash", "draft-eagle3")."""
+    ``spec_type`` (llama.cpp's name: "draft-dflash", "draft-eagle3", "draft-simple")."""
 
     kind = "pyllama-spec"
 
@@ -133,9 +133,9 @@ def measure(files, spec_type: str, draft_maxes: list[int], prompts: dict, image:
     try:
         for cls in (Local, Remote):
             for dm in [0, *draft_maxes]:
-                engines[engine_name(cls.kind, spec_type, dm)] = cls(files, dm, spec_type)
-                samples[engine_name(cls.kind, spec_type, dm)] = []
-        for name, e in engines.items():
+                name = engine_name(cls.kind, spec_type, dm)
+                engines[name], samples[name] = cls(files, dm, spec_type), []
+        for e in engines.values():
             e.run(READ_CONFIG[:40], None, 8)  # warm-up, not measured
         for rnd in range(repeats):
             order = list(engines.items()) if rnd % 2 == 0 else list(reversed(list(engines.items())))
@@ -253,7 +253,7 @@ def print_fidelity(fid: dict[str, dict], trained: str) -> None:
                       f"({v['n']} tokens)" for k, v in fid.items()))
 
 
-def trained_runs(draft: Path, spec_type: str, prompts: dict, image: bytes | None, max_tokens: int,
+def trained_runs(draft: Path | None, spec_type: str, prompts: dict, image: bytes | None, max_tokens: int,
                  draft_maxes: list[int]) -> dict:
     """The trained files (the embedded 64-wide target with ``draft``, f32) on the same prompts, per draft
     max (0: target-only): each prompt's tokens and drafted / accepted counts."""

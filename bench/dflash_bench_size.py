@@ -13,7 +13,8 @@ Every round sends each prompt to every engine; the engine order reverses every o
 Prompts: three held-out-style Python prefixes and (unless --no-image) the demo test card
 (672x672: 576 image rows over 24 positions) before the second one.
 
-How the numbers are computed (bench/bench_size.py, shared with bench/eagle3_bench_size.py):
+How the numbers are computed (bench/bench_size.py, shared with bench/eagle3_bench_size.py and
+bench/draft_model_bench_size.py):
 
 - decode tok/s: per round and prompt kind (text = the three text prompts pooled), generated
   tokens / decode seconds by each engine's own timer (pyllama-spec: ``stats.decode_seconds``,
@@ -50,20 +51,11 @@ sys.path.insert(0, str(REPO / "bench"))
 
 import bench_size as bs  # noqa: E402
 
-import pyllama_spec as ps  # noqa: E402
 from pyllama_spec import native_build  # noqa: E402
 from pyllama_spec.devtools import widen  # noqa: E402
 from pyllama_spec.devtools.benchmark import demo_png  # noqa: E402
 
 SPEC_TYPE = "draft-dflash"  # "dflash" is its alias
-
-
-def _trained_tokens(prompts: dict, image: bytes | None, max_tokens: int) -> dict:
-    """The trained (64-wide, f32) target's greedy tokens for the same prompts."""
-    m = ps.embedded_models()
-    with ps.load(m.target, mmproj=m.mmproj, n_threads=1, flash_attn=False, **bs.CTX) as e:
-        return {name: e.generate(p, images=[image] if img else [], max_tokens=max_tokens, temperature=0.0,
-                                 cache_prompt=False).tokens for name, (p, img) in prompts.items()}
 
 
 def main() -> int:
@@ -77,7 +69,7 @@ def main() -> int:
     draft_maxes = [int(x) for x in args.draft_max.split(",") if x.strip()]
     n_params = bs.param_counts(files, "draft")
     samples = bs.measure(files, SPEC_TYPE, draft_maxes, prompts, image, args.repeats, args.max_tokens, started)
-    trained = _trained_tokens(prompts, image, args.max_tokens)
+    trained = {name: r["tokens"] for name, r in bs.trained_runs(None, SPEC_TYPE, prompts, image, args.max_tokens, [])[0].items()}
     rows = bs.pool_rows(samples, SPEC_TYPE, draft_maxes, args.repeats)
     fidelity = bs.fidelity(trained, samples)
 

@@ -21,6 +21,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -31,10 +32,13 @@ sys.path.insert(0, str(REPO / "tools"))
 
 from measure_trained_pair import held_out_prompts  # noqa: E402
 
+from pyllama_spec.ports import free_port  # noqa: E402
+
 
 def _start(flags: list[str], port: int, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "pyllama_spec", "serve", "--port", str(port), *flags],
-                            cwd=REPO, stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    with log.open("w") as err:  # (the child keeps its own copy of the file)
+        proc = subprocess.Popen([sys.executable, "-m", "pyllama_spec", "serve", "--port", str(port), *flags],
+                                cwd=REPO, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -44,8 +48,17 @@ def _start(flags: list[str], port: int, log: Path) -> subprocess.Popen:
             return proc
         except OSError:
             time.sleep(0.2)
-    proc.terminate()
+    _stop(proc)
     raise SystemExit(f"serve {' '.join(flags)} did not answer /health within 300 s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _ask(port: int, text: str, max_tokens: int) -> tuple[str, int, float]:
@@ -77,16 +90,17 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--port", type=int, default=8470)
+    ap.add_argument("--port", type=int, default=None, help="the first server's port, the others' next to it "
+                    "(default: free ports)")
     args = ap.parse_args()
     configs = [c.strip() for c in args.configs.split(";")]
     prompts = held_out_prompts(args.prompts)
-    logs = Path("/tmp") / "pyllama-spec-serve-slots"
-    logs.mkdir(exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="pyllama-spec-serve-slots-"))
+    ports = [free_port() if args.port is None else args.port + i for i in range(len(configs))]
     procs = []
     try:
         for i, c in enumerate(configs):
-            procs.append(_start(shlex.split(c), args.port + i, logs / f"serve-{i}.log"))
+            procs.append(_start(shlex.split(c), ports[i], logs / f"serve-{i}.log"))
         print("| streams | serve flags | tokens/s min / median / max | / first per round |")
         print("|---|---|---|---|")
         for streams in [int(s) for s in args.streams.split(",")]:
@@ -95,7 +109,7 @@ def main() -> int:
                 order = list(enumerate(configs)) if k % 2 == 0 else list(reversed(list(enumerate(configs))))
                 answers = {}
                 for i, c in order:
-                    answers[c], rate = _round(args.port + i, prompts, streams, args.max_tokens)
+                    answers[c], rate = _round(ports[i], prompts, streams, args.max_tokens)
                     rates[c].append(rate)
                 if any(a != answers[configs[0]] for a in answers.values()):
                     raise SystemExit(f"the answers differ between {configs} ({streams} streams)")
@@ -106,8 +120,7 @@ def main() -> int:
                       f"{min(ratio):.2f} / {statistics.median(ratio):.2f} / {max(ratio):.2f} |", flush=True)
     finally:
         for p in procs:
-            p.terminate()
-            p.wait(30)
+            _stop(p)
     return 0
 
 

@@ -85,7 +85,6 @@ def test_drafting_off_bench_runs_every_method_against_target_only():
 
 
 def test_serve_slots_bench_runs_both_servers_and_finds_the_same_answers():
-    out = _run(["bench/serve_slots.py", "--prompts", "2", "--max-tokens", "8", "--rounds", "1", "--streams", "1,2",
-                "--port", "8491"])
+    out = _run(["bench/serve_slots.py", "--prompts", "2", "--max-tokens", "8", "--rounds", "1", "--streams", "1,2"])
     rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 4, out
