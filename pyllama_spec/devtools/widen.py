@@ -81,6 +81,9 @@ from pyllama_spec.gguf.writer import GGUFWriter
 WIDEN_VERSION = 1
 #: The trained EAGLE3 draft beside the pair (``widen_trained_eagle3``).
 EAGLE3 = "trained-eagle3.gguf"
+#: The trained draft model beside the pair (``widen_trained_draft_model``: a 48-wide, 2-layer
+#: ``hunyuan_vl`` of the target's vocabulary, 3 query heads / 1 KV head of 16, used as ``draft-simple``).
+DRAFT_MODEL = "trained-draft-vlm.gguf"
 
 
 class _Layout:
@@ -180,18 +183,42 @@ def _pad(shape: tuple[int, ...], dtype, rows=None, cols=None, value=None) -> np.
     return out
 
 
+def _residual_norm(L: "_Layout", weight: np.ndarray | None) -> np.ndarray:
+    """A norm over the residual (trained dims 0..n_embd_t-1, s_r times larger): its weight / s_r (zero if None)."""
+    return _pad((L.n_embd,), np.float32, L.res, value=None if weight is None else weight / np.float32(L.s_r))
+
+
+def _add_ffn(w: GGUFWriter, L: "_Layout", p: str, t, *, n_ff_t: int, n_ff: int, mat) -> None:
+    """Block ``p``'s feed-forward: the trained units first (``t(name)``: the trained tensor, or None for
+    a block the trained model does not have), ``ffn_down`` scaled by s_r into the residual."""
+    ff_t = np.arange(n_ff_t)
+    down = t("ffn_down")
+    w.add_tensor(f"{p}.ffn_norm.weight", _residual_norm(L, t("ffn_norm")))
+    w.add_tensor(f"{p}.ffn_gate.weight", _pad((n_ff, L.n_embd), mat, ff_t, L.res, t("ffn_gate")))
+    w.add_tensor(f"{p}.ffn_up.weight", _pad((n_ff, L.n_embd), mat, ff_t, L.res, t("ffn_up")))
+    w.add_tensor(f"{p}.ffn_down.weight", _pad((L.n_embd, n_ff), mat, L.res, ff_t,
+                                              None if down is None else down * np.float32(L.s_r)))
+
+
+def _pad_fc(L: "_Layout", fc_t: np.ndarray, mat) -> np.ndarray:
+    """A draft's ``fc`` over target layer inputs side by side (each n_embd wide, the trained dims first),
+    unscaled: it reads inputs s_r times the trained ones, so its output is s_r times the trained one."""
+    n_feat = fc_t.shape[1] // L.n_embd_t
+    cols = np.concatenate([j * L.n_embd + L.res for j in range(n_feat)])
+    return _pad((L.n_embd, n_feat * L.n_embd), mat, L.res, cols, fc_t)
+
+
 def _add_layers(w: GGUFWriter, info: GGUFInfo, L: _Layout, *, n_layer: int, n_ff_t: int, n_ff: int, mat) -> None:
     """Attention + FFN blocks: the trained ones padded, the rest zero."""
     n_layer_t = sum(1 for n in info.tensors if n.endswith(".attn_norm.weight"))
     qrows, kvrows, res, f32 = L.head_rows(L.n_head_t), L.head_rows(L.n_kv_t), L.res, np.float32
     q_out, kv_out = L.n_head * L.hd, L.n_kv * L.hd
-    ff_t = np.arange(n_ff_t)
     for i in range(n_layer):
         p = f"blk.{i}"
         trained = i < n_layer_t
         t = (lambda name: read_tensor(info, f"{p}.{name}.weight")) if trained else (lambda name: None)
         sc = lambda v, s: None if v is None else v * np.float32(s)  # noqa: E731
-        w.add_tensor(f"{p}.attn_norm.weight", _pad((L.n_embd,), f32, res, value=sc(t("attn_norm"), 1 / L.s_r)))
+        w.add_tensor(f"{p}.attn_norm.weight", _residual_norm(L, t("attn_norm")))
         w.add_tensor(f"{p}.attn_q.weight", _pad((q_out, L.n_embd), mat, qrows, res, sc(t("attn_q"), L.s_h)))
         w.add_tensor(f"{p}.attn_k.weight", _pad((kv_out, L.n_embd), mat, kvrows, res, sc(t("attn_k"), L.s_h)))
         w.add_tensor(f"{p}.attn_v.weight", _pad((kv_out, L.n_embd), mat, kvrows, res, t("attn_v")))
@@ -200,10 +227,7 @@ def _add_layers(w: GGUFWriter, info: GGUFInfo, L: _Layout, *, n_layer: int, n_ff
         w.add_tensor(f"{p}.attn_q_norm.weight", _pad((L.hd,), f32, L.head_map, value=t("attn_q_norm")))
         w.add_tensor(f"{p}.attn_k_norm.weight",
                      _pad((L.hd,), f32, L.head_map, value=sc(t("attn_k_norm"), 1 / L.s_h)))
-        w.add_tensor(f"{p}.ffn_norm.weight", _pad((L.n_embd,), f32, res, value=sc(t("ffn_norm"), 1 / L.s_r)))
-        w.add_tensor(f"{p}.ffn_gate.weight", _pad((n_ff, L.n_embd), mat, ff_t, res, t("ffn_gate")))
-        w.add_tensor(f"{p}.ffn_up.weight", _pad((n_ff, L.n_embd), mat, ff_t, res, t("ffn_up")))
-        w.add_tensor(f"{p}.ffn_down.weight", _pad((L.n_embd, n_ff), mat, res, ff_t, sc(t("ffn_down"), L.s_r)))
+        _add_ffn(w, L, p, t, n_ff_t=n_ff_t, n_ff=n_ff, mat=mat)
 
 
 def _attention_overrides(arch: str, L: _Layout, *, n_layer: int, n_ff: int, sections) -> dict:
@@ -211,7 +235,7 @@ def _attention_overrides(arch: str, L: _Layout, *, n_layer: int, n_ff: int, sect
             f"{arch}.feed_forward_length": n_ff, f"{arch}.attention.head_count": L.n_head,
             f"{arch}.attention.head_count_kv": L.n_kv, f"{arch}.attention.key_length": L.hd,
             f"{arch}.attention.value_length": L.hd, f"{arch}.rope.dimension_count": L.hd,
-            f"{arch}.rope.dimension_sections": [int(s) * L.k for s in sections]}
+            **({} if sections is None else {f"{arch}.rope.dimension_sections": [int(s) * L.k for s in sections]})}
 
 
 def _check_trained(info: GGUFInfo, arch: str, *, sections: bool = True) -> None:
@@ -257,8 +281,7 @@ def write_widened_hunyuan_vl(path: Path, trained: Path, *, n_embd: int, n_layer:
     n_vocab = info.tensors["token_embd.weight"].dims[1]
     w.add_tensor("token_embd.weight", _pad((n_vocab, L.n_embd), mat, None, L.res,
                                            read_tensor(info, "token_embd.weight") * np.float32(L.s_r)))
-    w.add_tensor("output_norm.weight", _pad((L.n_embd,), np.float32, L.res,
-                                            value=read_tensor(info, "output_norm.weight") / np.float32(L.s_r)))
+    w.add_tensor("output_norm.weight", _residual_norm(L, read_tensor(info, "output_norm.weight")))
     w.add_tensor("output.weight", _pad((n_vocab, L.n_embd), mat, None, L.res, read_tensor(info, "output.weight")))
     _add_layers(w, info, L, n_layer=n_layer, n_ff_t=n_ff_t, n_ff=n_ff, mat=mat)
     _check_all_padded(info, w, trained)
@@ -289,13 +312,10 @@ def write_widened_draft(path: Path, trained: Path, trained_target: Path, *, n_em
     over["general.name"] = f"widened-{m.get('general.name', arch)}-{n_embd}"
     _copy_metadata(w, info, over)
     fc_t = read_tensor(info, "fc.weight")  # numpy (n_embd_t, n_feat * n_embd_t)
-    n_feat = fc_t.shape[1] // L.n_embd_t
-    assert n_feat == len(m["dflash.target_layers"])
-    cols = np.concatenate([j * L.n_embd + L.res for j in range(n_feat)])
-    # features arrive s_r times the trained ones: fc unscaled, its norm weight / s_r
-    w.add_tensor("fc.weight", _pad((L.n_embd, n_feat * L.n_embd), mat, L.res, cols, fc_t))
+    assert fc_t.shape[1] // L.n_embd_t == len(m["dflash.target_layers"])
+    w.add_tensor("fc.weight", _pad_fc(L, fc_t, mat))
     for name in ("enc.output_norm.weight", "output_norm.weight"):
-        w.add_tensor(name, _pad((L.n_embd,), np.float32, L.res, value=read_tensor(info, name) / np.float32(L.s_r)))
+        w.add_tensor(name, _residual_norm(L, read_tensor(info, name)))
     _add_layers(w, info, L, n_layer=n_layer, n_ff_t=n_ff_t, n_ff=n_ff, mat=mat)
     _check_all_padded(info, w, trained)
     w.write(path)
@@ -352,37 +372,28 @@ def write_widened_eagle3(path: Path, trained: Path, trained_target: Path, *, n_e
         raise ValueError(f"EAGLE3 n_ff {n_ff} below the trained {n_ff_t}")
     L, mat = _Layout(info, n_embd=n_embd, n_ff=n_ff, adjacent_pairs=True), tiny._np_dtype(dtype)
     w = GGUFWriter()
-    over = _attention_overrides(arch, L, n_layer=1, n_ff=n_ff, sections=[])
-    del over[f"{arch}.rope.dimension_sections"]
+    over = _attention_overrides(arch, L, n_layer=1, n_ff=n_ff, sections=None)
     over.update({"eagle3.target_hidden_size": L.n_embd,
                  "general.name": f"widened-{m.get('general.name', arch)}-{n_embd}"})
     _copy_metadata(w, info, over)
     f32, res, n_t = np.float32, L.res, L.n_embd_t
     t = lambda name: read_tensor(info, name)  # noqa: E731
-    fc_t = t("fc.weight")  # numpy (n_embd_t, 3 * n_embd_t): the three layers' inputs side by side
-    w.add_tensor("fc.weight", _pad((L.n_embd, 3 * L.n_embd), mat, res, np.concatenate([j * L.n_embd + res
-                                                                                         for j in range(3)]), fc_t))
-    w.add_tensor("output_norm.weight", _pad((L.n_embd,), f32, res, value=t("output_norm.weight") / f32(L.s_r)))
+    w.add_tensor("fc.weight", _pad_fc(L, t("fc.weight"), mat))  # the three layers' inputs side by side
+    w.add_tensor("output_norm.weight", _residual_norm(L, t("output_norm.weight")))
     p = "blk.0"
     pair = np.concatenate([res, L.n_embd + res])  # [embedding | g]: trained columns 0..2n_t-1
     assert t(f"{p}.attn_q.weight").shape[1] == 2 * n_t
     qrows, kvrows = L.head_rows(L.n_head_t), L.head_rows(L.n_kv_t)
     q_out, kv_out = L.n_head * L.hd, L.n_kv * L.hd
-    norm = lambda name: _pad((L.n_embd,), f32, res, value=t(f"{p}.{name}.weight") / f32(L.s_r))  # noqa: E731
-    w.add_tensor(f"{p}.attn_norm.weight", norm("attn_norm"))  # over the target's token embedding rows
-    w.add_tensor(f"{p}.attn_norm_2.weight", norm("attn_norm_2"))  # over g
+    w.add_tensor(f"{p}.attn_norm.weight", _residual_norm(L, t(f"{p}.attn_norm.weight")))  # over the target's embedding rows
+    w.add_tensor(f"{p}.attn_norm_2.weight", _residual_norm(L, t(f"{p}.attn_norm_2.weight")))  # over g
     w.add_tensor(f"{p}.attn_q.weight", _pad((q_out, 2 * L.n_embd), mat, qrows, pair,
                                             t(f"{p}.attn_q.weight") * f32(L.s_h)))
     w.add_tensor(f"{p}.attn_k.weight", _pad((kv_out, 2 * L.n_embd), mat, kvrows, pair, t(f"{p}.attn_k.weight")))
     w.add_tensor(f"{p}.attn_v.weight", _pad((kv_out, 2 * L.n_embd), mat, kvrows, pair, t(f"{p}.attn_v.weight")))
     w.add_tensor(f"{p}.attn_output.weight", _pad((L.n_embd, q_out), mat, res, qrows,
                                                  t(f"{p}.attn_output.weight") * f32(L.s_r)))
-    ff_t = np.arange(n_ff_t)
-    w.add_tensor(f"{p}.ffn_norm.weight", norm("ffn_norm"))
-    w.add_tensor(f"{p}.ffn_gate.weight", _pad((n_ff, L.n_embd), mat, ff_t, res, t(f"{p}.ffn_gate.weight")))
-    w.add_tensor(f"{p}.ffn_up.weight", _pad((n_ff, L.n_embd), mat, ff_t, res, t(f"{p}.ffn_up.weight")))
-    w.add_tensor(f"{p}.ffn_down.weight", _pad((L.n_embd, n_ff), mat, res, ff_t,
-                                              t(f"{p}.ffn_down.weight") * f32(L.s_r)))
+    _add_ffn(w, L, p, lambda name: t(f"{p}.{name}.weight"), n_ff_t=n_ff_t, n_ff=n_ff, mat=mat)
     _check_all_padded(info, w, trained)
     w.write(path)
     return path
@@ -478,10 +489,6 @@ def widen_trained_eagle3(folder: str | Path, *, trained: str | Path = MODELS_DIR
 
     return tiny.cached_file(folder, "widened-eagle3", WIDEN_VERSION, params, write)
 
-
-#: The trained draft model beside the pair (``widen_trained_draft_model``: a 48-wide, 2-layer
-#: ``hunyuan_vl`` of the target's vocabulary, 3 query heads / 1 KV head of 16, used as ``draft-simple``).
-DRAFT_MODEL = "trained-draft-vlm.gguf"
 
 
 def widen_trained_draft_model(folder: str | Path, *, trained: str | Path = MODELS_DIR, n_embd: int = 768,
