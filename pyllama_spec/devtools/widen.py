@@ -490,7 +490,6 @@ def widen_trained_eagle3(folder: str | Path, *, trained: str | Path = MODELS_DIR
     return tiny.cached_file(folder, "widened-eagle3", WIDEN_VERSION, params, write)
 
 
-
 def widen_trained_draft_model(folder: str | Path, *, trained: str | Path = MODELS_DIR, n_embd: int = 768,
                               n_head: int | None = None, n_head_kv: int | None = None, n_layer: int | None = None,
                               n_ff: int = 2048, dtype: str = "f16") -> Path:
