@@ -201,28 +201,28 @@ class DFlashDrafter:
         self.ctx.memory.remove(seq_id, draft_pos, -1)
 
     def process(self, decode: TargetDecode) -> None:
-        """Inject the target's features for rows it just decoded (skipping pinned media), all sequences at once."""
-        feats, positions, seqs = [], [], []
+        """Inject the target's features for rows it just decoded (skipping pinned media), all sequences
+        at once: up to n_ubatch rows a draft decode, a sequence's rows split where one is full."""
+        step = self.ctx.n_ubatch
+        self._batch.clear()
         for r in decode.rows:
             mode_target = r.draft_positions == "target"
             if mode_target and r.pinned:
                 self._log("skip", r.seq_id, int(r.section0[0]), r.n_rows)
                 continue
-            n = r.n_rows
-            feats.append(decode.features(self.config.target_layers, r))
-            pos0 = r.section0 if mode_target else r.first_draft_pos + np.arange(n, dtype=np.int32)
-            positions.append(self._draft_positions(pos0))
-            seqs.append(np.full(n, r.seq_id, dtype=np.int32))
-        if not feats:
-            return
-        features, positions, seqs = np.concatenate(feats), np.concatenate(positions), np.concatenate(seqs)
-        step = self.ctx.n_ubatch
-        for s in range(0, len(features), step):
-            self._batch.clear()
-            for seq in np.unique(seqs[s:s + step]):  # rows of one sequence are contiguous
-                mine = np.flatnonzero(seqs[s:s + step] == seq) + s
-                self._batch.add_embeddings(features[mine], positions[mine], seq_id=int(seq))
-                self._log("inject", int(seq), int(positions[mine[0], 0]), len(mine))
+            features = decode.features(self.config.target_layers, r)
+            pos0 = r.section0 if mode_target else r.first_draft_pos + np.arange(r.n_rows, dtype=np.int32)
+            positions = self._draft_positions(pos0)
+            at = 0
+            while at < r.n_rows:
+                n = min(r.n_rows - at, step - self._batch.n_rows)
+                self._batch.add_embeddings(features[at:at + n], positions[at:at + n], seq_id=r.seq_id)
+                self._log("inject", r.seq_id, int(positions[at, 0]), n)
+                at += n
+                if self._batch.n_rows == step:
+                    self.ctx.decode(self._batch)
+                    self._batch.clear()
+        if self._batch.n_rows:
             self.ctx.decode(self._batch)
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Proposal]:
