@@ -14,6 +14,10 @@ tests take seconds; the construction is the same at the bench size (1024 / 12 / 
 * the widened draft model (``trained-draft-vlm.gguf``, 48 wide, GQA ratio 3, as ``draft-simple``)
   beside the widened target is lossless and proposes what the trained draft model proposes beside
   the trained target;
+* the widened qwen35 target with its MTP head (``trained-qwen35-mtp.gguf``: a gated delta net and
+  gated attention, widened with zero heads and zero layers of both kinds) gives the trained logits and
+  s_r times the trained hidden state, for text and after a picture; with ``draft-mtp`` it is lossless
+  and drafts, accepts and proposes (logits to summation order with f32 caches) what the trained one does;
 * shapes, metadata, dtypes and the cache; bad inputs refused.
 """
 
@@ -144,8 +148,9 @@ def wide_eagle3(tiny_dir):
     return widen.widen_trained_eagle3(tiny_dir, n_embd=SMALL["n_embd"], n_ff=SMALL["n_ff"], dtype=SMALL["dtype"])
 
 
-def _eagle3_run(target, mmproj, draft, draft_max: int | None, kv: str, spec_type: str = "draft-eagle3"):
-    """Greedy results for CASES (``spec_type``, EAGLE3 by default, or target-only when ``draft_max``
+def _eagle3_run(target, mmproj, draft, draft_max: int | None, kv: str, spec_type: str = "draft-eagle3",
+                cases: dict = CASES):
+    """Greedy results for ``cases`` (``spec_type``, EAGLE3 by default, or target-only when ``draft_max``
     is None) and every proposal the drafter made, in order: (tokens, a copy of its logits)."""
     proposals = []
     with ps.load(target, mmproj=mmproj, draft=draft if draft_max else None,
@@ -161,7 +166,7 @@ def _eagle3_run(target, mmproj, draft, draft_max: int | None, kv: str, spec_type
 
             engine.drafter.draft = recording
         results = {name: engine.generate(p, images=[BLACK] if img else [], max_tokens=MAX_TOKENS, temperature=0.0,
-                                         cache_prompt=False) for name, (p, img) in CASES.items()}
+                                         cache_prompt=False) for name, (p, img) in cases.items()}
     return results, proposals
 
 
@@ -221,9 +226,9 @@ def test_widened_eagle3_shapes_metadata_and_cache(tiny_dir, wide_eagle3):
     assert half.tensors["blk.0.attn_norm.weight"].type_name == "F32"
 
 
-def _eagle3_variant(path, *, drop=(), add_tensors=None, overrides=None, add_values=None):
-    """The trained EAGLE3 draft with tensors dropped / added and keys changed / added."""
-    info = read_gguf(EAGLE3)
+def _eagle3_variant(path, *, drop=(), add_tensors=None, overrides=None, add_values=None, src=EAGLE3):
+    """The trained EAGLE3 draft (or ``src``) with tensors dropped / added and keys changed / added."""
+    info = read_gguf(src)
     w = GGUFWriter()
     widen._copy_metadata(w, info, overrides or {})
     for key, (vtype, value) in (add_values or {}).items():
@@ -350,4 +355,189 @@ def test_bad_draft_model_widths_are_refused(tmp_path):
     with pytest.raises(ValueError, match="both n_head and n_head_kv"):
         widen.write_widened_hunyuan_vl(tmp_path / "out.gguf", DRAFT_MODEL, n_embd=768, n_layer=2, n_ff=256,
                                        dtype="f32", n_head=12)
+    assert not (tmp_path / "out.gguf").exists()
+
+
+# ----------------------------------------------------------------------------- qwen35 + its MTP head (draft-mtp)
+
+QWEN35 = MODELS_DIR / widen.QWEN35_MTP
+QWEN35_MMPROJ = MODELS_DIR / widen.QWEN35_MTP_MMPROJ
+# s_r = s_h = 2; layers 4-6 zero delta nets, 7 a zero attention layer, the MTP block at 8
+SMALL_MTP = dict(n_embd=256, n_layer=8, n_ff=512, dtype="f32")
+STACK = ('class Stack:\n    """A last-in, first-out container."""\n\n    def __init__(self):\n'
+         '        self._items = []\n\n    def push(self, item):\n        self._items.append(item)\n\n'
+         '    def pop(self):\n        ')
+# the trained qwen35 answers READ_CONFIG (CASES) with indentation only: prompts it answers with code
+MTP_CASES = {"text": (PROMPT, False), "stack": (STACK, False), "image": ("<__media__>\n" + STACK, True)}
+NOISE = np.random.default_rng(0).integers(0, 256, (336, 448, 3), dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def wide_qwen35(tiny_dir) -> tiny.TinyModels:
+    return widen.widen_trained_qwen35_mtp(tiny_dir, **SMALL_MTP)
+
+
+def _qwen35_logits_and_hidden(target, mmproj, text: str, image=None):
+    """llama.cpp's logits and final hidden states (h_nextn, what the MTP head reads) of the text rows of
+    [picture,] text, with f32 KV caches."""
+    from pyllama_spec.bindings.mtmd import MEDIA_MARKER, Bitmap, Projector
+
+    with Model(target) as m, Projector(mmproj, m, n_threads=N_THREADS) as proj, \
+            Context(m, n_ctx=1024, n_batch=256, n_ubatch=256, n_threads=N_THREADS, flash_attn=False,
+                    type_k="f32", type_v="f32") as ctx:
+        ctx.enable_draft_embeddings(True, masked=False)
+        pos = 0
+        if image is None:
+            toks = m.tokenize(text)
+        else:
+            pre, media, post = proj.tokenize(MEDIA_MARKER + text, [Bitmap(image)])
+            assert media.type == "image"
+            ctx.decode_tokens(pre.tokens, np.arange(len(pre.tokens)))
+            pos = proj.decode_media(ctx, media, proj.encode(media), len(pre.tokens), n_batch=256)
+            toks = post.tokens
+        ctx.decode_tokens(toks, pos + np.arange(len(toks)), outputs=True)
+        return ctx.output_logits(len(toks)).copy(), ctx.draft_embeddings(len(toks)).copy()
+
+
+@pytest.mark.parametrize("picture", [None, "noise"])
+def test_widened_qwen35_gives_the_trained_logits_and_hidden_state(wide_qwen35, picture):
+    image = None if picture is None else NOISE
+    ours, ours_h = _qwen35_logits_and_hidden(wide_qwen35.target, wide_qwen35.mmproj, STACK, image)
+    theirs, theirs_h = _qwen35_logits_and_hidden(QWEN35, QWEN35_MMPROJ, STACK, image)
+    assert len(theirs) > 50
+    assert np.abs(ours - theirs).max() <= 1e-5 * float(np.abs(theirs).max())
+    assert np.array_equal(ours.argmax(1), theirs.argmax(1))
+    # the final norm's output is s_r times the trained one (module docstring), in dims 0..63
+    s_r = np.sqrt(SMALL_MTP["n_embd"] / 64)
+    assert np.abs(ours_h[:, :64] / s_r - theirs_h).max() <= 1e-5 * float(np.abs(theirs_h).max())
+    assert not ours_h[:, 64:].any()
+
+
+@pytest.fixture(scope="module")
+def qwen35_alone(wide_qwen35) -> dict:
+    """The widened qwen35 target alone, per KV cache type."""
+    return {kv: _eagle3_run(wide_qwen35.target, wide_qwen35.mmproj, None, None, kv, cases=MTP_CASES)[0]
+            for kv in ("f16", "f32")}
+
+
+@pytest.mark.parametrize("draft_max,kv,rel", [(1, "f16", 1e-3), (3, "f16", 1e-3), (3, "f32", 1e-5)])
+def test_widened_qwen35_mtp_is_lossless_and_drafts_what_the_trained_one_drafts(wide_qwen35, qwen35_alone,
+                                                                                draft_max, kv, rel):
+    ours, ours_p = _eagle3_run(wide_qwen35.target, wide_qwen35.mmproj, None, draft_max, kv, "draft-mtp", MTP_CASES)
+    theirs, theirs_p = _eagle3_run(QWEN35, QWEN35_MMPROJ, None, draft_max, kv, "draft-mtp", MTP_CASES)
+    for name in MTP_CASES:
+        alone = qwen35_alone[kv][name].tokens
+        assert len(alone) == MAX_TOKENS and len(set(alone)) >= 8, name  # text, not a run of one token
+        assert ours[name].tokens == alone, name  # lossless
+        assert ours[name].tokens == theirs[name].tokens, name
+        a, b = ours[name].stats, theirs[name].stats
+        assert a.drafted > 0 and a.accepted / a.drafted > 0.3, (name, a.as_dict())
+        assert (a.drafted, a.accepted, a.target_steps) == (b.drafted, b.accepted, b.target_steps), name
+    # every draft: the same tokens, and the head's logits over the vocabulary
+    assert [t for t, _ in ours_p] == [t for t, _ in theirs_p] and sum(len(t) for t, _ in ours_p) > 20
+    compared = 0
+    for (tokens, x), (_, y) in zip(ours_p, theirs_p):
+        if tokens:
+            assert x.shape == y.shape == (len(tokens), x.shape[1])
+            assert np.abs(x - y).max() <= rel * float(np.abs(y).max())
+            compared += 1
+    assert compared
+
+
+def test_widened_qwen35_shapes_metadata_dtypes_and_cache(tiny_dir, wide_qwen35):
+    assert wide_qwen35.draft is None  # the head is a block of the target
+    w, t = read_gguf(wide_qwen35.target), read_gguf(QWEN35)
+    m = w.metadata
+    assert (m["qwen35.embedding_length"], m["qwen35.block_count"], m["qwen35.nextn_predict_layers"],
+            m["qwen35.feed_forward_length"]) == (256, 9, 1, 512)
+    assert (m["qwen35.attention.head_count"], m["qwen35.attention.head_count_kv"],
+            m["qwen35.attention.key_length"], m["qwen35.rope.dimension_count"]) == (4, 2, 64, 64)
+    assert list(m["qwen35.rope.dimension_sections"]) == [12, 12, 8, 0]  # [3, 3, 2, 0] times 4
+    # delta nets: heads of the trained 16 dims, 16 key = 16 value heads (the trained 4 first)
+    assert (m["qwen35.ssm.state_size"], m["qwen35.ssm.group_count"], m["qwen35.ssm.time_step_rank"],
+            m["qwen35.ssm.inner_size"], m["qwen35.ssm.conv_kernel"]) == (16, 16, 16, 256, 4)
+    assert list(m["qwen35.attention.recurrent_layers"]) == [True, False, False, False, True, True, True, False,
+                                                           False]
+    rd = lambda info, name: read_tensor(info, name)  # noqa: E731
+    # attn_qkv / conv channels [q | k | v heads]: trained k head 1 dim 3 (row 64 + 16 + 3) at 256 + 16 + 3,
+    # v head 2 dim 5 (row 128 + 32 + 5) at 512 + 32 + 5; unscaled (the input norm gives the trained input)
+    qkv_t, qkv_w = rd(t, "blk.0.attn_qkv.weight"), rd(w, "blk.0.attn_qkv.weight")
+    assert qkv_w.shape == (3 * 256, 256) and not qkv_w[:, 64:].any()
+    assert np.array_equal(qkv_w[256 + 19, :64], qkv_t[64 + 19])
+    assert np.array_equal(qkv_w[512 + 37, :64], qkv_t[128 + 37])
+    assert not qkv_w[64:256].any() and not qkv_w[256 + 64:512].any() and not qkv_w[512 + 64:].any()
+    conv_t, conv_w = rd(t, "blk.0.ssm_conv1d.weight"), rd(w, "blk.0.ssm_conv1d.weight")
+    assert np.array_equal(conv_w[512 + 37], conv_t[128 + 37]) and not conv_w[512 + 64:].any()
+    for name in ("ssm_a", "ssm_dt.bias"):
+        x_t, x_w = rd(t, f"blk.0.{name}"), rd(w, f"blk.0.{name}")
+        assert np.array_equal(x_w[:4], x_t) and not x_w[4:].any()
+    out_t, out_w = rd(t, "blk.0.ssm_out.weight"), rd(w, "blk.0.ssm_out.weight")
+    assert np.array_equal(out_w[:64, :64], 2 * out_t) and not out_w[64:].any() and not out_w[:, 64:].any()
+    # gated attention: head 1's query dim 3 (trained row 32 + 3) at wide row 128 + 4 * 3, times s_h = 2;
+    # its gate dim 3 (trained row 32 + 16 + 3) at 128 + 64 + 4 * 3, unscaled
+    q_t, q_w = rd(t, "blk.1.attn_q.weight"), rd(w, "blk.1.attn_q.weight")
+    assert q_w.shape == (2 * 4 * 64, 256)
+    assert np.array_equal(q_w[128 + 12, :64], 2 * q_t[32 + 3]) and np.array_equal(q_w[128 + 64 + 12, :64], q_t[48 + 3])
+    # the embedding times s_r, the final norm as trained, the output head / s_r
+    assert np.array_equal(rd(w, "token_embd.weight")[:, :64], 2 * rd(t, "token_embd.weight"))
+    assert np.array_equal(rd(w, "output_norm.weight")[:64], rd(t, "output_norm.weight"))
+    assert np.array_equal(rd(w, "output.weight")[:, :64], rd(t, "output.weight") / 2)
+    # the MTP block (trained blk.4) after the trunk: eh_proj's [embedding | h] halves at columns 0 and 256, x s_r
+    eh_t, eh_w = rd(t, "blk.4.nextn.eh_proj.weight"), rd(w, "blk.8.nextn.eh_proj.weight")
+    assert np.array_equal(eh_w[:64, :64], 2 * eh_t[:, :64])
+    assert np.array_equal(eh_w[:64, 256:256 + 64], 2 * eh_t[:, 64:]) and not eh_w[64:].any()
+    assert np.array_equal(rd(w, "blk.8.nextn.hnorm.weight")[:64], rd(t, "blk.4.nextn.hnorm.weight") / 2)
+    assert np.array_equal(rd(w, "blk.8.attn_k_norm.weight")[::4][:8], rd(t, "blk.4.attn_k_norm.weight")[:8] / 2)
+    # layers past the trained four are all zero, a delta net (5) and an attention layer (7) alike
+    for name in ("blk.5.attn_qkv.weight", "blk.5.ssm_a", "blk.5.ssm_norm.weight", "blk.7.attn_q.weight",
+                 "blk.7.post_attention_norm.weight", "blk.7.ffn_down.weight"):
+        assert not rd(w, name).any(), name
+    # the projector's merger output padded, times s_r
+    mm_t, mm_w = read_gguf(QWEN35_MMPROJ), read_gguf(wide_qwen35.mmproj)
+    assert mm_w.metadata["clip.vision.projection_dim"] == 256 and mm_w.tensors["mm.2.weight"].dims == (128, 256)
+    assert np.array_equal(rd(mm_w, "mm.2.weight")[:64], 2 * rd(mm_t, "mm.2.weight"))
+    E, V, F = 256, 269, 512
+    attn = E * 2 * 4 * 64 + 2 * E * 2 * 64 + 4 * 64 * E + 2 * 64
+    delta = 3 * E * E + E * E + 3 * E * 4 + 2 * 16 + 2 * 16 * E + 16 + E * E
+    layer = 2 * E + 3 * E * F
+    mtp = attn + layer + 2 * E * E + 2 * E
+    with Model(wide_qwen35.target) as model:
+        assert model.n_params == 2 * V * E + E + 4 * (attn + layer) + 4 * (delta + layer) + mtp
+    # cached: a second call reuses the files; f16 stores the matrices as F16, norms / conv / ssm_a as F32
+    mtime = wide_qwen35.target.stat().st_mtime_ns
+    assert widen.widen_trained_qwen35_mtp(tiny_dir, **SMALL_MTP) == wide_qwen35
+    assert wide_qwen35.target.stat().st_mtime_ns == mtime
+    half = widen.widen_trained_qwen35_mtp(tiny_dir, **dict(SMALL_MTP, dtype="f16"))
+    h = read_gguf(half.target)
+    assert half.target != wide_qwen35.target
+    assert [h.tensors[n].type_name for n in ("blk.0.attn_qkv.weight", "blk.0.ssm_beta.weight", "blk.1.attn_q.weight",
+                                             "blk.8.nextn.eh_proj.weight", "output.weight")] == ["F16"] * 5
+    assert [h.tensors[n].type_name for n in ("blk.0.ssm_conv1d.weight", "blk.0.ssm_a", "blk.0.ssm_norm.weight",
+                                             "blk.8.nextn.enorm.weight", "output_norm.weight")] == ["F32"] * 5
+
+
+def test_bad_qwen35_widths_and_files_are_refused(tmp_path):
+    for kw, match in ((dict(n_embd=128), "times a power of 4"),  # s_r would be sqrt(2)
+                      (dict(n_embd=512), "times a power of 4"),
+                      (dict(n_embd=200), "times a power of 4"),
+                      (dict(n_embd=256, n_layer=3), "n_layer 3 / n_ff 2240 below the trained 4 / 256"),
+                      (dict(n_embd=256, n_ff=128), "n_layer 12 / n_ff 128 below the trained 4 / 256"),
+                      (dict(n_embd=256, dtype="q8_0"), "dtype")):
+        with pytest.raises(ValueError, match=match):
+            widen.widen_trained_qwen35_mtp(tmp_path / "out", **kw)
+    assert not (tmp_path / "out").exists()
+    write = lambda src: widen.write_widened_qwen35(tmp_path / "out.gguf", src, **SMALL_MTP)  # noqa: E731
+    with pytest.raises(ValueError, match="expected a 'qwen35' file"):
+        write(MODELS_DIR / "trained-target.gguf")
+    with pytest.raises(ValueError, match="as many key as value heads"):  # 2 key heads for 4 value heads
+        write(_eagle3_variant(tmp_path / "gqa.gguf", src=QWEN35, overrides={"qwen35.ssm.group_count": 2}))
+    with pytest.raises(ValueError, match="one MTP"):
+        write(_eagle3_variant(tmp_path / "nextn.gguf", src=QWEN35, overrides={"qwen35.nextn_predict_layers": 0}))
+    with pytest.raises(ValueError, match="does not know how to pad"):  # an own head norm for the MTP block
+        write(_eagle3_variant(tmp_path / "head.gguf", src=QWEN35, add_tensors={
+            "blk.4.nextn.shared_head_norm.weight": np.ones(64, np.float32)}))
+    with pytest.raises(ValueError, match="deepstack"):
+        widen.write_widened_mmproj(tmp_path / "out.gguf", _eagle3_variant(
+            tmp_path / "deep.gguf", src=QWEN35_MMPROJ, overrides={"clip.vision.is_deepstack_layers": [True]}),
+            n_embd=256)
     assert not (tmp_path / "out.gguf").exists()

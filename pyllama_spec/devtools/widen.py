@@ -9,7 +9,9 @@ of two) so that the wide files compute **the trained pair's function** -- the sa
 same draft proposals, so the trained acceptance (about 0.53 at draft_max 7 on held-out code) --
 while every decode costs what a dense 142M f16 model costs (ggml's matmuls do not skip zeros).
 It is a benchmark fixture, not a better model: nothing is learned, the extra width and layers
-carry zeros.
+carry zeros.  ``widen_trained_eagle3`` and ``widen_trained_draft_model`` widen the other trained drafts
+for that target; ``widen_trained_qwen35_mtp`` widens the trained hybrid qwen35 target with its own MTP
+head (``draft-mtp``) the same way, to 141,828,720 trunk parameters (the head: 13,176,960 more).
 
 How the function is kept (checked against the pinned llama.cpp: ``src/models/hunyuan-vl.cpp``,
 ``src/models/dflash.cpp``, ``src/models/eagle3.cpp``, ``ggml_mrope_cache_init`` /
@@ -57,6 +59,50 @@ How the function is kept (checked against the pinned llama.cpp: ``src/models/hun
   as trained).  Its rope is LLAMA_ROPE_TYPE_NORM, which rotates adjacent pairs (2i, 2i + 1) at
   ``base^(-2i / n_rot)``: trained pair i goes to wide pair k * i (dims 2ki, 2ki + 1).
 
+* qwen35 + MTP (``widen_trained_qwen35_mtp``: ``trained-qwen35-mtp.gguf``, a 64-wide hybrid target of
+  4 trunk layers -- a gated delta net, then three gated-attention layers -- and one nextn (MTP) block,
+  drafting with ``draft-mtp``, and its ``qwen3vl_merger`` projector; checked against
+  ``src/models/qwen35.cpp`` (``graph``, ``graph_mtp``), ``src/models/delta-net-base.cpp``,
+  ``build_gdn_l2_norm`` (``src/models/models.h``) and ``ggml_mrope_cache_init``):
+
+  - residual: as above (``attn_norm`` and ``post_attention_norm``, the FFN's input norm, divided by
+    s_r; ``attn_output``, ``ssm_out`` and ``ffn_down`` times s_r).  The final ``output_norm`` keeps its
+    trained weight, so its output h -- the hidden state the MTP head reads (llama.cpp's ``t_h_nextn``),
+    also the embeddings -- is s_r times the trained one, and ``output`` is divided by s_r (the trained
+    logits).  Dividing the final norm instead would hand the head the trained h, whose RMS over n_embd
+    dims would count epsilon s_r^2 times over: not the trained function.
+  - gated delta nets: q and k are L2-normalised per head (``rms_norm(x, eps / n) / sqrt(n)`` = x /
+    sqrt(sum x^2 + eps) over the head's n dims), q is scaled by 1 / sqrt(head dim) in the recurrence,
+    and the output's gated norm (``ssm_norm`` times silu(z)) is an RMS over the head's dims: a wider
+    head would change the function.  So heads keep the trained ``ssm.state_size`` (16) and zero heads
+    are added: n_embd / 16 key heads = as many value heads (64 at 1024; ``ssm.inner_size`` = n_embd, the
+    trained ratio).  ``attn_qkv``'s rows, and the conv channels, are [q heads | k heads | v heads],
+    which ggml views at 0, key_dim and 2 key_dim: each part keeps its trained heads first;
+    ``attn_gate`` (z) rows, ``ssm_out`` columns, ``ssm_a``, ``ssm_dt``, ``ssm_beta`` and ``ssm_alpha``
+    (one per value head) too; ``ssm_norm`` (one weight per head dim, shared) as trained.  The input norm
+    already gives the trained normed input, so nothing but ``ssm_out`` is scaled.  A zero head has zero
+    projections and conv taps, so q = k = v = 0 (the L2 norm of 0 is 0): its state stays 0 whatever
+    its decay (``ssm_a`` = ``ssm_dt`` = 0: g = 0, exp(g) = 1) and beta (sigmoid(0)), its output is 0,
+    its gated norm 0, and ``ssm_out``'s zero columns add nothing.  Key heads = value heads (checked),
+    so each value head reads its own key head however llama.cpp maps one to the other.
+  - gated attention (the trunk's and the MTP block's): as "heads" above, 16 heads of 64 with 8 KV heads
+    at 1024 (GQA ratio 2, as trained).  ``attn_q`` holds per head its query, then its output gate
+    (sigmoid(gate) multiplies the attention output dim by dim): the query half goes as q (pair i to pair
+    k*i, times s_h), the gate half to the dims of the values it multiplies (the same map), unscaled; a
+    gate over a zero value dim gives sigmoid(0) x 0 = 0.  The rope is interleaved M-RoPE
+    (``LLAMA_ROPE_TYPE_IMROPE``): pair i takes section t, h or w by i % 3, while i < 3 x that section's
+    size; k = 4 is 1 modulo 3 (every power of 4 is), so k*i % 3 = i % 3 and k*i < 3 k s exactly when
+    i < 3 s: the sections times k ([3, 3, 2, 0] -> [12, 12, 8, 0]) keep each pair's section.
+  - MTP block (``blk.{n_layer}``, after the trunk): [enorm(token embedding, or an image row), hnorm(h)]
+    -> ``eh_proj`` -> a gated attention layer and FFN -> the shared final norm and output head.  Both
+    inputs are s_r times the trained ones, so ``enorm`` and ``hnorm`` divided by s_r give the trained
+    normed halves, at ``eh_proj``'s columns 0..63 and n_embd..n_embd+63; ``eh_proj`` times s_r starts the
+    block's residual at s_r times the trained one; the block as a trunk layer.  Its own h (fed back for
+    a chained draft step) is s_r times the trained one, as the target's.
+  - layers past the trained four: all zero, each a delta net unless (i + 1) % 4 == 0 (Qwen3.5's
+    ``full_attention_interval``; ``attention.recurrent_layers`` written out).  The projector: as above
+    (a ``qwen3vl_merger`` without deepstack layers is the same merger).
+
 All the scale factors are powers of two at widths 256 and 1024, so they are exact in f32 and
 f16.  In f32 the wide pair gives the trained logits up to summation order (about 1e-6); in f16
 the matrices are rounded to f16 (and ggml rounds matmul inputs to f16 too), so logits move by
@@ -84,6 +130,10 @@ EAGLE3 = "trained-eagle3.gguf"
 #: The trained draft model beside the pair (``widen_trained_draft_model``: a 48-wide, 2-layer
 #: ``hunyuan_vl`` of the target's vocabulary, 3 query heads / 1 KV head of 16, used as ``draft-simple``).
 DRAFT_MODEL = "trained-draft-vlm.gguf"
+#: The trained qwen35 target with its MTP (nextn) block, and its projector (``widen_trained_qwen35_mtp``).
+QWEN35_MTP, QWEN35_MTP_MMPROJ = "trained-qwen35-mtp.gguf", "trained-qwen35-mtp-mmproj.gguf"
+#: qwen35 layers past the trained ones: a gated delta net unless (i + 1) % this is 0 (Qwen3.5's interval).
+QWEN35_FULL_ATTENTION_INTERVAL = 4
 
 
 class _Layout:
@@ -188,12 +238,13 @@ def _residual_norm(L: "_Layout", weight: np.ndarray | None) -> np.ndarray:
     return _pad((L.n_embd,), np.float32, L.res, value=None if weight is None else weight / np.float32(L.s_r))
 
 
-def _add_ffn(w: GGUFWriter, L: "_Layout", p: str, t, *, n_ff_t: int, n_ff: int, mat) -> None:
+def _add_ffn(w: GGUFWriter, L: "_Layout", p: str, t, *, n_ff_t: int, n_ff: int, mat, norm: str = "ffn_norm") -> None:
     """Block ``p``'s feed-forward: the trained units first (``t(name)``: the trained tensor, or None for
-    a block the trained model does not have), ``ffn_down`` scaled by s_r into the residual."""
+    a block the trained model does not have), ``ffn_down`` scaled by s_r into the residual; ``norm``: the
+    name of its input norm (qwen35's is ``post_attention_norm``)."""
     ff_t = np.arange(n_ff_t)
     down = t("ffn_down")
-    w.add_tensor(f"{p}.ffn_norm.weight", _residual_norm(L, t("ffn_norm")))
+    w.add_tensor(f"{p}.{norm}.weight", _residual_norm(L, t(norm)))
     w.add_tensor(f"{p}.ffn_gate.weight", _pad((n_ff, L.n_embd), mat, ff_t, L.res, t("ffn_gate")))
     w.add_tensor(f"{p}.ffn_up.weight", _pad((n_ff, L.n_embd), mat, ff_t, L.res, t("ffn_up")))
     w.add_tensor(f"{p}.ffn_down.weight", _pad((L.n_embd, n_ff), mat, L.res, ff_t,
@@ -208,25 +259,42 @@ def _pad_fc(L: "_Layout", fc_t: np.ndarray, mat) -> np.ndarray:
     return _pad((L.n_embd, n_feat * L.n_embd), mat, L.res, cols, fc_t)
 
 
+def _block(info: GGUFInfo, p: str, trained: bool):
+    """``t(name)`` for block ``p``: the trained ``{p}.{name}.weight``, or None for every name when the
+    trained model does not have the block."""
+    return (lambda name: read_tensor(info, f"{p}.{name}.weight")) if trained else (lambda name: None)
+
+
+def _add_attention(w: GGUFWriter, L: _Layout, p: str, t, *, mat, gated: bool = False) -> None:
+    """Block ``p``'s attention norm and attention with q/k norms (module docstring, "heads"): trained head h
+    at wide head h, its dims at ``L.head_map``; q and k times s_h, k_norm / s_h, ``attn_output`` times s_r.
+    ``gated`` (qwen35): ``attn_q`` holds each head's query, then its output gate; the gate's dims go where
+    the value dims they multiply go (``head_map`` too), unscaled."""
+    qrows, kvrows, res, f32 = L.head_rows(L.n_head_t), L.head_rows(L.n_kv_t), L.res, np.float32
+    q_out, kv_out = L.n_head * L.hd, L.n_kv * L.hd
+    sc = lambda v, s: None if v is None else v * np.float32(s)  # noqa: E731
+    w.add_tensor(f"{p}.attn_norm.weight", _residual_norm(L, t("attn_norm")))
+    if gated:
+        q = t("attn_q")
+        if q is not None:  # [query | gate] per head: the query half times s_h
+            q = q * np.tile(np.repeat(np.array([L.s_h, 1.0], f32), L.hd_t), L.n_head_t)[:, None]
+        w.add_tensor(f"{p}.attn_q.weight", _pad((2 * q_out, L.n_embd), mat, L.head_rows(2 * L.n_head_t), res, q))
+    else:
+        w.add_tensor(f"{p}.attn_q.weight", _pad((q_out, L.n_embd), mat, qrows, res, sc(t("attn_q"), L.s_h)))
+    w.add_tensor(f"{p}.attn_k.weight", _pad((kv_out, L.n_embd), mat, kvrows, res, sc(t("attn_k"), L.s_h)))
+    w.add_tensor(f"{p}.attn_v.weight", _pad((kv_out, L.n_embd), mat, kvrows, res, t("attn_v")))
+    w.add_tensor(f"{p}.attn_output.weight", _pad((L.n_embd, q_out), mat, res, qrows, sc(t("attn_output"), L.s_r)))
+    w.add_tensor(f"{p}.attn_q_norm.weight", _pad((L.hd,), f32, L.head_map, value=t("attn_q_norm")))
+    w.add_tensor(f"{p}.attn_k_norm.weight", _pad((L.hd,), f32, L.head_map, value=sc(t("attn_k_norm"), 1 / L.s_h)))
+
+
 def _add_layers(w: GGUFWriter, info: GGUFInfo, L: _Layout, *, n_layer: int, n_ff_t: int, n_ff: int, mat) -> None:
     """Attention + FFN blocks: the trained ones padded, the rest zero."""
     n_layer_t = sum(1 for n in info.tensors if n.endswith(".attn_norm.weight"))
-    qrows, kvrows, res, f32 = L.head_rows(L.n_head_t), L.head_rows(L.n_kv_t), L.res, np.float32
-    q_out, kv_out = L.n_head * L.hd, L.n_kv * L.hd
     for i in range(n_layer):
         p = f"blk.{i}"
-        trained = i < n_layer_t
-        t = (lambda name: read_tensor(info, f"{p}.{name}.weight")) if trained else (lambda name: None)
-        sc = lambda v, s: None if v is None else v * np.float32(s)  # noqa: E731
-        w.add_tensor(f"{p}.attn_norm.weight", _residual_norm(L, t("attn_norm")))
-        w.add_tensor(f"{p}.attn_q.weight", _pad((q_out, L.n_embd), mat, qrows, res, sc(t("attn_q"), L.s_h)))
-        w.add_tensor(f"{p}.attn_k.weight", _pad((kv_out, L.n_embd), mat, kvrows, res, sc(t("attn_k"), L.s_h)))
-        w.add_tensor(f"{p}.attn_v.weight", _pad((kv_out, L.n_embd), mat, kvrows, res, t("attn_v")))
-        w.add_tensor(f"{p}.attn_output.weight",
-                     _pad((L.n_embd, q_out), mat, res, qrows, sc(t("attn_output"), L.s_r)))
-        w.add_tensor(f"{p}.attn_q_norm.weight", _pad((L.hd,), f32, L.head_map, value=t("attn_q_norm")))
-        w.add_tensor(f"{p}.attn_k_norm.weight",
-                     _pad((L.hd,), f32, L.head_map, value=sc(t("attn_k_norm"), 1 / L.s_h)))
+        t = _block(info, p, i < n_layer_t)
+        _add_attention(w, L, p, t, mat=mat)
         _add_ffn(w, L, p, t, n_ff_t=n_ff_t, n_ff=n_ff, mat=mat)
 
 
@@ -289,9 +357,13 @@ def write_widened_hunyuan_vl(path: Path, trained: Path, *, n_embd: int, n_layer:
     return path
 
 
-def _check_all_padded(info: GGUFInfo, w: GGUFWriter, trained: Path) -> None:
-    """Every trained tensor has its wide counterpart (a tensor left out would change the function)."""
-    extra = set(info.tensors) - set(w._tensors)
+def _check_all_padded(info: GGUFInfo, w: GGUFWriter, trained: Path, renamed: dict | None = None) -> None:
+    """Every trained tensor has its wide counterpart (a tensor left out would change the function);
+    ``renamed``: trained name prefix -> wide one (a block that moves)."""
+    wide = set(w._tensors)
+    for old, new in (renamed or {}).items():
+        wide |= {old + n.removeprefix(new) for n in w._tensors if n.startswith(new)}
+    extra = set(info.tensors) - wide
     if extra:
         raise ValueError(f"{trained}: tensors widen.py does not know how to pad: {sorted(extra)[:5]}")
 
@@ -400,11 +472,16 @@ def write_widened_eagle3(path: Path, trained: Path, trained_target: Path, *, n_e
 
 
 def write_widened_mmproj(path: Path, trained: Path, *, n_embd: int) -> Path:
-    """The trained mmproj with its merger's last projection (``mm.2``) padded to ``n_embd``
-    and scaled by s_r (image rows enter the residual); everything else as it is (f32)."""
+    """The trained mmproj (a ``qwen2vl_merger``, or a ``qwen3vl_merger`` without deepstack layers: the same
+    mm.0 -> GELU -> mm.2 merger) with the merger's last projection (``mm.2``) padded to ``n_embd`` and scaled
+    by s_r (image rows enter the residual); everything else as it is (f32)."""
     info = read_gguf(trained, "trained mmproj")
-    if info.metadata.get("clip.projector_type") != "qwen2vl_merger":
-        raise ValueError(f"{trained}: only a qwen2vl_merger mmproj can be widened")
+    kind = info.metadata.get("clip.projector_type")
+    if kind not in ("qwen2vl_merger", "qwen3vl_merger"):
+        raise ValueError(f"{trained}: only a qwen2vl_merger or qwen3vl_merger mmproj can be widened, not {kind!r}")
+    if any(info.metadata.get("clip.vision.is_deepstack_layers", [])):
+        # deepstack features are n_embd-wide slices added to target layers: not padded here
+        raise ValueError(f"{trained}: a qwen3vl_merger with deepstack layers cannot be widened")
     n_t = int(info.metadata["clip.vision.projection_dim"])
     s_r = np.float32(math.sqrt(n_embd / n_t))
     w = GGUFWriter()
@@ -418,6 +495,141 @@ def write_widened_mmproj(path: Path, trained: Path, *, n_embd: int) -> Path:
         elif name == "mm.2.bias":
             x = _pad((n_embd,), x.dtype, res, value=x * s_r)
         w.add_tensor(name, x)
+    w.write(path)
+    return path
+
+
+class _DeltaNet:
+    """Where a qwen35 gated delta net's trained heads go: head h stays head h (of ``hd`` =
+    ``ssm.state_size`` dims, as trained), zero heads after them up to ``n_heads``; key heads = value heads."""
+
+    def __init__(self, info: GGUFInfo, *, n_heads: int):
+        a, m = info.arch, info.metadata
+        self.hd, self.d_conv = int(m[f"{a}.ssm.state_size"]), int(m[f"{a}.ssm.conv_kernel"])
+        self.n_t, n_k_t = int(m[f"{a}.ssm.time_step_rank"]), int(m[f"{a}.ssm.group_count"])
+        if n_k_t != self.n_t or int(m[f"{a}.ssm.inner_size"]) != self.n_t * self.hd:
+            # with as many key heads as value heads every value head reads its own key head, however
+            # llama.cpp maps one to the other (repeat, or the fused kernel's index)
+            raise ValueError(f"{info.path}: widen.py pads a delta net of as many key as value heads "
+                             f"(ssm.group_count {n_k_t}, ssm.time_step_rank {self.n_t}) of ssm.state_size dims")
+        if n_heads < self.n_t:
+            raise ValueError(f"{n_heads} delta-net heads: fewer than the trained {self.n_t}")
+        self.n = n_heads
+        kd_t, kd = self.n_t * self.hd, self.n * self.hd
+        # attn_qkv's rows and the conv channels are [q heads | k heads | v heads], ggml's views of them
+        # start at 0, key_dim and 2 key_dim: each part keeps its trained heads first
+        self.qkv = np.concatenate([np.arange(kd_t), kd + np.arange(kd_t), 2 * kd + np.arange(kd_t)])
+        self.v = np.arange(kd_t)  # z's rows and ssm_out's columns: [head, dim], the trained heads first
+        self.heads = np.arange(self.n_t)  # ssm_a, ssm_dt, ssm_beta, ssm_alpha: one per value head
+
+
+def _add_delta_net(w: GGUFWriter, L: _Layout, D: _DeltaNet, p: str, t, raw, *, mat) -> None:
+    """Block ``p``'s gated delta net (``t(name)``: ``{p}.{name}.weight``, ``raw(name)``: ``{p}.{name}``,
+    trained, or None for a zero block): the trained heads in place (``_DeltaNet``), ``ssm_out`` times s_r.
+    A zero head (or block) has q = k = v = 0 (zero projections and conv taps), so its state stays 0, its
+    output and gated norm are 0, and its ``ssm_a`` / ``ssm_dt`` of 0 decay nothing (exp(0) = 1)."""
+    f32, n_qkv, n_v = np.float32, 3 * D.n * D.hd, D.n * D.hd
+    out = t("ssm_out")
+    w.add_tensor(f"{p}.attn_norm.weight", _residual_norm(L, t("attn_norm")))
+    w.add_tensor(f"{p}.attn_qkv.weight", _pad((n_qkv, L.n_embd), mat, D.qkv, L.res, t("attn_qkv")))
+    w.add_tensor(f"{p}.attn_gate.weight", _pad((n_v, L.n_embd), mat, D.v, L.res, t("attn_gate")))
+    w.add_tensor(f"{p}.ssm_conv1d.weight", _pad((n_qkv, D.d_conv), f32, D.qkv, None, t("ssm_conv1d")))
+    w.add_tensor(f"{p}.ssm_dt.bias", _pad((D.n,), f32, D.heads, value=raw("ssm_dt.bias")))
+    w.add_tensor(f"{p}.ssm_a", _pad((D.n,), f32, D.heads, value=raw("ssm_a")))
+    w.add_tensor(f"{p}.ssm_beta.weight", _pad((D.n, L.n_embd), mat, D.heads, L.res, t("ssm_beta")))
+    w.add_tensor(f"{p}.ssm_alpha.weight", _pad((D.n, L.n_embd), mat, D.heads, L.res, t("ssm_alpha")))
+    w.add_tensor(f"{p}.ssm_norm.weight", _pad((D.hd,), f32, value=t("ssm_norm")))  # per head, shared
+    w.add_tensor(f"{p}.ssm_out.weight", _pad((L.n_embd, n_v), mat, L.res, D.v,
+                                             None if out is None else out * f32(L.s_r)))
+
+
+def _qwen35_recurrent(info: GGUFInfo, n_layer_t: int) -> list[bool]:
+    """Which trained trunk layers are gated delta nets, as llama.cpp reads it: the
+    ``attention.recurrent_layers`` array, else a layer is recurrent unless (i + 1) % full_attention_interval
+    is 0 (default 4)."""
+    m = info.metadata
+    plan = m.get("qwen35.attention.recurrent_layers")
+    if plan is None:
+        every = int(m.get("qwen35.full_attention_interval", QWEN35_FULL_ATTENTION_INTERVAL))
+        return [(i + 1) % every != 0 for i in range(n_layer_t)]
+    if any(plan[n_layer_t:]):
+        raise ValueError(f"{info.path}: its nextn (MTP) block is marked recurrent")
+    return [bool(x) for x in plan[:n_layer_t]]
+
+
+def _qwen35_layout(info: GGUFInfo, *, n_embd: int, n_layer: int, n_ff: int):
+    """The checks and layouts of ``write_widened_qwen35``: (attention layout, delta-net layout, the wide
+    file's recurrent layers, trunk and nextn block included, trained trunk layers, trained n_ff)."""
+    _check_trained(info, "qwen35")
+    m = info.metadata
+    n_all_t, n_ff_t = int(m["qwen35.block_count"]), int(m["qwen35.feed_forward_length"])
+    if int(m.get("qwen35.nextn_predict_layers", 0)) != 1:
+        raise ValueError(f"{info.path}: widen.py pads a qwen35 target with one MTP (nextn) block, not "
+                         f"{m.get('qwen35.nextn_predict_layers', 0)}")
+    n_layer_t = n_all_t - 1
+    if m["qwen35.attention.key_length"] != m["qwen35.attention.value_length"]:
+        raise ValueError(f"{info.path}: key and value heads must be of one size")
+    if "output.weight" not in info.tensors:  # tied: the head would read the s_r-times token embedding
+        raise ValueError(f"{info.path}: widen.py pads a qwen35 target with its own output.weight")
+    if n_embd <= 0 or not _power_of_four(n_embd, int(m["qwen35.embedding_length"])):
+        raise ValueError(f"n_embd {n_embd} must be the trained {m['qwen35.embedding_length']} times a power of 4 "
+                         "(256, 1024, 4096): the residual scale sqrt(n_embd / trained) must be a power of two")
+    if n_layer < n_layer_t or n_ff < n_ff_t:
+        raise ValueError(f"n_layer {n_layer} / n_ff {n_ff} below the trained {n_layer_t} / {n_ff_t}")
+    L = _Layout(info, n_embd=n_embd, n_ff=n_ff)
+    if L.k % 3 != 1:  # interleaved M-RoPE: pair i's section is chosen by i % 3 (module docstring)
+        raise ValueError(f"head dim {L.hd} is {L.k} times the trained {L.hd_t}: the interleaved M-RoPE keeps "
+                         "its sections only for a factor of 1 modulo 3 (a power of 4)")
+    D = _DeltaNet(info, n_heads=n_embd // L.n_embd_t * int(m["qwen35.ssm.time_step_rank"]))
+    trained = _qwen35_recurrent(info, n_layer_t)
+    recurrent = [trained[i] if i < n_layer_t else (i + 1) % QWEN35_FULL_ATTENTION_INTERVAL != 0
+                 for i in range(n_layer)] + [False]
+    return L, D, recurrent, n_layer_t, n_ff_t
+
+
+def write_widened_qwen35(path: Path, trained: Path, *, n_embd: int, n_layer: int, n_ff: int, dtype: str) -> Path:
+    """The trained ``qwen35`` target with its MTP (nextn) block padded to ``n_embd``, ``n_layer`` trunk layers
+    and ``n_ff``: the same logits, hidden state and MTP head (module docstring, "qwen35 + MTP")."""
+    info = read_gguf(trained, "trained qwen35 target")
+    L, D, recurrent, n_layer_t, n_ff_t = _qwen35_layout(info, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff)
+    arch, m, mat, f32 = info.arch, info.metadata, tiny._np_dtype(dtype), np.float32
+    w = GGUFWriter()
+    over = _attention_overrides(arch, L, n_layer=n_layer + 1, n_ff=n_ff,
+                                sections=m[f"{arch}.rope.dimension_sections"])
+    over.update({f"{arch}.ssm.group_count": D.n, f"{arch}.ssm.time_step_rank": D.n,
+                 f"{arch}.ssm.inner_size": D.n * D.hd, f"{arch}.attention.recurrent_layers": recurrent,
+                 "general.name": f"widened-{m.get('general.name', arch)}-{n_embd}x{n_layer}"})
+    _copy_metadata(w, info, over)
+    if f"{arch}.attention.recurrent_layers" not in m:  # the layers past the trained ones follow the interval rule
+        w.add_array(f"{arch}.attention.recurrent_layers", ValueType.BOOL, recurrent)
+    n_vocab = info.tensors["token_embd.weight"].dims[1]
+    w.add_tensor("token_embd.weight", _pad((n_vocab, L.n_embd), mat, None, L.res,
+                                           read_tensor(info, "token_embd.weight") * f32(L.s_r)))
+    # the final norm's weight as trained: its output (the hidden state the MTP head reads) is s_r times the
+    # trained one, which the head's hnorm takes as it takes the residual; the output head divides it out
+    w.add_tensor("output_norm.weight", _pad((L.n_embd,), f32, L.res, value=read_tensor(info, "output_norm.weight")))
+    w.add_tensor("output.weight", _pad((n_vocab, L.n_embd), mat, None, L.res,
+                                       read_tensor(info, "output.weight") / f32(L.s_r)))
+    for i in range(n_layer):
+        p = f"blk.{i}"
+        t = _block(info, p, i < n_layer_t)
+        if recurrent[i]:
+            raw = (lambda name: read_tensor(info, f"{p}.{name}")) if i < n_layer_t else (lambda name: None)
+            _add_delta_net(w, L, D, p, t, raw, mat=mat)
+        else:
+            _add_attention(w, L, p, t, mat=mat, gated=True)
+        _add_ffn(w, L, p, t, n_ff_t=n_ff_t, n_ff=n_ff, mat=mat, norm="post_attention_norm")
+    # the MTP block: [enorm(token embedding), hnorm(hidden state)] -> eh_proj -> a gated attention layer;
+    # both inputs are s_r times the trained ones, so both norms / s_r; eh_proj's output enters its residual
+    p, t = f"blk.{n_layer}", _block(info, f"blk.{n_layer_t}", True)
+    _add_attention(w, L, p, t, mat=mat, gated=True)
+    _add_ffn(w, L, p, t, n_ff_t=n_ff_t, n_ff=n_ff, mat=mat, norm="post_attention_norm")
+    pair = np.concatenate([L.res, L.n_embd + L.res])  # ggml_concat(e, h): the embedding half first
+    w.add_tensor(f"{p}.nextn.eh_proj.weight", _pad((L.n_embd, 2 * L.n_embd), mat, L.res, pair,
+                                                   t("nextn.eh_proj") * f32(L.s_r)))
+    w.add_tensor(f"{p}.nextn.enorm.weight", _residual_norm(L, t("nextn.enorm")))
+    w.add_tensor(f"{p}.nextn.hnorm.weight", _residual_norm(L, t("nextn.hnorm")))
+    _check_all_padded(info, w, trained, renamed={f"blk.{n_layer_t}.": f"blk.{n_layer}."})
     w.write(path)
     return path
 
@@ -532,3 +744,46 @@ def widen_trained_draft_model(folder: str | Path, *, trained: str | Path = MODEL
                                  n_head_kv=n_head_kv, what="trained draft model")
 
     return tiny.cached_file(folder, "widened-draft-model", WIDEN_VERSION, params, write)
+
+
+def widen_trained_qwen35_mtp(folder: str | Path, *, trained: str | Path = MODELS_DIR, n_embd: int = 1024,
+                             n_layer: int = 12, n_ff: int = 2240, dtype: str = "f16") -> tiny.TinyModels:
+    """Write (or reuse) the trained qwen35 target with its MTP head (``trained-qwen35-mtp.gguf`` in
+    ``trained``) and its projector widened by zero padding, in ``folder``: with ``spec_type="draft-mtp"``
+    (no draft file: the head is the target's nextn block) it drafts and accepts what the trained target's
+    head does, and alone gives the trained logits (``write_widened_qwen35``; in f16 up to the rounding the
+    module docstring describes).
+
+    Defaults: n_embd 1024 (gated attention of 16 heads of 64 with 8 KV heads; delta nets of 64 key =
+    64 value heads of 16), 12 trunk layers (the trained four -- a delta net, three attention layers --
+    then 8 zero layers, each a delta net unless (i + 1) % 4 == 0: 7 delta nets and 5 attention layers in
+    all), n_ff 2240, f16 matrices: 141,828,720 parameters in the trunk a target decode runs (about the
+    142M of ``widen_trained_pair``'s target), 13,176,960 in the MTP block a draft step runs,
+    155,005,680 in all (``Model.n_params``).  ``n_embd`` must be 64 times a power of 4 (256, 1024, 4096),
+    so that both scales are powers of two; ``n_layer`` (the trunk's, the MTP block comes after) and
+    ``n_ff`` at least the trained 4 and 256.
+
+    Returns a ``TinyModels`` with ``draft`` None.  Named ``widened-qwen35-{hash}-{target,mmproj}.gguf`` by a
+    hash of the parameters, ``WIDEN_VERSION`` and the trained files' bytes, written atomically, reused by a
+    second call.
+
+    >>> import pyllama_spec as ps
+    >>> m = widen_trained_qwen35_mtp("/tmp/widened")                                # doctest: +SKIP
+    >>> with ps.load(m.target, mmproj=m.mmproj, spec_type="draft-mtp", draft_max=3) as engine:  # doctest: +SKIP
+    ...     print(engine.generate("def add(a, b):\\n", max_tokens=16).stats.acceptance_rate)
+    """
+    trained = Path(trained)
+    src, proj = trained / QWEN35_MTP, trained / QWEN35_MTP_MMPROJ
+    tiny._np_dtype(dtype)
+    # the checks, before naming a file (a bad width leaves nothing behind)
+    _qwen35_layout(read_gguf(src, "trained qwen35 target"), n_embd=n_embd, n_layer=n_layer, n_ff=n_ff)
+    params = dict(v=WIDEN_VERSION, kind="widened-qwen35-mtp", trained=_digest([src, proj]), n_embd=n_embd,
+                  n_layer=n_layer, n_ff=n_ff, dtype=dtype)
+    paths = tiny._set_paths(folder, "widened", "qwen35", params)
+    models = tiny.TinyModels(target=paths.target, mmproj=paths.mmproj, draft=None)
+    if not models.target.exists():
+        tiny._write_atomic(lambda p: write_widened_qwen35(p, src, n_embd=n_embd, n_layer=n_layer, n_ff=n_ff,
+                                                          dtype=dtype), models.target)
+    if not models.mmproj.exists():
+        tiny._write_atomic(lambda p: write_widened_mmproj(p, proj, n_embd=n_embd), models.mmproj)
+    return models
