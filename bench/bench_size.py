@@ -1,4 +1,5 @@
-"""What bench/dflash_bench_size.py, bench/eagle3_bench_size.py and bench/draft_model_bench_size.py share:
+"""What bench/dflash_bench_size.py, bench/eagle3_bench_size.py, bench/draft_model_bench_size.py and
+bench/mtp_bench_size.py share:
 the prompts, the engines (pyllama-spec in this process and llama-server -np 1, target-only or with a draft
 of one spec type), the warm-up and the interleaved rounds, the rows pooled per engine and prompt kind
 (x target-only, ideal x, efficiency), the fidelity against the trained 64-wide target, the two tables and
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import statistics
 import sys
 import time
@@ -36,7 +38,6 @@ OPT_STRINGS = ("        # one short option and one long option, either of which\
                "            raise TypeError(\"at least one option string must be supplied\")\n        return opts\n\n"
                "    def _set_opt_strings(self, opts):\n        for ")
 TEXT_PROMPTS = {"class Counter": PROMPT, "read_config": READ_CONFIG, "optparse": OPT_STRINGS}
-IMAGE_PROMPT = ps.MEDIA_MARKER + "\n" + READ_CONFIG
 CTX = dict(n_ctx=2048, n_batch=512, n_ubatch=512)
 SIDES = ("pyllama-spec", "llama-server")
 
@@ -72,7 +73,8 @@ class Local:
 
 class Remote:
     """llama-server -np 1 on the same files: no draft with draft_max 0, else ``-md files.draft
-    --spec-type spec_type --spec-draft-n-max draft_max --spec-draft-n-min 0``."""
+    --spec-type spec_type --spec-draft-n-max draft_max --spec-draft-n-min 0`` (no ``-md`` where
+    ``files.draft`` is None: draft-mtp, the target's own head)."""
 
     kind = "llama-server"
 
@@ -82,8 +84,9 @@ class Remote:
                 "-c", str(CTX["n_ctx"]), "-b", str(CTX["n_batch"]), "-ub", str(CTX["n_ubatch"]), "-t", "1",
                 "-fa", "off", "--host", "127.0.0.1", "--port", str(port), "-np", "1", "--no-warmup", "-ngl", "0"]
         if draft_max:
-            args += ["-md", str(files.draft), "--spec-type", spec_type, "--spec-draft-n-max", str(draft_max),
-                     "--spec-draft-n-min", "0", "-td", "1", "-ngld", "0"]
+            args += (["-md", str(files.draft)] if files.draft else []) + [
+                "--spec-type", spec_type, "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0",
+                "-td", "1", "-ngld", "0"]
         self.server = ServerProcess(engine_name(self.kind, spec_type, draft_max), args, port)
         self.marker = httpx.get(self.server.url + "/props", timeout=10).json().get("media_marker", ps.MEDIA_MARKER)
 
@@ -106,17 +109,30 @@ class Remote:
         self.server.close()
 
 
-def prompt_set(image: bytes | None) -> dict[str, tuple[str, bool]]:
-    """The prompts by name, each with whether it takes the picture: the three text prompts, then the
-    picture before read_config unless image is None."""
-    prompts = {name: (p, False) for name, p in TEXT_PROMPTS.items()}
+def prompt_set(image: bytes | None, texts: dict[str, str] | None = None) -> dict[str, tuple[str, bool]]:
+    """The prompts by name, each with whether it takes the picture: the text prompts (``texts``, default
+    TEXT_PROMPTS), then the picture before the second of them ("image + read_config") unless image is None."""
+    texts = texts or TEXT_PROMPTS
+    prompts = {name: (p, False) for name, p in texts.items()}
     if image is not None:
-        prompts["image + read_config"] = (IMAGE_PROMPT, True)
+        second = list(texts)[1]
+        prompts[f"image + {second}"] = (ps.MEDIA_MARKER + "\n" + texts[second], True)
     return prompts
 
 
 def param_counts(files, draft_key: str) -> dict[str, int]:
-    """The parameter counts of the target and the draft file, the draft's under draft_key."""
+    """The parameter counts of the target and the draft file, the draft's under draft_key; without a draft
+    file (draft-mtp), the target's nextn (MTP) blocks under draft_key (the target's count holds them too)."""
+    if files.draft is None:
+        from pyllama_spec.gguf.reader import read_gguf
+
+        info = read_gguf(files.target)
+        n_all = int(info.metadata[f"{info.arch}.block_count"])
+        heads = tuple(f"blk.{i}." for i in range(n_all - int(info.metadata[f"{info.arch}.nextn_predict_layers"]),
+                                                 n_all))
+        with ps.Model(files.target) as mt:
+            return {"target": mt.n_params,
+                    draft_key: sum(math.prod(t.dims) for n, t in info.tensors.items() if n.startswith(heads))}
     with ps.Model(files.target) as mt, ps.Model(files.draft, role="draft") as md:
         return {"target": mt.n_params, draft_key: md.n_params}
 
@@ -254,10 +270,11 @@ def print_fidelity(fid: dict[str, dict], trained: str) -> None:
 
 
 def trained_runs(draft: Path | None, spec_type: str, prompts: dict, image: bytes | None, max_tokens: int,
-                 draft_maxes: list[int]) -> dict:
-    """The trained files (the embedded 64-wide target with ``draft``, f32) on the same prompts, per draft
-    max (0: target-only): each prompt's tokens and drafted / accepted counts."""
-    m = ps.embedded_models()
+                 draft_maxes: list[int], target=None) -> dict:
+    """The trained files (the embedded 64-wide target with ``draft``, f32; ``target``: another trained
+    target and mmproj) on the same prompts, per draft max (0: target-only): each prompt's tokens and
+    drafted / accepted counts."""
+    m = target or ps.embedded_models()
     files = SimpleNamespace(target=m.target, mmproj=m.mmproj, draft=draft)
     out = {}
     for dm in [0, *draft_maxes]:
@@ -313,11 +330,16 @@ def add_options(ap, what: str, out: str) -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / out, help="JSON results")
 
 
-def compare_widened_draft(args, *, spec_type: str, widened_draft, trained_draft: Path, label: str,
-                          trained_label: str, key: str) -> int:
+def compare_widened_draft(args, *, spec_type: str, widened_draft, trained_draft: Path | None, label: str,
+                          trained_label: str, key: str, widened_target=None, trained_target=None,
+                          target_label: str = "the trained 64-wide target's", texts: dict | None = None) -> int:
     """The widened 142M target with a widened draft (``widened_draft(folder, dtype)`` writes or finds it)
     against target-only, here and on llama-server, then the trained pair (``trained_draft``) on the same
-    prompts: the tables, the widened target's fidelity, and the drafts compared; the JSON written."""
+    prompts: the tables, the widened target's fidelity, and the drafts compared; the JSON written.
+    ``widened_target(folder, dtype)``: another widened target and mmproj than ``widen_trained_pair``'s,
+    ``trained_target`` the trained one it is held against (``target_label`` in the fidelity line);
+    ``widened_draft`` and ``trained_draft`` None: no draft file (draft-mtp: the target's own head, whose
+    parameters ``key`` counts). ``texts``: other text prompts than TEXT_PROMPTS (``prompt_set``)."""
     from pyllama_spec.devtools import widen
     from pyllama_spec.devtools.benchmark import demo_png
 
@@ -326,22 +348,25 @@ def compare_widened_draft(args, *, spec_type: str, widened_draft, trained_draft:
         return 2
     started = time.monotonic()
     folder = native_build.cache_root() / "tiny-models"
-    pair = widen.widen_trained_pair(folder, dtype=args.dtype)
-    files = SimpleNamespace(target=pair.target, mmproj=pair.mmproj, draft=widened_draft(folder, args.dtype))
+    pair = (widened_target or (lambda f, dtype: widen.widen_trained_pair(f, dtype=dtype)))(folder, args.dtype)
+    files = SimpleNamespace(target=pair.target, mmproj=pair.mmproj,
+                            draft=widened_draft(folder, args.dtype) if widened_draft else None)
     image = None if args.no_image else demo_png(672)
-    prompts = prompt_set(image)
+    prompts = prompt_set(image, texts)
     draft_maxes = [int(x) for x in args.draft_max.split(",") if x.strip()]
     n_params = param_counts(files, key)
     samples = measure(files, spec_type, draft_maxes, prompts, image, args.repeats, args.max_tokens, started)
-    trained = trained_runs(trained_draft, spec_type, prompts, image, args.max_tokens, draft_maxes)
+    trained = trained_runs(trained_draft, spec_type, prompts, image, args.max_tokens, draft_maxes, trained_target)
     rows = pool_rows(samples, spec_type, draft_maxes, args.repeats)
     fid = fidelity({name: r["tokens"] for name, r in trained[0].items()}, samples)
     drafts = compare_drafts(samples, trained, spec_type, draft_maxes)
-    print(f"\nwidened trained target + {label} ({args.dtype}): target {n_params['target']:,} and {label} "
-          f"{n_params[key]:,} parameters ({files.target.name}, {files.draft.name}); {args.repeats} rounds "
+    sizes = (f"target {n_params['target']:,} and {label} {n_params[key]:,} parameters ({files.target.name}, "
+             f"{files.draft.name})" if files.draft else
+             f"target {n_params['target']:,} parameters, {label} {n_params[key]:,} of them ({files.target.name})")
+    print(f"\nwidened trained target + {label} ({args.dtype}): {sizes}; {args.repeats} rounds "
           f"x {len(prompts)} prompts x {args.max_tokens} tokens, greedy, 1 thread\n")
     print_tables(rows)
-    print_fidelity(fid, "the trained 64-wide target's")
+    print_fidelity(fid, target_label)
     print_drafts(drafts, trained_label)
     write_results(args, files, n_params, rows, fid, samples, started, drafts=drafts)
     return 0

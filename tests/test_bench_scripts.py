@@ -88,3 +88,19 @@ def test_serve_slots_bench_runs_both_servers_and_finds_the_same_answers():
     out = _run(["bench/serve_slots.py", "--prompts", "2", "--max-tokens", "8", "--rounds", "1", "--streams", "1,2"])
     rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 4, out
+
+
+@needs_llama_server
+def test_mtp_bench_size_runs_the_widened_head_on_both_engines_losslessly(tmp_path):
+    out = tmp_path / "mtp.json"
+    text = _run(["bench/mtp_bench_size.py", "--repeats", "1", "--max-tokens", "8", "--draft-max", "1",
+                 "--out", str(out)])
+    result = json.loads(out.read_text())
+    rows = result["rows"].values()
+    assert {r["engine"] for r in rows} == {"pyllama-spec target-only", "pyllama-spec mtp 1", "llama-server target-only",
+                                          "llama-server mtp 1"}
+    assert {r["kind"] for r in rows} == {"text", "image"}
+    assert all(r["same_tokens"] for r in rows)  # every engine's tokens equal pyllama-spec target-only's
+    assert all(r["drafted"] > 0 for r in rows if r["engine"].endswith("mtp 1"))  # no draft file: the target's head
+    assert result["settings"]["n_params"] == {"target": 155_005_680, "mtp_head": 13_176_960}
+    assert result["drafts"]["1"]["widened"][0] > 0 and "MTP head 13,176,960 of them" in text
