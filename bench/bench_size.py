@@ -122,14 +122,15 @@ def prompt_set(image: bytes | None, texts: dict[str, str] | None = None) -> dict
 
 def param_counts(files, draft_key: str) -> dict[str, int]:
     """The parameter counts of the target and the draft file, the draft's under draft_key; without a draft
-    file (draft-mtp), the target's nextn (MTP) blocks under draft_key (the target's count holds them too)."""
+    file (draft-mtp), the target's nextn (MTP) blocks under draft_key (the target's count holds them too; 0 for
+    a drafter with no weights, n-gram lookup)."""
     if files.draft is None:
         from pyllama_spec.gguf.reader import read_gguf
 
         info = read_gguf(files.target)
         n_all = int(info.metadata[f"{info.arch}.block_count"])
-        heads = tuple(f"blk.{i}." for i in range(n_all - int(info.metadata[f"{info.arch}.nextn_predict_layers"]),
-                                                 n_all))
+        n_heads = int(info.metadata.get(f"{info.arch}.nextn_predict_layers", 0))  # 0: a drafter with no weights
+        heads = tuple(f"blk.{i}." for i in range(n_all - n_heads, n_all))
         with ps.Model(files.target) as mt:
             return {"target": mt.n_params,
                     draft_key: sum(math.prod(t.dims) for n, t in info.tensors.items() if n.startswith(heads))}

@@ -104,3 +104,18 @@ def test_mtp_bench_size_runs_the_widened_head_on_both_engines_losslessly(tmp_pat
     assert all(r["drafted"] > 0 for r in rows if r["engine"].endswith("mtp 1"))  # no draft file: the target's head
     assert result["settings"]["n_params"] == {"target": 155_005_680, "mtp_head": 13_176_960}
     assert result["drafts"]["1"]["widened"][0] > 0 and "MTP head 13,176,960 of them" in text
+
+
+@needs_llama_server
+def test_ngram_widened_bench_size_runs_on_both_engines_losslessly(tmp_path):
+    out = tmp_path / "ngram.json"
+    text = _run(["bench/ngram_widened_bench_size.py", "--repeats", "1", "--max-tokens", "8", "--draft-max", "3",
+                 "--out", str(out)])
+    result = json.loads(out.read_text())
+    rows = result["rows"].values()
+    assert {r["engine"] for r in rows} == {"pyllama-spec target-only", "pyllama-spec ngram-simple 3",
+                                          "llama-server target-only", "llama-server ngram-simple 3"}
+    assert all(r["same_tokens"] for r in rows)
+    assert result["settings"]["n_params"]["ngram"] == 0  # a drafter with no weights
+    # the same drafts on the widened target as on the trained one (they follow from the tokens)
+    assert result["drafts"]["3"]["widened"] == result["drafts"]["3"]["trained"], text
