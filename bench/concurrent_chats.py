@@ -6,11 +6,14 @@
     python bench/concurrent_chats.py --models large --concurrency 1,2,4,8 --repeats 3 --max-tokens 48
     python bench/concurrent_chats.py --models qwen35-mtp --concurrency 1,2,4,8 --repeats 24 --max-tokens 128
     python bench/concurrent_chats.py --models large-mtp --concurrency 1,4 --repeats 4 --max-tokens 48
+    python bench/concurrent_chats.py --models widened --concurrency 4 --repeats 6 --max-tokens 96 --draft-max 5
 
 ``trained`` and ``large`` draft with DFlash (``-md``); ``qwen35-mtp`` is the trained qwen35 target
 drafting with its own MTP head (``--spec-type draft-mtp``, no draft file); ``large-mtp`` a random
 qwen35 target of the large set's shapes (n_embd 1024, 12 layers, f16, ``predictable=0.5``) with
-its MTP head: where each step's native work, not the server around it, is the cost.
+its MTP head: where each step's native work, not the server around it, is the cost. ``widened`` is
+the trained pair widened to those shapes (``widen.widen_trained_pair``: the trained function, so the
+trained prompts' acceptance, at a dense 142M f16 model's cost per decode) with its DFlash draft.
 
 For each N both servers run at once (idle while the other is measured); each round sends one
 batch of N streamed chat requests to one server, then the same batch to the other (which goes
@@ -184,7 +187,7 @@ def chat(url: str, content, max_tokens: int, engine: str) -> Answer:
 def contents(kind: str, n_chats: int, round_: int, png: bytes) -> list:
     """Chat i of a round has an image when (i + round) is even: half the chats, every chat
     both ways over the rounds."""
-    if kind in ("trained", "qwen35-mtp"):
+    if kind in ("trained", "qwen35-mtp", "widened"):
         from measure_trained_pair import held_out_prompts
 
         texts = held_out_prompts(8, chars=200)
@@ -215,14 +218,14 @@ def pct(xs: list[float], q: float) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", choices=["trained", "large", "qwen35-mtp", "large-mtp"], default="trained")
+    ap.add_argument("--models", choices=["trained", "large", "qwen35-mtp", "large-mtp", "widened"], default="trained")
     ap.add_argument("--concurrency", default="1,2,4,8")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--draft-max", type=int, default=None,
-                    help="default: 16 (trained), 7 (large), 3 (the MTP head's, as in RESULTS' MTP section)")
+                    help="default: 16 (trained), 7 (large, widened), 3 (the MTP head's, as in RESULTS' MTP section)")
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--json-out")
     args = ap.parse_args()
@@ -233,6 +236,10 @@ def main() -> int:
         from pyllama_spec.embedded import embedded_models
 
         files = embedded_models()
+    elif args.models == "widened":
+        from pyllama_spec.devtools import widen
+
+        files = widen.widen_trained_pair(native_build.cache_root() / "tiny-models", dtype="f16")
     elif args.models == "qwen35-mtp":
         models = REPO / "pyllama_spec" / "models"
         files = SimpleNamespace(target=models / "trained-qwen35-mtp.gguf",
@@ -241,7 +248,7 @@ def main() -> int:
         files = tiny.make_bench_set(native_build.cache_root() / "tiny-models",
                                     **(dict(arch="qwen35", mtp=True) if args.models == "large-mtp" else {}))
     flags = dict(ctx_per_slot=2048, n_batch=args.n_batch, threads=args.threads,
-                 draft_max=args.draft_max or {"trained": 16, "large": 7}.get(args.models, 3))
+                 draft_max=args.draft_max or {"trained": 16, "large": 7, "widened": 7}.get(args.models, 3))
     png = demo_png(args.image_size)
     levels = [int(x) for x in args.concurrency.split(",")]
     rounds_needed = max(args.repeats, 2)
