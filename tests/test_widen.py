@@ -541,3 +541,19 @@ def test_bad_qwen35_widths_and_files_are_refused(tmp_path):
             tmp_path / "deep.gguf", src=QWEN35_MMPROJ, overrides={"clip.vision.is_deepstack_layers": [True]}),
             n_embd=256)
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_a_moved_mtp_block_left_unwritten_is_refused(tmp_path, monkeypatch):
+    """The MTP block moves from trained blk.4 to blk.{n_layer}; the wide blk.4 is a zero trunk layer that carries
+    the same names, which must not stand in for the moved block's tensors."""
+    n_layer = SMALL_MTP["n_layer"]
+    add = GGUFWriter.add_tensor
+
+    def add_all_but_the_heads_norm(self, name, *args, **kwargs):
+        if name == f"blk.{n_layer}.attn_norm.weight":
+            return None
+        return add(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(GGUFWriter, "add_tensor", add_all_but_the_heads_norm)
+    with pytest.raises(ValueError, match=r"does not know how to pad: \['blk\.4\.attn_norm\.weight'\]"):
+        widen.widen_trained_qwen35_mtp(tmp_path, **SMALL_MTP)

@@ -360,8 +360,11 @@ def write_widened_hunyuan_vl(path: Path, trained: Path, *, n_embd: int, n_layer:
 def _check_all_padded(info: GGUFInfo, w: GGUFWriter, trained: Path, renamed: dict | None = None) -> None:
     """Every trained tensor has its wide counterpart (a tensor left out would change the function);
     ``renamed``: trained name prefix -> wide one (a block that moves)."""
-    wide = set(w._tensors)
-    for old, new in (renamed or {}).items():
+    renamed = renamed or {}
+    # a moved block's trained names match only their new names (a wide tensor that happens to carry the old
+    # name, a zero layer, says nothing of the moved one)
+    wide = {n for n in w._tensors if not n.startswith(tuple(renamed))}
+    for old, new in renamed.items():
         wide |= {old + n.removeprefix(new) for n in w._tensors if n.startswith(new)}
     extra = set(info.tensors) - wide
     if extra:
