@@ -202,7 +202,8 @@ class DFlashDrafter:
 
     def process(self, decode: TargetDecode) -> None:
         """Inject the target's features for rows it just decoded (skipping pinned media), all sequences
-        at once: up to n_ubatch rows a draft decode, a sequence's rows split where one is full."""
+        at once: up to n_ubatch rows a draft decode, in the order of ``decode.rows`` (by slot, as the
+        target's batch holds them), a sequence's rows split where a decode is full."""
         step = self.ctx.n_ubatch
         self._batch.clear()
         for r in decode.rows:
