@@ -90,13 +90,17 @@ def test_serve_slots_bench_runs_both_servers_and_finds_the_same_answers():
     assert len(rows) == 4, out
 
 
+def _bench_size_run(script: str, draft_max: str, tmp_path) -> tuple[dict, list[dict], str]:
+    """One short round of a bench-size script: its JSON, its rows, its printed output."""
+    out = tmp_path / "result.json"
+    text = _run([script, "--repeats", "1", "--max-tokens", "8", "--draft-max", draft_max, "--out", str(out)])
+    result = json.loads(out.read_text())
+    return result, list(result["rows"].values()), text
+
+
 @needs_llama_server
 def test_mtp_bench_size_runs_the_widened_head_on_both_engines_losslessly(tmp_path):
-    out = tmp_path / "mtp.json"
-    text = _run(["bench/mtp_bench_size.py", "--repeats", "1", "--max-tokens", "8", "--draft-max", "1",
-                 "--out", str(out)])
-    result = json.loads(out.read_text())
-    rows = result["rows"].values()
+    result, rows, text = _bench_size_run("bench/mtp_bench_size.py", "1", tmp_path)
     assert {r["engine"] for r in rows} == {"pyllama-spec target-only", "pyllama-spec mtp 1", "llama-server target-only",
                                           "llama-server mtp 1"}
     assert {r["kind"] for r in rows} == {"text", "image"}
@@ -104,15 +108,16 @@ def test_mtp_bench_size_runs_the_widened_head_on_both_engines_losslessly(tmp_pat
     assert all(r["drafted"] > 0 for r in rows if r["engine"].endswith("mtp 1"))  # no draft file: the target's head
     assert result["settings"]["n_params"] == {"target": 155_005_680, "mtp_head": 13_176_960}
     assert result["drafts"]["1"]["widened"][0] > 0 and "MTP head 13,176,960 of them" in text
+    # the widened files (zero heads in every attention and delta-net layer at this width) compute the trained
+    # function: the same tokens and the same drafts as the trained 64-wide target and head (8 tokens: an f16
+    # near tie is unlikely this early)
+    assert all(f["equal"] for f in result["fidelity"].values()), text
+    assert result["drafts"]["1"]["widened"] == result["drafts"]["1"]["trained"], text
 
 
 @needs_llama_server
 def test_ngram_widened_bench_size_runs_on_both_engines_losslessly(tmp_path):
-    out = tmp_path / "ngram.json"
-    text = _run(["bench/ngram_widened_bench_size.py", "--repeats", "1", "--max-tokens", "8", "--draft-max", "3",
-                 "--out", str(out)])
-    result = json.loads(out.read_text())
-    rows = result["rows"].values()
+    result, rows, text = _bench_size_run("bench/ngram_widened_bench_size.py", "3", tmp_path)
     assert {r["engine"] for r in rows} == {"pyllama-spec target-only", "pyllama-spec ngram-simple 3",
                                           "llama-server target-only", "llama-server ngram-simple 3"}
     assert all(r["same_tokens"] for r in rows)
