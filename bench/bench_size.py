@@ -1,5 +1,5 @@
-"""What bench/dflash_bench_size.py, bench/eagle3_bench_size.py, bench/draft_model_bench_size.py and
-bench/mtp_bench_size.py share:
+"""What bench/dflash_bench_size.py, bench/eagle3_bench_size.py, bench/draft_model_bench_size.py,
+bench/mtp_bench_size.py and bench/ngram_widened_bench_size.py share:
 the prompts, the engines (pyllama-spec in this process and llama-server -np 1, target-only or with a draft
 of one spec type), the warm-up and the interleaved rounds, the rows pooled per engine and prompt kind
 (x target-only, ideal x, efficiency), the fidelity against the trained 64-wide target, the two tables and

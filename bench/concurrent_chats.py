@@ -225,7 +225,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n-batch", type=int, default=512)
     ap.add_argument("--draft-max", type=int, default=None,
-                    help="default: 16 (trained), 7 (large, widened), 3 (the MTP head's, as in RESULTS' MTP section)")
+                    help="default: 16 (trained), 7 (large), 5 (widened: DFlash's default), 3 (the MTP head's, as in "
+                         "RESULTS' MTP section)")
     ap.add_argument("--image-size", type=int, default=224)
     ap.add_argument("--json-out")
     args = ap.parse_args()
@@ -248,7 +249,7 @@ def main() -> int:
         files = tiny.make_bench_set(native_build.cache_root() / "tiny-models",
                                     **(dict(arch="qwen35", mtp=True) if args.models == "large-mtp" else {}))
     flags = dict(ctx_per_slot=2048, n_batch=args.n_batch, threads=args.threads,
-                 draft_max=args.draft_max or {"trained": 16, "large": 7, "widened": 7}.get(args.models, 3))
+                 draft_max=args.draft_max or {"trained": 16, "large": 7, "widened": 5}.get(args.models, 3))
     png = demo_png(args.image_size)
     levels = [int(x) for x in args.concurrency.split(",")]
     rounds_needed = max(args.repeats, 2)
